@@ -1,0 +1,45 @@
+"""Helpers the kernel launchers share: one-line argument checks and interpreter detection."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) multiplies bf16 `tl.dot` operands as
+# raw uint16 bit patterns (triton 3.9 interpreter.create_dot), so kernels that use tl.dot upcast their operands
+# to fp32 when this is set. Triton itself reads this variable at import time; we read it once, here, for the
+# same decision, and pass it down as a constexpr so the GPU code is unchanged.
+INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise one ValueError naming the input and what to do, the launchers' only error."""
+    if not cond:
+        raise ValueError(message)
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    last_contiguous: bool = True,
+    device: torch.device | None = None,
+) -> None:
+    """Check rank, dtype, unit stride of the last dim and device of one kernel argument."""
+    check(isinstance(t, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    check(t.dim() == ndim, f"{name}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        check(t.dtype in dtypes, f"{name}: dtype {t.dtype} not supported; use one of {[str(d) for d in dtypes]}")
+    if last_contiguous and t.numel() > 0:
+        check(t.stride(-1) == 1, f"{name}: last dim must have stride 1 (got strides {t.stride()}); pass .contiguous()")
+    if device is not None:
+        check(t.device == device, f"{name}: on {t.device}, expected {device} like the other inputs")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

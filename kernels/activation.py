@@ -1,0 +1,37 @@
+"""SwiGLU on a fused gate-up projection: out = silu(x[:, :I]) * x[:, I:].
+
+Floor: memory, read 2·T·I and write T·I elements. The silu is computed in fp32 and rounded once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    # HF rounds silu(g) to the activation dtype before the product; match it.
+    act = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(x[T, 2I]) -> [T, I] in x's dtype."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check(x.shape[1] % 2 == 0, f"x: last dim {x.shape[1]} must be even (gate and up halves side by side)")
+    inter = x.shape[1] // 2
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+    if x.shape[0] == 0 or inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    grid = (x.shape[0], triton.cdiv(inter, block))
+    _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out

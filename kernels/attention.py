@@ -1,0 +1,213 @@
+"""Paged attention over the KV cache: one kernel for decode, chunked prefill and prefix reuse, plus a split merge.
+
+Design (after FlashAttention-2's online softmax and the flash-decoding split-K scheme): one program owns one KV
+head of one sequence and a tile of BLOCK_M query rows, where a row is a (query token, query head of that KV head's
+group) pair. Packing the GQA group into the rows means every K/V tile is read from memory once for all the query
+heads that share it (decode: the whole group is one tile). The key range of a tile is split NUM_SPLITS ways when
+there are too few tiles to fill the GPU (decode at small batch); each split writes a normalised partial output and
+its log-sum-exp, and `_merge_splits_kernel` combines them. Keys are gathered token by token through the block
+table, so BLOCK_N does not depend on the cache's block size.
+
+Floor (decode): memory, the K and V of every cached token read once: 2·seq_len·Hkv·D·bytes per sequence per layer.
+Floor (prefill): tensor-core FLOPs, 4·q_len·(ctx + q_len/2)·Hq·D per sequence per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    if pid_m * BLOCK_M >= q_len * GROUP:
+        return
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP  # query token within this sequence's chunk
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    q_pos = seq_len - q_len + tok  # absolute position of each row's token
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    # Keys this tile may see: up to the last row's position (causal), split NUM_SPLITS ways in BLOCK_N multiples.
+    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
+    kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok + 1)
+    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(kv_end, lo + chunk)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < hi
+        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_kb + (kpos % PAGE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    l_div = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_div[:, None]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        p_ptrs = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+        tl.store(p_ptrs, o, mask=out_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_div), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = sp < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + sp * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, axis=0)  # finite: split 0 always sees key 0
+    w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
+    o = tl.load(part_o_ptr + sp[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
+                mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip
+    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Split the key range only as far as needed to give every SM ~2 programs, each split ≥ 256 keys."""
+    programs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(2 * _sm_count(device), programs)
+    return int(max(1, min(want, triton.cdiv(max_seq_len, 256), 64)))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int = 64,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed varlen queries q [T,Hq,D] over paged caches [num_blocks, block_size, Hkv, D].
+
+    Sequence b's query rows are cu_seqlens_q[b]:cu_seqlens_q[b+1]; they sit at the last q_len positions of its
+    seq_lens[b] cached tokens (already written). max_q_len / max_seq_len bound the batch (host ints, so no sync).
+    num_splits: key-range splits (None: chosen from the batch; fixed by a CUDA graph that must not re-plan).
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, n_q, head_dim = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, ndim=4, dtypes=(q.dtype,), device=q.device)
+        check(c.shape[3] == head_dim, f"{name}: head_dim {c.shape[3]} != q head_dim {head_dim}")
+    check(k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
+          "v_cache: must have k_cache's shape and strides")  # fmt: skip
+    page, n_kv = k_cache.shape[1], k_cache.shape[2]
+    check(page >= 1 and page & (page - 1) == 0, f"k_cache: block_size {page} must be a power of two")
+    check(n_q % n_kv == 0, f"q: {n_q} query heads is not a multiple of {n_kv} KV heads")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=q.device)
+    batch = seq_lens.shape[0]
+    check(cu_seqlens_q.shape[0] == batch + 1, f"cu_seqlens_q: {cu_seqlens_q.shape[0]} entries for batch {batch}")
+    check(block_tables.shape[0] == batch, f"block_tables: {block_tables.shape[0]} rows for batch {batch}")
+    check(max_q_len >= 1 and max_seq_len >= max_q_len, f"max_q_len {max_q_len} / max_seq_len {max_seq_len} invalid")
+
+    group = n_q // n_kv
+    out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0:
+        return out
+    if num_splits is None:
+        # Prefill tiles already fill the GPU; splitting pays only for short query chunks.
+        num_splits = choose_num_splits(batch, n_kv, max_seq_len, q.device) if max_q_len <= 4 else 1
+    if block_m is None:
+        block_m = max(16, min(128, next_pow2(max_q_len * group)))
+    if num_warps is None:
+        num_warps = 4 if block_m <= 64 else 8
+    if num_splits > 1:
+        part_o = torch.empty((num_splits, num_tokens, n_q, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, num_tokens, n_q), dtype=torch.float32, device=q.device)
+    else:
+        part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(max_q_len * group, block_m), batch, n_kv * num_splits)
+    _attn_kernel[grid](
+        q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, block_tables, float(scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        NUM_SPLITS=num_splits, UPCAST_DOT=INTERPRETING, num_warps=num_warps,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, n_q)](
+            part_o, part_lse, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+            num_warps=4,
+        )  # fmt: skip
+    return out

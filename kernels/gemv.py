@@ -1,0 +1,116 @@
+"""GEMV for decode (M = 1 row per program column): y = prologue(x) @ W^T with the weight read once at full bandwidth.
+
+At batch 1 every projection is a matrix-vector product whose floor is reading W (N·K·2 bytes); cuBLAS reaches
+~85% of the read bandwidth there, and each separate norm or activation kernel costs a launch boundary. So each
+program owns BLOCK_N output rows, streams their K-long weight rows in BLOCK_K chunks (16-byte loads, coalesced
+along K), and computes its input on the fly from the previous layer's outputs, which are tiny and sit in L2:
+
+  PROLOGUE_NONE     x
+  PROLOGUE_ADD_RMS  rms_norm(a + b) · w_norm, and a + b written once (by the first column of programs)
+  PROLOGUE_RMS      rms_norm(a) · w_norm
+  PROLOGUE_SILU_MUL silu(g) · u from a fused gate-up row [g | u]
+
+The RMS scale is a scalar per row, so it is applied after the dot: y = rstd · Σ_k W[n,k]·h[k]·w_norm[k], with the
+sum of squares accumulated in the same pass over K. Norm and activation are computed in fp32 without the
+intermediate bf16 roundings HF performs (closer to the float64 reference than HF is).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor
+
+PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
+
+
+@triton.jit
+def _gemv_kernel(
+    a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, h_ptr,
+    N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_n = tl.program_id(0)
+    m = tl.program_id(1).to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        k_ok = cols < K
+        if PROLOGUE == 3:  # silu(g) * u, the fused gate-up row is [g | u] of length 2K
+            g = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0).to(tl.float32)
+            u = tl.load(a_ptr + m * stride_am + K + cols, mask=k_ok, other=0.0).to(tl.float32)
+            x = g * tl.sigmoid(g) * u
+        else:
+            a = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
+            if PROLOGUE == 1:
+                bb = tl.load(b_ptr + m * stride_bm + cols, mask=k_ok, other=0.0)
+                a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
+                tl.store(h_ptr + m * stride_hm + cols, a, mask=cols < tl.where(pid_n == 0, K, 0))
+            x = a.to(tl.float32)
+            if PROLOGUE == 1 or PROLOGUE == 2:
+                sumsq += x * x
+                x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        y = y * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+# (BLOCK_N, BLOCK_K, num_warps): small BLOCK_N gives many programs (≥ 4 per SM for N = 4096) so enough weight
+# bytes are in flight per SM; 16-byte loads need BLOCK_K ≥ 8·32·num_warps/BLOCK_N elements per row chunk.
+# Retuned on the H200 by kernels/bench_h200.py; NOTES.md has the table.
+DEFAULT_CONFIG = (8, 512, 4)
+
+
+def gemv(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    prologue: int = PROLOGUE_NONE,
+    b: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
+
+    a: [M,K] ([M,2K] for PROLOGUE_SILU_MUL); b: [M,K] (ADD_RMS); norm_weight: [K] (ADD_RMS, RMS). Meant for small
+    M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M.
+    """
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    n, k = weight.shape
+    check_tensor("a", a, ndim=2, dtypes=FLOAT_DTYPES, device=weight.device)
+    want_k = 2 * k if prologue == PROLOGUE_SILU_MUL else k
+    check(a.shape[1] == want_k, f"a: last dim {a.shape[1]} != {want_k} expected for weight [{n}, {k}]")
+    check(prologue in (0, 1, 2, 3), f"prologue: unknown value {prologue}; use a PROLOGUE_* constant")
+    if prologue == PROLOGUE_ADD_RMS:
+        check(b is not None, "b: the residual is required for PROLOGUE_ADD_RMS")
+        assert b is not None
+        check_tensor("b", b, ndim=2, dtypes=(a.dtype,), device=a.device)
+        check(b.shape == a.shape, f"b: shape {tuple(b.shape)} != a shape {tuple(a.shape)}")
+    if prologue in (PROLOGUE_ADD_RMS, PROLOGUE_RMS):
+        check(norm_weight is not None, "norm_weight: required for the RMS prologues")
+        assert norm_weight is not None
+        check_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=a.device)
+        check(norm_weight.shape[0] == k, f"norm_weight: length {norm_weight.shape[0]} != K = {k}")
+    m = a.shape[0]
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    h = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == PROLOGUE_ADD_RMS else out
+    if m == 0 or n == 0:
+        return out, (h if prologue == PROLOGUE_ADD_RMS else None)
+    block_n, block_k, num_warps = config or DEFAULT_CONFIG
+    block_k = min(block_k, triton.next_power_of_2(k))
+    bb = b if b is not None else a
+    nw = norm_weight if norm_weight is not None else weight
+    _gemv_kernel[(triton.cdiv(n, block_n), m)](
+        a, bb, nw, weight, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0), h.stride(0),
+        float(eps), K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+    )  # fmt: skip
+    return out, (h if prologue == PROLOGUE_ADD_RMS else None)

@@ -1,0 +1,82 @@
+"""RMSNorm and fused residual-add + RMSNorm (HF Llama numerics), one program per token row.
+
+Floor: memory. rms_norm reads x and writes y (2·T·H·bytes); add_rms_norm reads x and residual and writes
+the normed row and the sum (4·T·H·bytes). Rows of a Llama model fit one program (H ≤ 16384 → ≤ 64 KB fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    H, stride_x, stride_res, stride_out, stride_sum, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        # HF adds in the activation dtype, so the sum is rounded before the norm sees it. (Added in fp32 and
+        # rounded once, which is what a bf16 add does on the GPU, and what the CPU interpreter gets right.)
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    # HF casts x·rstd back to the input dtype before multiplying by the weight; keep that rounding step.
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("weight", weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    check(weight.shape[0] == x.shape[1], f"weight: length {weight.shape[0]} != hidden size {x.shape[1]} of x")
+    check(x.shape[1] <= 65536, f"x: hidden size {x.shape[1]} > 65536 is not supported by the one-row kernel")
+    if residual is not None:
+        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
+        check(residual.shape == x.shape, f"residual: shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+
+
+def _num_warps(block_h: int) -> int:
+    # 8 bf16 per thread per 16-byte load; enough warps that each thread holds a few vectors at most.
+    return max(1, min(16, block_h // 256))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x[T,H], weight[H], eps) -> [T,H] in x's dtype."""
+    _check(x, weight, None)
+    out = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out
+    block_h = next_pow2(x.shape[1])
+    _rms_norm_kernel[(x.shape[0],)](
+        x, x, weight, out, out, x.shape[1], x.stride(0), 0, out.stride(0), 0, float(eps),
+        HAS_RESIDUAL=False, BLOCK_H=block_h, num_warps=_num_warps(block_h),
+    )  # fmt: skip
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual); inputs untouched."""
+    _check(x, weight, residual)
+    out = torch.empty_like(x)
+    total = torch.empty_like(x)
+    if x.shape[0] == 0:
+        return out, total
+    block_h = next_pow2(x.shape[1])
+    _rms_norm_kernel[(x.shape[0],)](
+        x, residual, weight, out, total, x.shape[1], x.stride(0), residual.stride(0), out.stride(0),
+        total.stride(0), float(eps), HAS_RESIDUAL=True, BLOCK_H=block_h, num_warps=_num_warps(block_h),
+    )  # fmt: skip
+    return out, total

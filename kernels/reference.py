@@ -1,0 +1,131 @@
+"""Pure-torch definitions of every kernel in this package: what each Triton kernel must compute.
+
+Each function follows the HF Llama conventions the engine's torch backend uses. Tests call these on float64
+copies of the inputs and compare the Triton result by relative error (‖out − ref‖ / ‖ref‖).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: fp32 (or wider) math, cast back to the input dtype, then times the weight."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual); the sum is rounded to the input dtype first, as HF does."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU activation on a fused gate-up output: silu(x[:, :I]) * x[:, I:]."""
+    inter = x.shape[-1] // 2
+    return torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotate_half rotary on x [T, H, D] with cos/sin caches [max_pos, D/2] (non-interleaved halves)."""
+    half = x.shape[-1] // 2
+    c = cos[positions].to(x.dtype)[:, None, :]  # [T, 1, D/2]
+    s = sin[positions].to(x.dtype)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches [num_blocks, block_size, Hkv, D] at slot = block*bs + offset.
+
+    A negative slot means "padding token, write nothing" (CUDA-graph batches are padded this way).
+    """
+    keep = slot_mapping >= 0
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks*block_size, Hkv, D]
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k[slot_mapping[keep]] = k[keep].to(k_cache.dtype)
+    flat_v[slot_mapping[keep]] = v[keep].to(v_cache.dtype)
+
+
+def rotary_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    q_rot = rotary(q, positions, cos, sin)
+    k_rot = rotary(k, positions, cos, sin)
+    store_kv(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot, k_rot
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed varlen queries [T, Hq, D] over a paged KV cache.
+
+    Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (q_len of them), which sit at positions
+    seq_len-q_len .. seq_len-1 and attend to keys 0..own position. Decode is q_len == 1.
+    """
+    num_tokens, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    out = torch.empty_like(q)
+    for b in range(seq_lens.shape[0]):
+        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        seq_len, q_len = int(seq_lens[b]), q1 - q0
+        if q_len == 0:
+            continue
+        n_blocks = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[b, :n_blocks].long()
+        keys = k_cache[blocks].reshape(-1, hkv, d)[:seq_len]  # [seq_len, Hkv, D]
+        vals = v_cache[blocks].reshape(-1, hkv, d)[:seq_len]
+        keys = keys.repeat_interleave(group, dim=1).to(q.dtype)  # [seq_len, Hq, D]
+        vals = vals.repeat_interleave(group, dim=1).to(q.dtype)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], keys) * scale  # [Hq, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        k_pos = torch.arange(seq_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, vals)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T, the projection every GEMV kernel computes."""
+    return x @ weight.t()
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual): a pre-norm projection with its residual add."""
+    normed, h = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight), h
+
+
+def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
+    return linear(rms_norm(x, norm_weight, eps), weight)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(silu_and_mul(gate_up)): the MLP's down projection with its activation."""
+    return linear(silu_and_mul(gate_up), weight)

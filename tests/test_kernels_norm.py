@@ -1,0 +1,71 @@
+"""RMSNorm, add+RMSNorm and SwiGLU kernels against their float64 torch references (interpreter on CPU)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels import activation, norm  # noqa: E402
+from envex.kernels import reference as ref  # noqa: E402
+from envex.kernels.testing import assert_close, f64  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (3, 96), (5, 576), (2, 1000)])
+def test_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    x = torch.randn(tokens, hidden, device=DEV).to(dtype) * 3
+    w = torch.randn(hidden, device=DEV).to(dtype)
+    out = norm.rms_norm(x, w, 1e-5)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_close("rms_norm", out, ref.rms_norm(*f64(x, w), 1e-5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,hidden", [(1, 64), (4, 200), (7, 512)])
+def test_add_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    x = torch.randn(tokens, hidden, device=DEV).to(dtype)
+    res = torch.randn(tokens, hidden, device=DEV).to(dtype)
+    w = torch.randn(hidden, device=DEV).to(dtype)
+    x0, res0 = x.clone(), res.clone()
+    out, total = norm.add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_total = ref.add_rms_norm(*f64(x, res, w), 1e-6)
+    assert_close("add_rms_norm.out", out, ref_out, dtype)
+    assert_close("add_rms_norm.sum", total, ref_total, dtype)
+    assert torch.equal(x, x0) and torch.equal(res, res0), "inputs must not be modified"
+
+
+def test_rms_norm_strided_rows() -> None:
+    base = torch.randn(4, 256, device=DEV, dtype=torch.bfloat16)
+    x = base[:, :128]  # row stride 256, unit last stride
+    w = torch.randn(128, device=DEV, dtype=torch.bfloat16)
+    assert_close("rms_norm strided", norm.rms_norm(x, w, 1e-5), ref.rms_norm(*f64(x, w), 1e-5), torch.bfloat16)
+
+
+def test_norm_rejects_bad_input() -> None:
+    x = torch.randn(2, 64, device=DEV)
+    with pytest.raises(ValueError, match="weight: length 32"):
+        norm.rms_norm(x, torch.randn(32, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match="last dim must have stride 1"):
+        norm.rms_norm(torch.randn(64, 2, device=DEV).t(), torch.randn(64, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match="residual: shape"):
+        norm.add_rms_norm(x, torch.randn(3, 64, device=DEV), torch.randn(64, device=DEV), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,inter", [(1, 64), (3, 100), (2, 1536)])
+def test_silu_and_mul(dtype: torch.dtype, tokens: int, inter: int) -> None:
+    x = (torch.randn(tokens, 2 * inter, device=DEV) * 2).to(dtype)
+    out = activation.silu_and_mul(x)
+    assert out.shape == (tokens, inter)
+    assert_close("silu_and_mul", out, ref.silu_and_mul(*f64(x)), dtype)
+
+
+def test_silu_and_mul_rejects_odd_width() -> None:
+    with pytest.raises(ValueError, match="must be even"):
+        activation.silu_and_mul(torch.randn(2, 7, device=DEV))
