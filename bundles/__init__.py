@@ -1,0 +1,65 @@
+"""Signed bundles and their fully offline verification.
+
+The installer's whole trust in what reaches the appliance rests on this package. The flow:
+
+    key = generate_key()                                          # Ed25519; write_key_files() stores it (0600)
+    root = sign_root(make_root(root_keys=[key], bundle_keys=[key], expires=...), [key])
+    Path("root.json").write_bytes(root.to_bytes())                # show root_fingerprint(root) to the operator
+    path = build_bundle(src_dir, kind="model", name="smollm2", version="1.0.0", out=media_dir)
+    sign_bundle(path, [key])                                      # several holders may sign in turn
+    verified = verify_bundle(path, root=load_root("root.json", fingerprint=pinned), high_water="0.9.0")
+    verified.extract(release_dir / "model")                       # re-hashes while it copies
+
+`verify_bundle` returns a `VerifiedBundle` or raises `VerificationError`, whose `check` (a `Check`) names the one
+check that failed. `rotate_root(current, new)` accepts a new root only when it is the next version and signed by
+a threshold of the current root keys and of its own. Nothing here opens a network connection or writes outside
+the paths it is given. The format and trust model are documented in offline_docs/bundles.md.
+"""
+
+from __future__ import annotations
+
+from envex.bundles.build import BuildError, build_bundle, sign_bundle
+from envex.bundles.errors import Check, VerificationError
+from envex.bundles.keys import generate_key, key_id, load_private_key, load_public_key, write_key_files
+from envex.bundles.manifest import FileEntry, Manifest, Requirement, SemVer, Targets
+from envex.bundles.trust import (
+    SigstoreIdentity,
+    SigstorePolicy,
+    TrustRoot,
+    load_root,
+    make_root,
+    normalize_fingerprint,
+    root_fingerprint,
+    rotate_root,
+    sign_root,
+)
+from envex.bundles.verify import VerifiedBundle, verify_bundle
+
+__all__ = [
+    "BuildError",
+    "Check",
+    "FileEntry",
+    "Manifest",
+    "Requirement",
+    "SemVer",
+    "SigstoreIdentity",
+    "SigstorePolicy",
+    "Targets",
+    "TrustRoot",
+    "VerificationError",
+    "VerifiedBundle",
+    "build_bundle",
+    "generate_key",
+    "key_id",
+    "load_private_key",
+    "load_public_key",
+    "load_root",
+    "make_root",
+    "normalize_fingerprint",
+    "root_fingerprint",
+    "rotate_root",
+    "sign_bundle",
+    "sign_root",
+    "verify_bundle",
+    "write_key_files",
+]

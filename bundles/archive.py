@@ -1,0 +1,267 @@
+"""Safe reading and writing of the bundle tar.
+
+Layout (an uncompressed POSIX/pax tar; weights do not compress, and a plain tar hashes at disk speed):
+
+    payload/<path>...                   every payload file, in manifest order
+    manifest.json                       canonical JSON
+    signatures.json                     {"signatures": [{"keyid": ..., "sig": ...}]}
+    manifest.json.sigstore.json         optional sigstore bundle over manifest.json's bytes
+
+Signing replaces only the trailing metadata members, so signing a bundle of many GB rewrites a few KB.
+
+Reading scans headers first and refuses, before any data is read: links, devices, directories and other
+non-regular members, absolute paths, `..` and odd names, duplicate names, members that run past the end of the
+file, and a header that is not followed by another header or the end-of-archive marker. Data is then read by
+offset only for regular members, streamed through a fixed buffer, so memory stays flat for files of any size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from envex.bundles.errors import Check, VerificationError
+from envex.bundles.manifest import MAX_FILES, unsafe_path_reason
+
+MANIFEST = "manifest.json"
+SIGNATURES = "signatures.json"
+SIGSTORE = "manifest.json.sigstore.json"
+METADATA = (MANIFEST, SIGNATURES, SIGSTORE)
+TRAILING = (SIGNATURES, SIGSTORE)  # rewritten by signing; always after the manifest
+PAYLOAD_PREFIX = "payload/"
+MAX_METADATA_BYTES = {MANIFEST: 64 * 1024 * 1024, SIGNATURES: 1024 * 1024, SIGSTORE: 4 * 1024 * 1024}
+MAX_MEMBERS = MAX_FILES + len(METADATA)
+CHUNK = 4 * 1024 * 1024  # large reads keep hashing at memory-bandwidth speed; one buffer, reused
+BLOCK = tarfile.BLOCKSIZE
+_REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE)
+
+
+@dataclass(frozen=True)
+class Member:
+    """A regular member whose header passed every check: where its data lies in the archive file."""
+
+    name: str
+    size: int
+    header_offset: int
+    data_offset: int
+
+
+def _malformed(path: Path, detail: str) -> VerificationError:
+    return VerificationError(f"{path}: {detail}", check=Check.MALFORMED_ARCHIVE)
+
+
+def _check_header(path: Path, info: tarfile.TarInfo) -> None:
+    name = info.name
+    if name in METADATA:
+        pass
+    elif name.startswith(PAYLOAD_PREFIX):
+        reason = unsafe_path_reason(name[len(PAYLOAD_PREFIX) :])
+        if reason is not None:
+            raise VerificationError(f"{path}: member {name!r}: {reason}", check=Check.UNSAFE_PATH)
+    else:
+        reason = unsafe_path_reason(name)
+        if reason is not None:
+            raise VerificationError(f"{path}: member {name!r}: {reason}", check=Check.UNSAFE_PATH)
+        if info.type in _REGULAR:
+            raise VerificationError(
+                f"{path}: member {name!r} is neither metadata nor under payload/", check=Check.UNKNOWN_FILE
+            )
+    if info.issym() or info.islnk():
+        raise VerificationError(
+            f"{path}: member {name!r} is a {'symlink' if info.issym() else 'hardlink'} to {info.linkname!r}; "
+            "bundles hold regular files only",
+            check=Check.LINK_MEMBER,
+        )
+    if info.type not in _REGULAR:
+        kinds = {
+            tarfile.CHRTYPE: "character device",
+            tarfile.BLKTYPE: "block device",
+            tarfile.FIFOTYPE: "fifo",
+            tarfile.DIRTYPE: "directory",
+            tarfile.GNUTYPE_SPARSE: "sparse file",
+            tarfile.CONTTYPE: "contiguous file",
+        }
+        kind = kinds.get(info.type, f"member of type {info.type!r}")
+        raise VerificationError(
+            f"{path}: member {name!r} is a {kind}; bundles hold regular files only", check=Check.SPECIAL_MEMBER
+        )
+
+
+class BundleArchive:
+    """An opened bundle whose member headers have all been checked. Use as a context manager."""
+
+    def __init__(self, path: Path, handle: BinaryIO, members: dict[str, Member]) -> None:
+        self.path = path
+        self._handle = handle
+        self.members = members
+
+    @classmethod
+    def open(cls, path: Path | str) -> BundleArchive:
+        """Open and scan `path`; raises VerificationError naming the first unsafe or malformed thing."""
+        path = Path(path)
+        try:
+            # O_NONBLOCK: opening a fifo someone named as a bundle must fail, not hang.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _malformed(path, f"cannot open: {exc.strerror}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise _malformed(path, "not a regular file")
+        handle = os.fdopen(fd, "rb")
+        try:
+            members = _scan(path, handle)
+        except BaseException:
+            handle.close()
+            raise
+        return cls(path, handle, members)
+
+    def __enter__(self) -> BundleArchive:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def payload_members(self) -> dict[str, Member]:
+        """Payload members keyed by their path under payload/."""
+        n = len(PAYLOAD_PREFIX)
+        return {name[n:]: m for name, m in self.members.items() if name.startswith(PAYLOAD_PREFIX)}
+
+    def read_metadata(self, name: str) -> bytes | None:
+        """The whole content of a metadata member, or None when absent; refused when over its size bound."""
+        member = self.members.get(name)
+        if member is None:
+            return None
+        limit = MAX_METADATA_BYTES[name]
+        if member.size > limit:
+            raise VerificationError(
+                f"{self.path}: {name} is {member.size} bytes, over the {limit} byte limit", check=Check.SIZE
+            )
+        return b"".join(bytes(chunk) for chunk in self.stream(member))
+
+    def stream(self, member: Member, buffer: bytearray | None = None) -> Iterator[memoryview]:
+        """Yield the member's data in chunks of one reused buffer (valid until the next chunk)."""
+        buf = buffer if buffer is not None else bytearray(min(CHUNK, max(member.size, 1)))
+        view = memoryview(buf)
+        remaining = member.size
+        offset = member.data_offset
+        fd = self._handle.fileno()
+        while remaining > 0:
+            want = min(remaining, len(buf))
+            try:
+                got = os.preadv(fd, [view[:want]], offset)
+            except OSError as exc:
+                raise _malformed(self.path, f"cannot read {member.name}: {exc.strerror}") from None
+            if got <= 0:
+                raise _malformed(self.path, f"truncated inside {member.name}")
+            yield view[:got]
+            offset += got
+            remaining -= got
+
+    def sha256(self, member: Member, buffer: bytearray | None = None) -> str:
+        """Stream the member through sha256; memory is one buffer whatever the size."""
+        digest = hashlib.sha256()
+        for chunk in self.stream(member, buffer):
+            digest.update(chunk)
+        return digest.hexdigest()
+
+
+def _scan(path: Path, handle: BinaryIO) -> dict[str, Member]:
+    file_size = os.fstat(handle.fileno()).st_size
+    members: dict[str, Member] = {}
+    try:
+        archive = tarfile.open(fileobj=handle, mode="r:")  # no compression: plain tar only
+    except VerificationError:
+        raise
+    except Exception as exc:  # tarfile raises many types on hostile input; all mean "not a bundle tar"
+        raise _malformed(path, f"not a tar archive ({exc})") from None
+    try:
+        while True:
+            try:
+                info = archive.next()
+            except VerificationError:
+                raise
+            except Exception as exc:
+                raise _malformed(path, f"corrupt header after {len(members)} members ({exc})") from None
+            if info is None:
+                break
+            if len(members) >= MAX_MEMBERS:
+                raise _malformed(path, f"more than {MAX_MEMBERS} members")
+            _check_header(path, info)
+            if info.name in members:
+                raise VerificationError(f"{path}: member {info.name!r} appears twice", check=Check.DUPLICATE_MEMBER)
+            if info.size < 0 or info.offset_data + info.size > file_size:
+                raise _malformed(path, f"truncated: member {info.name!r} runs past the end of the file")
+            members[info.name] = Member(info.name, info.size, info.offset, info.offset_data)
+        # tarfile stops silently at a header whose checksum fails, as if the archive had ended there; a real end
+        # is a zero block. Anything else after the last good member is corruption or truncation.
+        end = archive.offset
+    finally:
+        archive.close()  # does not close `handle`: tarfile only closes files it opened
+    tail = os.pread(handle.fileno(), BLOCK, end)
+    if len(tail) < BLOCK:
+        raise _malformed(path, "truncated: no end-of-archive marker")
+    if tail != bytes(BLOCK):
+        raise _malformed(path, f"corrupt member header at byte offset {end}")
+    return members
+
+
+def member_info(name: str, size: int, mtime: int) -> tarfile.TarInfo:
+    """A deterministic header: regular file, mode 0644, owner root, fixed mtime."""
+    info = tarfile.TarInfo(name)
+    info.size = size
+    info.mtime = mtime
+    info.mode = 0o644
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.type = tarfile.REGTYPE
+    return info
+
+
+def header_bytes(info: tarfile.TarInfo) -> bytes:
+    return info.tobuf(tarfile.PAX_FORMAT, "utf-8", "strict")
+
+
+def padding(size: int) -> bytes:
+    return bytes(-size % BLOCK)
+
+
+def write_member(out: BinaryIO, name: str, data: bytes, mtime: int) -> None:
+    """Append one small member (metadata) at the current position."""
+    out.write(header_bytes(member_info(name, len(data), mtime)))
+    out.write(data)
+    out.write(padding(len(data)))
+
+
+def end_of_archive() -> bytes:
+    return bytes(2 * BLOCK)
+
+
+def rewrite_trailing(path: Path, members: dict[str, bytes], mtime: int) -> None:
+    """Replace the trailing metadata members (signatures, sigstore) in place; the payload is not touched."""
+    with BundleArchive.open(path) as archive:
+        names = list(archive.members)
+        if MANIFEST not in archive.members:
+            raise VerificationError(f"{path}: no manifest.json", check=Check.MISSING_FILE)
+        after_manifest = names[names.index(MANIFEST) + 1 :]
+        if any(n not in TRAILING for n in after_manifest):
+            raise _malformed(path, "members after manifest.json other than signatures; not a bundle we built")
+        manifest = archive.members[MANIFEST]
+        cut = manifest.data_offset + manifest.size + len(padding(manifest.size))
+    with open(path, "r+b") as out:
+        out.truncate(cut)
+        out.seek(cut)
+        for name in TRAILING:
+            if name in members:
+                write_member(out, name, members[name], mtime)
+        out.write(end_of_archive())
+        out.flush()
+        os.fsync(out.fileno())
