@@ -1,0 +1,18 @@
+"""Model registry: `config.architectures` picks the file that wires the layers."""
+
+from __future__ import annotations
+
+from envex.runtime.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from envex.runtime.models.llama import LlamaForCausalLM
+from torch import nn
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+
+
+def model_class(config: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[config.architecture]
+    except KeyError:
+        raise ConfigError(
+            f"architecture {config.architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None

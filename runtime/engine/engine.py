@@ -1,0 +1,272 @@
+"""LLMEngine: admits requests, runs scheduled steps, samples, detokenizes and reports per-request deltas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from envex.runtime.engine.block_manager import BlockManager
+from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.detokenizer import IncrementalDetokenizer
+from envex.runtime.engine.model_runner import ModelRunner
+from envex.runtime.engine.sampler import sample, token_logprob
+from envex.runtime.engine.scheduler import ScheduledChunk, Scheduler
+from envex.runtime.engine.sequence import Sequence, Status
+from envex.runtime.engine.types import (
+    EngineError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from envex.runtime.loader import load_model_info
+
+_MAX_DEFAULT_LEN = 32768
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request, as `LLMEngine.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_hit_tokens_total: int
+    preemptions_total: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        loaded = load_model_info(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.served_name or loaded.source.name
+        self.source = loaded.source
+        window = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:  # no sliding-window attention yet: serve within the window
+            window = min(window, self.model_config.sliding_window)
+        self.max_model_len = min(config.max_model_len or min(window, _MAX_DEFAULT_LEN), window)
+        self.runner = ModelRunner(config, loaded, self.max_model_len)
+        self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
+                                   enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self._seqs: dict[str, Sequence] = {}
+        self._generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._cached_tokens = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    # ---- admission -----------------------------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise the error this request would meet at admission (safe to call from any thread)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise EngineError("prompt: must contain at least one token")
+        if n + params.max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request has {n} prompt "
+                f"tokens and asks for {params.max_tokens} more; shorten the prompt or lower max_tokens",
+                max_model_len=self.max_model_len,
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise EngineError(f"prompt: token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.check_request(prompt_token_ids, params)
+        if request_id in self._seqs:
+            raise EngineError(f"request_id: {request_id!r} is already in use")
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests); retry later")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop),
+        )
+        if params.seed is not None and not params.greedy:
+            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        result = self.runner.execute(chunks)
+        completing: list[ScheduledChunk] = []
+        for i, c in enumerate(chunks):
+            seq = c.seq
+            if c.start == seq.num_cached_prefix_tokens and c.start < len(seq.prompt_token_ids):
+                self._cached_tokens += seq.num_cached_prefix_tokens
+                self._prompt_tokens += len(seq.prompt_token_ids)
+            seq.num_computed_tokens = c.start + c.num_tokens
+            self.blocks.commit(seq)
+            if i in result.prompt_logits:
+                self._record_prompt_logprobs(c, result.prompt_logits[i])
+            if c.completes:
+                completing.append(c)
+        outputs: list[RequestOutput] = []
+        if completing:
+            seqs = [c.seq for c in completing]
+            token_ids, logprobs = sample(result.logits, seqs, self._generator)
+            for seq, token_id, lp in zip(seqs, token_ids, logprobs, strict=True):
+                self._append_token(seq, token_id, lp)
+                outputs.append(self._output(seq))
+                if seq.is_finished:
+                    self.scheduler.remove(seq)
+                    del self._seqs[seq.request_id]
+        return outputs
+
+    def _record_prompt_logprobs(self, c: ScheduledChunk, logits: torch.Tensor) -> None:
+        seq = c.seq
+        assert seq.prompt_logprobs is not None and seq.params.prompt_logprobs is not None
+        logprobs = torch.log_softmax(logits, dim=-1)
+        prompt = seq.prompt_token_ids
+        for row in range(c.num_tokens):
+            nxt = c.start + row + 1  # the prompt token this row predicts
+            if nxt < len(prompt) and len(seq.prompt_logprobs) == nxt:
+                seq.prompt_logprobs.append(token_logprob(logprobs[row], prompt[nxt], seq.params.prompt_logprobs))
+
+    def _append_token(self, seq: Sequence, token_id: int, lp: TokenLogprob | None) -> None:
+        p = seq.params
+        seq.output_token_ids.append(token_id)
+        self._generation_tokens += 1
+        if lp is not None:
+            seq.logprobs.append(lp)
+        is_eos = token_id in self.tokenizer.eos_token_ids and not p.ignore_eos
+        if is_eos or token_id in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", (None if is_eos else token_id)
+        else:
+            assert seq.detokenizer is not None
+            seq.detokenizer.add_token(token_id)
+            if seq.detokenizer.stopped_on is not None:
+                seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stopped_on
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.status = Status.FINISHED
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        finished = seq.is_finished
+        assert seq.detokenizer is not None
+        text = seq.detokenizer.release(final=finished)
+        new_ids = seq.output_token_ids[seq.num_emitted_tokens:]
+        new_lps = seq.logprobs[seq.num_emitted_tokens:] if seq.params.logprobs is not None else None
+        prompt_lps = None
+        if seq.prompt_logprobs is not None and seq.num_emitted_tokens == 0:
+            prompt_lps = seq.prompt_logprobs
+        seq.num_emitted_tokens = len(seq.output_token_ids)
+        return RequestOutput(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=new_ids,
+            logprobs=new_lps,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            prompt_token_count=len(seq.prompt_token_ids),
+            completion_token_count=len(seq.output_token_ids),
+            prompt_logprobs=prompt_lps,
+            stop_reason=seq.stop_reason,
+        )
+
+    # ---- conveniences --------------------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.blocks.num_used_blocks,
+            kv_blocks_total=self.blocks.num_blocks,
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            prefix_cache_hit_tokens_total=self._cached_tokens,
+            preemptions_total=self.scheduler.num_preemptions,
+        )
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[Completion]:
+        """Run prompts to completion, batched together; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        encoded = [self.encode_prompt(p) for p in prompts]
+        for rid, toks, p in zip(ids, encoded, plist, strict=True):
+            self.add_request(rid, toks, p)
+        texts = {rid: "" for rid in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        lps: dict[str, list[TokenLogprob]] = {rid: [] for rid in ids}
+        reasons: dict[str, str] = {}
+        while len(reasons) < len(ids):
+            for out in self.step():
+                texts[out.request_id] += out.text
+                tokens[out.request_id] += out.token_ids
+                lps[out.request_id] += out.logprobs or []
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason or "stop"
+        return [
+            Completion(rid, toks, texts[rid], tokens[rid], reasons[rid], lps[rid] if p.logprobs is not None else None)
+            for rid, toks, p in zip(ids, encoded, plist, strict=True)
+        ]
+
+    @torch.inference_mode()
+    def full_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence, [len, V] float32 (for the KL gate); needs an idle engine."""
+        if self.has_unfinished():
+            raise EngineError("full_logits needs an idle engine; wait for running requests to finish")
+        if not 0 < len(token_ids) <= self.max_model_len:
+            raise EngineError(f"token_ids: length must be 1..{self.max_model_len}, got {len(token_ids)}")
+        seq = Sequence("full-logits", list(token_ids), SamplingParams(max_tokens=1, prompt_logprobs=0), None)
+        out = []
+        try:
+            step = self.config.max_num_batched_tokens
+            for start in range(0, len(token_ids), step):
+                n = min(step, len(token_ids) - start)
+                if not self.blocks.ensure(seq, start + n):
+                    raise EngineError(f"token_ids: {len(token_ids)} tokens do not fit the KV cache")
+                out.append(self.runner.execute([ScheduledChunk(seq, start, n)]).prompt_logits[0])
+                seq.num_computed_tokens = start + n
+        finally:
+            self.blocks.free(seq)
+        return torch.cat(out)

@@ -1,0 +1,170 @@
+"""Runs the model for one scheduled step: builds the packed inputs and attention metadata, returns logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from envex.runtime.config import ModelConfig
+from envex.runtime.engine.attention import AttentionMetadata
+from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.scheduler import ScheduledChunk
+from envex.runtime.engine.torch_ops import TorchOps
+from envex.runtime.loader import LoadedModel
+from envex.runtime.models import model_class
+from envex.runtime.models.llama import rope_cos_sin
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: cuda was asked for but no CUDA device is visible; use --device cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def pick_ops(backend: str, device: torch.device):  # -> TorchOps | TritonOps
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return TorchOps()
+    if device.type != "cuda":
+        raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
+    from envex.kernels.ops import TritonOps  # imported only on CUDA: the kernels need a GPU (or the interpreter)
+
+    return TritonOps()
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [N, V] float32, one row per chunk that completes its sequence, in chunk order
+    prompt_logits: dict[int, torch.Tensor]  # chunk index -> [num_tokens, V] float32 (prompt logprobs only)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
+        self.config = config
+        self.model_config: ModelConfig = loaded.config
+        self.device = pick_device(config.device)
+        self.dtype = pick_dtype(config.dtype, self.device)
+        self.ops = pick_ops(config.backend, self.device)
+        mc = self.model_config
+        with torch.no_grad():
+            self.model = model_class(mc)(mc, dtype=self.dtype, device=self.device)
+            self.model.load_weights(loaded.iter_weights())
+        self.cos, self.sin = rope_cos_sin(mc, max_model_len, self.device)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks(max_model_len)
+        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_hidden_layers)
+        ]
+        self.scale = mc.head_dim ** -0.5
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        mc = self.model_config
+        bytes_per_block = (2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim
+                           * torch.finfo(self.dtype).bits // 8)
+        if self.config.num_kv_blocks is not None:
+            blocks = self.config.num_kv_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            blocks = int(budget // bytes_per_block)
+        else:
+            blocks = int(self.config.kv_cache_memory_gb * 2**30 // bytes_per_block)
+        needed = -(-max_model_len // self.block_size)
+        if blocks < needed:
+            raise ValueError(
+                f"num_kv_blocks: {blocks} blocks of {self.block_size} tokens cannot hold one sequence of "
+                f"max_model_len={max_model_len}; lower --max-model-len or give the KV cache more memory"
+            )
+        return blocks
+
+    def _metadata(self, chunks: list[ScheduledChunk], slot_mapping: torch.Tensor) -> AttentionMetadata:
+        q_lens = [c.num_tokens for c in chunks]
+        seq_lens = [c.start + c.num_tokens for c in chunks]
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        dev = self.device
+        meta = AttentionMetadata(
+            is_decode=all(n == 1 for n in q_lens),
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            max_q_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            scale=self.scale,
+        )
+        if isinstance(self.ops, TorchOps):
+            self._torch_gather(meta, chunks, q_lens, seq_lens)
+        return meta
+
+    def _torch_gather(self, meta: AttentionMetadata, chunks: list[ScheduledChunk], q_lens: list[int],
+                      seq_lens: list[int]) -> None:
+        """Dense per-sequence views of the paged cache for the reference attention (host-built, small)."""
+        bs = self.block_size
+        b, max_q, max_s = len(chunks), meta.max_q_len, meta.max_seq_len
+        pos = torch.arange(max_s)
+        tables = meta.block_tables.cpu().long()  # [B, max_blocks]
+        kv_slots = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(b, -1)) * bs + pos % bs
+        seq_t = torch.tensor(seq_lens)
+        q_t = torch.tensor(q_lens)
+        starts = torch.tensor([0] + q_lens[:-1]).cumsum(0)
+        qi = torch.arange(max_q)
+        q_valid = qi[None, :] < q_t[:, None]  # [B, Q]
+        q_index = torch.where(q_valid, starts[:, None] + qi[None, :], 0)
+        q_pos = (seq_t - q_t)[:, None] + qi[None, :]  # [B, Q] absolute position of each query
+        mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < seq_t[:, None, None])
+        mask &= q_valid[:, :, None]
+        mask[:, :, 0] |= ~q_valid  # padded query rows attend to one key so softmax stays finite
+        dev = self.device
+        meta.kv_slots = torch.where(pos[None, :] < seq_t[:, None], kv_slots, 0).to(dev)
+        meta.q_index = q_index.to(dev)
+        meta.q_valid = q_valid.to(dev)
+        meta.attn_mask = mask.unsqueeze(1).to(dev)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        bs = self.block_size
+        for c in chunks:
+            tokens = c.seq.all_token_ids[c.start:c.start + c.num_tokens]
+            ids.extend(tokens)
+            for p in range(c.start, c.start + c.num_tokens):
+                positions.append(p)
+                slots.append(c.seq.block_table[p // bs] * bs + p % bs)
+        dev = self.device
+        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
+        meta = self._metadata(chunks, slot_mapping)
+        hidden = self.model(
+            self.ops, torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev), self.cos, self.sin, self.kv_caches, meta,
+        )
+        ends, prompt_rows = [], {}
+        offset = 0
+        for i, c in enumerate(chunks):
+            if c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids):
+                prompt_rows[i] = (offset, offset + c.num_tokens)
+            offset += c.num_tokens
+            if c.completes:
+                ends.append(offset - 1)
+        logits = self.model.compute_logits(hidden[ends]).float() if ends else hidden.new_zeros((0, 0))
+        prompt_logits = {
+            i: self.model.compute_logits(hidden[a:b]).float() for i, (a, b) in prompt_rows.items()
+        }
+        return StepResult(logits=logits, prompt_logits=prompt_logits)

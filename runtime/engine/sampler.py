@@ -1,0 +1,75 @@
+"""Sampling for one step's batch: penalties, greedy or temperature / top-k / top-p, per-request seeds, logprobs.
+
+Logprobs are those of the model's raw distribution (before penalties and temperature), as OpenAI reports them.
+Greedy rows take the argmax; seeded rows draw from their own torch.Generator so a seed gives the same tokens
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from envex.runtime.engine.sequence import Sequence
+from envex.runtime.engine.types import TokenLogprob
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """OpenAI semantics: logit -= presence * (count > 0) + frequency * count, over the tokens generated so far."""
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if (p.presence_penalty == 0.0 and p.frequency_penalty == 0.0) or not seq.output_token_ids:
+            continue
+        counts = Counter(seq.output_token_ids)
+        ids = torch.tensor(list(counts.keys()), device=logits.device)
+        freq = torch.tensor(list(counts.values()), dtype=logits.dtype, device=logits.device)
+        logits[row, ids] -= p.presence_penalty + p.frequency_penalty * freq
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[..., -1, None]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass before it already reaches top_p (the most likely token always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator | None = None
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [N, V] float32 for the N sequences to extend -> next token ids and (where asked) logprobs."""
+    want_logprobs = any(s.params.logprobs is not None for s in seqs)
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+    logits = apply_penalties(logits.clone(), seqs)
+    next_ids = torch.argmax(logits, dim=-1)  # the greedy answer for every row; sampled rows overwrite theirs
+    for row, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            continue
+        scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+        probs = scaled.softmax(-1)
+        next_ids[row] = torch.multinomial(probs, 1, generator=seq.generator or default_generator)[0]
+    ids = next_ids.tolist()
+    out: list[TokenLogprob | None] = [None] * len(seqs)
+    if raw_logprobs is not None:
+        for row, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n is None:
+                continue
+            out[row] = token_logprob(raw_logprobs[row], ids[row], n)
+    return ids, out
+
+
+def token_logprob(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
+    """logprobs: [V] log-probabilities at one position."""
+    top: dict[int, float] = {}
+    if top_n > 0:
+        values, indices = torch.topk(logprobs, top_n)
+        top = dict(zip(indices.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)

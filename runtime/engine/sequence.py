@@ -1,0 +1,51 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+from envex.runtime.engine.detokenizer import IncrementalDetokenizer
+from envex.runtime.engine.types import SamplingParams, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # Tokens whose K/V are in the cache; on preemption this goes back to 0 and they are recomputed.
+    num_computed_tokens: int = 0
+    num_cached_prefix_tokens: int = 0  # of the prompt, found in the prefix cache at admission
+    block_table: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    # Output bookkeeping: how many tokens / logprobs were already handed to the caller.
+    num_emitted_tokens: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
