@@ -1,0 +1,21 @@
+"""The engine: scheduler, paged KV cache, model runner, sampler, detokenizer.
+
+Importing this package needs torch but not the server's packages (fastapi, uvicorn, pydantic).
+"""
+
+from envex.runtime.engine.async_engine import AsyncEngine
+from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.engine import Completion, EngineStats, LLMEngine
+from envex.runtime.engine.types import (
+    EngineError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+
+__all__ = [
+    "AsyncEngine", "Completion", "EngineConfig", "EngineError", "EngineStats", "LLMEngine", "PromptTooLongError",
+    "QueueFullError", "RequestOutput", "SamplingParams", "TokenLogprob",
+]
