@@ -23,10 +23,12 @@ from envex.bundles.errors import Check, VerificationError
 from envex.bundles.keys import generate_key, key_id, load_private_key, load_public_key, write_key_files
 from envex.bundles.manifest import FileEntry, Manifest, Requirement, SemVer, Targets
 from envex.bundles.trust import (
+    DemoTrust,
     SigstoreIdentity,
     SigstorePolicy,
     TrustRoot,
     load_root,
+    make_demo_trust,
     make_root,
     normalize_fingerprint,
     root_fingerprint,
@@ -38,6 +40,7 @@ from envex.bundles.verify import VerifiedBundle, verify_bundle
 __all__ = [
     "BuildError",
     "Check",
+    "DemoTrust",
     "FileEntry",
     "Manifest",
     "Requirement",
@@ -54,6 +57,7 @@ __all__ = [
     "load_private_key",
     "load_public_key",
     "load_root",
+    "make_demo_trust",
     "make_root",
     "normalize_fingerprint",
     "root_fingerprint",

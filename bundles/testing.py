@@ -1,4 +1,4 @@
-"""A throwaway, local sigstore instance for tests and demos: never for real signing.
+"""Test tools: a throwaway local sigstore instance, and tar surgery for tamper tests. Never for real signing.
 
 Real sigstore signing needs the network (an OIDC token, Fulcio, Rekor). To test offline verification for real,
 this module plays all three parts with keys made in memory, producing exactly what the public instance would:
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import os
 import struct
+import tarfile
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from cryptography import x509
@@ -283,3 +286,54 @@ class SyntheticSigstore:
             },
         }
         return json.dumps(bundle, indent=2).encode()
+
+
+# --- Tar surgery for the tamper tests: rewrite a bundle member by member, or patch bytes in place. ---
+
+
+def read_members(path: Path) -> list[tuple[tarfile.TarInfo, bytes]]:
+    """Every member of a (trusted, test-made) tar with its data."""
+    with tarfile.open(path, "r:") as archive:
+        result = []
+        for info in archive.getmembers():
+            handle = archive.extractfile(info) if info.isreg() else None
+            result.append((info, handle.read() if handle else b""))
+        return result
+
+
+def write_members(path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> None:
+    """Write `members` as a pax tar at `path`, header fields as given (sizes follow the data of regular files)."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as archive:
+        for info, data in members:
+            if info.isreg():
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+            else:
+                archive.addfile(info)
+
+
+def member_offsets(path: Path) -> dict[str, tuple[int, int, int]]:
+    """name -> (header offset, data offset, size) for each member."""
+    with tarfile.open(path, "r:") as archive:
+        return {i.name: (i.offset, i.offset_data, i.size) for i in archive.getmembers()}
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    """XOR one byte of the file with 0x01 (a one-bit flip, as bad media or an attacker would make)."""
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)
+        handle.seek(offset)
+        handle.write(bytes([byte[0] ^ 0x01]))
+
+
+def set_header_size(path: Path, header_offset: int, size: int) -> None:
+    """Rewrite the size field of the ustar header at `header_offset`, with a valid checksum: a size lie."""
+    with open(path, "r+b") as handle:
+        handle.seek(header_offset)
+        header = bytearray(handle.read(tarfile.BLOCKSIZE))
+        header[124:136] = f"{size:011o}\0".encode()
+        header[148:156] = b" " * 8
+        header[148:156] = f"{sum(header):06o}\0 ".encode()
+        handle.seek(header_offset)
+        handle.write(header)

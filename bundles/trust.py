@@ -380,3 +380,31 @@ def rotate_root(current: TrustRoot, new: Path | str | bytes | TrustRoot) -> Trus
         what=f"root version {candidate.version}, by the keys of trusted root version {current.version}",
     )
     return candidate
+
+
+@dataclass(frozen=True)
+class DemoTrust:
+    """What `make_demo_trust` wrote: the signed root, its fingerprint, and the one demo key that signs all."""
+
+    root_path: Path
+    key_path: Path
+    public_key_path: Path
+    fingerprint: str
+    root: TrustRoot
+
+
+def make_demo_trust(directory: Path | str, *, expires: datetime, name: str = "demo") -> DemoTrust:
+    """Write a demo key (`<name>.key`, 0600) and a root.json whose root and bundles roles are that one key.
+
+    For `envex demo` and tests: one key for everything is fine for a demo and wrong for production, where root
+    keys stay offline and several holders form the thresholds.
+    """
+    from envex.bundles.keys import generate_key, write_key_files
+
+    directory = Path(directory)
+    key = generate_key()
+    key_path, public_path = write_key_files(key, directory, name)
+    root = sign_root(make_root(root_keys=[key], bundle_keys=[key], expires=expires), [key])
+    root_path = directory / "root.json"
+    root_path.write_bytes(root.to_bytes())
+    return DemoTrust(root_path, key_path, public_path, root.fingerprint, root)

@@ -1,0 +1,230 @@
+"""`envex bundle ...` and `envex verify bundle`: thin typer commands over the bundles API.
+
+Exit codes: 0 success (verified), 1 verification failed (one line on stderr naming the check), 2 usage or bad
+input (a missing file, an invalid option value).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, NoReturn, cast
+
+import typer
+from envex.bundles.build import BuildError, build_bundle, sign_bundle
+from envex.bundles.errors import VerificationError
+from envex.bundles.keys import generate_key, key_id, load_private_key, load_public_key, write_key_files
+from envex.bundles.manifest import Kind, Requirement, Targets, _first_error
+from envex.bundles.trust import load_root, make_root, sign_root
+from envex.bundles.verify import verify_bundle
+from pydantic import ValidationError
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+bundle_app = typer.Typer(help="Build, sign and inspect signed bundles.", no_args_is_help=True, add_completion=False)
+verify_app = typer.Typer(help="Verify things offline.", no_args_is_help=True, add_completion=False)
+
+
+class KindChoice(StrEnum):
+    model = "model"
+    runtime = "runtime"
+    kernels = "kernels"
+
+
+def _usage(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _failed(exc: VerificationError) -> NoReturn:
+    typer.echo(f"verification failed [{exc.check.value}]: {exc.message}", err=True)
+    raise typer.Exit(EXIT_FAILED)
+
+
+def _existing(path: Path, what: str) -> Path:
+    if not path.exists():
+        _usage(f"{what} {path} does not exist")
+    return path
+
+
+@bundle_app.command("keygen")
+def keygen(
+    out: Annotated[Path, typer.Option("--out", help="Directory for NAME.key (0600) and NAME.pub.json.")],
+    name: Annotated[str, typer.Option("--name", help="File name stem for the key pair.")] = "envex",
+) -> None:
+    """Generate an Ed25519 key pair; print its key id."""
+    key = generate_key()
+    try:
+        private_path, public_path = write_key_files(key, out, name)
+    except (FileExistsError, OSError) as exc:
+        _usage(str(exc))
+    typer.echo(f"key id:  {key_id(key)}")
+    typer.echo(f"private: {private_path}  (mode 0600: keep it offline)")
+    typer.echo(f"public:  {public_path}")
+
+
+def _parse_requirement(text: str) -> Requirement:
+    parts = text.split(":", 2)
+    if len(parts) != 3:
+        _usage(f"--requires {text!r}: expected NAME:KIND:CONSTRAINTS, e.g. envex-runtime:runtime:>=0.1.0,<0.2.0")
+    try:
+        return Requirement(name=parts[0], kind=parts[1], version=parts[2])  # type: ignore[arg-type]
+    except ValidationError as exc:
+        _usage(f"--requires {text!r}: {_first_error(exc)}")
+
+
+@bundle_app.command("build")
+def build(
+    kind: Annotated[KindChoice, typer.Option("--kind", help="What the bundle holds.")],
+    src: Annotated[Path, typer.Option("--src", help="Directory whose files become the payload.")],
+    name: Annotated[str, typer.Option("--name", help="Bundle name, e.g. smollm2-135m-instruct.")],
+    version: Annotated[str, typer.Option("--version", help="Semantic version, e.g. 1.0.0.")],
+    out: Annotated[Path, typer.Option("--out", help="Bundle file, or a directory for NAME-VERSION.envex.")],
+    accelerator: Annotated[
+        list[str] | None, typer.Option("--accelerator", help="Target architecture (repeatable), e.g. sm_90.")
+    ] = None,
+    min_driver: Annotated[str | None, typer.Option("--min-driver", help="Minimum driver, e.g. 535.104.05.")] = None,
+    python: Annotated[str | None, typer.Option("--python", help="Python specifier, e.g. '>=3.11,<3.13'.")] = None,
+    torch: Annotated[str | None, typer.Option("--torch", help="torch specifier, e.g. '==2.5.1'.")] = None,
+    triton: Annotated[str | None, typer.Option("--triton", help="triton specifier, e.g. '==3.1.0'.")] = None,
+    requires: Annotated[
+        list[str] | None, typer.Option("--requires", help="Needed bundle NAME:KIND:CONSTRAINTS (repeatable).")
+    ] = None,
+    expires_days: Annotated[int, typer.Option("--expires-days", min=1, help="Lifetime in days.")] = 365,
+) -> None:
+    """Build an unsigned bundle from a directory (sign it next with `envex bundle sign`)."""
+    _existing(src, "source directory")
+    reqs = [_parse_requirement(r) for r in requires or []]
+    created = datetime.now(UTC)
+    try:
+        targets = Targets(
+            accelerators=list(accelerator or []), min_driver=min_driver, python=python, torch=torch, triton=triton
+        )
+        path = build_bundle(
+            src,
+            kind=cast(Kind, kind.value),
+            name=name,
+            version=version,
+            out=out,
+            targets=targets,
+            requires=reqs,
+            created=created,
+            expires=created + timedelta(days=expires_days),
+        )
+    except ValidationError as exc:
+        _usage(_first_error(exc))
+    except (BuildError, OSError) as exc:
+        _usage(str(exc))
+    typer.echo(f"built {path} (unsigned)")
+
+
+@bundle_app.command("sign")
+def sign(
+    file: Annotated[Path, typer.Argument(help="The bundle to sign.")],
+    key: Annotated[list[Path], typer.Option("--key", help="Private key file (repeatable for several keys).")],
+    sigstore_bundle: Annotated[
+        Path | None, typer.Option("--sigstore-bundle", help="Attach this sigstore bundle over manifest.json.")
+    ] = None,
+) -> None:
+    """Add Ed25519 signatures over the bundle's manifest (others' signatures are kept)."""
+    _existing(file, "bundle")
+    try:
+        keys = [load_private_key(_existing(k, "key")) for k in key]
+        sigstore = sigstore_bundle.read_bytes() if sigstore_bundle else None
+    except (ValueError, OSError) as exc:
+        _usage(str(exc))
+    try:
+        keyids = sign_bundle(file, keys, sigstore_bundle=sigstore)
+    except VerificationError as exc:
+        _failed(exc)
+    for k in keyids:
+        typer.echo(f"signed {file} with key {k}")
+
+
+@bundle_app.command("make-root")
+def make_root_command(
+    out: Annotated[Path, typer.Option("--out", help="Where to write root.json.")],
+    root_key: Annotated[list[Path], typer.Option("--root-key", help="Public (or private) key of the root role.")],
+    bundle_key: Annotated[list[Path], typer.Option("--bundle-key", help="Public key of the bundles role.")],
+    sign_key: Annotated[list[Path], typer.Option("--sign", help="Private key to sign the root with (repeatable).")],
+    root_threshold: Annotated[int, typer.Option("--root-threshold", min=1)] = 1,
+    bundle_threshold: Annotated[int, typer.Option("--bundle-threshold", min=1)] = 1,
+    version: Annotated[int, typer.Option("--version", min=1)] = 1,
+    expires_days: Annotated[int, typer.Option("--expires-days", min=1)] = 365,
+) -> None:
+    """Write a signed trust root (no sigstore policy; use the Python API for that); print its fingerprint."""
+    try:
+        root_keys = [load_public_key(_existing(p, "key")) for p in root_key]
+        bundle_keys = [load_public_key(_existing(p, "key")) for p in bundle_key]
+        signers = [load_private_key(_existing(p, "key")) for p in sign_key]
+        signed = make_root(
+            root_keys=root_keys,
+            bundle_keys=bundle_keys,
+            root_threshold=root_threshold,
+            bundle_threshold=bundle_threshold,
+            version=version,
+            expires=datetime.now(UTC) + timedelta(days=expires_days),
+        )
+    except ValidationError as exc:
+        _usage(_first_error(exc))
+    except (ValueError, OSError) as exc:
+        _usage(str(exc))
+    root = sign_root(signed, signers)
+    out.write_bytes(root.to_bytes())
+    typer.echo(f"wrote {out}: root version {version}, fingerprint {root.fingerprint}")
+
+
+@verify_app.command("bundle")
+def verify_bundle_command(
+    file: Annotated[Path, typer.Argument(help="The bundle (.envex) to verify.")],
+    trust: Annotated[
+        Path | None, typer.Option("--trust", help="Trusted root.json (default: root.json beside the bundle).")
+    ] = None,
+    fingerprint: Annotated[
+        str | None, typer.Option("--fingerprint", help="Require the trust root to have this sha256 fingerprint.")
+    ] = None,
+    high_water: Annotated[
+        str | None, typer.Option("--high-water", help="Refuse versions below this one (anti-rollback).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")] = False,
+) -> None:
+    """Verify a bundle offline; print what was verified, or the one check that failed (exit 1)."""
+    _existing(file, "bundle")
+    root_path = trust if trust is not None else file.parent / "root.json"
+    _existing(root_path, "trust root")
+    try:
+        root = load_root(root_path, fingerprint=fingerprint)
+    except ValueError as exc:  # a malformed --fingerprint
+        _usage(str(exc))
+    except VerificationError as exc:
+        _failed(exc)
+    try:
+        verified = verify_bundle(file, root=root, high_water=high_water)
+    except ValueError as exc:  # a malformed --high-water
+        _usage(f"--high-water: {exc}")
+    except VerificationError as exc:
+        _failed(exc)
+    if trust is None and fingerprint is None:  # after success, so that a failure stays one line on stderr
+        typer.echo(
+            f"warning: trust root {root_path} comes from beside the bundle and is not pinned; compare its "
+            f"fingerprint {root.fingerprint} with the published one, or pass --trust / --fingerprint",
+            err=True,
+        )
+    summary = verified.summary()
+    if as_json:
+        typer.echo(json.dumps({"verified": True, **summary}, indent=2, sort_keys=True))
+        return
+    identity = verified.sigstore_identity
+    lines = [
+        f"verified {verified.name} {verified.version} ({verified.kind})",
+        f"  files:      {verified.file_count} ({verified.total_bytes:,} bytes)",
+        f"  manifest:   sha256 {verified.manifest_sha256}",
+        f"  expires:    {verified.manifest.expires}",
+        f"  signed by:  {', '.join(verified.signer_keyids)} (threshold {root.signed.roles.bundles.threshold})",
+        f"  sigstore:   {f'{identity[1]} via {identity[0]}' if identity else 'none'}",
+        f"  trust root: version {verified.root_version}, fingerprint {verified.root_fingerprint}",
+    ]
+    typer.echo("\n".join(lines))
