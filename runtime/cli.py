@@ -1,0 +1,106 @@
+"""The `envex` command: thin typer commands that parse options and delegate to the packages.
+
+Heavy imports (torch, the engine, the server) happen inside the commands, so `envex --help` and the bundle
+commands stay fast and work where torch is absent.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from envex.bundles.cli import bundle_app, verify_app
+from envex.runtime.loader import EMBEDDED_MODEL
+
+app = typer.Typer(
+    name="envex",
+    help="Envex: an air-gappable inference runtime with an OpenAI-compatible API.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.add_typer(bundle_app, name="bundle")
+app.add_typer(verify_app, name="verify")
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help=f"HF model dir, .gguf file, or {EMBEDDED_MODEL!r}")]
+DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
+DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")]
+BackendOpt = Annotated[str, typer.Option(help="auto | torch | triton")]
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print one line for people on stderr and return the Exit to raise."""
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def engine_config(**kwargs: object):  # -> EngineConfig
+    from envex.runtime.engine.config import EngineConfig
+
+    try:
+        return EngineConfig(**kwargs)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+
+
+@app.command()
+def serve(
+    model: ModelOpt = EMBEDDED_MODEL,
+    launch: Annotated[Path | None, typer.Option(help="start from an installed release's launch.json")] = None,
+    host: Annotated[str, typer.Option(help="address to bind; loopback unless told otherwise")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    backend: BackendOpt = "auto",
+    max_model_len: Annotated[int | None, typer.Option(help="context window to serve (default: the model's)")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="ENVEX_API_KEY", help="require this Bearer key")] = None,
+) -> None:
+    """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
+    from envex.runtime.server.serve import serve as run_server
+
+    if launch is not None:
+        from envex.installer.launch import LaunchError, load_launch
+
+        try:
+            config = load_launch(launch)
+        except LaunchError as exc:
+            raise fail(str(exc)) from None
+    else:
+        config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len)
+    try:
+        run_server(config, host=host, port=port, api_key=api_key)
+    except (ValueError, OSError) as exc:
+        raise fail(str(exc), 1) from None
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="the prompt (a user message when --chat)")],
+    model: ModelOpt = EMBEDDED_MODEL,
+    max_tokens: Annotated[int, typer.Option(min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.0, max=2.0)] = 0.0,
+    chat: Annotated[bool, typer.Option(help="wrap the prompt in the model's chat template")] = True,
+    device: DeviceOpt = "auto",
+    dtype: DtypeOpt = "auto",
+    backend: BackendOpt = "auto",
+) -> None:
+    """Generate from one prompt, streaming tokens to the terminal."""
+    from envex.runtime.server.generate_cli import run_generate
+
+    config = engine_config(model=model, device=device, dtype=dtype, backend=backend)
+    try:
+        code = run_generate(config, prompt, max_tokens=max_tokens, temperature=temperature, chat=chat)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app(prog_name="envex")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
