@@ -55,7 +55,9 @@ def _gemv_kernel(
             if PROLOGUE == 1 or PROLOGUE == 2:
                 sumsq += x * x
                 x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        # The weight is streamed once per step: keep it from evicting the small activations other programs re-read.
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                    eviction_policy="evict_first")  # fmt: skip
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:

@@ -1,0 +1,140 @@
+"""Timing helpers, the read-bandwidth probe and the Llama-3.1-8B-shaped model that kernels/bench_h200.py uses."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+LLAMA31_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+)  # fmt: skip
+
+
+def sync() -> None:
+    torch.cuda.synchronize()
+
+
+def graph_time_ms(fn: Callable[[int], object], n_inner: int, replays: int = 7) -> float:
+    """Median time of one fn(i) call, from CUDA-graph replays of n_inner calls (launch gaps as in a graphed step)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(n_inner, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    sync()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_inner):
+            fn(i)
+    graph.replay()
+    sync()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        sync()
+        times.append(start.elapsed_time(end) / n_inner)
+    del graph
+    return statistics.median(times)
+
+
+def wall_ms(fn: Callable[[], object], repeats: int = 3) -> float:
+    """Median wall time of fn() with a device sync on both sides (for whole generations)."""
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    base = pid * BLOCK * ITERS
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(x_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    tl.store(out_ptr + pid, tl.sum(acc, axis=0))
+
+
+def measure_bandwidth(gib: float = 4.0) -> dict[str, float]:
+    """Device-memory bandwidths in TB/s: a read-only Triton sweep (best of a few shapes), torch sum, and copy."""
+    n = int(gib * 2**30) // 2
+    x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    result: dict[str, float] = {}
+    best = 0.0
+    for block, iters, warps in ((4096, 8, 8), (8192, 4, 8), (2048, 16, 4), (8192, 8, 16)):
+        grid = triton.cdiv(n, block * iters)
+        out = torch.empty(grid, device="cuda", dtype=torch.float32)
+        ms = graph_time_ms(lambda _i, o=out, b=block, it=iters, w=warps, g=grid: _read_kernel[(g,)](
+            x, o, n, BLOCK=b, ITERS=it, num_warps=w), n_inner=5)  # fmt: skip
+        best = max(best, 2 * n / ms / 1e9)
+    result["read_triton_TBps"] = best
+    result["read_torch_sum_TBps"] = 2 * n / graph_time_ms(lambda _i: x.sum(dtype=torch.float32), 5) / 1e9
+    y = torch.empty_like(x)
+    result["copy_rw_TBps"] = 4 * n / graph_time_ms(lambda _i: y.copy_(x), 5) / 1e9
+    result["read_TBps"] = max(result["read_triton_TBps"], result["read_torch_sum_TBps"])
+    return result
+
+
+def build_hf_model(layers: int | None = None):
+    """HF LlamaForCausalLM with the Llama-3.1-8B shape and random bf16 weights (HF's own init, on the GPU)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(LLAMA31_8B)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    config = LlamaConfig(**cfg, tie_word_embeddings=False)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model.eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def envex_weights(hf) -> SimpleNamespace:
+    """The same weights under envex's Llama names, q/k/v and gate/up packed (norms, O, down, embed shared)."""
+    layers = []
+    for layer in hf.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(SimpleNamespace(
+            input_layernorm_weight=layer.input_layernorm.weight,
+            post_attention_layernorm_weight=layer.post_attention_layernorm.weight,
+            qkv_proj_weight=torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+            o_proj_weight=a.o_proj.weight,
+            gate_up_proj_weight=torch.cat([m.gate_proj.weight, m.up_proj.weight]),
+            down_proj_weight=m.down_proj.weight,
+        ))  # fmt: skip
+    return SimpleNamespace(embed_tokens_weight=hf.model.embed_tokens.weight, layers=layers,
+                           norm_weight=hf.model.norm.weight, lm_head_weight=hf.lm_head.weight)  # fmt: skip
+
+
+def step_weight_bytes(w: SimpleNamespace) -> int:
+    """Bytes one decode step must read from weights: every layer's matrices and norms, the final norm, the LM
+    head, and one row of the embedding table."""
+    total = w.norm_weight.nbytes + w.lm_head_weight.nbytes + w.embed_tokens_weight[0].nbytes
+    for layer in w.layers:
+        total += sum(t.nbytes for t in vars(layer).values())
+    return total

@@ -1,0 +1,314 @@
+"""Check and time every kernel at full size on the GPU, then the Llama-3.1-8B-shaped model end to end.
+
+    python3 -m envex.kernels.bench_h200 --out $OUT [--sections bw,kernels,sweep,e2e,hf,batch,hfcompile]
+
+One device call: measured read bandwidth (the roofline), each kernel against its float64 reference and its floor,
+the batch-1 GEMV config sweep, batch-1 decode at 1K/256 and 10K/512 through the fused CUDA-graphed step, HF
+transformers stock (and, asked for, static cache + torch.compile) on the same weights and prompts, and a batch
+sweep. Prints a short table last and writes bench.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from envex.kernels import _bench_lib as B  # noqa: E402
+from envex.kernels import activation, attention, gemv, norm, rotary  # noqa: E402
+from envex.kernels import reference as ref  # noqa: E402
+from envex.kernels.fused_decode import splits_for  # noqa: E402
+from envex.kernels.testing import TOLERANCE, rel_err  # noqa: E402
+
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+MATMUL_TFLOPS = 790.0  # bf16 dense, measured on this workplace's H200s (KINDS.md); prefill floors use it
+HQ, HKV, D, H, INTER, VOCAB, LAYERS = 32, 8, 128, 4096, 14336, 128256, 32
+KV_BYTES_PER_TOKEN = LAYERS * 2 * HKV * D * 2
+
+
+class Report:
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.data: dict = {"rows": []}
+        self.t0 = time.perf_counter()
+
+    def row(self, section: str, name: str, **fields) -> None:
+        fields = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in fields.items()}
+        self.data["rows"].append({"section": section, "name": name, **fields})
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {section:8s} {name:40s} {fields}", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "bench.json").write_text(json.dumps(self.data, indent=1))
+
+
+def _poison(nbytes: int) -> None:
+    """Leave NaNs in the caching allocator's next block of this size, so an unwritten output element shows up."""
+    t = torch.full((max(1, nbytes // 2),), float("nan"), dtype=BF16, device=DEV)
+    del t
+
+
+def check(rep: Report, section: str, name: str, out, want, dtype, bw: float, nbytes: float, time_fn,
+          n_inner: int = 20, flops: float = 0.0) -> None:  # fmt: skip
+    outs = out if isinstance(out, tuple) else (out,)
+    wants = want if isinstance(want, tuple) else (want,)
+    err = max(rel_err(o, w) for o, w in zip(outs, wants, strict=True))
+    ms = B.graph_time_ms(time_fn, n_inner)
+    floor_ms = max(nbytes / bw / 1e9, flops / MATMUL_TFLOPS / 1e9)
+    rep.row(section, name, rel_err=err, ok=bool(err <= TOLERANCE[dtype]), us=ms * 1e3, floor_us=floor_ms * 1e3,
+            of_floor=floor_ms / ms)  # fmt: skip
+
+
+def section_kernels(rep: Report, bw: float) -> None:
+    for t in (1, 4096):
+        _row_kernels(rep, bw, t)
+    _attention_checks(rep, bw)
+    _gemv_checks(rep, bw)
+
+
+def _row_kernels(rep: Report, bw: float, t: int) -> None:
+    s = "kernel"
+    x, r = torch.randn(t, H, device=DEV, dtype=BF16), torch.randn(t, H, device=DEV, dtype=BF16)
+    w = torch.randn(H, device=DEV, dtype=BF16)
+    _poison(x.nbytes)
+    check(rep, s, f"rms_norm T={t}", norm.rms_norm(x, w, 1e-5), ref.rms_norm(x.double(), w.double(), 1e-5),
+          BF16, bw, 2 * x.nbytes, lambda _i: norm.rms_norm(x, w, 1e-5))  # fmt: skip
+    _poison(x.nbytes)
+    check(rep, s, f"add_rms_norm T={t}", norm.add_rms_norm(x, r, w, 1e-5),
+          ref.add_rms_norm(x.double(), r.double(), w.double(), 1e-5), BF16, bw, 4 * x.nbytes,
+          lambda _i: norm.add_rms_norm(x, r, w, 1e-5))  # fmt: skip
+    gu = torch.randn(t, 2 * INTER, device=DEV, dtype=BF16)
+    _poison(gu.nbytes // 2)
+    check(rep, s, f"silu_and_mul T={t}", activation.silu_and_mul(gu), ref.silu_and_mul(gu.double()), BF16, bw,
+          1.5 * gu.nbytes, lambda _i: activation.silu_and_mul(gu))  # fmt: skip
+    qkv = torch.randn(t, (HQ + 2 * HKV) * D, device=DEV, dtype=BF16)
+    q = qkv[:, : HQ * D].view(t, HQ, D)
+    k = qkv[:, HQ * D : (HQ + HKV) * D].view(t, HKV, D)
+    v = qkv[:, -HKV * D :].view(t, HKV, D)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, D, 2, device=DEV).float() / D))
+    freqs = torch.arange(8192, device=DEV).float()[:, None] * inv
+    cos, sin = freqs.cos(), freqs.sin()
+    nb = max(64, t // 16 + 8)
+    kc = torch.zeros(nb, 16, HKV, D, device=DEV, dtype=BF16)
+    vc = torch.zeros_like(kc)
+    kr, vr = kc.double(), vc.double()
+    pos = torch.randint(0, 8192, (t,), device=DEV)
+    slots = torch.randperm(nb * 16, device=DEV)[:t]
+    got = rotary.rotary_and_store_kv(q, k, v, pos, cos, sin, kc, vc, slots)
+    want = ref.rotary_and_store_kv(q.double(), k.double(), v.double(), pos, cos.double(), sin.double(), kr, vr,
+                                   slots)  # fmt: skip
+    check(rep, s, f"rotary_store_kv T={t}", (*got, kc, vc), (*want, kr, vr), BF16, bw, 2 * qkv.nbytes + t * D * 4,
+          lambda _i: rotary.rotary_and_store_kv(q, k, v, pos, cos, sin, kc, vc, slots))  # fmt: skip
+
+
+def _paged(batch: int, seq: int, sets: int):
+    """Disjoint block tables for `sets` rotating copies (so timing reads HBM, not L2), one cache for all."""
+    per = math.ceil(seq / 16)
+    nb = batch * per * sets
+    kc = torch.randn(nb, 16, HKV, D, device=DEV, dtype=BF16)
+    vc = torch.randn(nb, 16, HKV, D, device=DEV, dtype=BF16)
+    perm = torch.randperm(nb, device=DEV).to(torch.int32).view(sets, batch, per)
+    return kc, vc, perm
+
+
+def _attention_checks(rep: Report, bw: float) -> None:
+    for batch, seq in ((1, 1024), (1, 10240), (64, 1024), (256, 1152)):
+        sets = max(2, math.ceil(200e6 / (batch * seq * HKV * D * 4)))
+        kc, vc, tables = _paged(batch, seq, sets)
+        q = torch.randn(batch, HQ, D, device=DEV, dtype=BF16)
+        cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+        sl = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
+        splits = splits_for(batch, HKV, seq, DEV)
+
+        def run(i: int, q=q, kc=kc, vc=vc, tables=tables, cu=cu, sl=sl, seq=seq, splits=splits, sets=sets):
+            return attention.paged_attention(q, kc, vc, cu, sl, tables[i % sets], D**-0.5, max_q_len=1,
+                                             max_seq_len=seq, num_splits=splits)  # fmt: skip
+
+        want = ref.paged_attention(q.double(), kc.double(), vc.double(), cu, sl, tables[0], D**-0.5)
+        _poison(q.nbytes)
+        check(rep, "kernel", f"attn decode B={batch} L={seq} splits={splits}", run(0), want, BF16, bw,
+              batch * seq * HKV * D * 4, run, n_inner=sets * 2)  # fmt: skip
+        del kc, vc
+    for prefix, q_len, do_check in ((2048, 2048, True), (0, 10240, False)):
+        seq = prefix + q_len
+        kc, vc, tables = _paged(1, seq, 1)
+        q = torch.randn(q_len, HQ, D, device=DEV, dtype=BF16)
+        cu = torch.tensor([0, q_len], device=DEV, dtype=torch.int32)
+        sl = torch.tensor([seq], device=DEV, dtype=torch.int32)
+
+        def runp(_i: int, q=q, kc=kc, vc=vc, tables=tables, cu=cu, sl=sl, seq=seq, q_len=q_len):
+            return attention.paged_attention(q, kc, vc, cu, sl, tables[0], D**-0.5, max_q_len=q_len, max_seq_len=seq)
+
+        out = runp(0)
+        want = ref.paged_attention(q.double(), kc.double(), vc.double(), cu, sl, tables[0], D**-0.5) if do_check \
+            else out  # fmt: skip
+        flops = 4.0 * HQ * D * q_len * (prefix + (q_len + 1) / 2)
+        check(rep, "kernel", f"attn prefill q={q_len} prefix={prefix}", out, want, BF16, bw, 0, runp, n_inner=3,
+              flops=flops)  # fmt: skip
+        del kc, vc
+
+
+GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+               "lm_head": (VOCAB, 4096)}  # fmt: skip
+GEMV_BEST: dict[tuple[int, int], tuple[int, int, int]] = {}
+
+
+def _weights(n: int, k: int) -> list[torch.Tensor]:
+    copies = max(2, math.ceil(400e6 / (n * k * 2)))
+    return [torch.randn(n, k, device=DEV, dtype=BF16) / math.sqrt(k) for _ in range(copies)]
+
+
+def section_sweep(rep: Report, bw: float, configs: list[tuple[int, int, int]]) -> None:
+    for name, (n, k) in GEMV_SHAPES.items():
+        ws = _weights(n, k)
+        x = torch.randn(1, k, device=DEV, dtype=BF16)
+        nbytes = n * k * 2
+        cub = B.graph_time_ms(lambda i, ws=ws, x=x: x @ ws[i % len(ws)].t(), 2 * len(ws))
+        rep.row("sweep", f"{name} cuBLAS", us=cub * 1e3, of_bw=nbytes / bw / 1e9 / cub)
+        best = (float("inf"), configs[0])
+        for cfg in configs:
+            try:
+                ms = B.graph_time_ms(lambda i, ws=ws, x=x, cfg=cfg: gemv.gemv(x, ws[i % len(ws)], config=cfg),
+                                     2 * len(ws))  # fmt: skip
+            except Exception as exc:  # a config the compiler rejects (registers/shared memory) is skipped
+                rep.row("sweep", f"{name} {cfg}", error=str(exc)[:120])
+                continue
+            best = min(best, (ms, cfg))
+        rep.row("sweep", f"{name} best {best[1]}", us=best[0] * 1e3, of_bw=nbytes / bw / 1e9 / best[0],
+                vs_cublas=cub / best[0])  # fmt: skip
+        GEMV_BEST[(n, k)] = best[1]
+        del ws
+
+
+def _gemv_checks(rep: Report, bw: float) -> None:
+    for name, (n, k) in GEMV_SHAPES.items():
+        ws = _weights(n, k)
+        cfg = GEMV_BEST.get((n, k))
+        a, b = torch.randn(1, k, device=DEV, dtype=BF16), torch.randn(1, k, device=DEV, dtype=BF16)
+        nw = torch.randn(k, device=DEV, dtype=BF16)
+        if name in ("qkv", "gate_up", "lm_head"):
+            got = gemv.gemv(a, ws[0], prologue=gemv.PROLOGUE_ADD_RMS, b=b, norm_weight=nw, eps=1e-5, config=cfg)
+            want = ref.add_rms_norm_linear(a.double(), b.double(), nw.double(), 1e-5, ws[0].double())
+            fn = lambda i, ws=ws, a=a, b=b, nw=nw, cfg=cfg: gemv.gemv(  # noqa: E731
+                a, ws[i % len(ws)], prologue=gemv.PROLOGUE_ADD_RMS, b=b, norm_weight=nw, eps=1e-5, config=cfg)
+            label = "add_rms+gemv"
+        elif name == "down":
+            gu = torch.randn(1, 2 * k, device=DEV, dtype=BF16)
+            got = (gemv.gemv(gu, ws[0], prologue=gemv.PROLOGUE_SILU_MUL, config=cfg)[0],)
+            want = (ref.silu_and_mul_linear(gu.double(), ws[0].double()),)
+            fn = lambda i, ws=ws, gu=gu, cfg=cfg: gemv.gemv(gu, ws[i % len(ws)], prologue=gemv.PROLOGUE_SILU_MUL,  # noqa: E731
+                                                            config=cfg)  # fmt: skip
+            label = "silu_mul+gemv"
+        else:
+            got = (gemv.gemv(a, ws[0], config=cfg)[0],)
+            want = (ref.linear(a.double(), ws[0].double()),)
+            fn = lambda i, ws=ws, a=a, cfg=cfg: gemv.gemv(a, ws[i % len(ws)], config=cfg)  # noqa: E731
+            label = "gemv"
+        check(rep, "kernel", f"{label} {name} {n}x{k}", tuple(got), tuple(want), BF16, bw, n * k * 2, fn,
+              n_inner=2 * len(ws))  # fmt: skip
+        del ws
+
+
+def _configs(quick: bool) -> list[tuple[int, int, int]]:
+    if quick:
+        return [(8, 512, 4), (4, 1024, 4)]
+    return [(bn, bk, nw) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048) for nw in (4, 8) if bn * bk <= 16384]
+
+
+def guarded(rep: Report, name: str, fn, *args) -> None:
+    """Run one section; a failure is recorded and printed, and the other sections still run."""
+    try:
+        fn(*args)
+    except Exception as exc:  # the report must survive any one section breaking
+        import traceback
+
+        traceback.print_exc()
+        rep.row("error", name, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+
+
+def main() -> None:
+    from envex.kernels import _bench_e2e as E
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    ap.add_argument("--sections", default="bw,kernels,sweep,e2e,hf,batch")
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--quick", action="store_true", help="few GEMV configs, short generations (smoke run)")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
+    args = ap.parse_args()
+    sections = set(args.sections.split(","))
+    rep = Report(args.out)
+    props = torch.cuda.get_device_properties(DEV)
+    import transformers
+    import triton
+
+    rep.data["env"] = dict(device=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                           triton=triton.__version__, transformers=transformers.__version__, commit=args.commit,
+                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           argv=" ".join(os.sys.argv))  # fmt: skip
+    print(rep.data["env"], flush=True)
+    bw = 4.22
+    if "bw" in sections:
+        bws = B.measure_bandwidth()
+        bw = bws["read_TBps"]
+        rep.row("bw", "device memory", **bws)
+    rep.data["read_TBps"] = bw
+    if "sweep" in sections:
+        guarded(rep, "sweep", section_sweep, rep, bw, _configs(args.quick))
+    rep.data["gemv_best"] = {f"{n}x{k}": list(c) for (n, k), c in GEMV_BEST.items()}
+    if "kernels" in sections:
+        guarded(rep, "kernels", section_kernels, rep, bw)
+    results: dict = {}
+    if sections & {"e2e", "hf", "batch", "hfcompile"}:
+        hf = B.build_hf_model()
+        eng = E.Engine8B(hf, num_blocks=21504, gemv_configs=dict(GEMV_BEST))
+        rep.row("e2e", "model", weight_bytes_per_step=eng.weight_bytes, roofline_ms=eng.weight_bytes / bw / 1e9,
+                gpu_mem_gb=torch.cuda.memory_allocated() / 1e9)  # fmt: skip
+        gens = ((1024, 64), (10240, 64)) if args.quick else ((1024, 256), (10240, 512))
+        for prompt, gen in gens:
+            if "e2e" in sections:
+                guarded(rep, f"e2e {prompt}", E.section_batch1, rep, eng, bw, prompt, gen, results)
+        if "hf" in sections:
+            for prompt, gen in gens:
+                if f"prompt_{prompt}" not in results:
+                    results[f"prompt_{prompt}"] = torch.randint(0, 128256, (1, prompt), device=DEV)
+                guarded(rep, f"hf {prompt}", E.section_hf, rep, eng, prompt, gen, results)
+        if "batch" in sections:
+            batches = [int(b) for b in args.batches.split(",")]
+            guarded(rep, "batch sweep", E.section_batch_sweep, rep, eng, bw, batches, 1024 + 128)
+            guarded(rep, "concurrent", E.section_concurrent, rep, eng, bw, 64, 1024, 64 if args.quick else 256, 8)
+        if "hfcompile" in sections:
+            E.hf_compile(eng)
+            for prompt, gen in gens:
+                if f"prompt_{prompt}" not in results:
+                    results[f"prompt_{prompt}"] = torch.randint(0, 128256, (1, prompt), device=DEV)
+                guarded(rep, f"hfc {prompt}", E.section_hf, rep, eng, prompt, gen, results, "static+compile")
+    _table(rep)
+
+
+def _table(rep: Report) -> None:
+    env = rep.data.get("env", {})
+    print("\n=== summary ===", env.get("device"), "read BW", round(rep.data["read_TBps"], 3), "TB/s")
+    keys = ("ok", "rel_err", "us", "of_floor", "of_bw", "vs_cublas", "tok_s", "of_roofline", "roofline_tok_s",
+            "ttft_ms", "step_ms", "out_tok_s", "same_prefix_tokens", "same_greedy_prefix_as_envex", "decode_tok_s",
+            "top1_same", "error")  # fmt: skip
+    for r in rep.data["rows"]:
+        if r["section"] == "sweep" and "best" not in r["name"] and "cuBLAS" not in r["name"]:
+            continue
+        vals = " ".join(f"{k}={r[k]:.4g}" if isinstance(r[k], float) else f"{k}={r[k]}" for k in keys if k in r)
+        print(f"{r['section']:7s} {r['name']:44s} {vals}")
+    rep.save()
+
+
+if __name__ == "__main__":
+    main()
