@@ -41,5 +41,10 @@ def check_tensor(
         check(t.device == device, f"{name}: on {t.device}, expected {device} like the other inputs")
 
 
+def pdl_launch(pdl: bool) -> dict[str, bool]:
+    """Launch options for programmatic dependent launch; empty when off (the interpreter knows no such option)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

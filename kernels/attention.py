@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
 
 LOG2E = 1.4426950408889634
 
@@ -31,8 +31,11 @@ def _attn_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # everything below reads what earlier kernels of the step wrote (q, the new K/V, seq_lens)
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     kvh = tl.program_id(2) // NUM_SPLITS
@@ -108,7 +111,11 @@ def _merge_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -129,11 +136,13 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Split the key range only as far as needed to give every SM ~2 programs, each split ≥ 256 keys."""
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, *,
+                      min_keys: int = 64, programs_per_sm: int = 2) -> int:  # fmt: skip
+    """Split the key range only as far as needed to give every SM `programs_per_sm` programs, each split
+    ≥ min_keys keys (below that the merge costs more than the parallelism gains)."""
     programs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(2 * _sm_count(device), programs)
-    return int(max(1, min(want, triton.cdiv(max_seq_len, 256), 64)))
+    want = triton.cdiv(programs_per_sm * _sm_count(device), programs)
+    return int(max(1, min(want, triton.cdiv(max_seq_len, min_keys), 64)))
 
 
 def paged_attention(
@@ -151,12 +160,15 @@ def paged_attention(
     block_m: int | None = None,
     block_n: int = 64,
     num_warps: int | None = None,
+    num_stages: int | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal attention of packed varlen queries q [T,Hq,D] over paged caches [num_blocks, block_size, Hkv, D].
 
     Sequence b's query rows are cu_seqlens_q[b]:cu_seqlens_q[b+1]; they sit at the last q_len positions of its
     seq_lens[b] cached tokens (already written). max_q_len / max_seq_len bound the batch (host ints, so no sync).
     num_splits: key-range splits (None: chosen from the batch; fixed by a CUDA graph that must not re-plan).
+    pdl: programmatic dependent launch, only inside a chain of kernels that all wait on their predecessor.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, n_q, head_dim = q.shape
@@ -200,7 +212,8 @@ def paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        NUM_SPLITS=num_splits, UPCAST_DOT=INTERPRETING, num_warps=num_warps,
+        NUM_SPLITS=num_splits, UPCAST_DOT=INTERPRETING, USE_PDL=pdl, num_warps=num_warps,
+        **({"num_stages": num_stages} if num_stages else {}), **pdl_launch(pdl),
     )  # fmt: skip
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, n_q)](
@@ -208,6 +221,6 @@ def paged_attention(
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-            num_warps=4,
+            USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out

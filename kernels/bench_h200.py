@@ -160,12 +160,24 @@ def _attention_checks(rep: Report, bw: float) -> None:
 
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                "lm_head": (VOCAB, 4096)}  # fmt: skip
-GEMV_BEST: dict[tuple[int, int], tuple[int, int, int]] = {}
+# The prologue each projection has in the fused decode step.
+GEMV_PROLOGUE = {"qkv": gemv.PROLOGUE_ADD_RMS, "o": gemv.PROLOGUE_NONE, "gate_up": gemv.PROLOGUE_ADD_RMS,
+                 "down": gemv.PROLOGUE_SILU_MUL, "lm_head": gemv.PROLOGUE_ADD_RMS}  # fmt: skip
+GEMV_BEST: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+ATTN_BEST: dict[str, dict] = {}
 
 
 def _weights(n: int, k: int) -> list[torch.Tensor]:
     copies = max(2, math.ceil(400e6 / (n * k * 2)))
     return [torch.randn(n, k, device=DEV, dtype=BF16) / math.sqrt(k) for _ in range(copies)]
+
+
+def _gemv_call(name: str, ws: list[torch.Tensor], k: int, cfg, pdl: bool = False):
+    prologue = GEMV_PROLOGUE[name]
+    a = torch.randn(1, 2 * k if prologue == gemv.PROLOGUE_SILU_MUL else k, device=DEV, dtype=BF16)
+    b, nw = torch.randn(1, k, device=DEV, dtype=BF16), torch.randn(k, device=DEV, dtype=BF16)
+    extra = dict(b=b, norm_weight=nw, eps=1e-5) if prologue == gemv.PROLOGUE_ADD_RMS else {}
+    return lambda i: gemv.gemv(a, ws[i % len(ws)], prologue=prologue, config=cfg, pdl=pdl, **extra)
 
 
 def section_sweep(rep: Report, bw: float, configs: list[tuple[int, int, int]]) -> None:
@@ -178,22 +190,57 @@ def section_sweep(rep: Report, bw: float, configs: list[tuple[int, int, int]]) -
         best = (float("inf"), configs[0])
         for cfg in configs:
             try:
-                ms = B.graph_time_ms(lambda i, ws=ws, x=x, cfg=cfg: gemv.gemv(x, ws[i % len(ws)], config=cfg),
-                                     2 * len(ws))  # fmt: skip
+                ms = B.graph_time_ms(_gemv_call(name, ws, k, cfg), 2 * len(ws))
             except Exception as exc:  # a config the compiler rejects (registers/shared memory) is skipped
                 rep.row("sweep", f"{name} {cfg}", error=str(exc)[:120])
                 continue
+            rep.data.setdefault("sweep_all", []).append([name, list(cfg), ms * 1e3])
             best = min(best, (ms, cfg))
-        rep.row("sweep", f"{name} best {best[1]}", us=best[0] * 1e3, of_bw=nbytes / bw / 1e9 / best[0],
-                vs_cublas=cub / best[0])  # fmt: skip
-        GEMV_BEST[(n, k)] = best[1]
+        pdl_ms = B.graph_time_ms(_gemv_call(name, ws, k, best[1], pdl=True), 2 * len(ws))
+        rep.row("sweep", f"{name} best {best[1]} prologue={GEMV_PROLOGUE[name]}", us=best[0] * 1e3,
+                of_bw=nbytes / bw / 1e9 / best[0], vs_cublas=cub / best[0], pdl_us=pdl_ms * 1e3,
+                pdl_of_bw=nbytes / bw / 1e9 / pdl_ms)  # fmt: skip
+        GEMV_BEST[(n, k, GEMV_PROLOGUE[name])] = best[1]
         del ws
+    _attention_sweep(rep, bw)
+
+
+def _attention_sweep(rep: Report, bw: float) -> None:
+    """Decode attention options per regime: (BLOCK_N, num_stages, min keys per split, programs per SM)."""
+    for regime, batch, seq in (("b1_1k", 1, 1024), ("b1_10k", 1, 10240), ("b64_1k", 64, 1024)):
+        _attention_regime(rep, bw, regime, batch, seq)
+
+
+def _attention_regime(rep: Report, bw: float, regime: str, batch: int, seq: int) -> None:
+    sets = max(2, math.ceil(200e6 / (batch * seq * HKV * D * 4)))
+    kc, vc, tables = _paged(batch, seq, sets)
+    q = torch.randn(batch, HQ, D, device=DEV, dtype=BF16)
+    cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
+    sl = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
+    seen, best = set(), (float("inf"), None)
+    for block_n in (32, 64):
+        for stages in (1, 2, 3):
+            for min_keys in (32, 64, 128, 256):
+                for pps in (2, 4):
+                    splits = splits_for(batch, HKV, seq, DEV, min_keys=min_keys, programs_per_sm=pps)
+                    if (block_n, stages, splits) in seen:
+                        continue
+                    seen.add((block_n, stages, splits))
+                    fn = lambda i, bn=block_n, st=stages, sp=splits: attention.paged_attention(  # noqa: E731
+                        q, kc, vc, cu, sl, tables[i % sets], D**-0.5, max_q_len=1, max_seq_len=seq,
+                        num_splits=sp, block_n=bn, num_stages=st)  # fmt: skip
+                    ms = B.graph_time_ms(fn, 2 * sets)
+                    opts = dict(block_n=block_n, num_stages=stages, min_keys=min_keys, programs_per_sm=pps)
+                    best = min(best, (ms, opts), key=lambda t: t[0])
+    floor_ms = batch * seq * HKV * D * 4 / bw / 1e9
+    rep.row("sweep", f"attn {regime} best {best[1]}", us=best[0] * 1e3, of_floor=floor_ms / best[0])
+    ATTN_BEST[regime] = best[1]
 
 
 def _gemv_checks(rep: Report, bw: float) -> None:
     for name, (n, k) in GEMV_SHAPES.items():
         ws = _weights(n, k)
-        cfg = GEMV_BEST.get((n, k))
+        cfg = GEMV_BEST.get((n, k, GEMV_PROLOGUE[name]))
         a, b = torch.randn(1, k, device=DEV, dtype=BF16), torch.randn(1, k, device=DEV, dtype=BF16)
         nw = torch.randn(k, device=DEV, dtype=BF16)
         if name in ("qkv", "gate_up", "lm_head"):
@@ -222,7 +269,8 @@ def _gemv_checks(rep: Report, bw: float) -> None:
 def _configs(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
         return [(8, 512, 4), (4, 1024, 4)]
-    return [(bn, bk, nw) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048) for nw in (4, 8) if bn * bk <= 16384]
+    return [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for nw in (4, 8)
+            if 2048 <= bn * bk <= 16384]
 
 
 def guarded(rep: Report, name: str, fn, *args) -> None:
@@ -265,19 +313,22 @@ def main() -> None:
     rep.data["read_TBps"] = bw
     if "sweep" in sections:
         guarded(rep, "sweep", section_sweep, rep, bw, _configs(args.quick))
-    rep.data["gemv_best"] = {f"{n}x{k}": list(c) for (n, k), c in GEMV_BEST.items()}
+    rep.data["gemv_best"] = {f"{n}x{k}/p{p}": list(c) for (n, k, p), c in GEMV_BEST.items()}
+    rep.data["attn_best"] = ATTN_BEST
     if "kernels" in sections:
         guarded(rep, "kernels", section_kernels, rep, bw)
     results: dict = {}
     if sections & {"e2e", "hf", "batch", "hfcompile"}:
         hf = B.build_hf_model()
-        eng = E.Engine8B(hf, num_blocks=21504, gemv_configs=dict(GEMV_BEST))
+        eng = E.Engine8B(hf, num_blocks=21504, gemv_configs=dict(GEMV_BEST), attn_best=dict(ATTN_BEST))
         rep.row("e2e", "model", weight_bytes_per_step=eng.weight_bytes, roofline_ms=eng.weight_bytes / bw / 1e9,
                 gpu_mem_gb=torch.cuda.memory_allocated() / 1e9)  # fmt: skip
         gens = ((1024, 64), (10240, 64)) if args.quick else ((1024, 256), (10240, 512))
         for prompt, gen in gens:
             if "e2e" in sections:
                 guarded(rep, f"e2e {prompt}", E.section_batch1, rep, eng, bw, prompt, gen, results)
+        if "e2e" in sections:
+            guarded(rep, "accuracy", E.section_accuracy, rep, eng, results)
         if "hf" in sections:
             for prompt, gen in gens:
                 if f"prompt_{prompt}" not in results:

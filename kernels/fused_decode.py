@@ -45,8 +45,11 @@ class DecodeState:
 
 class FusedDecoder:
     def __init__(self, model, shape: DecodeShape, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 cos: torch.Tensor, sin: torch.Tensor, *, gemv_configs: dict[tuple[int, int], tuple] | None = None,
-                 use_gemv: bool = True) -> None:  # fmt: skip
+                 cos: torch.Tensor, sin: torch.Tensor, *, gemv_configs: dict[tuple[int, int, int], tuple] | None = None,
+                 use_gemv: bool = True, pdl: bool = False, attn_kwargs: dict | None = None) -> None:  # fmt: skip
+        """gemv_configs: (N, K, prologue) -> (BLOCK_N, BLOCK_K, num_warps), tuned by kernels/bench_h200.py.
+        pdl: chain the batch-1 kernels with programmatic dependent launch (each waits on its predecessor).
+        attn_kwargs: extra paged_attention options for decode (block_n, num_warps, num_stages)."""
         self.model = model
         self.shape = shape
         self.kv_caches = kv_caches
@@ -54,10 +57,14 @@ class FusedDecoder:
         self.block_size = kv_caches[0][0].shape[1]
         self.gemv_configs = gemv_configs or {}
         self.use_gemv = use_gemv
+        self.pdl = pdl
+        self.attn_kwargs = attn_kwargs or {}
         self.ops = TritonOps()
 
-    def _gemv(self, a: torch.Tensor, w: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return gemv.gemv(a, w, config=self.gemv_configs.get(tuple(w.shape)), **kw)
+    def _gemv(self, a: torch.Tensor, w: torch.Tensor, prologue: int = gemv.PROLOGUE_NONE,
+              **kw) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        key = (w.shape[0], w.shape[1], gemv.PROLOGUE_ADD_RMS if prologue == gemv.PROLOGUE_RMS else prologue)
+        return gemv.gemv(a, w, prologue=prologue, config=self.gemv_configs.get(key), pdl=self.pdl, **kw)
 
     def forward(self, state: DecodeState, num_splits: int, max_seq_len: int) -> torch.Tensor:
         """One token per sequence at state.positions -> logits [B, V]. Writes this token's K/V into the cache."""
@@ -88,10 +95,12 @@ class FusedDecoder:
             q = qkv[:, :q_size].view(batch, s.num_heads, s.head_dim)  # [B, Hq, D] views of the fused output
             k = qkv[:, q_size : q_size + kv_size].view(batch, s.num_kv_heads, s.head_dim)
             v = qkv[:, q_size + kv_size :].view(batch, s.num_kv_heads, s.head_dim)
-            q, _ = rotary.rotary_and_store_kv(q, k, v, state.positions, self.cos, self.sin, k_cache, v_cache, slots)
+            pdl = self.pdl and one_row
+            q, _ = rotary.rotary_and_store_kv(q, k, v, state.positions, self.cos, self.sin, k_cache, v_cache, slots,
+                                              pdl=pdl)  # fmt: skip
             attn = attention.paged_attention(
                 q, k_cache, v_cache, state.cu_seqlens_q, seq_lens, state.block_tables, s.head_dim**-0.5,
-                max_q_len=1, max_seq_len=max_seq_len, num_splits=num_splits,
+                max_q_len=1, max_seq_len=max_seq_len, num_splits=num_splits, pdl=pdl, **self.attn_kwargs,
             ).view(batch, q_size)  # fmt: skip
             if one_row:
                 o, _ = self._gemv(attn, layer.o_proj_weight)
@@ -153,5 +162,5 @@ def prefill(model, shape: DecodeShape, kv_caches: list[tuple[torch.Tensor, torch
     return normed @ model.lm_head_weight.t()
 
 
-def splits_for(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    return attention.choose_num_splits(batch, num_kv_heads, max_seq_len, device)
+def splits_for(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, **kw) -> int:
+    return attention.choose_num_splits(batch, num_kv_heads, max_seq_len, device, **kw)

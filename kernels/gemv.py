@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
@@ -29,18 +29,31 @@ PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 def _gemv_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
+    kk = tl.arange(0, BLOCK_K)
+    # The weight never depends on the previous kernel, so its first tile is requested before waiting on that
+    # kernel (programmatic dependent launch), and each later tile one iteration ahead of its use. The weight is
+    # streamed once per step: evict_first keeps it from pushing out the small activations other programs re-read.
+    w_next = tl.load(w_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0,
+                     eviction_policy="evict_first")  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+        w = w_next
+        cols = k0 + kk
         k_ok = cols < K
+        ahead = cols + BLOCK_K
+        w_next = tl.load(w_rows + ahead[None, :], mask=row_ok[:, None] & (ahead < K)[None, :], other=0.0,
+                         eviction_policy="evict_first")  # fmt: skip
         if PROLOGUE == 3:  # silu(g) * u, the fused gate-up row is [g | u] of length 2K
             g = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0).to(tl.float32)
             u = tl.load(a_ptr + m * stride_am + K + cols, mask=k_ok, other=0.0).to(tl.float32)
@@ -55,9 +68,6 @@ def _gemv_kernel(
             if PROLOGUE == 1 or PROLOGUE == 2:
                 sumsq += x * x
                 x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        # The weight is streamed once per step: keep it from evicting the small activations other programs re-read.
-        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
@@ -80,11 +90,14 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     config: tuple[int, int, int] | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
 
     a: [M,K] ([M,2K] for PROLOGUE_SILU_MUL); b: [M,K] (ADD_RMS); norm_weight: [K] (ADD_RMS, RMS). Meant for small
-    M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M.
+    M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M. pdl: launch with
+    programmatic dependent launch (Hopper), so this kernel's weight stream overlaps the previous kernel's tail;
+    only for a chain of kernels that all wait on their predecessor (the fused decode step).
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     n, k = weight.shape
@@ -113,6 +126,7 @@ def gemv(
     nw = norm_weight if norm_weight is not None else weight
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
         a, bb, nw, weight, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0), h.stride(0),
-        float(eps), K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps,
+        float(eps), K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=num_warps,
+        **pdl_launch(pdl),
     )  # fmt: skip
     return out, (h if prologue == PROLOGUE_ADD_RMS else None)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_launch
 
 
 @triton.jit
@@ -39,7 +39,11 @@ def _rotary_store_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
     stride_qot, stride_qoh, stride_kot, stride_koh,
     HEAD_DIM: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    if USE_PDL:  # q, k, v, positions and slots all come from earlier kernels of the step
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     pos = tl.load(pos_ptr + t)
@@ -71,6 +75,8 @@ def rotary_and_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T,Hq,D] and k [T,Hkv,D]; write k_rot and v to the paged caches at slot_mapping.
 
@@ -107,6 +113,6 @@ def rotary_and_store_kv(
         n_q, n_kv, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
         q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1),
         HEAD_DIM=head_dim, BLOCK_HQ=next_pow2(n_q), BLOCK_HKV=next_pow2(n_kv), BLOCK_HALF=next_pow2(head_dim // 2),
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
     )  # fmt: skip
     return q_rot, k_rot
