@@ -1,0 +1,117 @@
+"""What a model or runtime bundle says about itself: `envex-model.json` and `envex-runtime.json` in its payload.
+
+Both files are covered by the bundle's signature (they are payload files), so the planner can trust them once
+the bundle verified. Unknown keys are rejected.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Literal
+
+from envex.bundles import VerifiedBundle
+from envex.bundles.archive import BundleArchive
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MODEL_CARD = "envex-model.json"
+RUNTIME_CARD = "envex-runtime.json"
+WHEELHOUSE = "wheelhouse"
+MAX_CARD_BYTES = 1 << 20
+
+
+class CardError(ValueError):
+    """A bundle's card is missing or invalid."""
+
+
+class _Card(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelDefaults(_Card):
+    """Launch defaults the model's publisher recommends; the planner may lower them to fit this machine."""
+
+    max_model_len: int = Field(ge=2)
+    max_num_seqs: int = Field(ge=1)
+
+
+class SmokeTest(_Card):
+    """A prompt the model must answer (case-insensitively containing `expect`) under greedy decoding."""
+
+    prompt: str = Field(min_length=1, max_length=2000)
+    expect: str = Field(min_length=1, max_length=200)
+
+
+class ModelCard(_Card):
+    """envex-model.json: how to load the weights in the payload and how big they are in memory."""
+
+    served_name: str = Field(min_length=1, max_length=128)
+    format: Literal["gguf", "hf"]
+    weights: str  # payload path of the .gguf file, or of the HF directory ("." for the payload root)
+    architecture: str
+    parameters: int = Field(ge=1)
+    num_layers: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    max_position_embeddings: int = Field(ge=2)
+    quantization: str  # e.g. "Q4_1" (GGUF), "bfloat16" (safetensors)
+    defaults: ModelDefaults
+    smoke: SmokeTest | None = None
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+class RuntimeCard(_Card):
+    """envex-runtime.json: the wheelhouse under `wheelhouse/` and what to install from it.
+
+    `complete`: every dependency is in the wheelhouse (production). `demo`: only envex (and perhaps a few wheels)
+    is; the rest comes from the installing Python environment, offline. See offline_docs/install.md.
+    """
+
+    wheelhouse: Literal["complete", "demo"]
+    install: list[str] = Field(min_length=1, max_length=64)  # pip requirements, e.g. ["envex==0.1.0"]
+    envex_version: str
+    python: str = ">=3.11"
+
+
+def _read_card(bundle: VerifiedBundle, name: str) -> bytes:
+    entry = next((f for f in bundle.manifest.files if f.path == name), None)
+    if entry is None:
+        raise CardError(f"{bundle.path}: {bundle.kind} bundle has no {name}; rebuild it with envex demo or the docs")
+    if entry.size > MAX_CARD_BYTES:
+        raise CardError(f"{bundle.path}: {name} is larger than {MAX_CARD_BYTES} bytes")
+    with BundleArchive.open(bundle.path) as archive:
+        member = archive.payload_members()[name]
+        data = b"".join(bytes(chunk) for chunk in archive.stream(member))
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise CardError(f"{bundle.path}: {name} changed since the bundle was verified; check the media")
+    return data
+
+
+def _parse(cls: type[_Card], data: bytes, where: str) -> _Card:
+    try:
+        return cls.model_validate(json.loads(data))
+    except (ValueError, ValidationError) as exc:
+        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
+        detail = ".".join(str(p) for p in first["loc"]) + ": " + first["msg"] if first else str(exc)
+        raise CardError(f"{where}: invalid ({detail})") from None
+
+
+def model_card(bundle: VerifiedBundle) -> ModelCard:
+    card = _parse(ModelCard, _read_card(bundle, MODEL_CARD), f"{bundle.path}: {MODEL_CARD}")
+    assert isinstance(card, ModelCard)
+    return card
+
+
+def runtime_card(bundle: VerifiedBundle) -> RuntimeCard:
+    card = _parse(RuntimeCard, _read_card(bundle, RUNTIME_CARD), f"{bundle.path}: {RUNTIME_CARD}")
+    assert isinstance(card, RuntimeCard)
+    return card
+
+
+def load_model_card(path: Path) -> ModelCard:
+    card = _parse(ModelCard, path.read_bytes(), str(path))
+    assert isinstance(card, ModelCard)
+    return card

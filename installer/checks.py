@@ -1,0 +1,89 @@
+"""Step 5: the quality gates and the benchmark of the new release, run on this machine by the release itself.
+
+The gate runner (`envex.installer.gate_runner`) runs in the release's venv as a child process; its report lands
+in `<prefix>/reports/<release>/gates.json`, outside the release slot, so it survives the removal of a slot that
+failed. The installer reads the verdict from that file, never from the child's exit code alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from envex.installer.cards import ModelCard
+from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV
+from envex.installer.media import InstallError
+from envex.installer.release import release_dir, venv_python
+from envex.installer.state import CheckSummary, now_ts
+
+REPORTS_DIR = "reports"
+
+
+def report_dir(prefix: Path, release_id: str) -> Path:
+    return Path(prefix) / REPORTS_DIR / release_id
+
+
+def run_checks(
+    prefix: Path,
+    release_id: str,
+    card: ModelCard,
+    *,
+    suite: str,
+    bench: bool,
+    injected_report: Path | None = None,
+) -> tuple[CheckSummary, dict[str, Any]]:
+    """Run the gates (and benchmark) of `release_id`; returns the summary for state.json and the full report.
+
+    `injected_report` is a test hook (ENVEX_TEST_GATES_REPORT, read only by the CLI): a prepared gates.json used
+    in place of running the gates, so fault-injection tests need not spend a minute per install.
+    """
+    out = report_dir(prefix, release_id)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    report_file = out / "gates.json"
+    if injected_report is not None:
+        shutil.copyfile(injected_report, report_file)
+    else:
+        slot = release_dir(prefix, release_id)
+        cmd = [
+            str(venv_python(slot / "venv")),
+            "-m",
+            "envex.installer.gate_runner",
+            "--launch",
+            str(slot / LAUNCH_FILE),
+            "--out",
+            str(out),
+            "--suite",
+            suite,
+        ]
+        if not bench:
+            cmd.append("--no-bench")
+        if card.smoke is not None:
+            cmd += ["--smoke-prompt", card.smoke.prompt, "--smoke-expect", card.smoke.expect]
+        env = {**os.environ, **OFFLINE_ENV}
+        with open(out / "gate_runner.log", "wb") as log:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+        if not report_file.is_file():
+            raise InstallError(
+                f"gates: the gate runner exited {proc.returncode} without a report; see {out / 'gate_runner.log'}"
+            )
+    try:
+        report = json.loads(report_file.read_text())
+        summary = CheckSummary(
+            verdict="pass" if report.get("verdict") == "pass" else "fail",
+            suite=str(report.get("suite", suite)),
+            gates={str(k): str(v) for k, v in dict(report.get("gates", {})).items()},
+            report=str(report_file.relative_to(prefix)),
+            bench={str(k): float(v) for k, v in dict(report.get("bench", {})).items()},
+            finished_at=now_ts(),
+        )
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise InstallError(f"gates: {report_file} is not a gate report ({exc})") from None
+    if not summary.gates:  # an empty report proves nothing: fail closed
+        summary = summary.model_copy(update={"verdict": "fail"})
+    return summary, report

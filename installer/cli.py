@@ -1,0 +1,231 @@
+"""`envex-install` and the installer's `envex` commands (status, activate, rollback, demo): thin typer wrappers.
+
+Exit codes: 0 success; 1 the install (or rollback/activation) failed and the previous release stays active;
+2 bad usage or input; 3 another installer holds the prefix's lock.
+
+Test hooks (read here only, documented in offline_docs/install.md): ENVEX_TEST_PAUSE_AT=<step> stops the
+installer with SIGSTOP before that step; ENVEX_TEST_GATES_REPORT=<gates.json> replaces running the gates.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from envex.installer.fsutil import LockHeldError, PrefixLock
+from envex.installer.media import InstallError
+from envex.installer.state import StateError, load_state
+
+EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 1, 2, 3
+DEMO_PREFIX = Path("demo-prefix")
+
+PrefixOpt = Annotated[Path, typer.Option("--prefix", help="the appliance prefix (state.json, releases/, current)")]
+
+
+def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _test_hooks() -> tuple[str | None, Path | None]:
+    from envex.installer.ui import STEPS
+
+    pause = os.environ.get("ENVEX_TEST_PAUSE_AT") or None
+    if pause is not None and pause not in STEPS:
+        _fail(f"ENVEX_TEST_PAUSE_AT={pause!r}: not one of {', '.join(STEPS)}", EXIT_USAGE)
+    report = os.environ.get("ENVEX_TEST_GATES_REPORT") or None
+    return pause, Path(report) if report else None
+
+
+def run_install(
+    *,
+    media: Path,
+    prefix: Path,
+    trust_fingerprint: str | None,
+    yes: bool,
+    model: str | None = None,
+    max_model_len: int | None = None,
+    suite: str = "quick",
+    bench: bool = True,
+    gpu: bool = True,
+    reinstall: bool = False,
+) -> int:
+    """Run the install chain with its progress display; returns the exit code."""
+    from envex.installer.launch import set_offline_env
+    from envex.installer.netguard import install_guard
+    from envex.installer.pipeline import InstallOptions, install
+    from envex.installer.ui import InstallUI
+
+    set_offline_env()
+    install_guard()  # this process never needs a non-loopback connection: refuse any
+    pause, gates_report = _test_hooks()
+    if suite not in ("quick", "full"):
+        _fail(f"--suite {suite!r}: use quick or full", EXIT_USAGE)
+    ui = InstallUI(pause_at=pause)
+
+    def confirm(fingerprint: str) -> bool:
+        if yes or not sys.stdin.isatty():
+            return False
+        ui.console.print(f"First install into {prefix}. The media's trust root has fingerprint:\n  {fingerprint}")
+        return typer.confirm("Does it match the fingerprint published to you out of band?", default=False)
+
+    options = InstallOptions(
+        media=media,
+        prefix=prefix,
+        trust_fingerprint=trust_fingerprint,
+        model=model,
+        max_model_len=max_model_len,
+        suite=suite,
+        bench=bench,
+        use_gpu=gpu,
+        reinstall=reinstall,
+        test_gates_report=gates_report,
+    )
+    try:
+        outcome = install(options, ui, confirm)
+    except LockHeldError as exc:
+        _fail(str(exc), EXIT_LOCKED)
+    except StateError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    if not outcome.ok:
+        typer.echo(f"error: {outcome.message}", err=True)
+        return EXIT_FAILED
+    return 0
+
+
+def install_command(
+    media: Annotated[Path, typer.Option("--media", help="the install media: bundles/, trust/root.json")],
+    prefix: PrefixOpt,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="never prompt (first install then needs --trust-fingerprint)")
+    ] = False,
+    trust_fingerprint: Annotated[
+        str | None, typer.Option(help="the trust root fingerprint to pin on first install")
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="install this model bundle (default: the newest)")] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(min=2, help="context to plan for (default: the model card's)")
+    ] = None,
+    suite: Annotated[str, typer.Option(help="gate suite: quick | full")] = "quick",
+    bench: Annotated[bool, typer.Option("--bench/--no-bench", help="run the benchmark after the gates")] = True,
+    gpu: Annotated[bool, typer.Option("--gpu/--cpu", help="--cpu: install for CPU even where a GPU is present")] = True,
+    reinstall: Annotated[bool, typer.Option(help="install even when the active release has the same bundles")] = False,
+) -> None:
+    """Verify the media, probe this machine, install a new release, gate it, and activate it only if it passes."""
+    raise typer.Exit(
+        run_install(
+            media=media,
+            prefix=prefix,
+            trust_fingerprint=trust_fingerprint,
+            yes=yes,
+            model=model,
+            max_model_len=max_model_len,
+            suite=suite,
+            bench=bench,
+            gpu=gpu,
+            reinstall=reinstall,
+        )
+    )
+
+
+def main() -> None:
+    """Console script `envex-install`."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    app.command(name="envex-install")(install_command)
+    app(prog_name="envex-install")
+
+
+# ---- `envex` commands, registered by runtime/cli.py ---------------------------------------------------------------
+
+
+def status(prefix: PrefixOpt = Path("/opt/envex")) -> None:
+    """Show the active release, every release with its gate verdict, the trust root and the high-water marks."""
+    from envex.installer.activate import status_lines
+
+    try:
+        state = load_state(prefix)
+    except StateError as exc:
+        _fail(str(exc), EXIT_USAGE)
+    if not (prefix / "state.json").is_file():
+        _fail(f"{prefix}: no state.json; nothing is installed there (run envex-install --prefix {prefix})", EXIT_USAGE)
+    for line in status_lines(prefix, state):
+        typer.echo(line)
+
+
+def _locked_change(prefix: Path, change: str, release: str | None = None) -> None:
+    from envex.installer.activate import activate_release, reconcile, rollback_target
+
+    try:
+        with PrefixLock(prefix):
+            state = reconcile(prefix, load_state(prefix))
+            if change == "rollback":
+                target = rollback_target(prefix, state)
+                state = activate_release(prefix, state, target.id, event="rollback")
+            else:
+                assert release is not None
+                state = activate_release(prefix, state, release)
+    except LockHeldError as exc:
+        _fail(str(exc), EXIT_LOCKED)
+    except (InstallError, StateError) as exc:
+        _fail(str(exc))
+    typer.echo(
+        f"{state.active} is active ({prefix / 'current'}); restart the server to serve it "
+        f"(systemctl restart envex, or envex serve --launch {prefix / 'current' / 'launch.json'})"
+    )
+
+
+def activate(
+    release: Annotated[str, typer.Argument(help="a release id from envex status that passed its gates")],
+    prefix: PrefixOpt = Path("/opt/envex"),
+) -> None:
+    """Make an installed release that passed its gates the active one."""
+    _locked_change(prefix, "activate", release)
+
+
+def rollback(prefix: PrefixOpt = Path("/opt/envex")) -> None:
+    """Activate the release before the active one that passed its gates (bundle high-water marks stay)."""
+    _locked_change(prefix, "rollback")
+
+
+def demo(
+    prefix: Annotated[Path, typer.Option(help="where to install the demo")] = DEMO_PREFIX,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="port to serve on (127.0.0.1)")] = 8000,
+    serve: Annotated[bool, typer.Option("--serve/--no-serve", help="serve the activated release")] = True,
+    bench: Annotated[bool, typer.Option("--bench/--no-bench")] = True,
+    suite: Annotated[str, typer.Option(help="gate suite: quick | full")] = "quick",
+    runtime_version: Annotated[str, typer.Option(help="version of the demo runtime bundle")] = "0.1.0",
+    model_version: Annotated[str, typer.Option(help="version of the demo model bundle")] = "1.0.0",
+    wheel: Annotated[Path | None, typer.Option(help="an envex wheel to ship (default: build from the source)")] = None,
+    gpu: Annotated[bool, typer.Option("--gpu/--cpu")] = True,
+) -> None:
+    """The embedded default end to end: demo keys and signed media, install, gates and benchmark, activate, serve."""
+    from envex.installer.demo import build_demo_media
+
+    prefix = prefix.absolute()
+    work = prefix / ".demo"
+    media = work / "media"
+    typer.echo(f"building signed demo media in {media} (demo key in {work / 'keys'})")
+    try:
+        built = build_demo_media(
+            media, work / "keys", runtime_version=runtime_version, model_version=model_version, wheel=wheel
+        )
+    except (InstallError, ValueError, OSError) as exc:
+        _fail(f"demo media: {exc}")
+    code = run_install(
+        media=media, prefix=prefix, trust_fingerprint=built.fingerprint, yes=True, suite=suite, bench=bench, gpu=gpu
+    )
+    if code != 0:
+        raise typer.Exit(code)
+    if serve:
+        envex = prefix / "current" / "venv" / "bin" / "envex"
+        launch = prefix / "current" / "launch.json"
+        typer.echo(f"serving {launch} on http://127.0.0.1:{port}/v1 (Ctrl-C to stop)")
+        sys.stdout.flush()
+        os.execv(envex, [str(envex), "serve", "--launch", str(launch), "--host", "127.0.0.1", "--port", str(port)])
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

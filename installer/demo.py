@@ -1,0 +1,174 @@
+"""`envex demo`: signed demo media built on the fly from the embedded model, for the whole install chain.
+
+Demo trust: one Ed25519 key holds every role (fine for a demo, wrong for production; see offline_docs/bundles.md).
+The key and root live in `<workdir>/keys` and are reused, so a second `envex demo` meets the root it pinned.
+
+Demo wheelhouse: the runtime bundle holds the envex wheel only (built offline from the source tree with
+`pip wheel --no-deps --no-build-isolation`); the release venv takes torch and the other dependencies from the
+environment that runs the installer (see release.create_venv). Production runtime bundles carry every wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from envex.bundles import build_bundle, load_private_key, load_root, make_demo_trust, sign_bundle
+from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, ModelCard, ModelDefaults, RuntimeCard, SmokeTest
+from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR, InstallError
+
+RUNTIME_BUNDLE = "envex-runtime"
+DEMO_LIFETIME = timedelta(days=365)
+INSTALL_SH = Path(__file__).with_name("install.sh")
+
+
+@dataclass(frozen=True)
+class DemoMedia:
+    media: Path
+    fingerprint: str
+    key_path: Path
+    runtime_version: str
+    model_version: str
+
+
+def source_root() -> Path | None:
+    """The source tree this envex runs from (editable installs), or None for an installed wheel."""
+    here = Path(__file__).resolve().parent.parent
+    return here if (here / "pyproject.toml").is_file() and (here / "installer").is_dir() else None
+
+
+def build_envex_wheel(out_dir: Path, root: Path | None = None) -> Path:
+    """Build the envex wheel offline from the source tree (no build isolation, no index, no dependencies)."""
+    root = root or source_root()
+    if root is None:
+        raise InstallError("demo: envex is not running from its source tree; give --wheel with an envex wheel")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="envex-wheel-") as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "--isolated",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            tmp,
+            str(root),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        wheels = sorted(Path(tmp).glob("envex-*.whl"))
+        if proc.returncode != 0 or not wheels:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no wheel"]
+            raise InstallError(f"demo: building the envex wheel from {root} failed: {tail[0]}")
+        target = out_dir / wheels[0].name
+        shutil.copyfile(wheels[0], target)
+    return target
+
+
+def model_card_for(path: Path, served_name: str) -> ModelCard:
+    """The card of a GGUF file, from its metadata (architecture, sizes, window)."""
+    from envex.runtime.loader import load_model_info
+
+    info = load_model_info(str(path))
+    c = info.config
+    attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+    layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    quantization = path.stem.rsplit(".", 1)[-1] if "." in path.stem else "gguf"
+    return ModelCard(
+        served_name=served_name,
+        format="gguf",
+        weights=path.name,
+        architecture=c.architecture,
+        parameters=embeddings + c.num_hidden_layers * layer + c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        quantization=quantization,
+        defaults=ModelDefaults(max_model_len=min(2048, c.max_position_embeddings), max_num_seqs=8),
+        smoke=SmokeTest(prompt="What is the capital of France?", expect="Paris"),
+    )
+
+
+def demo_trust(keys_dir: Path) -> tuple[Path, Path, str]:
+    """(root.json, key, fingerprint) of the demo trust in `keys_dir`, made on first use and reused after."""
+    root_path, key_path = keys_dir / ROOT_FILE, keys_dir / "demo.key"
+    if root_path.is_file() and key_path.is_file():
+        return root_path, key_path, load_root(root_path).fingerprint
+    keys_dir.mkdir(parents=True, exist_ok=True)
+    trust = make_demo_trust(keys_dir, expires=datetime.now(UTC) + DEMO_LIFETIME)
+    return trust.root_path, trust.key_path, trust.fingerprint
+
+
+def build_demo_media(
+    media: Path,
+    keys_dir: Path,
+    *,
+    runtime_version: str = "0.1.0",
+    model_version: str = "1.0.0",
+    wheel: Path | None = None,
+    model_path: Path | None = None,
+) -> DemoMedia:
+    """Write signed demo media into `media` (created; existing bundles of other versions are kept)."""
+    from envex.runtime.loader import EMBEDDED_MODEL, embedded_model_path
+
+    root_path, key_path, fingerprint = demo_trust(keys_dir)
+    key = load_private_key(key_path)
+    (media / TRUST_DIR).mkdir(parents=True, exist_ok=True)
+    (media / BUNDLES_DIR).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(root_path, media / TRUST_DIR / ROOT_FILE)
+    shutil.copyfile(INSTALL_SH, media / "install.sh")
+    (media / "install.sh").chmod(0o755)
+    docs = Path(__file__).resolve().parent.parent / "offline_docs"
+    if docs.is_dir():
+        shutil.copytree(
+            docs, media / "offline_docs", ignore=shutil.ignore_patterns("*.py", "__pycache__"), dirs_exist_ok=True
+        )
+    gguf = model_path or embedded_model_path()
+    with tempfile.TemporaryDirectory(prefix="envex-demo-") as tmp:
+        runtime_src = Path(tmp) / "runtime"
+        wheelhouse = runtime_src / WHEELHOUSE
+        wheelhouse.mkdir(parents=True)
+        if wheel is not None:
+            shutil.copyfile(wheel, wheelhouse / wheel.name)
+            built = wheelhouse / wheel.name
+        else:
+            built = build_envex_wheel(wheelhouse)
+        envex_version = built.name.split("-")[1]
+        card = RuntimeCard(wheelhouse="demo", install=["envex"], envex_version=envex_version)
+        (runtime_src / RUNTIME_CARD).write_text(card.model_dump_json(indent=2) + "\n")
+        runtime = build_bundle(
+            runtime_src,
+            kind="runtime",
+            name=RUNTIME_BUNDLE,
+            version=runtime_version,
+            out=media / BUNDLES_DIR,
+            targets={"accelerators": [], "min_driver": None, "python": ">=3.11", "torch": None, "triton": None},
+        )
+        sign_bundle(runtime, [key])
+        model_src = Path(tmp) / "model"
+        model_src.mkdir()
+        shutil.copyfile(gguf, model_src / gguf.name)
+        mcard = model_card_for(gguf, EMBEDDED_MODEL)
+        (model_src / MODEL_CARD).write_text(json.dumps(mcard.model_dump(), indent=2) + "\n")
+        model = build_bundle(
+            model_src,
+            kind="model",
+            name=EMBEDDED_MODEL,
+            version=model_version,
+            out=media / BUNDLES_DIR,
+            requires=[{"name": RUNTIME_BUNDLE, "kind": "runtime", "version": ">=0.1.0"}],
+        )
+        sign_bundle(model, [key])
+    return DemoMedia(media, fingerprint, key_path, runtime_version, model_version)

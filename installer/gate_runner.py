@@ -1,0 +1,209 @@
+"""Run a release's quality gates and benchmark, inside that release's own venv: `python -m envex.installer.gate_runner`.
+
+The installer starts this with the new release's interpreter, so what is gated is exactly the code, weights and
+kernels that will be served. It writes `<out>/gates.json` (the verdict, each gate, the benchmark's headline
+numbers) and exits 0 when every gate passed, 1 when one failed, 2 when the gates could not run.
+
+Gates: `installer.smoke` (the engine loads from launch.json, answers the model card's smoke prompt greedily and
+deterministically), then the quality suite of `envex.verify.gates` (required: a release without it fails closed)
+and the benchmark of `envex.verify.bench` when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+SMOKE_PROMPT = "What is the capital of France?"
+SMOKE_EXPECT = "Paris"
+
+
+def as_json(value: Any) -> Any:
+    """Best-effort JSON form of a report object (pydantic model, dataclass, dict, or an object with to_dict)."""
+    for attr in ("model_dump", "to_dict", "as_dict"):
+        method = getattr(value, attr, None)
+        if callable(method):
+            try:
+                return json.loads(json.dumps(method(mode="json") if attr == "model_dump" else method(), default=str))
+            except TypeError:
+                return json.loads(json.dumps(method(), default=str))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return json.loads(json.dumps(dataclasses.asdict(value), default=str))
+    return json.loads(json.dumps(value, default=str))
+
+
+def verdict_of(report: Any) -> str:
+    """'pass' or 'fail' from a report: `passed` (bool) or `verdict`/`overall` ('pass'...); unknown counts as fail."""
+    for key in ("passed", "ok"):
+        if isinstance(report, dict) and isinstance(report.get(key), bool):
+            return "pass" if report[key] else "fail"
+    for key in ("verdict", "overall", "status"):
+        value = report.get(key) if isinstance(report, dict) else None
+        if isinstance(value, str):
+            return "pass" if value.lower() in ("pass", "passed", "ok") else "fail"
+        if isinstance(value, dict):
+            return verdict_of(value)
+    return "fail"
+
+
+def gate_verdicts(report: Any) -> dict[str, str]:
+    """Per-gate verdicts from a report's `gates` (a list of {name, verdict} or a mapping name -> gate)."""
+    gates = report.get("gates") if isinstance(report, dict) else None
+    out: dict[str, str] = {}
+    if isinstance(gates, list):
+        for i, gate in enumerate(gates):
+            if isinstance(gate, dict):
+                out[str(gate.get("name", f"gate{i}"))] = _gate_word(gate)
+    elif isinstance(gates, dict):
+        for name, gate in gates.items():
+            out[str(name)] = (
+                _gate_word(gate) if isinstance(gate, dict) else ("pass" if gate in (True, "pass") else "fail")
+            )
+    return out
+
+
+def _gate_word(gate: dict[str, Any]) -> str:
+    for key in ("verdict", "status"):
+        value = gate.get(key)
+        if isinstance(value, str):
+            v = value.lower()
+            return "pass" if v in ("pass", "passed", "ok") else ("skip" if v in ("skip", "skipped") else "fail")
+    if isinstance(gate.get("passed"), bool):
+        return "pass" if gate["passed"] else "fail"
+    return "fail"
+
+
+def smoke_gate(engine: Any, prompt: str, expect: str) -> dict[str, Any]:
+    from envex.runtime.engine import SamplingParams
+
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    start = time.perf_counter()
+    first = engine.generate([chat], params)[0]
+    elapsed = time.perf_counter() - start
+    second = engine.generate([chat], params)[0]
+    ok = expect.lower() in first.text.lower() and first.token_ids == second.token_ids
+    return {
+        "name": "installer.smoke",
+        "verdict": "pass" if ok else "fail",
+        "evidence": {
+            "prompt": prompt,
+            "text": first.text,
+            "expect": expect,
+            "deterministic": first.token_ids == second.token_ids,
+        },
+        "bench": {"smoke_decode_tokens_per_s": len(first.token_ids) / elapsed if elapsed > 0 else 0.0},
+    }
+
+
+def _call(fn: Any, engine: Any, **wanted: Any) -> Any:
+    """Call `fn(engine, ...)` with the keyword arguments it accepts (the verify/ API is young)."""
+    params = inspect.signature(fn).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    return fn(engine, **{k: v for k, v in wanted.items() if accepts_any or k in params})
+
+
+def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str, str]) -> dict[str, Any]:
+    from envex.installer.launch import load_launch
+    from envex.runtime.engine import LLMEngine
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = load_launch(launch_path, require_gates=False)
+    start = time.perf_counter()
+    engine = LLMEngine(config)
+    load_s = time.perf_counter() - start
+    gates: dict[str, str] = {}
+    details: dict[str, Any] = {}
+    numbers: dict[str, float] = {"load_seconds": round(load_s, 3)}
+    result = smoke_gate(engine, *smoke)
+    gates[result["name"]] = result["verdict"]
+    details[result["name"]] = result
+    numbers.update({k: round(v, 3) for k, v in result["bench"].items()})
+    try:
+        from envex.verify.gates import run_gates
+    except ImportError as exc:
+        gates["verify.gates"] = "fail"
+        details["verify.gates"] = {"error": f"envex.verify.gates is not in this release ({exc}); cannot gate"}
+    else:
+        try:
+            report = as_json(_call(run_gates, engine, suite=suite, out_dir=out / "gates"))
+            details["verify.gates"] = report
+            per_gate = gate_verdicts(report)
+            gates.update({f"verify.{k}": v for k, v in per_gate.items()} or {"verify.gates": verdict_of(report)})
+            if verdict_of(report) != "pass":
+                gates.setdefault("verify.gates", "fail")
+        except Exception as exc:
+            gates["verify.gates"] = "fail"
+            details["verify.gates"] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    if bench:
+        try:
+            from envex.verify.bench import run_bench
+        except ImportError:
+            details["bench"] = {"note": "envex.verify.bench is not in this release; only the smoke figures"}
+        else:
+            try:
+                report = as_json(_call(run_bench, engine, suite=suite, quick=suite == "quick", out_dir=out / "bench"))
+                details["bench"] = report
+                numbers.update(_headline(report))
+            except Exception as exc:  # the benchmark informs; it does not gate
+                details["bench"] = {"error": f"{type(exc).__name__}: {exc}"}
+    verdict = "pass" if gates and all(v in ("pass", "skip") for v in gates.values()) else "fail"
+    return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
+
+
+def _headline(report: Any, prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of a bench report's summary, flattened (at most 40, to keep state.json small)."""
+    found: dict[str, float] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if len(found) >= 40:
+            return
+        if isinstance(value, bool):
+            return
+        if isinstance(value, int | float):
+            found[path] = float(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+
+    summary = report.get("summary", report) if isinstance(report, dict) else {}
+    walk(summary, prefix)
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m envex.installer.gate_runner", description=__doc__)
+    parser.add_argument("--launch", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--suite", default="quick", choices=("quick", "full"))
+    parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
+    parser.add_argument("--smoke-expect", default=SMOKE_EXPECT)
+    args = parser.parse_args(argv)
+    try:
+        report = run(args.launch, args.out, args.suite, not args.no_bench, (args.smoke_prompt, args.smoke_expect))
+    except Exception as exc:
+        report = {
+            "verdict": "fail",
+            "suite": args.suite,
+            "gates": {"installer.load": "fail"},
+            "bench": {},
+            "details": {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()},
+        }
+        code = 2
+    else:
+        code = 0 if report["verdict"] == "pass" else 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gates.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""launch.json: every load-bearing setting of one release, and how `envex serve --launch` starts from it.
+
+Paths inside are relative to the release directory that holds the file, so `<prefix>/current/launch.json`
+resolves through the `current` link once, at start: a later switch of `current` does not move a running server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from envex.installer.state import BundleRef, CheckSummary
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+LAUNCH_FILE = "launch.json"
+KERNEL_CACHE = "kernels"
+
+# Set before anything that could look for a hub or phone home is imported (transformers, huggingface_hub, pip).
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1",
+    "DO_NOT_TRACK": "1",
+    "PIP_NO_INDEX": "1",
+    "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+    "PIP_NO_INPUT": "1",
+}
+
+
+class LaunchError(ValueError):
+    """launch.json is missing, invalid, or names a release that may not be served."""
+
+
+def set_offline_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set the offline switches of every library that could look for a hub (in os.environ unless given)."""
+    target: Any = os.environ if environ is None else environ
+    for key, value in OFFLINE_ENV.items():
+        target[key] = value
+    return target
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LaunchModel(_Model):
+    path: str  # relative to the release directory
+    served_name: str
+    format: Literal["gguf", "hf"]
+    architecture: str
+    quantization: str
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")  # of the weights file (GGUF) or the model bundle's manifest (HF)
+    bundle: BundleRef
+
+
+class LaunchKernels(_Model):
+    cache_dir: str  # relative to the release directory; TRITON_CACHE_DIR points here
+    accelerator: str
+    triton: str | None
+    bundle: BundleRef
+
+
+class LaunchRuntime(_Model):
+    envex_version: str
+    python: str
+    torch: str | None
+    triton: str | None
+    venv: str  # relative to the release directory
+    bundle: BundleRef
+
+
+def _engine_fields() -> dict[str, Any]:
+    from envex.runtime.engine.config import EngineConfig
+
+    return {f.name: f for f in dataclasses.fields(EngineConfig)}
+
+
+class LaunchManifest(_Model):
+    schema_version: Literal[1] = 1
+    release: str
+    created: str
+    mode: Literal["cpu", "cuda"]
+    model: LaunchModel
+    engine: dict[str, str | int | float | bool | None]  # EngineConfig fields except `model` and `served_name`
+    numeric_policy: str
+    kv_cache: dict[str, str | int]
+    kernels: LaunchKernels | None
+    runtime: LaunchRuntime
+    gates: CheckSummary | None = None
+    bench: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _engine_settings_known(self) -> LaunchManifest:
+        known = _engine_fields()
+        for key in self.engine:
+            if key not in known or key in ("model", "served_name"):
+                raise ValueError(f"engine.{key} is not an engine setting")
+        return self
+
+    def engine_config(self, release_dir: Path) -> Any:
+        from envex.runtime.engine.config import EngineConfig
+
+        return EngineConfig(model=str(release_dir / self.model.path), served_name=self.model.served_name, **self.engine)
+
+    def to_bytes(self) -> bytes:
+        return (self.model_dump_json(indent=2) + "\n").encode()
+
+
+def read_launch(path: Path | str) -> tuple[LaunchManifest, Path]:
+    """Parse launch.json; returns it and the real release directory (links resolved once, now)."""
+    path = Path(path)
+    try:
+        real = Path(os.path.realpath(path))
+        data = real.read_bytes()
+    except OSError as exc:
+        raise LaunchError(f"{path}: cannot read: {exc.strerror}; is the prefix installed (envex status)?") from None
+    try:
+        manifest = LaunchManifest.model_validate(json.loads(data))
+    except ValueError as exc:
+        if isinstance(exc, ValidationError) and exc.errors():
+            first = exc.errors()[0]
+            detail = ".".join(str(p) for p in first["loc"]) + ": " + first["msg"]
+        else:
+            detail = str(exc)
+        raise LaunchError(f"{path}: invalid launch manifest ({detail})") from None
+    return manifest, real.parent
+
+
+def load_launch(path: Path | str, *, require_gates: bool = True) -> Any:
+    """The EngineConfig that launch.json describes; refuses a release whose gates did not pass on this machine.
+
+    Also sets the offline switches and points Triton at the release's kernel cache, before the engine imports.
+    """
+    manifest, release_dir = read_launch(path)
+    if require_gates and (manifest.gates is None or manifest.gates.verdict != "pass"):
+        raise LaunchError(
+            f"{path}: release {manifest.release} has not passed its gates on this machine; "
+            "run envex-install (or envex activate a release that passed)"
+        )
+    weights = release_dir / manifest.model.path
+    if not weights.exists():
+        raise LaunchError(f"{path}: the model {weights} is missing; reinstall the release or roll back")
+    set_offline_env()
+    if manifest.kernels is not None:
+        os.environ["TRITON_CACHE_DIR"] = str(release_dir / manifest.kernels.cache_dir)
+    return manifest.engine_config(release_dir)

@@ -1,0 +1,186 @@
+"""The whole install: verify, probe, plan, install, gates, activate; under the prefix lock, failing safe.
+
+Whatever stops the install (an error, a failed gate, a kill), the release that was active stays active: the new
+release lives in its own slot and becomes active only by the last step. A failed slot is removed (its report
+stays under reports/); a slot left by a killed installer is removed by the next run (activate.reconcile).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from envex.bundles import VerifiedBundle
+from envex.installer.activate import finish_activation, reconcile
+from envex.installer.checks import report_dir, run_checks
+from envex.installer.fsutil import PrefixLock
+from envex.installer.media import InstallError, pin_trust, scan_media, settle_trust, verify_all
+from envex.installer.plan import bundle_ref, make_plan
+from envex.installer.probe import probe
+from envex.installer.release import build_release, remove_release
+from envex.installer.state import Release, State, load_state, now_ts, save_state
+from envex.installer.ui import InstallUI
+
+
+@dataclass(frozen=True, kw_only=True)
+class InstallOptions:
+    media: Path
+    prefix: Path
+    trust_fingerprint: str | None = None
+    model: str | None = None
+    max_model_len: int | None = None
+    suite: str = "quick"
+    bench: bool = True
+    use_gpu: bool = True
+    reinstall: bool = False
+    test_gates_report: Path | None = None  # test hook ENVEX_TEST_GATES_REPORT; see checks.run_checks
+
+
+@dataclass(frozen=True)
+class InstallOutcome:
+    ok: bool
+    message: str
+    release: str | None
+    active: str | None
+    report: Path | None = None
+
+
+def _describe(bundles: tuple[VerifiedBundle, ...]) -> str:
+    return ", ".join(f"{b.name} {b.version}" for b in bundles)
+
+
+def install(opts: InstallOptions, ui: InstallUI, confirm: Callable[[str], bool] | None = None) -> InstallOutcome:
+    prefix = Path(opts.prefix).absolute()
+    prefix.mkdir(parents=True, exist_ok=True)
+    with PrefixLock(prefix):
+        holder: list[State] = [reconcile(prefix, load_state(prefix))]
+        try:
+            return _install_locked(opts, ui, confirm, prefix, holder)
+        except InstallError as exc:
+            message = str(exc)
+        except OSError as exc:
+            message = f"{exc.strerror or exc} ({exc.filename or 'no file'}); check the disk and the media"
+        state = holder[0]
+        last_ok = next((name for name, ok, _ in reversed(ui.results) if ok), None)
+        release_id = _unfinished(state)
+        if release_id is not None:
+            state = _mark_failed(prefix, state, release_id, message)
+        ui.fail(_next_step(last_ok), message)
+        if state.active:
+            ui.note(f"release {state.active} is still active")
+        report = report_dir(prefix, release_id) / "gates.json" if release_id else None
+        return InstallOutcome(False, message, release_id, state.active, report)
+
+
+def _next_step(done: str | None) -> str:
+    from envex.installer.ui import STEPS
+
+    return STEPS[0] if done is None else STEPS[min(STEPS.index(done) + 1, len(STEPS) - 1)]
+
+
+def _unfinished(state: State) -> str | None:
+    return next((r.id for r in state.releases if r.status in ("installing", "gating") and r.id != state.active), None)
+
+
+def _mark_failed(prefix: Path, state: State, release_id: str, message: str) -> State:
+    release = state.release(release_id)
+    assert release is not None
+    state = state.with_release(release.model_copy(update={"status": "failed", "message": message[:2000]}))
+    state = state.with_event("fail", release_id, message[:500])
+    save_state(prefix, state)
+    remove_release(prefix, release_id)
+    return state
+
+
+def _install_locked(
+    opts: InstallOptions, ui: InstallUI, confirm: Callable[[str], bool] | None, prefix: Path, holder: list[State]
+) -> InstallOutcome:
+    state = holder[0]
+    # 1. verify every bundle on the media against the pinned (or newly confirmed) trust root
+    scan = scan_media(opts.media)
+    with ui.step("verify", total=len(scan.bundle_paths) + 1) as bar:
+        decision = settle_trust(scan, state, prefix, trust_fingerprint=opts.trust_fingerprint, confirm=confirm)
+        bar.advance()
+        verified = verify_all(
+            scan, decision.root, state, on_bundle=lambda p: bar.advance(description=f"verify {p.name}")
+        )
+    if not verified.bundles:
+        raise InstallError("verify: every bundle on the media is older than what this prefix already accepted")
+    state = holder[0] = pin_trust(prefix, state, decision)
+    for note in (*decision.notes, *verified.skipped):
+        ui.note(note)
+    rotated = f", rotated from v{decision.rotated_from}" if decision.rotated_from else ""
+    ui.ok(
+        "verify",
+        f"{len(verified.bundles)} bundles verified ({_describe(verified.bundles)}); trust root "
+        f"v{decision.root.version} {decision.root.fingerprint[:16]}…{rotated}",
+    )
+    # 2. probe the hardware
+    with ui.step("probe"):
+        found = probe(prefix, want_gpu=opts.use_gpu)
+    for note in found.notes:
+        ui.note(note)
+    ui.ok("probe", found.summary())
+    # 3. plan
+    with ui.step("plan"):
+        plan = make_plan(verified.bundles, found, model_name=opts.model, max_model_len=opts.max_model_len)
+    for note in plan.notes:
+        ui.note(note)
+    ui.ok("plan", plan.summary())
+    refs = [bundle_ref(b) for b in plan.bundles]
+    active = state.release(state.active) if state.active else None
+    if (
+        not opts.reinstall
+        and active is not None
+        and active.mode == plan.mode
+        and sorted(r.manifest_sha256 for r in active.bundles) == sorted(r.manifest_sha256 for r in refs)
+    ):
+        message = f"release {active.id} already runs exactly these bundles; nothing to do (--reinstall to redo)"
+        ui.ok("install", message)
+        return InstallOutcome(True, message, active.id, active.id)
+    # 4. install into a new slot
+    release_id = f"{state.next_release_number():04d}-{plan.model.name}-{plan.model.version}"
+    release = Release(id=release_id, created=now_ts(), status="installing", bundles=refs, mode=plan.mode)  # type: ignore[arg-type]
+    state = holder[0] = state.with_release(release).with_event("install", release_id)
+    save_state(prefix, state)
+    with ui.step("install", total=4) as bar:
+        launch = build_release(
+            prefix, release_id, plan, on_progress=lambda what, _n: bar.advance(description=f"install {what}")
+        )
+    state = holder[0] = state.with_release(release.model_copy(update={"status": "gating"}))
+    save_state(prefix, state)
+    ui.ok(
+        "install", f"release {release_id} in {prefix / 'releases' / release_id} (envex {launch.runtime.envex_version})"
+    )
+    # 5. gates and benchmark, on this machine, by the release itself
+    with ui.step("gates"):
+        summary, _report = run_checks(
+            prefix,
+            release_id,
+            plan.model_card,
+            suite=opts.suite,
+            bench=opts.bench,
+            injected_report=opts.test_gates_report,
+        )
+    gated = state.release(release_id)
+    assert gated is not None
+    state = holder[0] = state.with_release(gated.model_copy(update={"checks": summary}))
+    save_state(prefix, state)
+    failed = sorted(name for name, verdict in summary.gates.items() if verdict == "fail")
+    if summary.verdict != "pass":
+        raise InstallError(
+            f"gates: {len(failed)} failed ({', '.join(failed) or 'no gate ran'}); report: "
+            f"{prefix / summary.report}; nothing was activated"
+        )
+    figures = ", ".join(f"{k} {v:g}" for k, v in list(summary.bench.items())[:3])
+    ui.ok("gates", f"{len(summary.gates)} gates passed ({summary.suite} suite); {figures}")
+    # 6. activate: launch.json, state.json, `current`, unit file
+    with ui.step("activate"):
+        state = holder[0] = finish_activation(prefix, state, release_id, launch)
+    ui.ok(
+        "activate",
+        f"{release_id} is active: {prefix / 'current'} ; serve with envex serve --launch "
+        f"{prefix / 'current' / 'launch.json'} (unit file {prefix / 'envex.service'})",
+    )
+    return InstallOutcome(True, f"{release_id} active", release_id, release_id)

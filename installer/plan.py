@@ -1,0 +1,202 @@
+"""Step 3: decide what to install on this machine, or say exactly what is missing. Nothing is written here.
+
+Choices: the newest runtime and model bundles (or the model named with --model), the kernel bundle built for
+this accelerator and Triton version (CUDA only; none is needed on CPU), engine settings that fit the memory,
+and a check that the disk has room for the release beside the active one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from envex.bundles import SemVer, VerifiedBundle
+from envex.bundles.verify import DISK_HEADROOM
+from envex.installer.cards import ModelCard, RuntimeCard, model_card, runtime_card
+from envex.installer.media import InstallError
+from envex.installer.probe import Probe
+from envex.installer.state import BundleRef
+
+GIB = 1 << 30
+CPU_RAM_FRACTION = 0.8  # leave the rest to the OS and the serving process' own overhead
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Plan:
+    mode: str  # "cuda" | "cpu"
+    runtime: VerifiedBundle
+    runtime_card: RuntimeCard
+    model: VerifiedBundle
+    model_card: ModelCard
+    kernels: VerifiedBundle | None
+    engine: dict[str, Any]  # EngineConfig settings except model / served_name
+    weights_bytes: int
+    kv_bytes: int
+    memory_budget: int
+    disk_needed: int
+    disk_free: int
+    notes: tuple[str, ...]
+
+    @property
+    def bundles(self) -> list[VerifiedBundle]:
+        return [b for b in (self.runtime, self.model, self.kernels) if b is not None]
+
+    def summary(self) -> str:
+        kernels = f", kernels {self.kernels.name} {self.kernels.version}" if self.kernels else ""
+        return (
+            f"{self.mode}: {self.model.name} {self.model.version} on {self.runtime.name} {self.runtime.version}"
+            f"{kernels}; needs {(self.weights_bytes + self.kv_bytes) / GIB:.2f} of {self.memory_budget / GIB:.1f} "
+            f"GiB memory, {self.disk_needed / GIB:.2f} of {self.disk_free / GIB:.1f} GiB disk"
+        )
+
+
+def bundle_ref(bundle: VerifiedBundle) -> BundleRef:
+    return BundleRef(
+        name=bundle.name,
+        kind=bundle.kind,  # type: ignore[arg-type]
+        version=bundle.version,
+        manifest_sha256=bundle.manifest_sha256,
+        signer_keyids=list(bundle.signer_keyids),
+    )
+
+
+def _newest(bundles: list[VerifiedBundle]) -> VerifiedBundle:
+    return max(bundles, key=lambda b: SemVer.parse(b.version))
+
+
+def _release_version(text: str) -> tuple[int, ...]:
+    # "2.5.1+cu121" -> (2, 5, 1): local labels do not take part in pin checks
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+", 1)[0])[:3])
+
+
+def _spec_ok(spec: str | None, have: str | None) -> bool:
+    if spec is None:
+        return True
+    if have is None:
+        return False
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec).contains(".".join(str(p) for p in _release_version(have)), prereleases=True)
+
+
+def target_problems(bundle: VerifiedBundle, probe: Probe, mode: str) -> list[str]:
+    """Why `bundle` cannot run here ([] when it can), each as a phrase naming what is missing."""
+    t = bundle.manifest.targets
+    label = f"{bundle.kind} bundle {bundle.name} {bundle.version}"
+    problems: list[str] = []
+    accelerator = probe.accelerator if mode == "cuda" else "cpu"
+    if t.accelerators and accelerator not in t.accelerators:
+        problems.append(f"{label} is built for {', '.join(t.accelerators)}; this machine runs {accelerator}")
+    if mode == "cuda" and t.min_driver is not None:
+        if probe.driver_version is None or _release_version(probe.driver_version) < _release_version(t.min_driver):
+            problems.append(f"{label} needs NVIDIA driver >= {t.min_driver}; found {probe.driver_version}")
+    for what, spec, have in (("python", t.python, probe.python), ("torch", t.torch, probe.torch)):
+        if not _spec_ok(spec, have):
+            problems.append(f"{label} needs {what} {spec}; found {have or 'none'}")
+    if t.triton is not None and mode == "cuda" and not _spec_ok(t.triton, probe.triton):
+        problems.append(f"{label} needs triton {t.triton}; found {probe.triton or 'none'}")
+    return problems
+
+
+def make_plan(
+    bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...],
+    probe: Probe,
+    *,
+    model_name: str | None = None,
+    max_model_len: int | None = None,
+) -> Plan:
+    by_kind: dict[str, list[VerifiedBundle]] = {"runtime": [], "model": [], "kernels": []}
+    for bundle in bundles:
+        by_kind[bundle.kind].append(bundle)
+    mode = probe.mode
+    notes: list[str] = []
+    if not by_kind["runtime"]:
+        raise InstallError("plan: the media has no runtime bundle (kind runtime); add envex-runtime-<version>.envex")
+    models = by_kind["model"]
+    if model_name is not None:
+        models = [b for b in models if b.name == model_name]
+    if not models:
+        named = f" named {model_name!r}" if model_name else ""
+        have = ", ".join(sorted({b.name for b in by_kind["model"]})) or "none"
+        raise InstallError(f"plan: the media has no model bundle{named} (model bundles on the media: {have})")
+    runtime, model = _newest(by_kind["runtime"]), _newest(models)
+    rcard, mcard = runtime_card(runtime), model_card(model)
+    kernels = None
+    if mode == "cuda":
+        fitting = [b for b in by_kind["kernels"] if not target_problems(b, probe, mode)]
+        if fitting:
+            kernels = _newest(fitting)
+        else:
+            notes.append(
+                f"no kernel bundle for {probe.accelerator} and triton {probe.triton}: kernels compile on first use"
+            )
+    problems = target_problems(runtime, probe, mode) + target_problems(model, probe, mode)
+    chosen = [b for b in (runtime, model, kernels) if b is not None]
+    for bundle in chosen:
+        for req in bundle.manifest.requires:
+            match = next((b for b in chosen if b.name == req.name and b.kind == req.kind), None)
+            if match is None or not req.allows(match.version):
+                found = f"{match.version}" if match else "none on the media"
+                problems.append(
+                    f"{bundle.name} {bundle.version} requires {req.kind} {req.name} {req.version}; found {found}"
+                )
+    if problems:
+        raise InstallError("plan: " + "; ".join(problems))
+
+    dtype = "bfloat16" if mode == "cuda" else "float32"
+    window = mcard.max_position_embeddings
+    context = min(max_model_len or mcard.defaults.max_model_len, window)
+    per_token = mcard.kv_bytes_per_token(DTYPE_BYTES[dtype])
+    weights = mcard.parameters * DTYPE_BYTES[dtype]
+    seqs = mcard.defaults.max_num_seqs
+    engine: dict[str, Any] = {
+        "device": mode,
+        "dtype": dtype,
+        "backend": "triton" if mode == "cuda" else "torch",
+        "max_model_len": context,
+        "max_num_seqs": seqs,
+    }
+    if mode == "cuda":
+        gpu = probe.gpus[0]
+        utilization = 0.85
+        budget = int(gpu.memory_total * utilization)
+        kv = per_token * context  # at least one sequence at the full context; the pool takes what is left
+        engine["gpu_memory_utilization"] = utilization
+    else:
+        budget = int(probe.ram_available * CPU_RAM_FRACTION)
+        kv = per_token * context * min(seqs, 4)
+        engine["kv_cache_memory_gb"] = round(max(kv / GIB, 0.0625), 4)
+    if weights + kv > budget:
+        where = "GPU memory" if mode == "cuda" else "available RAM"
+        raise InstallError(
+            f"plan: {model.name} needs {(weights + kv) / GIB:.2f} GiB ({weights / GIB:.2f} weights in {dtype} + "
+            f"{kv / GIB:.2f} KV cache for {context} tokens) but {where} allows {budget / GIB:.2f} GiB; "
+            "use a smaller model or a shorter --max-model-len"
+        )
+    wheel_factor = 3 if rcard.wheelhouse == "complete" else 2  # installed venv ~ 2-3x the wheels
+    disk_needed = (
+        model.total_bytes + wheel_factor * runtime.total_bytes + (kernels.total_bytes if kernels else 0) + DISK_HEADROOM
+    )
+    if disk_needed > probe.disk_free:
+        raise InstallError(
+            f"plan: the release needs {disk_needed / GIB:.2f} GiB of disk (payloads plus "
+            f"{DISK_HEADROOM / GIB:.2f} GiB headroom) and the prefix's disk has {probe.disk_free / GIB:.2f} GiB free; "
+            "free space (envex status lists old releases) or use another --prefix"
+        )
+    return Plan(
+        mode=mode,
+        runtime=runtime,
+        runtime_card=rcard,
+        model=model,
+        model_card=mcard,
+        kernels=kernels,
+        engine=engine,
+        weights_bytes=weights,
+        kv_bytes=kv,
+        memory_budget=budget,
+        disk_needed=disk_needed,
+        disk_free=probe.disk_free,
+        notes=tuple(notes),
+    )
