@@ -9,10 +9,10 @@ Layout (an uncompressed POSIX/pax tar; weights do not compress, and a plain tar 
 
 Signing replaces only the trailing metadata members, so signing a bundle of many GB rewrites a few KB.
 
-Reading scans headers first and refuses, before any data is read: links, devices, directories and other
-non-regular members, absolute paths, `..` and odd names, duplicate names, members that run past the end of the
-file, and a header that is not followed by another header or the end-of-archive marker. Data is then read by
-offset only for regular members, streamed through a fixed buffer, so memory stays flat for files of any size.
+Reading scans headers first (with the strict reader in tarscan.py, not tarfile) and refuses, before any data is
+read: links, devices, directories and other non-regular members, absolute paths, `..` and odd names, duplicate
+names, members that run past the end of the file, corrupt headers, and a missing end-of-archive marker. Data is
+then read by offset only for regular members, through one fixed buffer, so memory stays flat for any file size.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import BinaryIO
 
 from envex.bundles.errors import Check, VerificationError
 from envex.bundles.manifest import MAX_FILES, unsafe_path_reason
+from envex.bundles.tarscan import BLOCK, Header, TarFormatError, scan_headers
 
 MANIFEST = "manifest.json"
 SIGNATURES = "signatures.json"
@@ -38,8 +39,7 @@ PAYLOAD_PREFIX = "payload/"
 MAX_METADATA_BYTES = {MANIFEST: 64 * 1024 * 1024, SIGNATURES: 1024 * 1024, SIGSTORE: 4 * 1024 * 1024}
 MAX_MEMBERS = MAX_FILES + len(METADATA)
 CHUNK = 4 * 1024 * 1024  # large reads keep hashing at memory-bandwidth speed; one buffer, reused
-BLOCK = tarfile.BLOCKSIZE
-_REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE)
+_REGULAR = (b"0", b"\0")
 
 
 @dataclass(frozen=True)
@@ -56,41 +56,43 @@ def _malformed(path: Path, detail: str) -> VerificationError:
     return VerificationError(f"{path}: {detail}", check=Check.MALFORMED_ARCHIVE)
 
 
-def _check_header(path: Path, info: tarfile.TarInfo) -> None:
-    name = info.name
-    if name in METADATA:
-        pass
-    elif name.startswith(PAYLOAD_PREFIX):
-        reason = unsafe_path_reason(name[len(PAYLOAD_PREFIX) :])
-        if reason is not None:
-            raise VerificationError(f"{path}: member {name!r}: {reason}", check=Check.UNSAFE_PATH)
-    else:
-        reason = unsafe_path_reason(name)
-        if reason is not None:
-            raise VerificationError(f"{path}: member {name!r}: {reason}", check=Check.UNSAFE_PATH)
-        if info.type in _REGULAR:
-            raise VerificationError(
-                f"{path}: member {name!r} is neither metadata nor under payload/", check=Check.UNKNOWN_FILE
-            )
-    if info.issym() or info.islnk():
+_KINDS = {
+    b"1": "hardlink",
+    b"2": "symlink",
+    b"3": "character device",
+    b"4": "block device",
+    b"5": "directory",
+    b"6": "fifo",
+    b"7": "contiguous file",
+    b"S": "sparse file",
+}
+
+
+def _check_header(path: Path, header: Header) -> None:
+    name = header.name
+    # The kind first: a directory's name ends in "/", and a link is refused whatever it is called.
+    if header.typeflag in (b"1", b"2"):
         raise VerificationError(
-            f"{path}: member {name!r} is a {'symlink' if info.issym() else 'hardlink'} to {info.linkname!r}; "
+            f"{path}: member {name!r} is a {_KINDS[header.typeflag]} to {header.linkname!r}; "
             "bundles hold regular files only",
             check=Check.LINK_MEMBER,
         )
-    if info.type not in _REGULAR:
-        kinds = {
-            tarfile.CHRTYPE: "character device",
-            tarfile.BLKTYPE: "block device",
-            tarfile.FIFOTYPE: "fifo",
-            tarfile.DIRTYPE: "directory",
-            tarfile.GNUTYPE_SPARSE: "sparse file",
-            tarfile.CONTTYPE: "contiguous file",
-        }
-        kind = kinds.get(info.type, f"member of type {info.type!r}")
+    if header.typeflag not in _REGULAR:
+        kind = _KINDS.get(header.typeflag, f"member of type {header.typeflag!r}")
         raise VerificationError(
             f"{path}: member {name!r} is a {kind}; bundles hold regular files only", check=Check.SPECIAL_MEMBER
         )
+    if name in METADATA:
+        return
+    if name.startswith(PAYLOAD_PREFIX):
+        reason = unsafe_path_reason(name[len(PAYLOAD_PREFIX) :])
+        if reason is not None:
+            raise VerificationError(f"{path}: member {name!r}: {reason}", check=Check.UNSAFE_PATH)
+        return
+    reason = unsafe_path_reason(name)
+    if reason is not None:
+        raise VerificationError(f"{path}: member {name!r}: {reason}", check=Check.UNSAFE_PATH)
+    raise VerificationError(f"{path}: member {name!r} is neither metadata nor under payload/", check=Check.UNKNOWN_FILE)
 
 
 class BundleArchive:
@@ -175,42 +177,18 @@ class BundleArchive:
 
 
 def _scan(path: Path, handle: BinaryIO) -> dict[str, Member]:
-    file_size = os.fstat(handle.fileno()).st_size
+    fd = handle.fileno()
     members: dict[str, Member] = {}
     try:
-        archive = tarfile.open(fileobj=handle, mode="r:")  # no compression: plain tar only
-    except VerificationError:
-        raise
-    except Exception as exc:  # tarfile raises many types on hostile input; all mean "not a bundle tar"
-        raise _malformed(path, f"not a tar archive ({exc})") from None
-    try:
-        while True:
-            try:
-                info = archive.next()
-            except VerificationError:
-                raise
-            except Exception as exc:
-                raise _malformed(path, f"corrupt header after {len(members)} members ({exc})") from None
-            if info is None:
-                break
-            if len(members) >= MAX_MEMBERS:
-                raise _malformed(path, f"more than {MAX_MEMBERS} members")
-            _check_header(path, info)
-            if info.name in members:
-                raise VerificationError(f"{path}: member {info.name!r} appears twice", check=Check.DUPLICATE_MEMBER)
-            if info.size < 0 or info.offset_data + info.size > file_size:
-                raise _malformed(path, f"truncated: member {info.name!r} runs past the end of the file")
-            members[info.name] = Member(info.name, info.size, info.offset, info.offset_data)
-        # tarfile stops silently at a header whose checksum fails, as if the archive had ended there; a real end
-        # is a zero block. Anything else after the last good member is corruption or truncation.
-        end = archive.offset
-    finally:
-        archive.close()  # does not close `handle`: tarfile only closes files it opened
-    tail = os.pread(handle.fileno(), BLOCK, end)
-    if len(tail) < BLOCK:
-        raise _malformed(path, "truncated: no end-of-archive marker")
-    if tail != bytes(BLOCK):
-        raise _malformed(path, f"corrupt member header at byte offset {end}")
+        for header in scan_headers(fd, os.fstat(fd).st_size, max_members=MAX_MEMBERS):
+            _check_header(path, header)
+            if header.name in members:
+                raise VerificationError(f"{path}: member {header.name!r} appears twice", check=Check.DUPLICATE_MEMBER)
+            members[header.name] = Member(header.name, header.size, header.header_offset, header.data_offset)
+    except TarFormatError as exc:
+        raise _malformed(path, str(exc)) from None
+    except OSError as exc:
+        raise _malformed(path, f"cannot read: {exc.strerror}") from None
     return members
 
 

@@ -301,9 +301,15 @@ def read_members(path: Path) -> list[tuple[tarfile.TarInfo, bytes]]:
         return result
 
 
-def write_members(path: Path, members: list[tuple[tarfile.TarInfo, bytes]]) -> None:
-    """Write `members` as a pax tar at `path`, header fields as given (sizes follow the data of regular files)."""
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as archive:
+def write_members(
+    path: Path,
+    members: list[tuple[tarfile.TarInfo, bytes]],
+    *,
+    format: int = tarfile.PAX_FORMAT,
+    global_pax: dict[str, str] | None = None,
+) -> None:
+    """Write `members` as a tar at `path`, header fields as given (sizes follow the data of regular files)."""
+    with tarfile.open(path, "w", format=format, pax_headers=global_pax) as archive:
         for info, data in members:
             if info.isreg():
                 info.size = len(data)

@@ -215,6 +215,44 @@ def test_arbitrary_tar_structures(members: list[tuple[str, bytes, bytes, str]]) 
     assert isinstance(verify_bytes(data), VerificationError)
 
 
+def raw_member(info: tarfile.TarInfo, data: bytes) -> bytes:
+    info.size = len(data)
+    return info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape") + data + bytes(-len(data) % 512)
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length += 1
+    return str(length).encode() + body
+
+
+pax_records = st.lists(
+    st.tuples(
+        st.sampled_from(["path", "linkpath", "size", "mtime", "GNU.sparse.map", "comment", "x"]) | st.text(max_size=8),
+        member_names | st.integers(-5, 2**40).map(str),
+    ),
+    max_size=4,
+).map(lambda records: b"".join(_pax_record(k, v) for k, v in records))
+
+
+@FUZZ
+@given(pax=st.binary(max_size=400) | pax_records, name=member_names, kind=member_types)
+def test_arbitrary_pax_extended_headers(pax: bytes, name: str, kind: bytes) -> None:
+    # A raw pax `x` header with arbitrary records, applied to an arbitrary member, in front of the real bundle.
+    extended = tarfile.TarInfo("PaxHeaders/x")
+    extended.type = tarfile.XHDTYPE
+    member = tarfile.TarInfo(name)
+    member.type = kind
+    try:
+        head = raw_member(extended, pax) + raw_member(member, b"abc" if member.isreg() else b"")
+    except (ValueError, UnicodeError):  # a name ustar cannot hold
+        return
+    result = verify_bytes(head + CLEAN)
+    assert isinstance(result, VerificationError | VerifiedBundle)
+
+
 @FUZZ
 @given(signatures=json_values | st.binary(max_size=300).map(lambda b: {"raw": b.hex()}))
 def test_arbitrary_signatures_json(signatures: Any) -> None:

@@ -128,10 +128,16 @@ def flip_b64(value: str, index: int = -1) -> str:
     return base64.b64encode(bytes(raw)).decode()
 
 
-def rewrite(path: Path, change: Callable[[list[tuple[tarfile.TarInfo, bytes]]], None]) -> None:
+def rewrite(path: Path, change: Callable[[list[tuple[tarfile.TarInfo, bytes]]], None], **options: Any) -> None:
     members = read_members(path)
     change(members)
-    write_members(path, members)
+    write_members(path, members, **options)
+
+
+def with_pax(name: str, pax: dict[str, str]) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.pax_headers = pax
+    return info
 
 
 def find(members: list[tuple[tarfile.TarInfo, bytes]], name: str) -> int:
@@ -254,6 +260,38 @@ def path_traversal(c: Ctx, tmp: Path) -> None:
 def absolute_path(c: Ctx, tmp: Path) -> None:
     path = c.fresh(tmp)
     rewrite(path, lambda m: m.insert(0, (tarfile.TarInfo("/etc/cron.d/evil"), b"* * * * * root x\n")))
+    verify_bundle(path, root=c.root)
+
+
+def pax_path_traversal(c: Ctx, tmp: Path) -> None:
+    # The ustar name looks harmless; the pax `path` record, which wins, climbs out of the destination.
+    path = c.fresh(tmp)
+    rewrite(path, lambda m: m.insert(0, (with_pax("payload/ok.txt", {"path": "payload/../../../root/.bashrc"}), b"x")))
+    verify_bundle(path, root=c.root)
+
+
+def oversized_pax_header(c: Ctx, tmp: Path) -> None:
+    path = c.fresh(tmp)
+    rewrite(path, lambda m: m.insert(0, (with_pax("payload/a", {"comment": "x" * 100_000}), b"x")))
+    verify_bundle(path, root=c.root)
+
+
+def gnu_sparse_member(c: Ctx, tmp: Path) -> None:
+    path = c.fresh(tmp)
+    sparse = {"GNU.sparse.major": "1", "GNU.sparse.minor": "0", "GNU.sparse.name": "payload/big"}
+    rewrite(path, lambda m: m.insert(0, (with_pax("payload/big", sparse), b"1\n0\n0\n")))
+    verify_bundle(path, root=c.root)
+
+
+def pax_global_header(c: Ctx, tmp: Path) -> None:
+    path = c.fresh(tmp)
+    rewrite(path, lambda m: None, global_pax={"path": "../../evil"})
+    verify_bundle(path, root=c.root)
+
+
+def gnu_long_name(c: Ctx, tmp: Path) -> None:
+    path = c.fresh(tmp)
+    rewrite(path, lambda m: m.insert(0, (tarfile.TarInfo("payload/" + "a" * 120), b"x")), format=tarfile.GNU_FORMAT)
     verify_bundle(path, root=c.root)
 
 
@@ -569,6 +607,11 @@ ATTACKS: list[tuple[Callable[[Ctx, Path], None], Check, str]] = [
     (directory_member, Check.SPECIAL_MEMBER, "directory"),
     (path_traversal, Check.UNSAFE_PATH, "'..'"),
     (absolute_path, Check.UNSAFE_PATH, "absolute"),
+    (pax_path_traversal, Check.UNSAFE_PATH, "'..'"),
+    (oversized_pax_header, Check.MALFORMED_ARCHIVE, "over 65536"),
+    (gnu_sparse_member, Check.SPECIAL_MEMBER, "sparse"),
+    (pax_global_header, Check.MALFORMED_ARCHIVE, "global pax header"),
+    (gnu_long_name, Check.MALFORMED_ARCHIVE, "GNU long name"),
     (size_lie_consistent_header, Check.SIZE, "the manifest says"),
     (size_lie_past_end_of_file, Check.MALFORMED_ARCHIVE, "past the end"),
     (size_lie_shrunk_header, Check.MALFORMED_ARCHIVE, "corrupt"),
