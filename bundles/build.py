@@ -226,7 +226,10 @@ def sign_bundle(
         manifest = Manifest.from_bytes(manifest_bytes)
     except ValueError as exc:
         raise VerificationError(f"{path}: {exc}", check=Check.MANIFEST) from None
-    existing = SignaturesDocument.from_bytes(signatures_bytes).signatures if signatures_bytes else []
+    try:
+        existing = SignaturesDocument.from_bytes(signatures_bytes).signatures if signatures_bytes else []
+    except ValueError as exc:
+        raise VerificationError(f"{path}: {exc}", check=Check.SIGNATURE) from None
     by_keyid = {s.keyid: s for s in existing}
     for key in keys:
         by_keyid[key_id(key)] = Signature(keyid=key_id(key), sig=sign(key, manifest_bytes))

@@ -191,10 +191,13 @@ def verify_bundle(
 
     `root` is a loaded `TrustRoot` (or a root.json to load). `high_water` is the highest version of this bundle
     ever accepted (anti-rollback: a lower version fails; the same version passes, for reinstalls). `now`
-    defaults to the current time. Returns a `VerifiedBundle`; raises `VerificationError` naming the failed check.
+    defaults to the current time. Returns a `VerifiedBundle`; raises `VerificationError` naming the failed check
+    (and ValueError only for a caller's mistake: a `high_water` that is not a semantic version, a naive `now`).
     """
     path = Path(path)
     now = now or datetime.now(UTC)
+    if now.tzinfo is None:
+        raise ValueError("verify_bundle: `now` must be timezone-aware (e.g. datetime.now(UTC))")
     trust = root if isinstance(root, TrustRoot) else load_root(root)
     # (0) the trust root in use must be current.
     trust.check_current(now)
