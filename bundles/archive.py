@@ -48,7 +48,6 @@ class Member:
 
     name: str
     size: int
-    header_offset: int
     data_offset: int
 
 
@@ -184,7 +183,7 @@ def _scan(path: Path, handle: BinaryIO) -> dict[str, Member]:
             _check_header(path, header)
             if header.name in members:
                 raise VerificationError(f"{path}: member {header.name!r} appears twice", check=Check.DUPLICATE_MEMBER)
-            members[header.name] = Member(header.name, header.size, header.header_offset, header.data_offset)
+            members[header.name] = Member(header.name, header.size, header.data_offset)
     except TarFormatError as exc:
         raise _malformed(path, str(exc)) from None
     except OSError as exc:

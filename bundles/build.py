@@ -43,7 +43,7 @@ from envex.bundles.manifest import (
     Manifest,
     Requirement,
     Targets,
-    _first_error,
+    first_error,
     format_timestamp,
     unsafe_path_reason,
 )
@@ -75,7 +75,7 @@ class SignaturesDocument(BaseModel):
         except CanonicalJSONError as exc:
             raise ValueError(f"signatures.json: {exc}") from None
         except ValidationError as exc:
-            raise ValueError(f"signatures.json: {_first_error(exc)}") from None
+            raise ValueError(f"signatures.json: {first_error(exc)}") from None
 
 
 def bundle_file_name(name: str, version: str) -> str:

@@ -16,7 +16,7 @@ import typer
 from envex.bundles.build import BuildError, build_bundle, sign_bundle
 from envex.bundles.errors import VerificationError
 from envex.bundles.keys import generate_key, key_id, load_private_key, load_public_key, write_key_files
-from envex.bundles.manifest import Kind, Requirement, Targets, _first_error
+from envex.bundles.manifest import Kind, Requirement, Targets, first_error
 from envex.bundles.trust import load_root, make_root, sign_root
 from envex.bundles.verify import verify_bundle
 from pydantic import ValidationError
@@ -73,7 +73,7 @@ def _parse_requirement(text: str) -> Requirement:
     try:
         return Requirement(name=parts[0], kind=parts[1], version=parts[2])  # type: ignore[arg-type]
     except ValidationError as exc:
-        _usage(f"--requires {text!r}: {_first_error(exc)}")
+        _usage(f"--requires {text!r}: {first_error(exc)}")
 
 
 @bundle_app.command("build")
@@ -115,7 +115,7 @@ def build(
             expires=created + timedelta(days=expires_days),
         )
     except ValidationError as exc:
-        _usage(_first_error(exc))
+        _usage(first_error(exc))
     except (BuildError, OSError) as exc:
         _usage(str(exc))
     typer.echo(f"built {path} (unsigned)")
@@ -169,7 +169,7 @@ def make_root_command(
             expires=datetime.now(UTC) + timedelta(days=expires_days),
         )
     except ValidationError as exc:
-        _usage(_first_error(exc))
+        _usage(first_error(exc))
     except (ValueError, OSError) as exc:
         _usage(str(exc))
     root = sign_root(signed, signers)

@@ -298,13 +298,14 @@ class Manifest(_Strict):
         try:
             manifest = cls.model_validate(value)
         except ValidationError as exc:
-            raise ValueError(f"manifest.json: {_first_error(exc)}") from None
+            raise ValueError(f"manifest.json: {first_error(exc)}") from None
         if manifest.to_bytes() != data:
             raise ValueError("manifest.json: not in canonical form (every field present, keys sorted, no whitespace)")
         return manifest
 
 
-def _first_error(exc: ValidationError) -> str:
+def first_error(exc: ValidationError) -> str:
+    """The first of pydantic's errors as one line for people: where, and what is wrong."""
     errors = exc.errors()
     if not errors:
         return str(exc)

@@ -38,7 +38,6 @@ class Header:
     typeflag: bytes  # one byte: b"0" or b"\0" regular, b"1" hardlink, b"2" symlink, b"5" directory, ...
     size: int
     linkname: str
-    header_offset: int  # where the member's first header (its pax header, if any) starts
     data_offset: int
 
 
@@ -139,9 +138,7 @@ def scan_headers(fd: int, file_size: int, *, max_members: int) -> Iterator[Heade
         if typeflag in (b"g", b"L", b"K"):
             kind = {b"g": "global pax header", b"L": "GNU long name", b"K": "GNU long link name"}[typeflag]
             raise TarFormatError(f"header at byte {offset}: {kind} (not written by envex; refused)")
-        start = offset
         if pax is not None:
-            start = pax_start
             name = pax.get("path", name)
             linkname = pax.get("linkpath", linkname)
             if "size" in pax:
@@ -157,6 +154,6 @@ def scan_headers(fd: int, file_size: int, *, max_members: int) -> Iterator[Heade
         count += 1
         if count > max_members:
             raise TarFormatError(f"more than {max_members} members")
-        yield Header(name, typeflag, size if has_data else 0, linkname, start, data_offset)
+        yield Header(name, typeflag, size if has_data else 0, linkname, data_offset)
         pax = None
         offset = end + (-end % BLOCK)

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 from envex.bundles.errors import Check, VerificationError
 from envex.bundles.keys import key_id, public_key_from_hex, public_raw, sign, signature_valid
-from envex.bundles.manifest import Timestamp, _first_error, format_timestamp, parse_timestamp
+from envex.bundles.manifest import Timestamp, first_error, format_timestamp, parse_timestamp
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_ROOT_BYTES = 16 * 1024 * 1024
@@ -307,7 +307,7 @@ def _parse_root(data: bytes, where: str) -> RootDocument:
     try:
         return RootDocument.model_validate(value)
     except ValidationError as exc:
-        raise VerificationError(f"{where}: {_first_error(exc)}", check=Check.TRUST_ROOT) from None
+        raise VerificationError(f"{where}: {first_error(exc)}", check=Check.TRUST_ROOT) from None
 
 
 def _self_check(document: RootDocument, where: str) -> TrustRoot:

@@ -98,6 +98,29 @@ class VerifiedBundle:
             "root_fingerprint": self.root_fingerprint,
         }
 
+    def read_file(self, path: str, *, max_bytes: int = 16 * 1024 * 1024) -> bytes:
+        """One small payload file (a config, a card), read into memory and re-checked against the manifest.
+
+        Raises `VerificationError`: missing_file if the manifest does not list `path`, size if it is over
+        `max_bytes` or its member changed size, digest if its bytes changed since verification.
+        """
+        entry = next((f for f in self.manifest.files if f.path == path), None)
+        if entry is None:
+            raise VerificationError(f"{self.path}: the manifest lists no payload/{path}", check=Check.MISSING_FILE)
+        if entry.size > max_bytes:
+            raise VerificationError(
+                f"{self.path}: payload/{path} is {entry.size} bytes, over the {max_bytes} bytes read into memory",
+                check=Check.SIZE,
+            )
+        with BundleArchive.open(self.path) as archive:
+            member = archive.payload_members().get(path)
+            if member is None or member.size != entry.size:
+                raise VerificationError(f"{self.path}: payload/{path} changed since verification", check=Check.SIZE)
+            data = b"".join(bytes(chunk) for chunk in archive.stream(member))
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise VerificationError(f"{self.path}: payload/{path} changed since verification", check=Check.DIGEST)
+        return data
+
     def extract(self, dest: Path | str, *, durable: bool = True) -> Path:
         """Write the payload into `dest`, a directory that must not exist yet; returns `dest`.
 

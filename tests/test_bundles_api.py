@@ -151,6 +151,23 @@ def test_extract_rehashes_a_bundle_changed_after_verification(src: Path, tmp_pat
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
 
 
+def test_read_file_rechecks_the_manifest(src: Path, tmp_path: Path) -> None:
+    key = generate_key()
+    path = build_bundle(src, kind="model", name="m", version="1.0.0", out=tmp_path)
+    sign_bundle(path, [key])
+    verified = verify_bundle(path, root=one_key_root(key))
+    assert verified.read_file("config.json") == (src / "config.json").read_bytes()
+    for name, limit, check in [("nope.json", 1 << 20, Check.MISSING_FILE), ("model.safetensors", 1000, Check.SIZE)]:
+        with pytest.raises(VerificationError) as caught:
+            verified.read_file(name, max_bytes=limit)
+        assert caught.value.check is check
+    _, data_offset, _ = member_offsets(path)["payload/config.json"]
+    flip_byte(path, data_offset)
+    with pytest.raises(VerificationError) as caught:
+        verified.read_file("config.json")
+    assert caught.value.check is Check.DIGEST
+
+
 def test_verified_bundle_cannot_be_forged() -> None:
     with pytest.raises(TypeError):
         VerifiedBundle(  # type: ignore[call-arg]
