@@ -24,6 +24,7 @@ import hashlib
 import os
 import secrets
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -207,13 +208,14 @@ def verify_bundle(
     path: Path | str,
     *,
     root: TrustRoot | Path | str | bytes,
-    high_water: str | SemVer | None = None,
+    high_water: str | SemVer | Mapping[str, str | SemVer] | None = None,
     now: datetime | None = None,
 ) -> VerifiedBundle:
     """Verify the bundle at `path` against the trust root, fully offline; see the module docstring for the steps.
 
     `root` is a loaded `TrustRoot` (or a root.json to load). `high_water` is the highest version of this bundle
-    ever accepted (anti-rollback: a lower version fails; the same version passes, for reinstalls). `now`
+    ever accepted (anti-rollback: a lower version fails; the same version passes, for reinstalls), or a mapping
+    from bundle name to that version, looked up by the signed manifest's name (a name not in it has none). `now`
     defaults to the current time. Returns a `VerifiedBundle`; raises `VerificationError` naming the failed check
     (and ValueError only for a caller's mistake: a `high_water` that is not a semantic version, a naive `now`).
     """
@@ -256,8 +258,9 @@ def verify_bundle(
         # (5) freshness and anti-rollback.
         if manifest.expires_at <= now:
             raise VerificationError(f"{label} expired at {manifest.expires}", check=Check.EXPIRED)
-        if high_water is not None:
-            floor = high_water if isinstance(high_water, SemVer) else SemVer.parse(high_water)
+        mark = high_water.get(manifest.name) if isinstance(high_water, Mapping) else high_water
+        if mark is not None:
+            floor = mark if isinstance(mark, SemVer) else SemVer.parse(mark)
             if manifest.semver < floor:
                 raise VerificationError(
                     f"{label} is older than version {floor}, the highest already accepted; downgrades are refused",

@@ -85,6 +85,7 @@ def test_build_sign_verify_extract_roundtrip(src: Path, tmp_path: Path) -> None:
     assert path.name == "smollm2-135m-instruct-1.2.3.envex"
     sign_bundle(path, [key])
     verified = verify_bundle(path, root=root, high_water="1.2.3")  # the same version is a reinstall: allowed
+    assert verify_bundle(path, root=root, high_water={"other": "9.9.9", "smollm2-135m-instruct": "1.0.0"})
     assert verified.file_count == 4
     assert verified.total_bytes == 300_000 + len('{"hidden_size": 64}\n') + 3
     assert verified.signer_keyids == (key_id(key),)

@@ -504,6 +504,10 @@ def downgrade(c: Ctx, tmp: Path) -> None:
     verify_bundle(c.fresh(tmp), root=c.root, high_water="1.0.1")
 
 
+def downgrade_by_name(c: Ctx, tmp: Path) -> None:
+    verify_bundle(c.fresh(tmp), root=c.root, high_water={"other": "9.0.0", "demo": "2.0.0"})
+
+
 def downgrade_from_release_to_prerelease(c: Ctx, tmp: Path) -> None:
     path = c.build(tmp, version="1.0.0-rc.1")
     sign_bundle(path, [c.k_bundle])
@@ -640,6 +644,7 @@ ATTACKS: list[tuple[Callable[[Ctx, Path], None], Check, str]] = [
     (tampered_root_file, Check.SIGNATURE, "does not verify"),
     (root_fingerprint_mismatch, Check.ROOT_FINGERPRINT, "pinned"),
     (downgrade, Check.ROLLBACK, "1.0.1"),
+    (downgrade_by_name, Check.ROLLBACK, "2.0.0"),
     (downgrade_from_release_to_prerelease, Check.ROLLBACK, "1.0.0-rc.1"),
     (sigstore_wrong_identity, Check.IDENTITY, "mallory@envex.invalid"),
     (sigstore_wrong_issuer, Check.IDENTITY, "evil.invalid"),
