@@ -134,12 +134,14 @@ def sign(
     try:
         keys = [load_private_key(_existing(k, "key")) for k in key]
         sigstore = sigstore_bundle.read_bytes() if sigstore_bundle else None
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:  # TypeError: an encrypted key, which we do not write
         _usage(str(exc))
     try:
         keyids = sign_bundle(file, keys, sigstore_bundle=sigstore)
     except VerificationError as exc:
         _failed(exc)
+    except OSError as exc:
+        _usage(f"{file}: {exc.strerror}")
     for k in keyids:
         typer.echo(f"signed {file} with key {k}")
 
@@ -170,11 +172,15 @@ def make_root_command(
         )
     except ValidationError as exc:
         _usage(first_error(exc))
-    except (ValueError, OSError) as exc:
+    except (ValueError, TypeError, OSError) as exc:
         _usage(str(exc))
     root = sign_root(signed, signers)
     out.write_bytes(root.to_bytes())
     typer.echo(f"wrote {out}: root version {version}, fingerprint {root.fingerprint}")
+    try:
+        load_root(root)
+    except VerificationError as exc:  # allowed: other holders sign next (sign_root in Python)
+        typer.echo(f"note: not yet a loadable root: {exc.message}", err=True)
 
 
 @verify_app.command("bundle")
