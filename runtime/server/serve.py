@@ -13,7 +13,7 @@ from envex.runtime.engine import AsyncEngine, EngineConfig, LLMEngine
 from envex.runtime.server.app import build_app
 
 
-class ServeError(RuntimeError):
+class ServeError(OSError):
     """The server could not start; the message says why and what to do."""
 
 
