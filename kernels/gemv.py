@@ -25,6 +25,10 @@ from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch
 PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 @triton.jit
 def _gemv_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, h_ptr,
@@ -75,8 +79,58 @@ def _gemv_kernel(
     tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-# (BLOCK_N, BLOCK_K, num_warps): small BLOCK_N gives many programs (≥ 4 per SM for N = 4096) so enough weight
-# bytes are in flight per SM; 16-byte loads need BLOCK_K ≥ 8·32·num_warps/BLOCK_N elements per row chunk.
+@triton.jit
+def _gemv_persistent_kernel(
+    a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, h_ptr,
+    N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """A fixed number of programs each computes the whole input row once (prologue included) and keeps it in
+    registers while it streams BLOCK_N-row weight tiles, the next tile requested before the current is reduced.
+    Unlike the chunked kernel, the activation (and the norm) is read and computed once per program, not once per
+    BLOCK_N rows; K must fit one register tile (BLOCK_K = next power of two ≥ K)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    m = tl.program_id(1).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < K
+    rr = tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + rr
+    w_next = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + kk[None, :],
+                     mask=(rows < N)[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    if PROLOGUE == 3:
+        g = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0).to(tl.float32)
+        u = tl.load(a_ptr + m * stride_am + K + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = g * tl.sigmoid(g) * u
+    else:
+        a = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
+        if PROLOGUE == 1:
+            bb = tl.load(b_ptr + m * stride_bm + kk, mask=k_ok, other=0.0)
+            a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
+            tl.store(h_ptr + m * stride_hm + kk, a, mask=kk < tl.where(pid == 0, K, 0))
+        x = a.to(tl.float32)
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+            x = x * rstd * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    for rb in range(pid, n_blocks, nprog):
+        w = w_next
+        ahead = (rb + nprog) * BLOCK_N + rr
+        w_next = tl.load(w_ptr + ahead.to(tl.int64)[:, None] * stride_wn + kk[None, :],
+                         mask=(ahead < N)[:, None] & k_ok[None, :], other=0.0,
+                         eviction_policy="evict_first")  # fmt: skip
+        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        rows = rb * BLOCK_N + rr
+        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+
+# (BLOCK_N, BLOCK_K, num_warps[, programs_per_sm]): a 4th entry > 0 selects the persistent kernel with that many
+# programs per SM (BLOCK_K is then the whole K). For the chunked kernel, small BLOCK_N gives many programs
+# (≥ 4 per SM for N = 4096) so enough weight bytes are in flight per SM; 16-byte loads need
+# BLOCK_K ≥ 8·32·num_warps/BLOCK_N elements per row chunk.
 # Retuned on the H200 by kernels/bench_h200.py; NOTES.md has the table.
 DEFAULT_CONFIG = (8, 512, 4)
 
@@ -89,7 +143,7 @@ def gemv(
     b: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
@@ -120,10 +174,18 @@ def gemv(
     h = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == PROLOGUE_ADD_RMS else out
     if m == 0 or n == 0:
         return out, (h if prologue == PROLOGUE_ADD_RMS else None)
-    block_n, block_k, num_warps = config or DEFAULT_CONFIG
-    block_k = min(block_k, triton.next_power_of_2(k))
+    block_n, block_k, num_warps, *rest = config or DEFAULT_CONFIG
     bb = b if b is not None else a
     nw = norm_weight if norm_weight is not None else weight
+    if rest and rest[0] > 0:
+        programs = min(triton.cdiv(n, block_n), rest[0] * _sm_count(a.device))
+        _gemv_persistent_kernel[(programs, m)](
+            a, bb, nw, weight, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0), h.stride(0),
+            float(eps), K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl,
+            num_warps=num_warps, **pdl_launch(pdl),
+        )  # fmt: skip
+        return out, (h if prologue == PROLOGUE_ADD_RMS else None)
+    block_k = min(block_k, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
         a, bb, nw, weight, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0), h.stride(0),
         float(eps), K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=num_warps,

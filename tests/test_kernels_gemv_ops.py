@@ -14,13 +14,13 @@ from envex.kernels.ops import TritonOps  # noqa: E402
 from envex.kernels.testing import assert_close, f64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-CONFIGS = [(8, 128, 4), (4, 256, 4), (16, 64, 2)]
+CONFIGS = [(8, 128, 4), (4, 256, 4), (16, 64, 2), (2, 0, 4, 1), (4, 0, 2, 2)]  # 4th entry: persistent kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("m,n,k", [(1, 64, 128), (1, 37, 300), (2, 100, 64), (1, 130, 1000)])
 @pytest.mark.parametrize("config", CONFIGS)
-def test_gemv_plain(dtype: torch.dtype, m: int, n: int, k: int, config: tuple[int, int, int]) -> None:
+def test_gemv_plain(dtype: torch.dtype, m: int, n: int, k: int, config: tuple[int, ...]) -> None:
     a = torch.randn(m, k, device=DEV).to(dtype)
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
     y, extra = gemv.gemv(a, w, config=config)
@@ -30,12 +30,12 @@ def test_gemv_plain(dtype: torch.dtype, m: int, n: int, k: int, config: tuple[in
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n,k", [(48, 64), (33, 320)])
-def test_gemv_prologues(dtype: torch.dtype, n: int, k: int) -> None:
+@pytest.mark.parametrize("cfg", [(8, 64, 4), (2, 0, 4, 1)])  # several K chunks / the persistent kernel
+def test_gemv_prologues(dtype: torch.dtype, n: int, k: int, cfg: tuple[int, ...]) -> None:
     a = torch.randn(1, k, device=DEV).to(dtype)
     b = torch.randn(1, k, device=DEV).to(dtype)
     nw = torch.randn(k, device=DEV).to(dtype)
     w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
-    cfg = (8, 64, 4)  # several K chunks and several column programs, so the h write and sumsq are exercised
     y, h = gemv.gemv(a, w, prologue=gemv.PROLOGUE_ADD_RMS, b=b, norm_weight=nw, eps=1e-5, config=cfg)
     y_ref, h_ref = ref.add_rms_norm_linear(*f64(a, b, nw), 1e-5, *f64(w))
     assert_close("add_rms gemv", y, y_ref, dtype)
