@@ -32,7 +32,7 @@ from pathlib import Path
 from envex.bundles.archive import CHUNK, MANIFEST, SIGNATURES, SIGSTORE, BundleArchive, Member
 from envex.bundles.build import SignaturesDocument
 from envex.bundles.errors import Check, VerificationError
-from envex.bundles.manifest import Manifest, SemVer
+from envex.bundles.manifest import FileEntry, Manifest, SemVer
 from envex.bundles.trust import TrustRoot, check_signatures, load_root
 
 # Extraction keeps this much free beyond the payload, so that filling the disk never breaks the running release.
@@ -114,9 +114,7 @@ class VerifiedBundle:
                 check=Check.SIZE,
             )
         with BundleArchive.open(self.path) as archive:
-            member = archive.payload_members().get(path)
-            if member is None or member.size != entry.size:
-                raise VerificationError(f"{self.path}: payload/{path} changed since verification", check=Check.SIZE)
+            member = _unchanged_member(self.path, archive.payload_members(), entry)
             data = b"".join(bytes(chunk) for chunk in archive.stream(member))
         if hashlib.sha256(data).hexdigest() != entry.sha256:
             raise VerificationError(f"{self.path}: payload/{path} changed since verification", check=Check.DIGEST)
@@ -155,11 +153,7 @@ class VerifiedBundle:
                 members = archive.payload_members()
                 buffer = bytearray(CHUNK)
                 for entry in self.manifest.files:
-                    member = members.get(entry.path)
-                    if member is None or member.size != entry.size:
-                        raise VerificationError(
-                            f"{self.path}: payload/{entry.path} changed since verification", check=Check.SIZE
-                        )
+                    member = _unchanged_member(self.path, members, entry)
                     _write_checked(archive, member, staging / entry.path, entry.sha256, buffer, durable)
             if durable:
                 _fsync_tree(staging)
@@ -170,6 +164,14 @@ class VerifiedBundle:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return dest
+
+
+def _unchanged_member(path: Path, members: dict[str, Member], entry: FileEntry) -> Member:
+    """The member for a verified manifest entry, still there at the verified size (the media may have changed)."""
+    member = members.get(entry.path)
+    if member is None or member.size != entry.size:
+        raise VerificationError(f"{path}: payload/{entry.path} changed since verification", check=Check.SIZE)
+    return member
 
 
 def _write_checked(
