@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from envex.runtime.config import ModelConfig
 from envex.runtime.tokenizer import Tokenizer
 

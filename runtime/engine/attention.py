@@ -27,5 +27,5 @@ class AttentionMetadata:
     # Torch backend only (None for the Triton backend): a dense gather of each sequence's cache, built on the host.
     kv_slots: torch.Tensor | None = None  # int64 [B, max_seq_len]: cache slot of each key (0 where padded)
     q_index: torch.Tensor | None = None  # int64 [B, max_q_len]: packed row of each padded query (0 where padded)
-    q_valid: torch.Tensor | None = None  # bool [B, max_q_len]
+    q_rows: torch.Tensor | None = None  # int64 [T]: for each packed row, its index in the flattened [B * max_q_len]
     attn_mask: torch.Tensor | None = None  # bool [B, 1, max_q_len, max_seq_len]: True where attention is allowed

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from envex.runtime.engine.block_manager import BlockManager
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.detokenizer import IncrementalDetokenizer

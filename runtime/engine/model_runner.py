@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.attention import AttentionMetadata
 from envex.runtime.engine.config import EngineConfig
@@ -133,7 +134,7 @@ class ModelRunner:
         dev = self.device
         meta.kv_slots = torch.where(pos[None, :] < seq_t[:, None], kv_slots, 0).to(dev)
         meta.q_index = q_index.to(dev)
-        meta.q_valid = q_valid.to(dev)
+        meta.q_rows = q_valid.reshape(-1).nonzero().squeeze(1).to(dev)
         meta.attn_mask = mask.unsqueeze(1).to(dev)
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+
 from envex.runtime.engine.sequence import Sequence
 from envex.runtime.engine.types import TokenLogprob
 

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from envex.runtime.engine.detokenizer import IncrementalDetokenizer
 from envex.runtime.engine.types import SamplingParams, TokenLogprob
 

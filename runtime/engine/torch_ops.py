@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from envex.runtime.engine.attention import AttentionMetadata
 
 
@@ -52,12 +53,17 @@ class TorchOps:
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   meta: AttentionMetadata) -> torch.Tensor:
         assert meta.kv_slots is not None and meta.q_index is not None
-        assert meta.q_valid is not None and meta.attn_mask is not None
-        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        assert meta.q_rows is not None and meta.attn_mask is not None
+        b, max_s = meta.kv_slots.shape
+        max_q = meta.q_index.shape[1]
+        # index_select on flat views: several times faster on CPU than advanced indexing.
+        slots = meta.kv_slots.reshape(-1)
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hkv, D]
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        keys = flat_k[meta.kv_slots].transpose(1, 2)  # [B, Hkv, S, D]
-        values = flat_v[meta.kv_slots].transpose(1, 2)
-        queries = q[meta.q_index].transpose(1, 2)  # [B, Hq, Q, D]
+        keys = flat_k.index_select(0, slots).view(b, max_s, *k_cache.shape[2:]).transpose(1, 2)  # [B, Hkv, S, D]
+        values = flat_v.index_select(0, slots).view(b, max_s, *v_cache.shape[2:]).transpose(1, 2)
+        queries = q.index_select(0, meta.q_index.reshape(-1)).view(b, max_q, *q.shape[1:]).transpose(1, 2)
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.attn_mask, scale=meta.scale,
-                                             enable_gqa=queries.shape[1] != keys.shape[1])
-        return out.transpose(1, 2)[meta.q_valid]  # [T, Hq, D], rows back in packed order
+                                             enable_gqa=queries.shape[1] != keys.shape[1])  # [B, Hq, Q, D]
+        out = out.transpose(1, 2).reshape(b * max_q, *q.shape[1:])
+        return out.index_select(0, meta.q_rows)  # [T, Hq, D], rows back in packed order

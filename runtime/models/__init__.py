@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from envex.runtime.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
 from envex.runtime.models.llama import LlamaForCausalLM
-from torch import nn
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
 

@@ -11,9 +11,10 @@ import math
 from collections.abc import Iterable
 
 import torch
+from torch import nn
+
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.attention import AttentionMetadata
-from torch import nn
 
 
 def rope_cos_sin(config: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,9 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
 from envex.runtime.engine import AsyncEngine
 from envex.runtime.server.chat import create_chat_completion
 from envex.runtime.server.completions import create_completion
@@ -26,8 +29,6 @@ from envex.runtime.server.protocol import (
     read_body,
     validate,
 )
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
 
 OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 OPEN_PATHS = ("/health", "/metrics")

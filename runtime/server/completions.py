@@ -7,13 +7,14 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
 from envex.runtime.engine import RequestOutput, TokenLogprob
 from envex.runtime.server.context import ServerContext, clamp, sampling_params
 from envex.runtime.server.errors import APIError
 from envex.runtime.server.generation import Generation, Job, check_capacity, run_to_completion, stream_events
 from envex.runtime.server.protocol import MAX_CHOICES, CompletionRequest, parse_body
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
 
 _PROMPT = "prompt"
 

@@ -7,13 +7,14 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+
 from envex.runtime.engine import AsyncEngine, SamplingParams
 from envex.runtime.server.errors import APIError, bad_request
 from envex.runtime.server.generation import sampling_error
 from envex.runtime.server.metrics import Metrics
 from envex.runtime.server.protocol import ChatMessage
 from envex.runtime.tokenizer import ChatTemplateError, Tokenizer
-from starlette.requests import Request
 
 # Tokenizing a long prompt takes a while; beyond this many characters it runs off the event loop.
 _OFFLOAD_CHARS = 32_768

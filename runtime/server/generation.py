@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.requests import Request
+
 from envex.runtime.engine import (
     AsyncEngine,
     EngineError,
@@ -25,7 +27,6 @@ from envex.runtime.engine import (
 )
 from envex.runtime.server.errors import APIError, bad_request
 from envex.runtime.server.metrics import Metrics
-from starlette.requests import Request
 
 _INTERNAL = "internal engine error"
 

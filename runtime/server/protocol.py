@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from envex.runtime.engine.types import MAX_TOP_LOGPROBS
-from envex.runtime.server.errors import APIError, bad_request
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from envex.runtime.engine.types import MAX_TOP_LOGPROBS
+from envex.runtime.server.errors import APIError, bad_request
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 MAX_N = 16

@@ -9,6 +9,7 @@ import sys
 from typing import TextIO
 
 import uvicorn
+
 from envex.runtime.engine import AsyncEngine, EngineConfig, LLMEngine
 from envex.runtime.server.app import build_app
 

@@ -8,8 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
-from envex.runtime.server.serve import bind_socket
 from fastapi import FastAPI
+
+from envex.runtime.server.serve import bind_socket
 
 
 @contextmanager

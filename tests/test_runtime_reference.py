@@ -1,0 +1,103 @@
+"""The engine's torch backend against HF transformers on the same weights (float32, CPU): identical tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from envex.runtime.engine import SamplingParams
+from envex.runtime.loader import embedded_model_path
+
+PROMPTS = [
+    "Once upon a time",
+    "The theory of relativity says that",
+    "def fibonacci(n):",
+    "List three fruits:",
+    "Translate to French: good morning",
+    "The capital of Japan is",
+    "Q: What is 12 times 12?\nA:",
+    "import numpy as np\n\n# compute the mean of an array\n",
+    "In 1969, astronauts",
+    "Write a haiku about the sea.",
+    "The quick brown fox",
+    "SELECT name FROM users WHERE",
+    "My favourite recipe for pancakes:",
+    "Photosynthesis is the process by which",
+    "1, 2, 3, 5, 8, 13,",
+    "Dear Sir or Madam,",
+    "The best way to learn a language is",
+    "<html>\n<head>\n",
+    "Here is a joke about computers:",
+    "Water boils at",
+    ]
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Blue."},
+        {"role": "user", "content": "Another one, with \"quotes\" & <tags>?"},
+    ],
+    [{"role": "user", "content": "Ünïcödé — 日本語 🙂"}],
+]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    path = embedded_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding with HF's own forward and KV cache, never stopping at EOS (generate()'s min_new_tokens
+    would mask EOS instead, which is a different function)."""
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(torch.tensor([ids]), use_cache=True)
+        for _ in range(n):
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            res = model(torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+@pytest.mark.slow
+def test_greedy_tokens_identical_to_transformers(embedded_engine, hf_reference):
+    engine = embedded_engine
+    encoded = [engine.tokenizer.encode(p) for p in PROMPTS]
+    ours = engine.generate(encoded, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+    assert len(PROMPTS) >= 20
+    for ids, got in zip(encoded, ours, strict=True):
+        ref = hf_greedy(hf_reference, ids, 64)
+        assert got.token_ids == ref, f"diverged for prompt {engine.tokenizer.decode(ids)!r}"
+        assert got.finish_reason == "length"
+
+
+def test_capital_of_france(embedded_engine):
+    engine = embedded_engine
+    text = engine.tokenizer.apply_chat_template(CHATS[0])
+    ids = engine.tokenizer.encode(text, add_special_tokens=False)
+    out = engine.generate([ids], SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in engine.tokenizer.eos_token_ids
+
+
+@pytest.mark.parametrize("messages", CHATS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_renders_as_transformers(embedded_engine, hf_tokenizer, messages, add_generation_prompt):
+    ours = embedded_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    ref = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == ref
+    assert embedded_engine.tokenizer.encode(ours, add_special_tokens=False) == hf_tokenizer(
+        ref, add_special_tokens=False
+    ).input_ids
+
+
+def test_tokenizer_roundtrip_matches_transformers(embedded_engine, hf_tokenizer):
+    for text in PROMPTS + ["  leading spaces", "tabs\tand\nnewlines", "emoji 🙂 and ünïcode"]:
+        ids = embedded_engine.tokenizer.encode(text)
+        assert ids == hf_tokenizer(text).input_ids
+        assert embedded_engine.tokenizer.decode(ids) == hf_tokenizer.decode(ids, skip_special_tokens=True)
