@@ -163,7 +163,7 @@ GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
 # The prologue each projection has in the fused decode step.
 GEMV_PROLOGUE = {"qkv": gemv.PROLOGUE_ADD_RMS, "o": gemv.PROLOGUE_NONE, "gate_up": gemv.PROLOGUE_ADD_RMS,
                  "down": gemv.PROLOGUE_SILU_MUL, "lm_head": gemv.PROLOGUE_ADD_RMS}  # fmt: skip
-GEMV_BEST: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+GEMV_BEST: dict[tuple[int, int, int], tuple[int, ...]] = {}
 ATTN_BEST: dict[str, dict] = {}
 
 
@@ -269,8 +269,10 @@ def _gemv_checks(rep: Report, bw: float) -> None:
 def _configs(quick: bool) -> list[tuple[int, int, int]]:
     if quick:
         return [(8, 512, 4), (4, 1024, 4)]
-    return [(bn, bk, nw) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for nw in (4, 8)
-            if 2048 <= bn * bk <= 16384]
+    chunked = [(bn, bk, nw) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024, 2048) for nw in (4, 8)
+               if 2048 <= bn * bk <= 16384]  # fmt: skip
+    persistent = [(bn, 0, nw, pps) for bn in (1, 2, 4) for nw in (4, 8, 16) for pps in (2, 4, 8)]
+    return chunked + persistent
 
 
 def guarded(rep: Report, name: str, fn, *args) -> None:

@@ -41,6 +41,8 @@ class DecodeState:
         self.positions = torch.zeros(batch, dtype=torch.int64, device=device)  # position of the token fed in
         self.block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        # False for padding rows of a graph batch: they compute garbage but write nothing into the KV cache.
+        self.active = torch.ones(batch, dtype=torch.bool, device=device)
 
 
 class FusedDecoder:
@@ -73,6 +75,7 @@ class FusedDecoder:
         q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
         bs = self.block_size
         slots = state.block_tables.gather(1, (state.positions // bs)[:, None])[:, 0].long() * bs + state.positions % bs
+        slots = torch.where(state.active, slots, -1)  # a negative slot skips the cache write
         seq_lens = (state.positions + 1).to(torch.int32)
         one_row = batch == 1 and self.use_gemv
         x = m.embed_tokens_weight[state.input_ids]  # [B, H]
