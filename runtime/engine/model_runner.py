@@ -69,6 +69,18 @@ class ModelRunner:
             for _ in range(mc.num_hidden_layers)
         ]
         self.scale = mc.head_dim ** -0.5
+        self.decode_graphs = self._decode_graphs(max_model_len)
+
+    def _decode_graphs(self, max_model_len: int):  # -> DecodeGraphs | None
+        """CUDA-graph decode steps (runtime/engine/cuda_graphs.py) for the Triton backend, when the model has one."""
+        if not (self.config.use_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"):
+            return None
+        from envex.runtime.engine.cuda_graphs import DecodeGraphs, supports
+
+        if not supports(self.model_config):
+            return None
+        return DecodeGraphs(self.model, self.model_config, self.kv_caches, self.cos, self.sin,
+                            max_batch=self.config.max_num_seqs, max_model_len=max_model_len)
 
     def _num_blocks(self, max_model_len: int) -> int:
         mc = self.model_config
@@ -139,6 +151,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
+        if self.decode_graphs is not None:  # a pure decode step replays a captured graph
+            graph_logits = self.decode_graphs.run_chunks(chunks)
+            if graph_logits is not None:
+                return StepResult(logits=graph_logits, prompt_logits={})
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
