@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from envex.kernels import _bench_lib as B
 from envex.kernels.fused_decode import DecodeShape, DecodeState, FusedDecoder, prefill, splits_for
 from envex.kernels.testing import rel_err

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from envex.kernels import attention, gemv, rotary
 from envex.kernels.ops import TritonOps
 

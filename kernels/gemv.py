@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
@@ -133,6 +134,20 @@ def _gemv_persistent_kernel(
 # BLOCK_K ≥ 8·32·num_warps/BLOCK_N elements per row chunk.
 # Retuned on the H200 by kernels/bench_h200.py; NOTES.md has the table.
 DEFAULT_CONFIG = (8, 512, 4)
+# Best measured on the H200 for the Llama-3.1-8B projections, keyed by (N, K, prologue) (NOTES.md, bench.json).
+H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
+    (6144, 4096, PROLOGUE_ADD_RMS): (8, 256, 4),
+    (4096, 4096, PROLOGUE_NONE): (2, 2048, 8),
+    (28672, 4096, PROLOGUE_ADD_RMS): (8, 256, 4),
+    (4096, 14336, PROLOGUE_SILU_MUL): (8, 512, 8),
+    (128256, 4096, PROLOGUE_ADD_RMS): (8, 256, 4),
+}
+
+
+def tuned_config(n: int, k: int, prologue: int) -> tuple[int, ...]:
+    """The measured best config for this projection if there is one, else DEFAULT_CONFIG."""
+    key = (n, k, PROLOGUE_ADD_RMS if prologue == PROLOGUE_RMS else prologue)
+    return H200_CONFIGS.get(key, DEFAULT_CONFIG)
 
 
 def gemv(
@@ -174,7 +189,7 @@ def gemv(
     h = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == PROLOGUE_ADD_RMS else out
     if m == 0 or n == 0:
         return out, (h if prologue == PROLOGUE_ADD_RMS else None)
-    block_n, block_k, num_warps, *rest = config or DEFAULT_CONFIG
+    block_n, block_k, num_warps, *rest = config or tuned_config(n, k, prologue)
     bb = b if b is not None else a
     nw = norm_weight if norm_weight is not None else weight
     if rest and rest[0] > 0:

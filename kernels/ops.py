@@ -8,6 +8,7 @@ kernel, which reads the weight once and folds the norm or the activation into th
 from __future__ import annotations
 
 import torch
+
 from envex.kernels import activation, attention, gemv, norm, rotary
 
 

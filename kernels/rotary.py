@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_launch
 
 
