@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from envex.bundles import VerifiedBundle
 from envex.bundles.archive import BundleArchive
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MODEL_CARD = "envex-model.json"
 RUNTIME_CARD = "envex-runtime.json"

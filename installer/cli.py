@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
+
 from envex.installer.fsutil import LockHeldError, PrefixLock
 from envex.installer.media import InstallError
 from envex.installer.state import StateError, load_state

@@ -12,8 +12,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from envex.installer.state import BundleRef, CheckSummary
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from envex.installer.state import BundleRef, CheckSummary
 
 LAUNCH_FILE = "launch.json"
 KERNEL_CACHE = "kernels"

@@ -134,14 +134,14 @@ def _ecc(pynvml: Any, handle: Any) -> int | None:
 
 
 def _cuda_smoke(want_cuda: bool) -> tuple[str | None, str | None, str]:
+    if not want_cuda:  # no GPU: the version is all we need, without the seconds torch takes to import
+        return _dist_version("torch"), None, "skipped: no GPU"
     try:
         import torch
     except ImportError:
         return None, None, "skipped: torch is not installed"
     version = torch.__version__
     cuda_build = torch.version.cuda
-    if not want_cuda:
-        return version, cuda_build, "skipped: no GPU"
     try:
         if not torch.cuda.is_available():
             return version, cuda_build, "failed: torch sees no CUDA device although NVML does"
@@ -167,11 +167,11 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _triton_version() -> str | None:
+def _dist_version(name: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("triton")
+        return version(name)
     except PackageNotFoundError:
         return None
 
@@ -205,7 +205,7 @@ def probe(disk_path: Path, *, want_gpu: bool = True) -> Probe:
         python=platform.python_version(),
         torch=torch_version,
         torch_cuda=torch_cuda,
-        triton=_triton_version(),
+        triton=_dist_version("triton"),
         cuda_smoke=smoke,
         notes=tuple(notes) + (() if sys.platform.startswith("linux") else (f"untested platform {sys.platform}",)),
     )

@@ -13,9 +13,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from envex.bundles import SemVer
 from envex.installer.fsutil import atomic_write
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 STATE_FILE = "state.json"
 SCHEMA_VERSION = 1

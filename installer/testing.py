@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from envex.bundles import build_bundle, sign_bundle
 from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, ModelCard, ModelDefaults, RuntimeCard
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR

@@ -11,6 +11,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from envex.bundles import generate_key, make_demo_trust, make_root, sign_root, verify_bundle
 from envex.installer import testing as itest
 from envex.installer.fsutil import LockHeldError, PrefixLock, atomic_write, switch_symlink
@@ -20,8 +23,6 @@ from envex.installer.plan import make_plan
 from envex.installer.probe import Probe, probe
 from envex.installer.release import create_venv
 from envex.installer.state import State, StateError, load_state, save_state
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 EXPIRES = datetime.now(UTC) + timedelta(days=30)
 
@@ -32,9 +33,22 @@ def trust(tmp_path):
 
 
 def cpu_probe(**overrides) -> Probe:
-    values = dict(mode="cpu", gpus=(), driver_version=None, cuda_driver_version=None, cpu_model="test", cpu_count=2,
-                  ram_total=8 << 30, ram_available=8 << 30, disk_free=100 << 30, python="3.11.7", torch="2.5.0",
-                  torch_cuda=None, triton=None, cuda_smoke="skipped: no GPU")
+    values = dict(
+        mode="cpu",
+        gpus=(),
+        driver_version=None,
+        cuda_driver_version=None,
+        cpu_model="test",
+        cpu_count=2,
+        ram_total=8 << 30,
+        ram_available=8 << 30,
+        disk_free=100 << 30,
+        python="3.11.7",
+        torch="2.5.0",
+        torch_cuda=None,
+        triton=None,
+        cuda_smoke="skipped: no GPU",
+    )
     values.update(overrides)
     return Probe(**values)
 
@@ -45,8 +59,14 @@ def media_with(tmp_path, trust, **kwargs):
     wheel = tmp_path / "w" / "fake-0.1-py3-none-any.whl"
     wheel.parent.mkdir(exist_ok=True)
     wheel.write_bytes(b"not really a wheel")
-    return itest.fake_media(tmp_path / "media", trust.root_path, load_private_key(trust.key_path), tmp_path / "src",
-                            wheels=[wheel], **kwargs)
+    return itest.fake_media(
+        tmp_path / "media",
+        trust.root_path,
+        load_private_key(trust.key_path),
+        tmp_path / "src",
+        wheels=[wheel],
+        **kwargs,
+    )
 
 
 def verified(media: Path, trust) -> list:
@@ -100,8 +120,10 @@ def test_lock_excludes_a_second_installer(tmp_path):
             with PrefixLock(tmp_path):
                 pass
         # and from another process, too
-        code = "import sys; from envex.installer.fsutil import PrefixLock\ntry:\n with PrefixLock(sys.argv[1]): pass\n" \
-               "except Exception as e: print(type(e).__name__)"
+        code = (
+            "import sys; from envex.installer.fsutil import PrefixLock\ntry:\n with PrefixLock(sys.argv[1]): pass\n"
+            "except Exception as e: print(type(e).__name__)"
+        )
         out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True).stdout
         assert out.strip() == "LockHeldError"
     with PrefixLock(tmp_path):
@@ -126,14 +148,30 @@ def test_switch_symlink_and_atomic_write(tmp_path):
 def _launch(**overrides) -> dict:
     ref = {"name": "m", "kind": "model", "version": "1.0.0", "manifest_sha256": "a" * 64}
     value = {
-        "release": "0001-m-1.0.0", "created": "2026-01-01T00:00:00Z", "mode": "cpu",
-        "model": {"path": "model/m.gguf", "served_name": "m", "format": "gguf", "architecture": "LlamaForCausalLM",
-                  "quantization": "Q4_1", "sha256": "b" * 64, "bundle": ref},
+        "release": "0001-m-1.0.0",
+        "created": "2026-01-01T00:00:00Z",
+        "mode": "cpu",
+        "model": {
+            "path": "model/m.gguf",
+            "served_name": "m",
+            "format": "gguf",
+            "architecture": "LlamaForCausalLM",
+            "quantization": "Q4_1",
+            "sha256": "b" * 64,
+            "bundle": ref,
+        },
         "engine": {"device": "cpu", "dtype": "float32", "max_model_len": 512},
-        "numeric_policy": "weights Q4_1 computed in float32", "kv_cache": {"dtype": "float32", "block_size": 16},
+        "numeric_policy": "weights Q4_1 computed in float32",
+        "kv_cache": {"dtype": "float32", "block_size": 16},
         "kernels": None,
-        "runtime": {"envex_version": "0.1.0", "python": "3.11", "torch": None, "triton": None, "venv": "venv",
-                    "bundle": {**ref, "name": "envex-runtime", "kind": "runtime"}},
+        "runtime": {
+            "envex_version": "0.1.0",
+            "python": "3.11",
+            "torch": None,
+            "triton": None,
+            "venv": "venv",
+            "bundle": {**ref, "name": "envex-runtime", "kind": "runtime"},
+        },
     }
     value.update(overrides)
     return value
@@ -169,10 +207,11 @@ def test_first_install_needs_the_fingerprint_confirmed(tmp_path, trust):
     with pytest.raises(InstallError, match="root_fingerprint"):
         settle_trust(scan, State(), tmp_path / "p", trust_fingerprint="ab" * 32, confirm=None)
     asked: list[str] = []
-    decision = settle_trust(scan, State(), tmp_path / "p", trust_fingerprint=None,
-                            confirm=lambda fp: asked.append(fp) or True)
+    decision = settle_trust(
+        scan, State(), tmp_path / "p", trust_fingerprint=None, confirm=lambda fp: asked.append(fp) or True
+    )
     assert asked == [trust.fingerprint] and decision.first_pin
-    spaced = " ".join(trust.fingerprint[i:i + 4] for i in range(0, 64, 4)).upper()
+    spaced = " ".join(trust.fingerprint[i : i + 4] for i in range(0, 64, 4)).upper()
     assert settle_trust(scan, State(), tmp_path / "p", trust_fingerprint=spaced, confirm=None).first_pin
 
 
@@ -182,11 +221,14 @@ def test_pinned_root_rotates_forward_only_and_refuses_a_forged_root(tmp_path, tr
     prefix = tmp_path / "prefix"
     media = media_with(tmp_path, trust)
     scan = scan_media(media)
-    state = pin_trust(prefix, State(), settle_trust(scan, State(), prefix, trust_fingerprint=trust.fingerprint,
-                                                    confirm=None))
+    state = pin_trust(
+        prefix, State(), settle_trust(scan, State(), prefix, trust_fingerprint=trust.fingerprint, confirm=None)
+    )
     assert state.trust.root_version == 1
     old_key, new_key = load_private_key(trust.key_path), generate_key()
-    v2 = sign_root(make_root(root_keys=[new_key], bundle_keys=[new_key], version=2, expires=EXPIRES), [old_key, new_key])
+    v2 = sign_root(
+        make_root(root_keys=[new_key], bundle_keys=[new_key], version=2, expires=EXPIRES), [old_key, new_key]
+    )
     (media / "trust" / "root.json").write_bytes(v2.to_bytes())
     decision = settle_trust(scan, state, prefix, trust_fingerprint=None, confirm=None)
     assert decision.rotated_from == 1 and decision.root.version == 2
@@ -257,10 +299,19 @@ def test_plan_picks_newest_and_says_what_is_missing(tmp_path, trust):
 
 
 def test_plan_refuses_targets_and_requirements_it_cannot_meet(tmp_path, trust):
-    media = media_with(tmp_path, trust, card=itest.fake_model_card(parameters=10**12),
-                       model_targets={"accelerators": ["sm_90"], "min_driver": "550", "python": ">=3.11",
-                                      "torch": None, "triton": None},
-                       model_requires=[{"name": "envex-runtime", "kind": "runtime", "version": ">=9.0.0"}])
+    media = media_with(
+        tmp_path,
+        trust,
+        card=itest.fake_model_card(parameters=10**12),
+        model_targets={
+            "accelerators": ["sm_90"],
+            "min_driver": "550",
+            "python": ">=3.11",
+            "torch": None,
+            "triton": None,
+        },
+        model_requires=[{"name": "envex-runtime", "kind": "runtime", "version": ">=9.0.0"}],
+    )
     with pytest.raises(InstallError) as info:
         make_plan(verified(media, trust), cpu_probe())
     message = str(info.value)
@@ -277,8 +328,12 @@ def test_complete_wheelhouse_installs_with_no_index_into_an_isolated_venv(tmp_pa
     venv = tmp_path / "venv"
     create_venv(venv, tmp_path / "wheelhouse", complete=True, install=["tinyapp==1.0"])
     python = str(venv / "bin" / "python")
-    out = subprocess.run([python, "-c", "import tinyapp, tinydep; print(tinyapp.NAME, tinydep.NAME)"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [python, "-c", "import tinyapp, tinydep; print(tinyapp.NAME, tinydep.NAME)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.split() == ["tinyapp", "tinydep"]
     # a complete wheelhouse means an isolated venv: nothing leaks in from the installer's environment
     assert subprocess.run([python, "-c", "import pydantic"], capture_output=True).returncode != 0
