@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+
 from envex.runtime.engine import AsyncEngine, LLMEngine
 from envex.runtime.server.app import build_app
 from envex.runtime.server.testing import serve_in_thread
