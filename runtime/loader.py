@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -102,7 +103,13 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def load_model_info(spec: str) -> LoadedModel:
     """Resolve `spec` and read its config and tokenizer (weights are read later, by name, into the model)."""
-    source = resolve_model(spec)
+    return _load_model_info(resolve_model(spec))
+
+
+@functools.lru_cache(maxsize=4)
+def _load_model_info(source: ModelSource) -> LoadedModel:
+    # Cached: parsing a GGUF's vocabulary takes seconds, and engines of several configs may share one model.
+    spec = str(source.path)
     if source.kind == "gguf":
         from envex.runtime.gguf_loader import hf_config, read_metadata, tokenizer_parts
 
