@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from envex.bundles.archive import (
     CHUNK,
     MANIFEST,
@@ -48,7 +50,6 @@ from envex.bundles.manifest import (
     unsafe_path_reason,
 )
 from envex.bundles.trust import Signature
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_LIFETIME = timedelta(days=365)
 

@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import Annotated, NoReturn, cast
 
 import typer
+from pydantic import ValidationError
+
 from envex.bundles.build import BuildError, build_bundle, sign_bundle
 from envex.bundles.errors import VerificationError
 from envex.bundles.keys import generate_key, key_id, load_private_key, load_public_key, write_key_files
 from envex.bundles.manifest import Kind, Requirement, Targets, first_error
 from envex.bundles.trust import load_root, make_root, sign_root
 from envex.bundles.verify import verify_bundle
-from pydantic import ValidationError
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2

@@ -13,8 +13,9 @@ from datetime import UTC, datetime
 from functools import total_ordering
 from typing import Annotated, Any, Literal
 
-from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 
 SCHEMA_VERSION = 1
 KINDS = ("model", "runtime", "kernels")
@@ -29,17 +30,19 @@ MAX_PATH_DEPTH = 64
 # Portable file-name characters: what wheels, Triton caches and HF model repos use. Anything else (spaces,
 # backslashes, colons, control characters, non-ASCII) is refused rather than interpreted.
 _COMPONENT = re.compile(r"[A-Za-z0-9_.+=@,~!%-]+")
+# re.ASCII throughout: in str patterns \d and \s would otherwise match any Unicode digit or space ("١.٠.٠").
 _SEMVER = re.compile(
     r"(0|[1-9]\d*)\.(0|[1-9]\d*)\.(0|[1-9]\d*)"
     r"(?:-((?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*)(?:\.(?:0|[1-9]\d*|\d*[A-Za-z-][0-9A-Za-z-]*))*))?"
-    r"(?:\+([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?"
+    r"(?:\+([0-9A-Za-z-]+(?:\.[0-9A-Za-z-]+)*))?",
+    re.ASCII,
 )
 _TIMESTAMP_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
-_TIMESTAMP = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z")
+_TIMESTAMP = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}Z", re.ASCII)
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _ACCELERATOR = re.compile(r"[a-z][a-z0-9_]{0,31}")  # sm_90, sm_90a, gfx942, cpu
-_DRIVER = re.compile(r"\d{1,5}(\.\d{1,5}){0,3}")
+_DRIVER = re.compile(r"\d{1,5}(\.\d{1,5}){0,3}", re.ASCII)
 _SPEC_CHARS = re.compile(r"[0-9A-Za-z.,<>=!~*+ ]{1,128}")
 
 
@@ -171,7 +174,7 @@ class SemVer:
         return text
 
 
-_CONSTRAINT = re.compile(r"(>=|<=|==|!=|>|<)\s*(\S+)")
+_CONSTRAINT = re.compile(r"(>=|<=|==|!=|>|<)\s*(\S+)", re.ASCII)
 
 
 def _semver_constraints(value: str) -> str:

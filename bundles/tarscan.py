@@ -12,6 +12,7 @@ refused. It only reads headers (with `pread`); it never reads member data.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ _IGNORED_PAX = frozenset(
     {"mtime", "atime", "ctime", "uid", "gid", "uname", "gname", "hdrcharset", "comment", "charset"}
 )
 _APPLIED_PAX = frozenset({"path", "linkpath", "size"})
+_DECIMAL = re.compile(r"[0-9]{1,20}")
 
 
 class TarFormatError(ValueError):
@@ -142,7 +144,7 @@ def scan_headers(fd: int, file_size: int, *, max_members: int) -> Iterator[Heade
             name = pax.get("path", name)
             linkname = pax.get("linkpath", linkname)
             if "size" in pax:
-                if not pax["size"].isdigit():
+                if not _DECIMAL.fullmatch(pax["size"]):  # str.isdigit() would take "²"
                     raise TarFormatError(f"pax header at byte {pax_start}: size {pax['size']!r} is not a number")
                 size = int(pax["size"])
             if "GNU.sparse" in pax:

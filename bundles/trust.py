@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+
 from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 from envex.bundles.errors import Check, VerificationError
 from envex.bundles.keys import key_id, public_key_from_hex, public_raw, sign, signature_valid
 from envex.bundles.manifest import Timestamp, first_error, format_timestamp, parse_timestamp
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MAX_ROOT_BYTES = 16 * 1024 * 1024
 MAX_KEYS = 256

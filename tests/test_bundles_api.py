@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
+
 from envex.bundles import (
     BuildError,
     Check,
@@ -43,7 +45,6 @@ from envex.bundles import (
 from envex.bundles.archive import BundleArchive
 from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 from envex.bundles.testing import SyntheticSigstore, flip_byte, member_offsets
-from pydantic import ValidationError
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 LATER = NOW + timedelta(days=30)
@@ -376,8 +377,9 @@ def test_semver_order_and_requirements() -> None:
     parsed = [SemVer.parse(v) for v in order]
     assert parsed == sorted(parsed) and len(set(parsed)) == len(parsed)
     assert SemVer.parse("1.0.0+build.5") == SemVer.parse("1.0.0")
-    with pytest.raises(ValueError):
-        SemVer.parse("01.0.0")
+    for bad in ("01.0.0", "1.0", "\u0661.\u0660.\u0660", "1.0.0-"):  # leading zero, short, Arabic-Indic digits
+        with pytest.raises(ValueError):
+            SemVer.parse(bad)
     req = Requirement(name="envex-runtime", kind="runtime", version=">=0.1.0,<0.2.0")
     assert req.allows("0.1.9") and not req.allows("0.2.0") and not req.allows("0.1.0-rc.1")
     with pytest.raises(ValidationError):

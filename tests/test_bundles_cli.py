@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from envex.bundles.cli import bundle_app, verify_app
 from envex.bundles.testing import flip_byte, member_offsets
-from typer.testing import CliRunner
 
 app = typer.Typer()
 app.add_typer(bundle_app, name="bundle")

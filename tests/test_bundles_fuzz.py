@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
 from envex.bundles import (
     SigstoreIdentity,
     SigstorePolicy,
@@ -33,8 +36,6 @@ from envex.bundles.archive import BundleArchive
 from envex.bundles.canonical import canonical_bytes
 from envex.bundles.keys import sign
 from envex.bundles.testing import SyntheticSigstore
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 KEY = generate_key()
@@ -239,6 +240,7 @@ pax_records = st.lists(
 
 @FUZZ
 @given(pax=st.binary(max_size=400) | pax_records, name=member_names, kind=member_types)
+@example(pax="11 size=\u00b2\n".encode(), name="manifest.json", kind=tarfile.REGTYPE)  # found by this test
 def test_arbitrary_pax_extended_headers(pax: bytes, name: str, kind: bytes) -> None:
     # A raw pax `x` header with arbitrary records, applied to an arbitrary member, in front of the real bundle.
     extended = tarfile.TarInfo("PaxHeaders/x")
