@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from envex.bundles.cli import bundle_app, verify_app
+from envex.installer.cli import activate, demo, rollback, status
 from envex.runtime.loader import EMBEDDED_MODEL
 
 app = typer.Typer(
@@ -96,6 +97,11 @@ def generate(
     except ValueError as exc:
         raise fail(str(exc)) from None
     raise typer.Exit(code)
+
+
+# The installer's commands, registered after serve and generate so --help lists those first.
+for _name, _command in (("status", status), ("activate", activate), ("rollback", rollback), ("demo", demo)):
+    app.command(_name)(_command)
 
 
 def main() -> None:
