@@ -6,6 +6,8 @@ Writes a random-weight bf16 checkpoint of the 8B shape (HF names, safetensors, a
 tokenizer) once, then times the engine with the triton backend (CUDA-graph decode), the triton backend without
 graphs, and the torch reference backend: batch 1 at 1K/256 and 10K/512 (TTFT included), and 64 concurrent
 requests at 1K/256 with prefill included. Greedy, ignore_eos, so every run emits exactly max_tokens tokens.
+Prefix caching is off: the prompts are random and share no prefix (and a 10K prompt chunked at 8K tokens trips
+BlockManager.commit when it is on, see the report of 2026-11-29).
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def main() -> None:
         opts, cases = plan[name]
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=str(args.dir), max_model_len=12288, max_num_seqs=64,
-                                        max_num_batched_tokens=8192, num_kv_blocks=8192, **opts))  # fmt: skip
+                                        max_num_batched_tokens=8192, num_kv_blocks=8192,
+                                        enable_prefix_caching=False, **opts))  # fmt: skip
         load_s = time.perf_counter() - t0
         timed_requests(engine, prompts(1, 64), 8)  # warm-up: compiles the prefill kernels' shapes
         for case, ps, max_tokens in cases:
