@@ -13,7 +13,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from envex.runtime.engine import RequestOutput
 from envex.runtime.server.context import ServerContext, clamp, sampling_params
 from envex.runtime.server.errors import bad_request
-from envex.runtime.server.generation import Generation, Job, check_capacity, run_to_completion, stream_events
+from envex.runtime.server.generation import (
+    Generation,
+    Job,
+    check_capacity,
+    run_to_completion,
+    start_generation,
+    stream_events,
+)
 from envex.runtime.server.protocol import ChatCompletionRequest, parse_body
 
 _PROMPT = "messages"
@@ -49,7 +56,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
     check_capacity(ctx.async_engine, jobs, _PROMPT)
     generation = Generation(ctx.async_engine, jobs, prefix="chat", prompt_param=_PROMPT, metrics=ctx.metrics,
                             started_at=started)
-    await generation.start()
+    if not await start_generation(request, generation):
+        return Response(status_code=499)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.served_model_name}
     if req.stream:
         return StreamingResponse(stream_events(generation, _events(ctx, req, generation, head, top_n)),

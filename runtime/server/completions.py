@@ -13,7 +13,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from envex.runtime.engine import RequestOutput, TokenLogprob
 from envex.runtime.server.context import ServerContext, clamp, sampling_params
 from envex.runtime.server.errors import APIError
-from envex.runtime.server.generation import Generation, Job, check_capacity, run_to_completion, stream_events
+from envex.runtime.server.generation import (
+    Generation,
+    Job,
+    check_capacity,
+    run_to_completion,
+    start_generation,
+    stream_events,
+)
 from envex.runtime.server.protocol import MAX_CHOICES, CompletionRequest, parse_body
 
 _PROMPT = "prompt"
@@ -82,7 +89,8 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
     check_capacity(ctx.async_engine, jobs, _PROMPT)
     generation = Generation(ctx.async_engine, jobs, prefix="cmpl", prompt_param=_PROMPT, metrics=ctx.metrics,
                             started_at=started)
-    await generation.start()
+    if not await start_generation(request, generation):
+        return Response(status_code=499)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.served_model_name}
     logprobs = [LegacyLogprobs(ctx) if req.logprobs is not None else None for _ in jobs]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -201,6 +201,31 @@ async def until_disconnected(request: Request) -> None:
             return
 
 
+async def unless_disconnected(request: Request, work: Awaitable[None]) -> bool:
+    """Run `work` while watching the client; False if it went away first (`work` is then cancelled)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.create_task(until_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        return False
+    task.result()  # re-raise an engine error
+    return True
+
+
+async def start_generation(request: Request, generation: Generation) -> bool:
+    """Start every choice; False (and nothing left in the engine) if the client left while they were queued."""
+    if await unless_disconnected(request, generation.start()):
+        return True
+    await generation.close()
+    return False
+
+
 async def run_to_completion(request: Request, generation: Generation,
                             on_output: Callable[[int, RequestOutput], None]) -> bool:
     """Drain a non-streaming generation; False (and every choice aborted) if the client disconnected first."""
@@ -209,20 +234,10 @@ async def run_to_completion(request: Request, generation: Generation,
         async for index, out in generation.outputs():
             on_output(index, out)
 
-    work = asyncio.create_task(drain())
-    watch = asyncio.create_task(until_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            await generation.close()
-    if work in done:
-        work.result()  # re-raise an engine error
-        return True
-    return False
+    finished = await unless_disconnected(request, drain())
+    if not finished:
+        await generation.close()
+    return finished
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:

@@ -64,7 +64,8 @@ class _Server(uvicorn.Server):
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           out: TextIO | None = None) -> None:
-    """Build the engine from `config` and serve it until interrupted. Raises ServeError when it cannot start.
+    """Build the engine from `config` and serve it until Ctrl-C (then return). Raises ServeError when it cannot
+    start (bad port, port in use), before the model is loaded.
 
     With `api_key`, clients must send `Authorization: Bearer <key>`; the ready line refers to it as
     $ENVEX_API_KEY rather than printing the secret into logs.
@@ -78,6 +79,9 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, ap
         actual_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(app, host=host, port=actual_port, log_level="info", timeout_graceful_shutdown=5)
         message = ready_message(host, actual_port, app.state.envex.served_model_name, api_key)
-        _Server(uv_config, message, out or sys.stdout).run(sockets=[sock])
+        try:
+            _Server(uv_config, message, out or sys.stdout).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop
+            pass
     finally:
         sock.close()
