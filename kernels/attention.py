@@ -200,6 +200,8 @@ def paged_attention(
         block_m = max(16, min(128, next_pow2(max_q_len * group)))
     if num_warps is None:
         num_warps = 4 if block_m <= 64 else 8
+    if num_stages is None and max_q_len <= 4:
+        num_stages = 2  # decode: the H200 sweep's best at batch 64 (1K) and batch 1 (10K); 1 won at batch 1 (1K)
     if num_splits > 1:
         part_o = torch.empty((num_splits, num_tokens, n_q, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_splits, num_tokens, n_q), dtype=torch.float32, device=q.device)

@@ -78,8 +78,8 @@ def test_run_chunks_takes_only_pure_decode_steps() -> None:
     graphs = DecodeGraphs(model, config, caches, cos, sin, max_batch=2, max_model_len=64, capture=DEV.type == "cuda")
 
     def chunk(start: int, n: int, prompt_len: int) -> SimpleNamespace:
-        seq = SimpleNamespace(prompt_token_ids=list(range(prompt_len)), all_token_ids=list(range(start + n)),
-                              block_table=[0, 1, 2])  # fmt: skip
+        seq = SimpleNamespace(prompt_token_ids=list(range(prompt_len)),
+                              output_token_ids=list(range(prompt_len, start + n)), block_table=[0, 1, 2])  # fmt: skip
         return SimpleNamespace(seq=seq, start=start, num_tokens=n, completes=True)
 
     assert graphs.run_chunks([chunk(6, 1, 5)]).shape == (1, 40)

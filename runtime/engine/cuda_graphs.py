@@ -102,9 +102,10 @@ class DecodeGraphs:
         ids = torch.tensor(input_ids + [0] * pad, dtype=torch.int64)
         pos = torch.tensor(positions + [0] * pad, dtype=torch.int64)
         active = torch.tensor([True] * batch + [False] * pad)
-        tables = torch.zeros(b, width, dtype=torch.int32)
+        flat = [0] * (b * width)  # one host tensor for all tables: per-row tensors cost ~5 us each
         for row, t in enumerate(block_tables):
-            tables[row, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            flat[row * width : row * width + len(t)] = t
+        tables = torch.tensor(flat, dtype=torch.int32).view(b, width)
         # Only the first `width` columns matter: kernels read a sequence's table up to its own length.
         state.input_ids.copy_(ids, non_blocking=True)
         state.positions.copy_(pos, non_blocking=True)
@@ -125,6 +126,7 @@ class DecodeGraphs:
         for c in chunks:
             if c.num_tokens != 1 or not c.completes or c.start < len(c.seq.prompt_token_ids):
                 return None  # a prefill chunk, or a prompt token whose logprobs may be wanted: the eager path
-        ids = [c.seq.all_token_ids[c.start] for c in chunks]
+        # The token at position start is the last one generated (all_token_ids would copy the whole prompt).
+        ids = [c.seq.output_token_ids[c.start - len(c.seq.prompt_token_ids)] for c in chunks]
         positions = [c.start for c in chunks]
         return self.run(ids, positions, [c.seq.block_table for c in chunks]).float()
