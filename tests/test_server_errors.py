@@ -138,9 +138,9 @@ def test_a_prompt_over_the_window_is_400_stating_it(http: httpx.Client) -> None:
 @pytest.mark.parametrize("body", [
     b'{"prompt": "\xff\xfe"}', b"\xff", b'{"prompt":', b"[1, 2]", b"", b"null", b'"text"',
     b'{"model": "m", "prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "max_tokens": Infinity}',
-    b"[" * 100_000, b'{"max_tokens": 1' + b"0" * 5000 + b"}",
+    b"[" * 100_000, b'{"max_tokens": 1' + b"0" * 5000 + b"}", b'{"prompt": "a\\ud800b", "messages": ["\\udfff"]}',
 ], ids=["bad-utf8-string", "bad-utf8", "truncated", "array", "empty", "null", "string", "nan", "infinity",
-        "deep-nesting", "huge-int"])
+        "deep-nesting", "huge-int", "lone-surrogate"])
 def test_unreadable_bodies_are_400(http: httpx.Client, body: bytes) -> None:
     for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
         assert_openai_error(http.post(path, content=body, headers={"Content-Type": "application/json"}), 400)

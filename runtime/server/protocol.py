@@ -9,6 +9,7 @@ ask for nothing, so a request is never silently answered differently from what i
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
@@ -25,6 +26,7 @@ _INT64 = 2**63
 _SEED_MIN, _SEED_MAX = -_INT64, 2**64 - 1  # torch accepts seeds in [-2**63, 2**64)
 
 Model = TypeVar("Model", bound=BaseModel)
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 class _Strict(BaseModel):
@@ -338,7 +340,13 @@ def decode_json(body: bytes) -> Any:
     if not text.strip():
         raise bad_request("the request body is empty; send a JSON object")
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        data = json.loads(text, parse_constant=_reject_constant)
+        if _SURROGATE_ESCAPE.search(text):  # "\ud800" decodes to a str that no tokenizer or encoder accepts
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        return data
+    except UnicodeEncodeError:
+        raise bad_request("the request body has an unpaired UTF-16 surrogate escape (such as \\ud800) in a string; "
+                          "send valid Unicode") from None
     except json.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
                           ) from None
