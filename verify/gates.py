@@ -1,0 +1,144 @@
+"""The gate runner the installer calls: `run_gates(engine, reference=..., suite="quick"|"full")` -> GateReport.
+
+Suites fix the prompt sets and sizes. "quick" fits a CI run of the installer on a 2-core CPU with the embedded
+model (about a minute or two); "full" is the real gate, run before activation on the target hardware.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from envex.verify import data
+from envex.verify.common import Timer
+from envex.verify.gate_coding import check_coding
+from envex.verify.gate_needle import check_needle
+from envex.verify.gate_reference import check_reference_equality
+from envex.verify.gate_semantic import check_semantic
+from envex.verify.gate_stopping import check_stopping
+from envex.verify.reference import HFReference
+from envex.verify.types import GateEngine, GateReport, GateResult, NumericPolicy
+
+GATE_NAMES = ("reference_equality", "needle_retrieval", "stopping", "coding", "semantic_regression")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Suite:
+    name: str
+    reference_prompts: int
+    reference_max_tokens: int
+    needle_lengths: tuple[int, ...]
+    needle_depths: tuple[float, ...]
+    needle_max_tokens: int
+    stopping_prompts: int
+    stopping_max_tokens: int
+    coding_tasks: tuple[str, ...] | None  # task ids; None: all of them
+    coding_max_tokens: int
+    semantic_texts: int
+    semantic_max_len: int
+    gates: tuple[str, ...] = field(default=GATE_NAMES)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.gates) - set(GATE_NAMES)
+        if unknown:
+            raise ValueError(f"gates: unknown {sorted(unknown)}; known: {', '.join(GATE_NAMES)}")
+
+
+SUITES: dict[str, Suite] = {
+    "quick": Suite(name="quick", reference_prompts=2, reference_max_tokens=16, needle_lengths=(320, 640),
+                   needle_depths=(0.0, 1.0), needle_max_tokens=14, stopping_prompts=1, stopping_max_tokens=20,
+                   coding_tasks=("add", "is_even", "reverse_string", "square"), coding_max_tokens=40,
+                   semantic_texts=2, semantic_max_len=96),
+    "full": Suite(name="full", reference_prompts=10, reference_max_tokens=128,
+                  needle_lengths=(1024, 2048, 4096, 8192), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
+                  needle_max_tokens=24, stopping_prompts=3, stopping_max_tokens=48, coding_tasks=None,
+                  coding_max_tokens=160, semantic_texts=8, semantic_max_len=512),
+}
+
+EngineLike = GateEngine | Callable[[], GateEngine]
+
+
+def _run_one(name: str, fn: Callable[[], GateResult]) -> GateResult:
+    timer = Timer()
+    try:
+        return fn()
+    except Exception as exc:  # a gate that cannot run has failed; the report says why instead of crashing
+        return GateResult(name=name, verdict="fail", thresholds={}, evidence={"error": f"{type(exc).__name__}: {exc}"},
+                          seconds=timer.seconds, summary=f"the gate could not run: {type(exc).__name__}: {exc}")
+
+
+def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite: str | Suite = "quick",
+              out_dir: str | Path | None = None, gates: Sequence[str] | None = None,
+              progress: Callable[[str], None] | None = None) -> GateReport:
+    """Run a suite of gates against `engine` (an LLMEngine, a wrapper with the same methods, or a factory).
+
+    `reference` defaults to HF transformers in float32 on the engine's device type, loaded from the engine's
+    own model files. With `out_dir`, the report is also written to out_dir/gates.json.
+    """
+    timer = Timer()
+    eng: GateEngine = engine() if callable(engine) and not hasattr(engine, "generate") else engine  # type: ignore[assignment,operator]
+    s = SUITES[suite] if isinstance(suite, str) else suite
+    if isinstance(suite, str) and suite not in SUITES:
+        raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
+    policy = NumericPolicy.of(eng)
+    if reference is None:
+        source = getattr(eng, "source", None)
+        if source is None:
+            raise ValueError("reference: the engine has no `source` to load the reference from; pass reference=")
+        reference = HFReference(source, device=policy.device, dtype="float32",
+                                eos_token_ids=eng.tokenizer.eos_token_ids)
+    selected = tuple(gates) if gates is not None else s.gates
+    unknown = set(selected) - set(GATE_NAMES)
+    if unknown:
+        raise ValueError(f"gates: unknown {sorted(unknown)}; known: {', '.join(GATE_NAMES)}")
+    ref = reference
+    prompts = data.chat_prompts()
+    tasks = data.coding_tasks()
+    if s.coding_tasks is not None:
+        tasks = [t for t in tasks if t.id in s.coding_tasks]
+    runners: dict[str, Callable[[], GateResult]] = {
+        "reference_equality": lambda: check_reference_equality(
+            eng, ref, prompts=prompts[:s.reference_prompts], max_tokens=s.reference_max_tokens),
+        "needle_retrieval": lambda: check_needle(
+            eng, ref, lengths=s.needle_lengths, depths=s.needle_depths, max_tokens=s.needle_max_tokens),
+        "stopping": lambda: check_stopping(eng, prompts=prompts[:s.stopping_prompts],
+                                           max_tokens=s.stopping_max_tokens),
+        "coding": lambda: check_coding(eng, ref, tasks=tasks, max_tokens=s.coding_max_tokens),
+        "semantic_regression": lambda: check_semantic(eng, ref, texts=data.corpus_texts()[:s.semantic_texts],
+                                                      max_len=s.semantic_max_len),
+    }
+    results = []
+    for name in selected:
+        if progress is not None:
+            progress(name)
+        results.append(_run_one(name, runners[name]))
+    source = getattr(eng, "source", None)
+    report = GateReport(
+        suite=s.name,
+        model=getattr(source, "name", "unknown"),
+        engine_policy=policy.name,
+        reference_policy=ref.policy_name,
+        verdict="pass" if results and all(r.passed for r in results) else "fail",
+        gates=tuple(results),
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        seconds=timer.seconds,
+        environment=_environment(),
+    )
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "gates.json").write_text(report.to_json(), encoding="utf-8")
+    return report
+
+
+def _environment() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "machine": platform.machine(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}

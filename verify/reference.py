@@ -1,0 +1,101 @@
+"""The reference engine: HF transformers on the same weights, driven token by token so every step's logits can
+be kept (greedy argmax, exactly as `generate(do_sample=False)` picks).
+
+The reference is float32 by default: it defines "the same answers". On a GPU it can run on the GPU in float32,
+which keeps long needle prompts affordable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from envex.runtime.loader import ModelSource, resolve_model
+
+for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
+    os.environ.setdefault(_var, "1")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "float32") -> Any:
+    """AutoModelForCausalLM from local files only (a GGUF is de-quantized by transformers' own GGUF reader)."""
+    from transformers import AutoModelForCausalLM
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "local_files_only": True}
+    if source.kind == "gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(source.path), **kwargs)
+    return model.to(device).eval()
+
+
+@dataclass(frozen=True)
+class RefGeneration:
+    """One greedy generation: the tokens (EOS included when it ended on one), the top-k of each step."""
+
+    token_ids: list[int]
+    top: list[dict[int, float]] = field(default_factory=list)  # per step: token id -> logprob
+    finish_reason: str = "length"
+
+
+class HFReference:
+    """Greedy generation and full-sequence logits from HF transformers; the gates' yardstick."""
+
+    def __init__(self, model: str | ModelSource, *, device: str = "cpu", dtype: str = "float32",
+                 eos_token_ids: Sequence[int] | None = None) -> None:
+        self.source = model if isinstance(model, ModelSource) else resolve_model(model)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = load_hf_model(self.source, device=str(self.device), dtype=dtype)
+        if eos_token_ids is None:
+            eos = self.model.generation_config.eos_token_id
+            eos_token_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+
+    @property
+    def policy_name(self) -> str:
+        return f"{self.device.type}-{self.dtype}"
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int = 5, ignore_eos: bool = False,
+               stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> RefGeneration:
+        """Greedy tokens until EOS or max_tokens (or, given `decode`, until the text holds a `stop` string)."""
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[0, -1].float()
+        tokens: list[int] = []
+        tops: list[dict[int, float]] = []
+        reason = "length"
+        for _ in range(max_tokens):
+            logprobs = torch.log_softmax(logits, dim=-1)
+            tok = int(torch.argmax(logits))
+            if top_k:
+                values, indices = torch.topk(logprobs, top_k)
+                tops.append(dict(zip(indices.tolist(), values.tolist(), strict=True)))
+            tokens.append(tok)
+            if tok in self.eos_token_ids and not ignore_eos:
+                reason = "stop"
+                break
+            if len(tokens) == max_tokens:
+                break
+            if stop and decode is not None and any(x in decode(tokens) for x in stop):
+                reason = "stop"
+                break
+            step = torch.tensor([[tok]], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=step, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+        return RefGeneration(tokens, tops, reason)
+
+    @torch.inference_mode()
+    def full_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """[len, V] float32 logits of one sequence, on the CPU."""
+        ids = torch.tensor([token_ids], dtype=torch.long, device=self.device)
+        return self.model(input_ids=ids, use_cache=False).logits[0].float().cpu()
