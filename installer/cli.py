@@ -201,13 +201,18 @@ def demo(
     model_version: Annotated[str, typer.Option(help="version of the demo model bundle")] = "1.0.0",
     wheel: Annotated[Path | None, typer.Option(help="an envex wheel to ship (default: build from the source)")] = None,
     gpu: Annotated[bool, typer.Option("--gpu/--cpu")] = True,
+    rebuild: Annotated[bool, typer.Option(help="rebuild the demo media (e.g. after changing the source)")] = False,
 ) -> None:
     """The embedded default end to end: demo keys and signed media, install, gates and benchmark, activate, serve."""
+    import shutil
+
     from envex.installer.demo import build_demo_media
 
     prefix = prefix.absolute()
     work = prefix / ".demo"
     media = work / "media"
+    if rebuild:
+        shutil.rmtree(media, ignore_errors=True)
     typer.echo(f"building signed demo media in {media} (demo key in {work / 'keys'})")
     try:
         built = build_demo_media(

@@ -120,7 +120,8 @@ def build_demo_media(
     wheel: Path | None = None,
     model_path: Path | None = None,
 ) -> DemoMedia:
-    """Write signed demo media into `media` (created; existing bundles of other versions are kept)."""
+    """Write signed demo media into `media` (created; bundles already there are kept, so a second run of
+    `envex demo` finds the release it installed and does not install it again)."""
     from envex.runtime.loader import EMBEDDED_MODEL, embedded_model_path
 
     root_path, key_path, fingerprint = demo_trust(keys_dir)
@@ -136,6 +137,10 @@ def build_demo_media(
             docs, media / "offline_docs", ignore=shutil.ignore_patterns("*.py", "__pycache__"), dirs_exist_ok=True
         )
     gguf = model_path or embedded_model_path()
+    runtime_file = media / BUNDLES_DIR / f"{RUNTIME_BUNDLE}-{runtime_version}.envex"
+    model_file = media / BUNDLES_DIR / f"{EMBEDDED_MODEL}-{model_version}.envex"
+    if runtime_file.is_file() and model_file.is_file():  # built by an earlier run: the same bytes, the same release
+        return DemoMedia(media, fingerprint, key_path, runtime_version, model_version)
     with tempfile.TemporaryDirectory(prefix="envex-demo-") as tmp:
         runtime_src = Path(tmp) / "runtime"
         wheelhouse = runtime_src / WHEELHOUSE

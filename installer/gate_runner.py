@@ -84,7 +84,7 @@ def smoke_gate(engine: Any, prompt: str, expect: str) -> dict[str, Any]:
     from envex.runtime.engine import SamplingParams
 
     chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    params = SamplingParams(max_tokens=24, temperature=0.0)
+    params = SamplingParams(max_tokens=12, temperature=0.0)  # "The capital of France is Paris." is 8 tokens
     start = time.perf_counter()
     first = engine.generate([chat], params)[0]
     elapsed = time.perf_counter() - start
@@ -148,9 +148,12 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
         except ImportError:
             details["bench"] = {"note": "envex.verify.bench is not in this release; only the smoke figures"}
         else:
+            # Quick: a sanity figure on a small workload; full: the methodology's 12 repeats.
+            workload = "cpu-small" if config.device == "cpu" else "1k-256"
+            repeats = 3 if suite == "quick" else 12
             try:
-                report = as_json(_call(run_bench, engine, suite=suite, quick=suite == "quick", out_dir=out / "bench"))
-                details["bench"] = report
+                report = as_json(run_bench(engine, workload_name=workload, repeats=repeats, out_dir=out / "bench"))
+                details["bench"] = {"workload": workload, "repeats": repeats, "report": str(out / "bench")}
                 numbers.update(_headline(report))
             except Exception as exc:  # the benchmark informs; it does not gate
                 details["bench"] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -158,23 +161,18 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
     return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
 
 
-def _headline(report: Any, prefix: str = "") -> dict[str, float]:
-    """Numeric leaves of a bench report's summary, flattened (at most 40, to keep state.json small)."""
+def _headline(report: Any) -> dict[str, float]:
+    """envex's row of a bench report as flat numbers (`<metric>.<stat>`), at most 40, to keep state.json small."""
+    rows = report.get("rows", []) if isinstance(report, dict) else []
+    row = next((r for r in rows if isinstance(r, dict) and r.get("included")), None)
     found: dict[str, float] = {}
-
-    def walk(value: Any, path: str) -> None:
-        if len(found) >= 40:
-            return
-        if isinstance(value, bool):
-            return
-        if isinstance(value, int | float):
-            found[path] = float(value)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-
-    summary = report.get("summary", report) if isinstance(report, dict) else {}
-    walk(summary, prefix)
+    if row is None:
+        return found
+    for group in ("intervals", "percentiles"):
+        for metric, stats in (row.get(group) or {}).items():
+            for stat, value in (stats or {}).items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and len(found) < 40:
+                    found[f"bench.{metric}.{stat}"] = float(value)
     return found
 
 

@@ -79,8 +79,8 @@ def install_guard(record: Path | str | None = None, *, enforce: bool = True) -> 
             violation("create_connection", address)
         return real_create_connection(address, *args, **kwargs)
 
-    socket.socket.connect = connect  # type: ignore[method-assign]
-    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign]
+    socket.socket.connect = connect  # type: ignore[method-assign,assignment]
+    socket.socket.connect_ex = connect_ex  # type: ignore[method-assign,assignment]
     socket.getaddrinfo = getaddrinfo
     socket.create_connection = create_connection  # type: ignore[assignment]
     for name in ("gethostbyname", "gethostbyname_ex"):

@@ -19,7 +19,6 @@ from envex.bundles import SemVer
 from envex.installer.fsutil import atomic_write
 
 STATE_FILE = "state.json"
-SCHEMA_VERSION = 1
 
 ReleaseStatus = Literal["installing", "gating", "passed", "failed", "abandoned", "removed"]
 
@@ -86,7 +85,7 @@ class Event(_Model):
 
 
 class State(_Model):
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1] = 1
     trust: PinnedTrust | None = None
     high_water: dict[str, str] = Field(default_factory=dict)
     bundles: list[InstalledBundle] = Field(default_factory=list)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
 STEPS = ("verify", "probe", "plan", "install", "gates", "activate")
 PAUSE_MARKER = "ENVEX_TEST_PAUSED"
@@ -20,11 +20,14 @@ PAUSE_MARKER = "ENVEX_TEST_PAUSED"
 @dataclass
 class StepHandle:
     progress: Progress | None
-    task: int | None
+    task: TaskID | None
 
     def advance(self, amount: float = 1, description: str | None = None) -> None:
         if self.progress is not None and self.task is not None:
-            self.progress.update(self.task, advance=amount, **({"description": description} if description else {}))
+            if description is None:
+                self.progress.update(self.task, advance=amount)
+            else:
+                self.progress.update(self.task, advance=amount, description=description)
 
 
 @dataclass
