@@ -31,6 +31,7 @@ class Engine8B:
                         torch.zeros(num_blocks, PAGE, HKV, D, device=DEV, dtype=BF16)) for _ in range(32)]  # fmt: skip
         self.gemv_configs = gemv_configs
         self.attn_best = attn_best or {}
+        self.prefill_attn: dict = {}
         self.weight_bytes = B.step_weight_bytes(self.w)
 
     def attn_options(self, batch: int, max_len: int) -> tuple[dict, dict]:
@@ -52,7 +53,7 @@ class Engine8B:
         cu = torch.arange(0, (b + 1) * n, n, device=DEV, dtype=torch.int32)
         sl = torch.full((b,), n, device=DEV, dtype=torch.int32)
         return prefill(self.w, self.shape, self.caches, self.cos, self.sin, prompts.reshape(-1), pos, slots, cu, sl,
-                       tables, n, n)  # fmt: skip
+                       tables, n, n, attn_kwargs=self.prefill_attn)  # fmt: skip
 
 
 class GraphedDecode:
@@ -200,6 +201,16 @@ def section_hf(rep, eng: Engine8B, prompt: int, gen: int, results: dict, label: 
         row["decode_tok_s"] = (gen - 1) / (total - ttft) * 1e3
     rep.row("hf", f"HF {label} {tag}", **row)
     return row
+
+
+def section_ttft(rep, eng: Engine8B, prompt: int = 10240) -> None:
+    """Time to first token of one prompt: packed prefill through every layer, LM head, argmax to the host."""
+    ids = torch.randint(0, 128256, (1, prompt), device=DEV)
+    tables = _tables(1, math.ceil((prompt + 1) / PAGE))
+    with torch.inference_mode():
+        eng.prefill_seqs(ids, tables)
+        ttft = B.wall_ms(lambda: eng.prefill_seqs(ids, tables).argmax(-1).cpu())
+    rep.row("e2e", f"TTFT {prompt} prompt", ttft_ms=ttft, attn=str(eng.prefill_attn))
 
 
 def section_batch_sweep(rep, eng: Engine8B, bw: float, batches: list[int], ctx: int) -> None:

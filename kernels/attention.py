@@ -24,6 +24,36 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
+                 k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
+                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, UPCAST_DOT: tl.constexpr,
+                 MASKED: tl.constexpr):  # fmt: skip
+    """One BLOCK_N tile of keys [start, start + BLOCK_N) through the online softmax. MASKED: apply the causal
+    mask and the end of the range (the tiles on the diagonal and the last one); else every key is visible."""
+    kpos = start + tl.arange(0, BLOCK_N)
+    k_ok = kpos < hi
+    blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_kb + (kpos % PAGE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    if MASKED:
+        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
@@ -72,27 +102,17 @@ def _attn_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos < hi
-        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_kb + (kpos % PAGE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
-        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # Keys below `mid` are visible to every row of the tile (they precede its first token): no causal mask.
+    first_visible_end = seq_len - q_len + (pid_m * BLOCK_M) // GROUP + 1
+    mid = lo + tl.maximum(tl.minimum(first_visible_end, hi) - lo, 0) // BLOCK_N * BLOCK_N
+    for start in range(lo, mid, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
+                                     k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh,
+                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, False)  # fmt: skip
+    for start in range(mid, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
+                                     k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh,
+                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True)  # fmt: skip
 
     l_div = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_div[:, None]

@@ -237,6 +237,43 @@ def _attention_regime(rep: Report, bw: float, regime: str, batch: int, seq: int)
     ATTN_BEST[regime] = best[1]
 
 
+PREFILL_BEST: dict = {}
+
+
+def section_prefill_sweep(rep: Report) -> None:
+    """Prefill attention tile options on 8 packed 1K prompts (the 64-request run's chunk) and one 10K prompt."""
+    for name, batch, seq in (("8x1k", 8, 1024), ("1x10k", 1, 10240)):
+        _prefill_regime(rep, name, batch, seq)
+
+
+def _prefill_regime(rep: Report, name: str, batch: int, seq: int) -> None:
+    kc, vc, tables = _paged(batch, seq, 1)
+    q = torch.randn(batch * seq, HQ, D, device=DEV, dtype=BF16)
+    cu = torch.arange(0, (batch + 1) * seq, seq, device=DEV, dtype=torch.int32)
+    sl = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
+    flops = 4.0 * HQ * D * batch * seq * (seq + 1) / 2
+    best = (float("inf"), {})
+    for bm in (64, 128):
+        for bn in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    opts = dict(block_m=bm, block_n=bn, num_warps=warps, num_stages=stages)
+                    fn = lambda _i, o=opts: attention.paged_attention(  # noqa: E731
+                        q, kc, vc, cu, sl, tables[0], D**-0.5, max_q_len=seq, max_seq_len=seq, **o)
+                    try:
+                        ms = B.graph_time_ms(fn, 3, replays=3)
+                    except Exception as exc:  # out of shared memory / registers for this tile
+                        rep.row("psweep", f"{name} {opts}", error=str(exc)[:100])
+                        continue
+                    best = min(best, (ms, opts), key=lambda t: t[0])
+    default_ms = B.graph_time_ms(lambda _i: attention.paged_attention(
+        q, kc, vc, cu, sl, tables[0], D**-0.5, max_q_len=seq, max_seq_len=seq), 3, replays=3)  # fmt: skip
+    rep.row("psweep", f"prefill attn {name} best {best[1]}", us=best[0] * 1e3, default_us=default_ms * 1e3,
+            tflops=flops / best[0] / 1e9, of_floor=flops / MATMUL_TFLOPS / 1e9 / best[0])  # fmt: skip
+    if name == "8x1k":
+        PREFILL_BEST.update(best[1])
+
+
 def _gemv_checks(rep: Report, bw: float) -> None:
     for name, (n, k) in GEMV_SHAPES.items():
         ws = _weights(n, k)
@@ -315,14 +352,22 @@ def main() -> None:
     rep.data["read_TBps"] = bw
     if "sweep" in sections:
         guarded(rep, "sweep", section_sweep, rep, bw, _configs(args.quick))
+    else:  # the measured best of the e2aed4e sweep (NOTES.md)
+        GEMV_BEST.update(gemv.H200_CONFIGS)
+        ATTN_BEST.update(b1_1k=dict(block_n=64, num_stages=1, min_keys=64, programs_per_sm=2),
+                         b1_10k=dict(block_n=32, num_stages=2, min_keys=32, programs_per_sm=4),
+                         b64_1k=dict(block_n=64, num_stages=2, min_keys=32, programs_per_sm=2))  # fmt: skip
+    if "psweep" in sections:
+        guarded(rep, "psweep", section_prefill_sweep, rep)
     rep.data["gemv_best"] = {f"{n}x{k}/p{p}": list(c) for (n, k, p), c in GEMV_BEST.items()}
     rep.data["attn_best"] = ATTN_BEST
     if "kernels" in sections:
         guarded(rep, "kernels", section_kernels, rep, bw)
     results: dict = {}
-    if sections & {"e2e", "hf", "batch", "hfcompile"}:
+    if sections & {"e2e", "hf", "batch", "hfcompile", "ttft", "concurrent"}:
         hf = B.build_hf_model()
         eng = E.Engine8B(hf, num_blocks=21504, gemv_configs=dict(GEMV_BEST), attn_best=dict(ATTN_BEST))
+        eng.prefill_attn = dict(PREFILL_BEST)
         rep.row("e2e", "model", weight_bytes_per_step=eng.weight_bytes, roofline_ms=eng.weight_bytes / bw / 1e9,
                 gpu_mem_gb=torch.cuda.memory_allocated() / 1e9)  # fmt: skip
         gens = ((1024, 64), (10240, 64)) if args.quick else ((1024, 256), (10240, 512))
@@ -336,9 +381,12 @@ def main() -> None:
                 if f"prompt_{prompt}" not in results:
                     results[f"prompt_{prompt}"] = torch.randint(0, 128256, (1, prompt), device=DEV)
                 guarded(rep, f"hf {prompt}", E.section_hf, rep, eng, prompt, gen, results)
+        if "ttft" in sections:
+            guarded(rep, "ttft", E.section_ttft, rep, eng)
         if "batch" in sections:
             batches = [int(b) for b in args.batches.split(",")]
             guarded(rep, "batch sweep", E.section_batch_sweep, rep, eng, bw, batches, 1024 + 128)
+        if "batch" in sections or "concurrent" in sections:
             guarded(rep, "concurrent", E.section_concurrent, rep, eng, bw, 64, 1024, 64 if args.quick else 256, 8)
         if "hfcompile" in sections:
             E.hf_compile(eng)
@@ -354,7 +402,7 @@ def _table(rep: Report) -> None:
     print("\n=== summary ===", env.get("device"), "read BW", round(rep.data["read_TBps"], 3), "TB/s")
     keys = ("ok", "rel_err", "us", "of_floor", "of_bw", "vs_cublas", "tok_s", "of_roofline", "roofline_tok_s",
             "ttft_ms", "step_ms", "out_tok_s", "same_prefix_tokens", "same_greedy_prefix_as_envex", "decode_tok_s",
-            "top1_same", "error")  # fmt: skip
+            "top1_same", "default_us", "tflops", "error")  # fmt: skip
     for r in rep.data["rows"]:
         if r["section"] == "sweep" and "best" not in r["name"] and "cuBLAS" not in r["name"]:
             continue

@@ -139,8 +139,9 @@ class FusedDecoder:
 def prefill(model, shape: DecodeShape, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
             sin: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
             cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, max_q_len: int,
-            max_seq_len: int) -> torch.Tensor:  # fmt: skip
-    """Packed (chunked) prefill through TritonOps + cuBLAS -> logits [B, V] of each sequence's last token."""
+            max_seq_len: int, attn_kwargs: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """Packed (chunked) prefill through TritonOps + cuBLAS -> logits [B, V] of each sequence's last token.
+    attn_kwargs: extra paged_attention options (block_m, block_n, num_warps, num_stages)."""
     ops, s = TritonOps(), shape
     q_size, kv_size = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     tokens = input_ids.shape[0]
@@ -157,7 +158,8 @@ def prefill(model, shape: DecodeShape, kv_caches: list[tuple[torch.Tensor, torch
         v = qkv[:, q_size + kv_size :].view(tokens, s.num_kv_heads, s.head_dim)
         q, _ = ops.rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
         attn = attention.paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                                         s.head_dim**-0.5, max_q_len=max_q_len, max_seq_len=max_seq_len)  # fmt: skip
+                                         s.head_dim**-0.5, max_q_len=max_q_len, max_seq_len=max_seq_len,
+                                         **(attn_kwargs or {}))  # fmt: skip
         o = attn.view(tokens, q_size) @ layer.o_proj_weight.t()
         normed, h = ops.add_rms_norm(o, h, layer.post_attention_layernorm_weight, s.eps)
         x = ops.silu_and_mul(normed @ layer.gate_up_proj_weight.t()) @ layer.down_proj_weight.t()
