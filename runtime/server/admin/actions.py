@@ -34,13 +34,23 @@ class ChangeResult:
     message: str
 
 
-def change_release(prefix: Path, change: Literal["activate", "rollback"], release_id: str | None = None) -> ChangeResult:
-    """Activate `release_id`, or roll back to the release before the active one; the CLI's own steps."""
+def change_release(
+    prefix: Path, change: Literal["activate", "rollback"], release_id: str | None = None
+) -> ChangeResult:
+    """Activate `release_id`, or roll back to the release before the active one; the CLI's own steps.
+
+    For a rollback, `release_id` (when given) is the target the operator confirmed: if the releases changed
+    since, and the rollback would now go elsewhere, nothing is changed.
+    """
     try:
         with PrefixLock(prefix):
             state = reconcile(prefix, load_state(prefix))
             if change == "rollback":
                 target = rollback_target(prefix, state)
+                if release_id and target.id != release_id:
+                    raise ActionError(
+                        f"rollback would now go to {target.id}, not {release_id} as confirmed; review and retry"
+                    )
                 state = activate_release(prefix, state, target.id, event="rollback")
             else:
                 if not release_id:
@@ -113,7 +123,12 @@ def reverify_bundle(prefix: Path, ref: BundleRef, bundle_dirs: tuple[Path, ...])
 
     def result(ok: bool, detail: str, **extra: object) -> Verification:
         return Verification(
-            name=ref.name, manifest_sha256=ref.manifest_sha256, ok=ok, at=now_ts(), detail=detail, **extra  # type: ignore[arg-type]
+            name=ref.name,
+            manifest_sha256=ref.manifest_sha256,
+            ok=ok,
+            at=now_ts(),
+            detail=detail,
+            **extra,  # type: ignore[arg-type]
         )
 
     state = load_state(prefix)
@@ -126,8 +141,11 @@ def reverify_bundle(prefix: Path, ref: BundleRef, bundle_dirs: tuple[Path, ...])
     candidates = _candidates(ref, bundle_dirs)
     if not candidates:
         where = ", ".join(str(d) for d in bundle_dirs) or "no bundle directory configured"
-        return result(False, f"bundle file {ref.name}-{ref.version}.envex not found ({where}); start the admin "
-                             "page with --bundles DIR pointing at the install media's bundles/")
+        return result(
+            False,
+            f"bundle file {ref.name}-{ref.version}.envex not found ({where}); start the admin "
+            "page with --bundles DIR pointing at the install media's bundles/",
+        )
     last_error = None
     for path in candidates:
         try:
@@ -138,7 +156,9 @@ def reverify_bundle(prefix: Path, ref: BundleRef, bundle_dirs: tuple[Path, ...])
             continue
         if verified.manifest_sha256 != ref.manifest_sha256:
             if path.name == f"{ref.name}-{ref.version}.envex":
-                last_error = f"{path}: verifies, but is not the installed manifest (sha256 {verified.manifest_sha256[:16]}…)"
+                last_error = (
+                    f"{path}: verifies, but is not the installed manifest (sha256 {verified.manifest_sha256[:16]}…)"
+                )
             continue
         files = [(f.path, f.size, f.sha256) for f in verified.manifest.files]
         problems = _installed_copy_problems(prefix, ref, files)

@@ -90,7 +90,9 @@ def verify_admin_token(prefix: Path, token: str) -> bool:
     except FileNotFoundError:
         raise AdminTokenError(f"{path}: no admin token; run envex admin --prefix {prefix} to create one") from None
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise AdminTokenError(f"{path}: unreadable or invalid ({exc}); recreate it with envex admin --reset-token") from None
+        raise AdminTokenError(
+            f"{path}: unreadable or invalid ({exc}); recreate it with envex admin --reset-token"
+        ) from None
     if record.get("scheme") != "scrypt" or not (2 <= n <= 1 << 20 and 1 <= r <= 32 and 1 <= p <= 16):
         raise AdminTokenError(f"{path}: unknown hash parameters; recreate it with envex admin --reset-token")
     if len(token) > 256:  # nothing legitimate is this long; do not spend scrypt on it
@@ -104,6 +106,7 @@ class Session:
     csrf: str
     created: float
     last_seen: float
+    flash: list[tuple[str, str]] = field(default_factory=list)  # (kind, message) shown once on the next page
 
 
 @dataclass

@@ -56,7 +56,9 @@ def release_rows(prefix: Path, state: State) -> list[ReleaseRow]:
     except InstallError:
         target = None
     return [
-        ReleaseRow(release=r, active=r.id == state.active, activatable=activatable(prefix, r), rollback_target=r.id == target)
+        ReleaseRow(
+            release=r, active=r.id == state.active, activatable=activatable(prefix, r), rollback_target=r.id == target
+        )
         for r in releases_newest_first(state)
     ]
 

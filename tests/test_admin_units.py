@@ -1,0 +1,109 @@
+"""The admin page's building blocks: the admin token file, sessions, login backoff, docs rendering, live tok/s,
+and the refusals seen through plain HTTP (no browser needed)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from envex.runtime.server.admin import (
+    AdminTokenError,
+    build_admin_app,
+    create_admin_token,
+    prefix_from_launch,
+    verify_admin_token,
+)
+from envex.runtime.server.admin.auth import LoginThrottle, SessionStore, csrf_ok, token_path
+from envex.runtime.server.admin.docs import doc_image, doc_names, render_doc, render_markdown
+from envex.runtime.server.admin.views import LiveSampler
+
+
+def test_admin_token_is_stored_hashed_and_private(tmp_path: Path) -> None:
+    token = create_admin_token(tmp_path)
+    path = token_path(tmp_path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert token not in path.read_text() and token.split("-")[-1] not in path.read_text()
+    assert verify_admin_token(tmp_path, token)
+    assert not verify_admin_token(tmp_path, token[:-1]) and not verify_admin_token(tmp_path, "")
+    with pytest.raises(AdminTokenError, match="already has an admin token"):
+        create_admin_token(tmp_path)
+    new = create_admin_token(tmp_path, replace=True)
+    assert new != token and verify_admin_token(tmp_path, new) and not verify_admin_token(tmp_path, token)
+
+
+def test_missing_or_corrupt_token_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(AdminTokenError, match="no admin token; run envex admin"):
+        verify_admin_token(tmp_path, "x")
+    create_admin_token(tmp_path)
+    token_path(tmp_path).write_text("{not json")
+    with pytest.raises(AdminTokenError, match="--reset-token"):
+        verify_admin_token(tmp_path, "x")
+
+
+def test_sessions_expire_and_csrf_is_per_session() -> None:
+    store = SessionStore(idle_s=0.2, max_s=10)
+    a, b = store.create(), store.create()
+    assert a.id != b.id and a.csrf != b.csrf
+    assert store.get(a.id) is a and store.get("forged") is None and store.get(None) is None
+    assert csrf_ok(a, a.csrf) and not csrf_ok(a, b.csrf) and not csrf_ok(a, "") and not csrf_ok(a, None)
+    time.sleep(0.3)
+    assert store.get(a.id) is None
+    store.drop(b.id)
+    assert store.get(b.id) is None
+
+
+def test_login_throttle_backs_off_then_resets() -> None:
+    throttle = LoginThrottle(free=2, cap_s=4)
+    throttle.failed()
+    assert throttle.wait_s() == 0
+    throttle.failed()
+    assert 1.5 < throttle.wait_s() <= 2
+    throttle.failed()
+    throttle.failed()
+    assert 3.5 < throttle.wait_s() <= 4  # capped
+    throttle.succeeded()
+    assert throttle.wait_s() == 0
+
+
+def test_offline_docs_render_and_images_are_served_by_exact_name() -> None:
+    assert {"install", "bundles", "admin"} <= set(doc_names())
+    title, html = render_doc("admin.md") or ("", "")
+    assert title == "The admin page" and '<img src="admin-overview.png"' in html
+    assert render_doc("../pyproject.toml") is None and render_doc("nope") is None
+    image = doc_image("admin-overview.png")
+    assert image is not None and image[0].startswith(b"\x89PNG") and image[1] == "image/png"
+    assert doc_image("../README.md") is None and doc_image("install.md") is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("<>/\"'=&;: abcdefghijklmnopqrstuvwxyz[]()!`*#-|\n")), max_size=200))
+def test_markdown_never_passes_raw_html_through(text: str) -> None:
+    html = render_markdown(text + "\n<script>alert(1)</script>\n<img src=x onerror=alert(1)>")
+    assert "<script" not in html and "<img src=x" not in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_live_sampler_rate_over_the_window() -> None:
+    sampler = LiveSampler(window_s=10)
+    assert sampler.sample(0, now=100.0) == 0.0
+    assert sampler.sample(50, now=102.0) == pytest.approx(25.0)
+    assert sampler.sample(150, now=104.0) == pytest.approx(37.5)
+    assert sampler.sample(150, now=120.0) == 0.0  # samples older than the window are dropped: nothing moved since
+
+
+def test_prefix_from_launch(tmp_path: Path) -> None:
+    (tmp_path / "state.json").write_text("{}")
+    assert prefix_from_launch(tmp_path / "current" / "launch.json") == tmp_path
+    assert prefix_from_launch(tmp_path / "releases" / "0001-x" / "launch.json") == tmp_path
+    assert prefix_from_launch(tmp_path / "elsewhere" / "a" / "b" / "launch.json") is None
+
+
+def test_admin_app_needs_an_installed_prefix(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nothing is installed there"):
+        build_admin_app(tmp_path)
