@@ -237,6 +237,7 @@ def section_concurrent(rep, eng: Engine8B, bw: float, batch: int, prompt: int, g
     with torch.inference_mode():
         graph_firsts = torch.zeros(batch, dtype=torch.int64, device=DEV)
         graph = GraphedDecode(eng, tables, graph_firsts, prompt, prompt + gen + 1, gen, use_gemv=False)
+        eng.prefill_seqs(ids[:chunk], tables[:chunk])  # warm-up: Triton compiles this chunk shape's tiles
         B.sync()
         t0 = torch.cuda.Event(enable_timing=True)
         t1 = torch.cuda.Event(enable_timing=True)
