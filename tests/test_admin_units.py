@@ -107,3 +107,43 @@ def test_prefix_from_launch(tmp_path: Path) -> None:
 def test_admin_app_needs_an_installed_prefix(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="nothing is installed there"):
         build_admin_app(tmp_path)
+
+
+def test_envex_admin_command_prints_the_token_once_and_serves_on_loopback(tmp_path: Path) -> None:
+    import re
+    import subprocess
+    import sys
+
+    import httpx
+
+    from envex.installer.state import State, save_state
+
+    save_state(tmp_path, State())
+    cmd = [sys.executable, "-m", "envex.runtime.server.admin.cli", "--prefix", str(tmp_path), "--port", "0", "--cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        header, token_line, ready = (proc.stdout.readline() for _ in range(3))
+        assert "shown once" in header and verify_admin_token(tmp_path, token_line.strip())
+        url = re.search(r"(http://127\.0\.0\.1:\d+)/admin", ready)
+        assert url is not None, ready
+        with httpx.Client(base_url=url.group(1)) as client:
+            assert client.get("/admin").status_code == 303  # to the login page
+            page = client.get("/admin/login")
+            csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
+            assert csrf is not None
+            ok = client.post("/admin/login", data={"csrf": csrf.group(1), "token": token_line.strip()})
+            assert ok.status_code == 303 and ok.headers["location"] == "/admin"
+            assert "nothing installed yet" in client.get("/admin").text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    # a second start keeps the token (it was shown once) and prints only where it listens
+    second = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert second.stdout is not None
+        assert second.stdout.readline().startswith("Envex admin page for")
+        assert verify_admin_token(tmp_path, token_line.strip())
+    finally:
+        second.terminate()
+        second.wait(timeout=30)

@@ -10,16 +10,13 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
 import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
-from fastapi.routing import APIRoute
 
 from envex.installer.probe import Probe, probe
 from envex.installer.state import load_state
@@ -32,19 +29,12 @@ from envex.runtime.server.admin.auth import (
     csrf_ok,
     verify_admin_token,
 )
+from envex.runtime.server.admin.web import SecureRoute, read_form, same_origin, templates
 
 HERE = Path(__file__).parent
 COOKIE = "envex_admin"
 LOGIN_COOKIE = "envex_admin_login"  # double-submit token for the login form, before there is a session
-MAX_FORM_BYTES = 16 * 1024
 STATIC = {"admin.css": "text/css; charset=utf-8", "admin.js": "text/javascript; charset=utf-8"}
-SECURITY_HEADERS = {
-    "Content-Security-Policy": "default-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'",
-    "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
-    "X-Content-Type-Options": "nosniff",
-    "Cache-Control": "no-store",
-}
 NAV = (
     ("overview", ""),
     ("hardware", "/hardware"),
@@ -54,36 +44,6 @@ NAV = (
     ("releases", "/releases"),
     ("docs", "/docs/"),
 )
-
-
-def duration(seconds: float) -> str:
-    """12 s, 3 min 4 s, 5 h 6 min: the same form as admin.js writes when it refreshes the figure."""
-    s = round(seconds)
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60} s"
-    return f"{s // 3600} h {(s % 3600) // 60} min"
-
-
-def _templates() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(HERE), autoescape=True, undefined=jinja2.StrictUndefined)
-    env.filters["duration"] = duration
-    return env
-
-
-class _SecureRoute(APIRoute):
-    """Adds the security headers to every response of the admin routes, redirects and refusals included."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def secured(request: Request) -> Response:
-            response = await handler(request)
-            response.headers.update(SECURITY_HEADERS)
-            return response
-
-        return secured
 
 
 @dataclass
@@ -99,7 +59,7 @@ class AdminState:
     probed_at: str | None = None
     verifications: dict[str, actions.Verification] = field(default_factory=dict)  # by manifest sha256
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one action at a time from this page
-    templates: jinja2.Environment = field(default_factory=_templates)
+    templates: jinja2.Environment = field(default_factory=templates)
 
 
 def _engine_context(request: Request) -> Any:
@@ -115,7 +75,7 @@ def admin_router(prefix: Path, *, bundle_dirs: tuple[Path, ...] = (), probe_gpu:
     st = AdminState(
         prefix=Path(prefix).absolute(), bundle_dirs=tuple(Path(d) for d in bundle_dirs), probe_gpu=probe_gpu
     )
-    router = APIRouter(prefix="/admin", route_class=_SecureRoute)
+    router = APIRouter(prefix="/admin", route_class=SecureRoute)
 
     def page(request: Request, template: str, session: Session | None, status: int = 200, **ctx: Any) -> Response:
         flash, session_flash = (list(session.flash), session.flash) if session else ([], None)
@@ -131,23 +91,6 @@ def admin_router(prefix: Path, *, bundle_dirs: tuple[Path, ...] = (), probe_gpu:
 
     def refuse(request: Request, status: int, message: str) -> Response:
         return page(request, "message.html", None, status=status, title="Refused", message=message)
-
-    async def read_form(request: Request) -> dict[str, str] | None:
-        if request.headers.get("content-type", "").split(";")[0].strip() != "application/x-www-form-urlencoded":
-            return None
-        body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_FORM_BYTES:
-                return None
-        fields = parse_qs(body.decode("utf-8", "replace"), keep_blank_values=True, max_num_fields=20)
-        return {k: v[0] for k, v in fields.items()}
-
-    def same_origin(request: Request) -> bool:
-        origin = request.headers.get("origin")
-        if origin is None or (origin == "null" and request.headers.get("sec-fetch-site") == "same-origin"):
-            return True
-        return urlsplit(origin).netloc == request.headers.get("host", "")
 
     async def checked_post(request: Request) -> tuple[Session, dict[str, str]] | Response:
         """The session and form of a POST, or the refusal: no session, a cross-site origin, a bad CSRF token."""
@@ -210,7 +153,7 @@ def admin_router(prefix: Path, *, bundle_dirs: tuple[Path, ...] = (), probe_gpu:
         try:
             ok = await asyncio.to_thread(verify_admin_token, st.prefix, form.get("token", "").strip())
         except AdminTokenError as exc:
-            return login_page(request, 500, str(exc))
+            return login_page(request, 503, str(exc))
         if not ok:
             st.throttle.failed()
             return login_page(request, 401, "Wrong admin token.")

@@ -42,8 +42,12 @@ def chat_load(url: str, model: str, *, clients: int = 2, max_tokens: int = 16) -
     def loop() -> None:
         with httpx.Client(base_url=url, timeout=120) as client:
             while not stop.is_set():
-                body = {"model": model, "messages": [{"role": "user", "content": "Tell me about the sea."}],
-                        "max_tokens": max_tokens, "temperature": 0.7}
+                body = {
+                    "model": model,
+                    "messages": [{"role": "user", "content": "Tell me about the sea."}],
+                    "max_tokens": max_tokens,
+                    "temperature": 0.7,
+                }
                 client.post("/v1/chat/completions", json=body)
 
     threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]

@@ -89,8 +89,13 @@ def write_bench(prefix: Path, release_id: str, tok_s: float) -> None:
         for name, rate in (("envex", tok_s), ("hf-transformers", tok_s / 2))
     )
     report = BenchReport(
-        workload={"name": "fixture-not-a-measurement", "prompt_tokens": 16, "output_tokens": 32, "num_requests": 4,
-                  "concurrency": 2},
+        workload={
+            "name": "fixture-not-a-measurement",
+            "prompt_tokens": 16,
+            "output_tokens": 32,
+            "num_requests": 4,
+            "concurrency": 2,
+        },
         repeats=3,
         warmups=1,
         rows=rows,
@@ -117,8 +122,13 @@ def build_admin_fixture(work: Path, *, served_name: str = "fake") -> AdminFixtur
     card = itest.fake_model_card(served_name=served_name)
     for n, version in enumerate(VERSIONS):
         media = itest.fake_media(
-            work / f"media-{version}", trust.root_path, key, work / f"src-{version}", wheels=wheels,
-            model_version=version, card=card,
+            work / f"media-{version}",
+            trust.root_path,
+            key,
+            work / f"src-{version}",
+            wheels=wheels,
+            model_version=version,
+            card=card,
         )
         dirs.append(media / BUNDLES_DIR)
         report = work / f"gates-{version}.json"

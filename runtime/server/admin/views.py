@@ -97,7 +97,8 @@ def gate_views(prefix: Path, release: Release) -> list[GateView]:
     if release.checks is None:
         return []
     report = load_report(prefix, release) or {}
-    details = report.get("details") if isinstance(report.get("details"), dict) else {}
+    found_details = report.get("details")
+    details: dict[str, Any] = found_details if isinstance(found_details, dict) else {}
     by_name: dict[str, dict[str, Any]] = {k: v for k, v in details.items() if isinstance(v, dict)}
     suite = by_name.get("verify.gates", {})
     for gate in suite.get("gates", []) if isinstance(suite.get("gates"), list) else []:
