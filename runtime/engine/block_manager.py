@@ -84,7 +84,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        for i, h in enumerate(self._chain(seq, full)):
+        # _chain may already hold the hashes of the whole prompt (match_prefix computes them): only the first
+        # `full` blocks are computed and present in the block table.
+        for i, h in enumerate(self._chain(seq, full)[:full]):
             block = seq.block_table[i]
             if block in self._hash_of or h in self._block_of:
                 continue
