@@ -147,3 +147,8 @@ def test_envex_admin_command_prints_the_token_once_and_serves_on_loopback(tmp_pa
     finally:
         second.terminate()
         second.wait(timeout=30)
+    # --no-serve --reset-token: a new token, printed once, and nothing served
+    reset = subprocess.run([*cmd, "--no-serve", "--reset-token"], capture_output=True, text=True, timeout=60)
+    assert reset.returncode == 0, reset.stderr
+    new_token = reset.stdout.splitlines()[1].strip()
+    assert verify_admin_token(tmp_path, new_token) and not verify_admin_token(tmp_path, token_line.strip())

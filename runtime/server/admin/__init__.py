@@ -6,13 +6,22 @@
 Login is with the prefix's admin token (create_admin_token, shown once; only a scrypt hash is stored). Every
 action goes through the functions the CLI uses (installer.activate, bundles.verify_bundle). See
 offline_docs/admin.md.
+
+The token functions import nothing heavy (the installer calls them); the web stack loads on first use of
+admin_router, build_admin_app or prefix_from_launch.
 """
 
 from __future__ import annotations
 
-from envex.runtime.server.admin.app import build_admin_app, prefix_from_launch
+from typing import Any
+
 from envex.runtime.server.admin.auth import AdminTokenError, create_admin_token, has_admin_token, verify_admin_token
-from envex.runtime.server.admin.routes import admin_router
+
+_LAZY = {
+    "admin_router": "envex.runtime.server.admin.routes",
+    "build_admin_app": "envex.runtime.server.admin.app",
+    "prefix_from_launch": "envex.runtime.server.admin.app",
+}
 
 __all__ = [
     "AdminTokenError",
@@ -23,3 +32,11 @@ __all__ = [
     "prefix_from_launch",
     "verify_admin_token",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,6 +20,10 @@ def admin(
     ] = None,
     reset_token: Annotated[bool, typer.Option(help="replace the admin token and print the new one once")] = False,
     gpu: Annotated[bool, typer.Option("--gpu/--cpu", help="--cpu: the hardware page skips the GPU probe")] = True,
+    serve: Annotated[
+        bool,
+        typer.Option("--serve/--no-serve", help="--no-serve: only create (or with --reset-token replace) the token"),
+    ] = True,
 ) -> None:
     """Serve the admin page (overview, hardware, bundles, gates, benchmarks, releases, docs) at /admin."""
     import uvicorn
@@ -33,6 +37,10 @@ def admin(
         if reset_token or not has_admin_token(prefix):
             token = create_admin_token(prefix, replace=reset_token)
             typer.echo(f"admin token (shown once; only its hash is kept in {prefix}/admin/token.json):\n  {token}")
+        elif not serve:
+            typer.echo(f"{prefix} already has an admin token; --reset-token replaces it")
+        if not serve:
+            return
         sock = bind_socket(host, port)
     except (ValueError, AdminTokenError, ServeError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
