@@ -152,3 +152,12 @@ def test_envex_admin_command_prints_the_token_once_and_serves_on_loopback(tmp_pa
     assert reset.returncode == 0, reset.stderr
     new_token = reset.stdout.splitlines()[1].strip()
     assert verify_admin_token(tmp_path, new_token) and not verify_admin_token(tmp_path, token_line.strip())
+
+
+def test_admin_routers_for_launch(tmp_path: Path) -> None:
+    from envex.runtime.server.admin import admin_routers_for_launch
+
+    assert admin_routers_for_launch(tmp_path / "current" / "launch.json") == []
+    (tmp_path / "state.json").write_text("{}")
+    (router,) = admin_routers_for_launch(tmp_path / "current" / "launch.json")
+    assert router.prefix == "/admin" and any(getattr(r, "path", "") == "/admin/login" for r in router.routes)

@@ -21,11 +21,13 @@ _LAZY = {
     "admin_router": "envex.runtime.server.admin.routes",
     "build_admin_app": "envex.runtime.server.admin.app",
     "prefix_from_launch": "envex.runtime.server.admin.app",
+    "admin_routers_for_launch": "envex.runtime.server.admin.app",
 }
 
 __all__ = [
     "AdminTokenError",
     "admin_router",
+    "admin_routers_for_launch",
     "build_admin_app",
     "create_admin_token",
     "has_admin_token",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import RedirectResponse
 
 from envex.installer.state import STATE_FILE
@@ -36,3 +36,10 @@ def prefix_from_launch(launch: Path) -> Path | None:
         if (candidate / STATE_FILE).is_file():
             return candidate
     return None
+
+
+def admin_routers_for_launch(launch: Path) -> list[APIRouter]:
+    """What `envex serve --launch FILE` passes as build_app's extra_routers: /admin for the launch file's prefix
+    (none for a launch file outside an installed prefix)."""
+    prefix = prefix_from_launch(launch)
+    return [] if prefix is None else [admin_router(prefix)]

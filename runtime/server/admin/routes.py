@@ -72,9 +72,10 @@ def admin_router(prefix: Path, *, bundle_dirs: tuple[Path, ...] = (), probe_gpu:
     `bundle_dirs`: where the re-verify button looks for the installed bundles' files (the media's bundles/).
     `probe_gpu`: let the hardware page probe GPUs (False: CPU-only probe, as `envex-install --cpu`).
     """
-    st = AdminState(
-        prefix=Path(prefix).absolute(), bundle_dirs=tuple(Path(d) for d in bundle_dirs), probe_gpu=probe_gpu
-    )
+    prefix = Path(prefix).absolute()
+    # <prefix>/bundles: where the installer is to keep the verified bundle files (not yet; see admin.md)
+    bundle_dirs = (*bundle_dirs, prefix / "bundles")
+    st = AdminState(prefix=prefix, bundle_dirs=tuple(Path(d) for d in bundle_dirs), probe_gpu=probe_gpu)
     router = APIRouter(prefix="/admin", route_class=SecureRoute)
 
     def page(request: Request, template: str, session: Session | None, status: int = 200, **ctx: Any) -> Response:
