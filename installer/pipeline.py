@@ -21,6 +21,7 @@ from envex.installer.probe import probe
 from envex.installer.release import build_release, remove_release
 from envex.installer.state import Release, State, load_state, now_ts, save_state
 from envex.installer.ui import InstallUI
+from envex.runtime.server.admin.auth import create_admin_token, has_admin_token
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,4 +184,7 @@ def _install_locked(
         f"{release_id} is active: {prefix / 'current'} ; serve with envex serve --launch "
         f"{prefix / 'current' / 'launch.json'} (unit file {prefix / 'envex.service'})",
     )
+    # The admin page's token: created at the first install, shown only now; the prefix keeps only its hash.
+    if not has_admin_token(prefix):
+        ui.note(f"admin token for the /admin page (shown once; note it now): {create_admin_token(prefix)}")
     return InstallOutcome(True, f"{release_id} active", release_id, release_id)
