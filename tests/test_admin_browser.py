@@ -86,6 +86,8 @@ def login(page, server: str, token: str) -> None:
 
 
 def test_login_refuses_a_wrong_token_and_accepts_the_right_one(page, server, fixture):
+    # the token is the one envex-install printed at the first install (and only then: two installs, one token)
+    assert fixture.token_from_install, "the installer did not print exactly one admin token over two installs"
     response = page.goto(f"{server}/admin")
     assert page.url == f"{server}/admin/login"  # no session: sent to the login page
     headers = response.headers

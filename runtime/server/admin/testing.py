@@ -8,18 +8,22 @@ runner's, and each gets a benchmark table and plot written by verify's own repor
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
 
 from envex.bundles import load_private_key, make_demo_trust
 from envex.installer import testing as itest
 from envex.installer.media import BUNDLES_DIR
 from envex.installer.pipeline import InstallOptions, install
 from envex.installer.ui import InstallUI
-from envex.runtime.server.admin.auth import create_admin_token
+from envex.runtime.server.admin.auth import TOKEN_PREFIX, create_admin_token
 from envex.runtime.server.admin.views import bench_dir
 
 VERSIONS = ("1.0.0", "1.1.0")
@@ -31,6 +35,7 @@ class AdminFixture:
     bundle_dirs: tuple[Path, ...]
     token: str
     releases: tuple[str, ...]  # oldest first; the last is active
+    token_from_install: bool  # the token is the one the installer printed at the first install
 
 
 def gates_report(tok_s: float) -> dict[str, Any]:
@@ -120,6 +125,7 @@ def build_admin_fixture(work: Path, *, served_name: str = "fake") -> AdminFixtur
     releases: list[str] = []
     dirs: list[Path] = []
     card = itest.fake_model_card(served_name=served_name)
+    console = Console(file=io.StringIO(), record=True, width=400)
     for n, version in enumerate(VERSIONS):
         media = itest.fake_media(
             work / f"media-{version}",
@@ -136,10 +142,17 @@ def build_admin_fixture(work: Path, *, served_name: str = "fake") -> AdminFixtur
         options = InstallOptions(
             media=media, prefix=prefix, trust_fingerprint=trust.fingerprint, use_gpu=False, test_gates_report=report
         )
-        outcome = install(options, InstallUI())
+        outcome = install(options, InstallUI(console=console))
         if not outcome.ok or outcome.release is None:
             raise RuntimeError(f"installing the admin fixture failed: {outcome.message}")
         releases.append(outcome.release)
         write_bench(prefix, outcome.release, 20.0 + 10 * n)
-    token = create_admin_token(prefix)
-    return AdminFixture(prefix=prefix, bundle_dirs=tuple(dirs), token=token, releases=tuple(releases))
+    printed = re.findall(rf"{TOKEN_PREFIX}[A-Za-z0-9_-]+", console.export_text())
+    token = printed[0] if len(printed) == 1 else create_admin_token(prefix, replace=True)
+    return AdminFixture(
+        prefix=prefix,
+        bundle_dirs=tuple(dirs),
+        token=token,
+        releases=tuple(releases),
+        token_from_install=len(printed) == 1,
+    )
