@@ -194,6 +194,22 @@ def test_prompt_forms_and_echo(server: Server) -> None:
     assert echoed.choices[1].text.startswith("Hi")
 
 
+def test_a_choice_finishing_at_once_does_not_cut_the_others_short(server: Server) -> None:
+    # Greedy "Hello" continues with "-", so the stop string ends choice 0 on its first token, in the same step as
+    # choice 1's first token: the end of choice 0's stream must not count as the end of choice 1's.
+    body = {"model": MODEL, "prompt": ["Hello", "The capital of France is"], "max_tokens": 3, "temperature": 0,
+            "stop": ["-"]}
+    reply = server.client.completions.create(**body)
+    assert [(c.text, c.finish_reason) for c in reply.choices] == [("", "stop"), (" Paris.\n", "length")]
+    assert reply.usage.completion_tokens == 4
+    texts, reasons = ["", ""], [None, None]
+    for chunk in server.client.completions.create(**body, stream=True):
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.text
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == ["", " Paris.\n"] and reasons == ["stop", "length"]
+
+
 def test_completion_logprobs_legacy_format(server: Server) -> None:
     reply = server.client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5,
                                              temperature=0, logprobs=3)

@@ -107,7 +107,7 @@ class Generation:
         self._queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._buffer: list[tuple[int, RequestOutput]] = []
-        self._running = len(jobs)
+        self._done: set[int] = set()  # choices whose finished output (or end) has been seen
         self._ids = [async_engine.new_request_id(prefix) for _ in jobs]
 
     async def _pump(self, index: int) -> None:
@@ -131,8 +131,8 @@ class Generation:
                 index, item = await self._queue.get()
                 if isinstance(item, BaseException):
                     raise engine_error(item, self._prompt_param)
-                if item is None:  # finished without output: only possible after an abort
-                    self._running -= 1
+                if item is None:  # the choice's stream ended (its outputs, if any, are already buffered)
+                    self._done.add(index)
                     waiting.discard(index)
                     continue
                 self._buffer.append((index, item))
@@ -148,9 +148,10 @@ class Generation:
                 self._record(index, out)
                 yield index, out
             self._buffer.clear()
-            while self._running:
+            while len(self._done) < len(self.jobs):
                 index, item = await self._queue.get()
-                if item is None:
+                if item is None:  # a stream that ended without a finished output (aborted): nothing more comes
+                    self._done.add(index)
                     continue
                 if isinstance(item, BaseException):
                     raise engine_error(item, self._prompt_param)
@@ -169,7 +170,7 @@ class Generation:
         state.token_ids += out.token_ids
         state.completion_tokens = out.completion_token_count
         if out.finished:
-            self._running -= 1
+            self._done.add(index)
             state.finish_reason = "length" if out.finish_reason == "length" else "stop"
             state.stop_reason = out.stop_reason
             if state.first_at is not None and state.completion_tokens > 1:
