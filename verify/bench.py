@@ -195,8 +195,9 @@ def summarize(runs: list[Run], engines: Sequence[str], config: BenchConfig,
     return rows, anchor
 
 
-def run_bench(engines: Sequence[BenchEngine] | Any, *, tokenizer: Any = None, workload: str | Workload = "cpu-small",
-              concurrency: int | None = None, repeats: int = 12, warmups: int = 1, out_dir: str | Path | None = None,
+def run_bench(engines: Sequence[BenchEngine] | Any, *, tokenizer: Any = None,
+              workload_name: str | Workload = "cpu-small", concurrency: int | None = None, repeats: int = 12,
+              warmups: int = 1, out_dir: str | Path | None = None,
               show_progress: bool = False, with_roofline: bool = True) -> BenchReport:
     """Benchmark one or more engines in one interleaved window; pass an LLMEngine for envex alone.
 
@@ -215,7 +216,8 @@ def run_bench(engines: Sequence[BenchEngine] | Any, *, tokenizer: Any = None, wo
         if envex is None:
             raise ValueError("tokenizer: needed to build prompts when no in-process envex engine is given")
         tokenizer = envex.engine.tokenizer
-    w = workload if isinstance(workload, Workload) else named_workload(workload, concurrency=concurrency)
+    w = (workload_name if isinstance(workload_name, Workload)
+         else named_workload(workload_name, concurrency=concurrency))
     config = BenchConfig(workload=w, repeats=repeats, warmups=warmups)
     roof = None
     if with_roofline and envex is not None:

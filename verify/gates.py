@@ -11,7 +11,7 @@ import platform
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 from envex.verify import data
 from envex.verify.common import Timer
@@ -59,7 +59,7 @@ SUITES: dict[str, Suite] = {
                   coding_max_tokens=160, semantic_texts=8, semantic_max_len=512),
 }
 
-EngineLike = GateEngine | Callable[[], GateEngine]
+EngineLike: TypeAlias = GateEngine | Callable[[], Any]
 
 
 def _run_one(name: str, fn: Callable[[], GateResult]) -> GateResult:
@@ -80,22 +80,22 @@ def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite
     own model files. With `out_dir`, the report is also written to out_dir/gates.json.
     """
     timer = Timer()
-    eng: GateEngine = engine() if callable(engine) and not hasattr(engine, "generate") else engine  # type: ignore[assignment,operator]
+    eng: GateEngine = engine if hasattr(engine, "generate") else engine()  # type: ignore[operator]
     s = SUITES[suite] if isinstance(suite, str) else suite
     if isinstance(suite, str) and suite not in SUITES:
         raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
     policy = NumericPolicy.of(eng)
-    if reference is None:
+    selected = tuple(gates) if gates is not None else s.gates
+    unknown = set(selected) - set(GATE_NAMES)
+    if unknown:
+        raise ValueError(f"gates: unknown {sorted(unknown)}; known: {', '.join(GATE_NAMES)}")
+    if reference is None and set(selected) - {"stopping"}:  # only the stopping gate runs without a reference
         source = getattr(eng, "source", None)
         if source is None:
             raise ValueError("reference: the engine has no `source` to load the reference from; pass reference=")
         reference = HFReference(source, device=policy.device, dtype="float32",
                                 eos_token_ids=eng.tokenizer.eos_token_ids)
-    selected = tuple(gates) if gates is not None else s.gates
-    unknown = set(selected) - set(GATE_NAMES)
-    if unknown:
-        raise ValueError(f"gates: unknown {sorted(unknown)}; known: {', '.join(GATE_NAMES)}")
-    ref = reference
+    ref = cast(HFReference, reference)  # None only when no selected gate needs it
     prompts = data.chat_prompts()
     tasks = data.coding_tasks()
     if s.coding_tasks is not None:
@@ -121,7 +121,7 @@ def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite
         suite=s.name,
         model=getattr(source, "name", "unknown"),
         engine_policy=policy.name,
-        reference_policy=ref.policy_name,
+        reference_policy=ref.policy_name if ref is not None else "none",
         verdict="pass" if results and all(r.passed for r in results) else "fail",
         gates=tuple(results),
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

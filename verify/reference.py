@@ -32,7 +32,7 @@ def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "flo
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), **kwargs)
-    return model.to(device).eval()
+    return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class HFReference:
             eos = self.model.generation_config.eos_token_id
             eos_token_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        # The reference is deterministic: a gate run twice (or two gates on one prompt) reuses its answers.
+        self._memo: dict[tuple[Any, ...], RefGeneration] = {}
 
     @property
     def policy_name(self) -> str:
@@ -66,6 +68,14 @@ class HFReference:
     def greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int = 5, ignore_eos: bool = False,
                stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> RefGeneration:
         """Greedy tokens until EOS or max_tokens (or, given `decode`, until the text holds a `stop` string)."""
+        key = (tuple(prompt_ids), max_tokens, top_k, ignore_eos, tuple(stop) if decode is not None else ())
+        if key not in self._memo:
+            self._memo[key] = self._greedy(prompt_ids, max_tokens, top_k=top_k, ignore_eos=ignore_eos, stop=stop,
+                                           decode=decode)
+        return self._memo[key]
+
+    def _greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int, ignore_eos: bool,
+                stop: Sequence[str], decode: Callable[[list[int]], str] | None) -> RefGeneration:
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
         out = self.model(input_ids=ids, use_cache=True)
         past = out.past_key_values

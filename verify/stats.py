@@ -52,8 +52,10 @@ def bootstrap_ci(samples: Sequence[float], statistic: Callable[[np.ndarray], np.
             raise ValueError(f"statistic: {statistic!r} is not one of median, mean (or pass a function)")
         fn = np.median if statistic == "median" else np.mean
 
-        def stat(a: np.ndarray) -> np.ndarray:
+        def reduce(a: np.ndarray) -> np.ndarray:
             return np.asarray(fn(a, axis=-1))
+
+        stat: Callable[[np.ndarray], np.ndarray] = reduce
     else:
         stat = statistic
     rng = np.random.default_rng(seed)
