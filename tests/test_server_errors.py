@@ -78,6 +78,7 @@ BAD_COMPLETIONS: list[tuple[dict[str, Any], str]] = [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra"),
     ({"frobnicate": 1}, "frobnicate"),
+    ({"my-field": 1}, "my-field"),
     ({"max_tokens": 100_000}, "prompt"),
 ]
 
@@ -248,6 +249,17 @@ def test_fuzz_completion_bodies_never_5xx(http: httpx.Client, body: dict) -> Non
 @given(body=CHAT_BODIES)
 def test_fuzz_chat_bodies_never_5xx(http: httpx.Client, body: dict) -> None:
     check_answer(http.post("/v1/chat/completions", json=body))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(body=st.fixed_dictionaries({}, optional={"model": JSON, "prompt": JSON, "messages": JSON, "tokens": JSON,
+                                                "add_special_tokens": JSON, "add_generation_prompt": JSON}),
+       path=st.sampled_from(["/tokenize", "/detokenize"]))
+def test_fuzz_tokenize_bodies_never_5xx(http: httpx.Client, body: dict, path: str) -> None:
+    response = http.post(path, json=body)
+    assert response.status_code < 500, response.text
+    if response.status_code != 200:
+        assert_openai_error(response, response.status_code)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)

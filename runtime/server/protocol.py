@@ -273,13 +273,14 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _param(loc: tuple[int | str, ...]) -> str:
-    """pydantic's error location -> a field path such as messages[0].content (union member tags dropped)."""
+def _param(loc: tuple[int | str, ...], *, keep_all: bool = False) -> str:
+    """pydantic's error location -> a field path such as messages[0].content (union member tags dropped unless
+    keep_all: an unknown field's name is whatever the client sent)."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part.isidentifier() and part not in {"str", "int", "float", "bool", "list", "dict", "none"}:
+        elif keep_all or (part.isidentifier() and part not in {"str", "int", "float", "bool", "list", "dict", "none"}):
             out += f".{part}" if out else part
         else:
             break  # a union member tag such as "list[str]" or "function-after[...]": the path ends here
@@ -307,7 +308,7 @@ def validate(model: type[Model], data: Any) -> Model:
         return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
-        param = _param(tuple(err.get("loc", ())))
+        param = _param(tuple(err.get("loc", ())), keep_all=err.get("type") == "extra_forbidden")
         if not param and err.get("type") == "value_error":
             # A model-level check: its message starts with the field it is about ("stream_options: ...").
             msg = str(err.get("msg", "")).removeprefix("Value error, ")
