@@ -154,6 +154,21 @@ def test_completion_stream_equals_non_stream_and_ends_with_done(server: Server) 
     assert full.usage.completion_tokens == 10
 
 
+def test_streamed_n_choices_each_end_with_a_reason_and_usage_sums_them(server: Server) -> None:
+    body = {"model": MODEL, "prompt": "A list of fruits:", "max_tokens": 4, "temperature": 0.8, "seed": 3, "n": 2}
+    full = server.client.completions.create(**body)
+    chunks = list(server.client.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    texts, reasons = ["", ""], [None, None]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        assert reasons[choice.index] is None, "a chunk came after the choice's finish_reason"
+        texts[choice.index] += choice.text
+        reasons[choice.index] = choice.finish_reason
+    assert texts == [c.text for c in full.choices]
+    assert reasons == [c.finish_reason for c in full.choices] and None not in reasons
+
+
 def test_exact_max_tokens_finishes_with_length(server: Server) -> None:
     for max_tokens in (1, 7):
         reply = server.client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=max_tokens,
