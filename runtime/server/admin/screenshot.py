@@ -96,7 +96,7 @@ def take(out: Path, work: Path) -> dict[str, float]:
     app = build_app(AsyncEngine(engine), extra_routers=[admin_router(fixture.prefix, probe_gpu=False)])
     with serve_in_thread(app) as url, chat_load(url, app.state.envex.served_model_name), sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 900})
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
         login(page, url, fixture.token)
         time.sleep(2.5)  # let the page's 2 s refresh take two samples under load
         figures = wait_for_live(page)
