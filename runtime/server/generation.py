@@ -31,7 +31,7 @@ from envex.runtime.server.metrics import Metrics
 _INTERNAL = "internal engine error"
 
 
-def engine_error(exc: Exception, prompt_param: str) -> APIError:
+def engine_error(exc: BaseException, prompt_param: str) -> APIError:
     """An engine exception -> the HTTP error a client should see."""
     if isinstance(exc, APIError):
         return exc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request
@@ -287,7 +288,7 @@ def _param(loc: tuple[int | str, ...], *, keep_all: bool = False) -> str:
     return out
 
 
-def _message(err: dict[str, Any], param: str) -> str:
+def _message(err: Mapping[str, Any], param: str) -> str:
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         return f"{param}: unknown field; remove it (the accepted fields are listed in offline_docs/api.md)"
