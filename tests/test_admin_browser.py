@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 from envex.installer.activate import current_target
 from envex.installer.release import release_dir
 from envex.installer.state import load_state
+from envex.installer.testing import guarded_env, violations
 from envex.runtime.server.admin import build_admin_app
 from envex.runtime.server.admin.testing import build_admin_fixture
 from envex.runtime.server.testing import serve_in_thread
@@ -48,10 +51,26 @@ def fixture(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(fixture):
-    app = build_admin_app(fixture.prefix, bundle_dirs=fixture.bundle_dirs, probe_gpu=False)
-    with serve_in_thread(app) as url:
-        yield url
+def server(fixture, tmp_path_factory):
+    """`envex admin` itself (python -m envex.runtime.server.admin.cli), in a child process under the network guard
+    that records any connection or name lookup outside loopback."""
+    work = tmp_path_factory.mktemp("guard")
+    env, record = guarded_env(work)
+    log = (work / "stderr.log").open("w")
+    cmd = [sys.executable, "-m", "envex.runtime.server.admin.cli", "--prefix", str(fixture.prefix), "--port", "0",
+           "--cpu", *(arg for d in fixture.bundle_dirs for arg in ("--bundles", str(d)))]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert proc.stdout is not None
+        ready = proc.stdout.readline()  # the token exists (the installer made it): only where it listens
+        found = re.search(r"(http://127\.0\.0\.1:\d+)/admin", ready)
+        assert found is not None, ready + (work / "stderr.log").read_text()
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    assert violations(record) == [], "the admin server attempted a connection or lookup outside loopback"
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import os
 import stat
 import time
 from pathlib import Path
+from urllib.parse import urlencode
 
 import pytest
 from hypothesis import given, settings
@@ -161,3 +162,52 @@ def test_admin_routers_for_launch(tmp_path: Path) -> None:
     (tmp_path / "state.json").write_text("{}")
     (router,) = admin_routers_for_launch(tmp_path / "current" / "launch.json")
     assert router.prefix == "/admin" and any(getattr(r, "path", "") == "/admin/login" for r in router.routes)
+
+
+@pytest.fixture(scope="module")
+def bare_server(tmp_path_factory):
+    """The admin app over a prefix with an empty state.json and a token, on a real uvicorn on loopback."""
+    from envex.installer.state import State, save_state
+    from envex.runtime.server.testing import serve_in_thread
+
+    prefix = tmp_path_factory.mktemp("bare")
+    save_state(prefix, State())
+    token = create_admin_token(prefix)
+    with serve_in_thread(build_admin_app(prefix, probe_gpu=False)) as url:
+        yield url, prefix, token
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    path=st.sampled_from(["/admin/login", "/admin/logout", "/admin/releases/rollback", "/admin/releases/activate",
+                          "/admin/bundles/reverify", "/admin/hardware/probe", "/admin/releases/x"]),
+    body=st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode),
+                   st.dictionaries(st.sampled_from(["csrf", "token", "confirmed", "release", "bundle", "x"]),
+                                   st.text(max_size=40), max_size=6).map(lambda d: urlencode(d).encode())),
+    content_type=st.sampled_from(["application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                                  "application/json", "text/plain", ""]),
+)
+def test_fuzzed_posts_are_refused_cleanly_and_change_nothing(bare_server, path, body, content_type) -> None:
+    import httpx
+
+    url, prefix, _ = bare_server
+    before = (prefix / "state.json").read_bytes()
+    response = httpx.post(url + path, content=body, headers={"content-type": content_type} if content_type else {})
+    assert response.status_code in (400, 401, 403, 404, 405, 429), response.text[:300]
+    assert response.headers["x-frame-options"] == "DENY" or response.status_code in (404, 405)
+    assert (prefix / "state.json").read_bytes() == before
+
+
+def test_pages_without_a_session_redirect_to_login(bare_server) -> None:
+    import httpx
+
+    url, _, _ = bare_server
+    for path in ("/admin", "/admin/hardware", "/admin/bundles", "/admin/gates", "/admin/benchmarks",
+                 "/admin/releases", "/admin/releases/confirm?action=rollback", "/admin/docs/", "/admin/docs/admin.md"):
+        response = httpx.get(url + path, follow_redirects=False)
+        assert response.status_code == 303 and response.headers["location"] == "/admin/login", path
+        assert "default-src 'self'" in response.headers["content-security-policy"]
+    assert httpx.get(url + "/admin/live").status_code == 403
+    assert httpx.get(url + "/admin/benchmarks/x/plot.png").status_code == 403
+    assert httpx.get(url + "/admin/static/admin.css").status_code == 200
+    assert httpx.get(url + "/admin/static/../auth.py").status_code == 404
