@@ -43,9 +43,11 @@ def test_requests_joining_mid_flight_answer_as_alone(embedded_engine, alone):
     assert [got[f"join-{i}"] for i in range(len(PROMPTS))] == alone
 
 
-def test_chunked_prefill_and_preemption_do_not_change_answers(alone):
-    # 12 blocks of 16 tokens cannot hold 16 sequences at once: the scheduler must preempt and recompute.
-    small = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=7, num_kv_blocks=12, max_model_len=96))
+@pytest.mark.parametrize("speculative", [0, 4])
+def test_chunked_prefill_and_preemption_do_not_change_answers(alone, speculative):
+    # 8 blocks of 16 tokens cannot hold 16 sequences at once: the scheduler must preempt and recompute.
+    small = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=7, num_kv_blocks=8, max_model_len=96,
+                                   num_speculative_tokens=speculative))
     out = small.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in out] == alone
     assert small.stats().preemptions_total > 0
@@ -153,3 +155,17 @@ def test_full_logits_match_generation(embedded_engine):
     assert logits.shape == (len(ids), engine.model_config.vocab_size)
     first = engine.generate([ids], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
     assert int(logits[-1].argmax()) == first
+
+
+def test_speculative_decoding_is_exact_and_accepts_drafts(embedded_engine):
+    plain = LLMEngine(EngineConfig(device="cpu", num_speculative_tokens=0, max_model_len=1024))
+    assert embedded_engine.scheduler.num_speculative_tokens == 4  # the CPU default
+    prompts = PROMPTS[:6] + ["Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat"]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    before = embedded_engine.stats().accepted_draft_tokens_total
+    spec = embedded_engine.generate(prompts, params)
+    base = plain.generate(prompts, params)
+    assert [c.token_ids for c in spec] == [c.token_ids for c in base]
+    assert [c.text for c in spec] == [c.text for c in base]
+    assert embedded_engine.stats().accepted_draft_tokens_total - before > 0
+    assert plain.stats().accepted_draft_tokens_total == 0

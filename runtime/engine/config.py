@@ -29,11 +29,17 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 429)
     seed: int = 0
     use_cuda_graphs: bool = True
+    # Prompt-lookup speculative decoding for greedy requests: up to this many drafted tokens verified per step
+    # (0 turns it off; None: 4 on the torch backend, 0 on triton, whose decode steps replay CUDA graphs).
+    # Exact: a draft token is kept only where it equals the model's own argmax.
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens: must be in 0..16, got {self.num_speculative_tokens}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

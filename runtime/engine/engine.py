@@ -49,6 +49,7 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_hit_tokens_total: int
     preemptions_total: int
+    accepted_draft_tokens_total: int = 0
 
 
 class LLMEngine:
@@ -67,12 +68,20 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   num_speculative_tokens=self._speculative_tokens(),
+                                   max_model_len=self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
         self._generator = torch.Generator(device=self.runner.device).manual_seed(config.seed)
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._cached_tokens = 0
+        self._accepted_drafts = 0
+
+    def _speculative_tokens(self) -> int:
+        if self.config.num_speculative_tokens is not None:
+            return self.config.num_speculative_tokens
+        return 4 if self.runner.ops.name == "torch" else 0
 
     @property
     def device(self) -> torch.device:
@@ -140,7 +149,7 @@ class LLMEngine:
             if c.start == seq.num_cached_prefix_tokens and c.start < len(seq.prompt_token_ids):
                 self._cached_tokens += seq.num_cached_prefix_tokens
                 self._prompt_tokens += len(seq.prompt_token_ids)
-            seq.num_computed_tokens = c.start + c.num_tokens
+            seq.num_computed_tokens = c.start + c.num_tokens - c.num_draft  # drafts count once accepted
             self.blocks.commit(seq)
             if i in result.prompt_logits:
                 self._record_prompt_logprobs(c, result.prompt_logits[i])
@@ -148,15 +157,41 @@ class LLMEngine:
                 completing.append(c)
         outputs: list[RequestOutput] = []
         if completing:
+            # Row layout: each completing chunk has 1 + num_draft rows; sample the first row of every chunk
+            # together, then walk each chunk's drafts while they equal the model's own greedy choice.
+            firsts, row = [], 0
+            for c in completing:
+                firsts.append(row)
+                row += 1 + c.num_draft
             seqs = [c.seq for c in completing]
-            token_ids, logprobs = sample(result.logits, seqs, self._generator)
-            for seq, token_id, lp in zip(seqs, token_ids, logprobs, strict=True):
+            token_ids, logprobs = sample(result.logits[firsts], seqs, self._generator)
+            for c, first, token_id, lp in zip(completing, firsts, token_ids, logprobs, strict=True):
+                seq = c.seq
                 self._append_token(seq, token_id, lp)
+                if c.num_draft:
+                    self._accept_drafts(c, result.logits[first + 1:first + 1 + c.num_draft], token_id)
                 outputs.append(self._output(seq))
                 if seq.is_finished:
                     self.scheduler.remove(seq)
                     del self._seqs[seq.request_id]
         return outputs
+
+    def _accept_drafts(self, c: ScheduledChunk, draft_logits: torch.Tensor, first_token: int) -> None:
+        """Keep drafted tokens while each equals the greedy token the model chose before it (exactly what plain
+        decoding would have produced), then append the model's token after the last kept draft."""
+        seq = c.seq
+        drafts = seq.draft_token_ids
+        seq.draft_token_ids = []
+        choices = draft_logits.argmax(dim=-1).tolist()  # choices[j]: the model's token after drafts[j]
+        previous = first_token
+        for j, draft in enumerate(drafts):
+            if seq.is_finished or previous != draft:
+                break
+            seq.num_computed_tokens += 1  # the draft's K/V, written this step, is now the real token's
+            self._accepted_drafts += 1
+            previous = choices[j]
+            self._append_token(seq, previous, None)
+        self.blocks.commit(seq)
 
     def _record_prompt_logprobs(self, c: ScheduledChunk, logits: torch.Tensor) -> None:
         seq = c.seq
@@ -222,6 +257,7 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens,
             prefix_cache_hit_tokens_total=self._cached_tokens,
             preemptions_total=self.scheduler.num_preemptions,
+            accepted_draft_tokens_total=self._accepted_drafts,
         )
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

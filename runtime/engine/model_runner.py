@@ -44,7 +44,8 @@ def pick_ops(backend: str, device: torch.device):  # -> TorchOps | TritonOps
 
 @dataclass
 class StepResult:
-    logits: torch.Tensor  # [N, V] float32, one row per chunk that completes its sequence, in chunk order
+    # [N, V] float32: per chunk that completes its sequence, in chunk order, 1 + num_draft rows
+    logits: torch.Tensor
     prompt_logits: dict[int, torch.Tensor]  # chunk index -> [num_tokens, V] float32 (prompt logprobs only)
 
 
@@ -160,7 +161,8 @@ class ModelRunner:
         slots: list[int] = []
         bs = self.block_size
         for c in chunks:
-            tokens = c.seq.all_token_ids[c.start:c.start + c.num_tokens]
+            known = c.seq.all_token_ids + c.seq.draft_token_ids if c.num_draft else c.seq.all_token_ids
+            tokens = known[c.start:c.start + c.num_tokens]
             ids.extend(tokens)
             for p in range(c.start, c.start + c.num_tokens):
                 positions.append(p)
@@ -178,8 +180,8 @@ class ModelRunner:
             if c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids):
                 prompt_rows[i] = (offset, offset + c.num_tokens)
             offset += c.num_tokens
-            if c.completes:
-                ends.append(offset - 1)
+            if c.completes:  # the last row, or with drafts the last 1 + num_draft rows (each verifies one)
+                ends.extend(range(offset - 1 - c.num_draft, offset))
         logits = self.model.compute_logits(hidden[ends]).float() if ends else hidden.new_zeros((0, 0))
         prompt_logits = {
             i: self.model.compute_logits(hidden[a:b]).float() for i, (a, b) in prompt_rows.items()

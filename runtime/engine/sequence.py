@@ -38,6 +38,8 @@ class Sequence:
     stop_reason: str | int | None = None
     # Output bookkeeping: how many tokens / logprobs were already handed to the caller.
     num_emitted_tokens: int = 0
+    # Speculative tokens proposed for this step only (verified by the same forward pass, then cleared).
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
