@@ -15,6 +15,8 @@ import typer
 from envex.bundles.cli import bundle_app, verify_app
 from envex.installer.cli import activate, demo, rollback, status
 from envex.runtime.loader import EMBEDDED_MODEL
+from envex.runtime.server.admin.cli import admin
+from envex.verify.cli import bench, gates_app
 
 app = typer.Typer(
     name="envex",
@@ -25,6 +27,7 @@ app = typer.Typer(
 )
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(verify_app, name="verify")
+app.add_typer(gates_app, name="gates")
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help=f"HF model dir, .gguf file, or {EMBEDDED_MODEL!r}")]
 DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
@@ -100,7 +103,8 @@ def generate(
 
 
 # The installer's commands, registered after serve and generate so --help lists those first.
-for _name, _command in (("status", status), ("activate", activate), ("rollback", rollback), ("demo", demo)):
+for _name, _command in (("bench", bench), ("status", status), ("activate", activate), ("rollback", rollback),
+                        ("demo", demo), ("admin", admin)):
     app.command(_name)(_command)
 
 

