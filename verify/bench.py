@@ -159,7 +159,13 @@ def run_window(engines: Sequence[BenchEngine], tokenizer: Any, config: BenchConf
             on_run(engine.name, label)
         start = time.perf_counter()
         timings = engine.run(prompts[key], w.concurrency)
-        runs.append(Run(engine.name, label, time.perf_counter() - start, timings, prompts[key]))
+        wall = time.perf_counter() - start
+        # The run's span is first submission to last token (the engines' own timestamps); the wall clock around
+        # the call only when no token arrived.
+        arrived = [t for t in timings if t.token_times]
+        if arrived:
+            wall = max(t.token_times[-1] for t in arrived) - min(t.submitted for t in timings)
+        runs.append(Run(engine.name, label, wall, timings, prompts[key]))
     return runs
 
 

@@ -49,10 +49,10 @@ class Suite:
 
 
 SUITES: dict[str, Suite] = {
-    "quick": Suite(name="quick", reference_prompts=2, reference_max_tokens=16, needle_lengths=(320, 640),
-                   needle_depths=(0.0, 1.0), needle_max_tokens=14, stopping_prompts=1, stopping_max_tokens=20,
-                   coding_tasks=("add", "is_even", "reverse_string", "square"), coding_max_tokens=40,
-                   semantic_texts=2, semantic_max_len=96),
+    "quick": Suite(name="quick", reference_prompts=2, reference_max_tokens=12, needle_lengths=(256, 768),
+                   needle_depths=(0.5,), needle_max_tokens=14, stopping_prompts=1, stopping_max_tokens=16,
+                   coding_tasks=("add", "is_even", "square"), coding_max_tokens=32, semantic_texts=2,
+                   semantic_max_len=96),
     "full": Suite(name="full", reference_prompts=10, reference_max_tokens=128,
                   needle_lengths=(1024, 2048, 4096, 8192), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
                   needle_max_tokens=24, stopping_prompts=3, stopping_max_tokens=48, coding_tasks=None,
@@ -81,9 +81,9 @@ def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite
     """
     timer = Timer()
     eng: GateEngine = engine if hasattr(engine, "generate") else engine()  # type: ignore[operator]
-    s = SUITES[suite] if isinstance(suite, str) else suite
     if isinstance(suite, str) and suite not in SUITES:
         raise ValueError(f"suite: {suite!r} is not one of {', '.join(SUITES)}")
+    s = SUITES[suite] if isinstance(suite, str) else suite
     policy = NumericPolicy.of(eng)
     selected = tuple(gates) if gates is not None else s.gates
     unknown = set(selected) - set(GATE_NAMES)

@@ -1,0 +1,162 @@
+"""The benchmark harness: workloads, roofline, the anchor rule and token-count exclusion on engines with known
+timing, and real runs (envex in-process, HF transformers, a real uvicorn envex server on loopback)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from envex.runtime.engine import EngineConfig, LLMEngine
+from envex.verify.bench import run_bench
+from envex.verify.bench_engines import (
+    BenchRequest,
+    EnvexInProcess,
+    HFTransformers,
+    OpenAICompatible,
+    RequestTiming,
+)
+from envex.verify.roofline import decode_bytes, measure_read_bandwidth, roofline
+from envex.verify.workloads import Workload, build_requests, exact_prompt, named_workload
+
+TINY = Workload(name="tiny", prompt_tokens=24, output_tokens=4, num_requests=1, concurrency=1)
+
+
+class PacedEngine:
+    """An engine with known timing: token timestamps on a virtual clock, `step_s` apart, so the harness's rules
+    (intervals, anchors, exclusion) are tested against exactly known figures, free of this machine's load.
+
+    `slowdown` multiplies its step time by (1 + slowdown) per run, a machine that drifts; `short` serves one token
+    fewer than asked, a token-count violation.
+    """
+
+    def __init__(self, name: str, step_s: float, *, slowdown: float = 0.0, short: bool = False) -> None:
+        self.name = name
+        self.step_s = step_s
+        self.slowdown = slowdown
+        self.short = short
+
+    def run(self, requests: Sequence[BenchRequest], concurrency: int) -> list[RequestTiming]:
+        out = []
+        clock = time.perf_counter()
+        for r in requests:
+            t = RequestTiming(submitted=clock, prompt_tokens=len(r.prompt_ids))
+            n = r.max_tokens - 1 if self.short else r.max_tokens
+            for _ in range(n):
+                clock += self.step_s
+                t.token_times.append(clock)
+            t.output_tokens = n
+            out.append(t)
+        self.step_s *= 1 + self.slowdown
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def test_exact_prompts_and_distinct_requests(embedded_engine: LLMEngine) -> None:
+    tok = embedded_engine.tokenizer
+    for n in (8, 100, 1024):
+        text, ids = exact_prompt(tok, n, "Request 1-2.")
+        assert len(ids) == n and tok.encode(text, add_special_tokens=False) == ids and text.startswith("Request 1-2.")
+    w = named_workload("1k-256", concurrency=4, num_requests=4)
+    a, b = build_requests(tok, w, repeat=0), build_requests(tok, w, repeat=0)
+    assert [r.prompt_text for r in a] == [r.prompt_text for r in b]  # byte-identical across engines
+    assert len({r.prompt_text for r in a}) == 4 and all(len(r.prompt_ids) == 1024 for r in a)
+    assert build_requests(tok, w, repeat=1)[0].prompt_text != a[0].prompt_text  # each round is fresh
+    chat = build_requests(tok, named_workload("chat", num_requests=6), repeat=0)
+    assert len({r.max_tokens for r in chat}) > 1
+    with pytest.raises(ValueError, match="workload"):
+        named_workload("nope")
+    with pytest.raises(ValueError, match="concurrency"):
+        Workload(name="x", prompt_tokens=8, output_tokens=1, num_requests=1, concurrency=257)
+
+
+def test_roofline_counts_the_engine_weights(embedded_engine: LLMEngine) -> None:
+    cfg = embedded_engine.model_config
+    b = decode_bytes(cfg, dtype="float32", context_len=100)
+    params = dict(embedded_engine.runner.model.named_parameters())
+    layer_bytes = sum(p.numel() * p.element_size() for n, p in params.items() if n != "embed_tokens_weight")
+    assert b.layer_weights == layer_bytes  # every layer weight and the final norm, read once per step
+    assert b.lm_head == params["embed_tokens_weight"].numel() * 4  # tied: the embedding read as the LM head
+    assert b.kv_per_sequence == 2 * cfg.num_hidden_layers * cfg.kv_size * 100 * 4
+    assert decode_bytes(cfg, dtype="bfloat16", context_len=100, batch=4).total < b.total * 4
+    bw = measure_read_bandwidth("cpu", size_bytes=64 * 2**20, repeats=3)
+    assert 1e8 < bw < 1e13
+    r = roofline(cfg, device="cpu", dtype="float32", context_len=100, bandwidth=bw)
+    assert r.min_step_s == pytest.approx(b.total / bw) and r.fraction(2 * r.min_step_s) == pytest.approx(0.5)
+
+
+def test_interleaved_window_with_steady_engines_is_valid(embedded_engine: LLMEngine, tmp_path: Path) -> None:
+    fast, slow = PacedEngine("fast", 0.004), PacedEngine("slow", 0.008)
+    report = run_bench([fast, slow], tokenizer=embedded_engine.tokenizer, workload_name=TINY, repeats=6,
+                       out_dir=tmp_path, with_roofline=False)
+    assert not report.void and report.anchor["engine"] == "fast"
+    f, s = report.row("fast"), report.row("slow")
+    assert f.included and s.included and f.runs == s.runs == 6
+    assert f.intervals["tpot_s"]["high"] < s.intervals["tpot_s"]["low"]  # 4 ms vs 8 ms: disjoint intervals
+    assert f.intervals["tpot_s"]["estimate"] == pytest.approx(0.004)
+    assert f.intervals["output_tok_s"]["estimate"] == pytest.approx(250.0)
+    labels = [r["label"] for r in report.runs]
+    assert labels[:2] == ["warmup-0", "warmup-0"] and labels[2] == "anchor-open" and labels[-1] == "anchor-close"
+    rounds = [(r["label"], r["engine"]) for r in report.runs if r["label"].startswith("round-")]
+    assert rounds[:4] == [("round-0", "fast"), ("round-0", "slow"), ("round-1", "slow"), ("round-1", "fast")]
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["void"] is False and {r["engine"] for r in saved["rows"]} == {"fast", "slow"}
+    md = (tmp_path / "bench.md").read_text()
+    assert "| fast |" in md and "valid" in md
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_drifting_anchor_voids_the_window(embedded_engine: LLMEngine) -> None:
+    drifting = PacedEngine("drifting", 0.004, slowdown=0.02)  # 2% slower per run: far past 3% by the close
+    report = run_bench([drifting], tokenizer=embedded_engine.tokenizer, workload_name=TINY, repeats=3,
+                       with_roofline=False)
+    assert report.void and report.anchor["drift"] > 0.03
+    assert "VOID" in report.to_markdown()
+
+
+def test_a_row_serving_the_wrong_token_count_is_excluded(embedded_engine: LLMEngine) -> None:
+    report = run_bench([PacedEngine("good", 0.002), PacedEngine("short", 0.002, short=True)],
+                       tokenizer=embedded_engine.tokenizer, workload_name=TINY, repeats=2, with_roofline=False)
+    assert report.row("good").included
+    bad = report.row("short")
+    assert not bad.included and "served 3 tokens, asked 4" in (bad.excluded_reason or "")
+    assert "excluded: served token counts differ" in report.to_markdown()
+
+
+@pytest.mark.slow
+def test_envex_and_hf_stock_on_the_embedded_model(embedded_engine: LLMEngine, hf_reference: torch.nn.Module,
+                                                  tmp_path: Path) -> None:
+    engines = [EnvexInProcess(embedded_engine), HFTransformers(hf_reference, pad_token_id=2)]
+    report = run_bench(engines, workload_name=TINY, repeats=2, out_dir=tmp_path)
+    for name in ("envex", "hf-stock"):
+        row = report.row(name)
+        assert row.included, row.excluded_reason
+        assert row.intervals["output_tok_s"]["estimate"] > 0 and row.intervals["tpot_s"]["estimate"] > 0
+        assert 0 < (row.roofline_fraction or 0) <= 1.0
+    assert report.roofline is not None and report.roofline["batch"] == 1
+    assert (tmp_path / "bench.png").exists()
+
+
+@pytest.mark.slow
+def test_http_envex_server_agrees_with_in_process(embedded_engine: LLMEngine) -> None:
+    from envex.runtime.engine import AsyncEngine
+    from envex.runtime.server.app import build_app
+    from envex.runtime.server.testing import serve_in_thread
+
+    # The server owns its own engine (its thread steps it); the in-process engine is the session's.
+    server_engine = LLMEngine(EngineConfig(device="cpu", enable_prefix_caching=False))
+    w = Workload(name="agree", prompt_tokens=24, output_tokens=12, num_requests=1, concurrency=1)
+    with serve_in_thread(build_app(AsyncEngine(server_engine))) as url:
+        http = OpenAICompatible(url, model=embedded_engine.model_name, name="envex-http")
+        report = run_bench([EnvexInProcess(embedded_engine), http], workload_name=w, repeats=4, warmups=1,
+                           with_roofline=False)
+    local, remote = report.row("envex"), report.row("envex-http")
+    assert remote.included, remote.excluded_reason  # usage.completion_tokens == max_tokens on every request
+    # Decode speed is the engine's, whichever door the tokens leave by: the TPOT intervals overlap.
+    a, b = local.intervals["tpot_s"], remote.intervals["tpot_s"]
+    assert a["low"] <= b["high"] and b["low"] <= a["high"], (a, b)
