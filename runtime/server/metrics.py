@@ -86,6 +86,8 @@ class Metrics:
              stats.prefix_cache_hit_tokens_total),
             ("envex_preemptions_total", "counter", "Sequences preempted for lack of KV blocks.",
              stats.preemptions_total),
+            ("envex_accepted_draft_tokens_total", "counter", "Speculative draft tokens accepted.",
+             stats.accepted_draft_tokens_total),
             ("envex_num_requests_running", "gauge", "Sequences in the running batch.", stats.num_running),
             ("envex_num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", stats.num_waiting),
             ("envex_requests_in_flight", "gauge", "Engine requests admitted by the server and not finished.",

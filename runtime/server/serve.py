@@ -6,9 +6,11 @@ import json
 import shlex
 import socket
 import sys
+from collections.abc import Sequence
 from typing import TextIO
 
 import uvicorn
+from fastapi import APIRouter
 
 from envex.runtime.engine import AsyncEngine, EngineConfig, LLMEngine
 from envex.runtime.server.app import build_app
@@ -63,19 +65,21 @@ class _Server(uvicorn.Server):
 
 
 def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          out: TextIO | None = None) -> None:
+          extra_routers: Sequence[APIRouter] = (), out: TextIO | None = None) -> None:
     """Build the engine from `config` and serve it until Ctrl-C (then return). Raises ServeError when it cannot
     start (bad port, port in use), before the model is loaded.
 
     With `api_key`, clients must send `Authorization: Bearer <key>`; the ready line refers to it as
-    $ENVEX_API_KEY rather than printing the secret into logs.
+    $ENVEX_API_KEY rather than printing the secret into logs. `extra_routers` are mounted as in build_app (the
+    admin page for `envex serve --launch`).
     """
     if not 0 <= port <= 65535:
         raise ServeError(f"--port {port}: must be between 0 and 65535")
     sock = bind_socket(host, port)
     try:
         async_engine = AsyncEngine(LLMEngine(config))
-        app = build_app(async_engine, api_key=api_key, served_model_name=config.served_name)
+        app = build_app(async_engine, api_key=api_key, served_model_name=config.served_name,
+                        extra_routers=extra_routers)
         actual_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(app, host=host, port=actual_port, log_level="info", timeout_graceful_shutdown=5)
         message = ready_message(host, actual_port, app.state.envex.served_model_name, api_key)
