@@ -169,3 +169,16 @@ def test_speculative_decoding_is_exact_and_accepts_drafts(embedded_engine):
     assert [c.text for c in spec] == [c.text for c in base]
     assert embedded_engine.stats().accepted_draft_tokens_total - before > 0
     assert plain.stats().accepted_draft_tokens_total == 0
+
+
+def test_prefix_match_then_chunked_prefill_commits_only_computed_blocks(embedded_engine):
+    """A cached prefix followed by a prompt longer than one chunk: commit must not index past the block table."""
+    engine = LLMEngine(EngineConfig(device="cpu", max_num_batched_tokens=32, max_model_len=512))
+    head = "The rain in Spain stays mainly in the plain. " * 6
+    first = engine.generate([head + "Tell me more."], GREEDY)[0]
+    long_prompt = head + "Tell me more. " + "And then some more words follow here. " * 12
+    again = engine.generate([long_prompt], GREEDY)[0]
+    assert engine.stats().prefix_cache_hit_tokens_total >= 32
+    assert len(again.token_ids) == GREEDY.max_tokens and len(first.token_ids) == GREEDY.max_tokens
+    alone = embedded_engine.generate([long_prompt], GREEDY)[0]
+    assert again.token_ids == alone.token_ids
