@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
+from fastapi import APIRouter, Request
 
 from envex.runtime.engine import AsyncEngine, LLMEngine
 from envex.runtime.server.app import build_app
@@ -98,6 +99,22 @@ def test_health_is_503_when_the_engine_thread_is_not_running(embedded_engine: LL
     response = TestClient(app).get("/health")
     assert response.status_code == 503
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_extra_routers_are_mounted_without_the_api_key(embedded_engine: LLMEngine) -> None:
+    from fastapi.testclient import TestClient
+
+    router = APIRouter()
+
+    @router.get("/admin/name")
+    async def name(request: Request) -> dict[str, str]:
+        return {"model": request.app.state.envex.served_model_name}
+
+    app = build_app(AsyncEngine(embedded_engine), api_key="k", served_model_name="local", extra_routers=[router])
+    client = TestClient(app)  # no lifespan: the engine thread is not started
+    assert client.get("/admin/name").json() == {"model": "local"}
+    assert client.get("/v1/models").status_code == 401
+    assert client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()["data"][0]["id"] == "local"
 
 
 def test_tokenize_and_detokenize_round_trip(server: Server) -> None:
