@@ -65,17 +65,20 @@ def serve(
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
     from envex.runtime.server.serve import serve as run_server
 
+    extra_routers: list = []
     if launch is not None:
         from envex.installer.launch import LaunchError, load_launch
+        from envex.runtime.server.admin import admin_routers_for_launch
 
         try:
             config = load_launch(launch)
         except LaunchError as exc:
             raise fail(str(exc)) from None
+        extra_routers = admin_routers_for_launch(launch)  # /admin for the release's prefix
     else:
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len)
     try:
-        run_server(config, host=host, port=port, api_key=api_key)
+        run_server(config, host=host, port=port, api_key=api_key, extra_routers=extra_routers)
     except (ValueError, OSError) as exc:
         raise fail(str(exc), 1) from None
 

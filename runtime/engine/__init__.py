@@ -8,6 +8,7 @@ from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.engine import Completion, EngineStats, LLMEngine
 from envex.runtime.engine.types import (
     EngineError,
+    EngineInternalError,
     PromptTooLongError,
     QueueFullError,
     RequestOutput,
@@ -16,6 +17,6 @@ from envex.runtime.engine.types import (
 )
 
 __all__ = [
-    "AsyncEngine", "Completion", "EngineConfig", "EngineError", "EngineStats", "LLMEngine", "PromptTooLongError",
-    "QueueFullError", "RequestOutput", "SamplingParams", "TokenLogprob",
+    "AsyncEngine", "Completion", "EngineConfig", "EngineError", "EngineInternalError", "EngineStats", "LLMEngine",
+    "PromptTooLongError", "QueueFullError", "RequestOutput", "SamplingParams", "TokenLogprob",
 ]

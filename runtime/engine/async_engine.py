@@ -17,7 +17,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from envex.runtime.engine.engine import EngineStats, LLMEngine
-from envex.runtime.engine.types import EngineError, QueueFullError, RequestOutput, SamplingParams
+from envex.runtime.engine.types import (
+    EngineError,
+    EngineInternalError,
+    QueueFullError,
+    RequestOutput,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +166,7 @@ class AsyncEngine:
                     ids = list(self._pending)
                 for request_id in ids:
                     self.engine.abort_request(request_id)
-                    self._deliver(request_id, EngineError(f"internal engine error: {exc}"))
+                    self._deliver(request_id, EngineInternalError(f"internal engine error: {exc}"))
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)

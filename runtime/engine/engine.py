@@ -109,8 +109,9 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params)
         if request_id in self._seqs:
             raise EngineError(f"request_id: {request_id!r} is already in use")
-        if len(self.scheduler.waiting) >= self.config.max_queue:
-            raise QueueFullError(f"the queue is full ({self.config.max_queue} waiting requests); retry later")
+        capacity = self.config.max_queue + self.config.max_num_seqs  # the same bound AsyncEngine applies
+        if len(self.scheduler.waiting) + len(self.scheduler.running) >= capacity:
+            raise QueueFullError(f"the engine is at capacity ({capacity} requests running or waiting); retry later")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),

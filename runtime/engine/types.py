@@ -11,6 +11,10 @@ class EngineError(Exception):
     """Base class of the errors a request can meet inside the engine; the message is meant for people."""
 
 
+class EngineInternalError(EngineError):
+    """A step of the engine failed (a bug, or the device failed); the request cannot be answered (HTTP 500)."""
+
+
 class QueueFullError(EngineError):
     """The engine's waiting queue is full; the caller should retry later (HTTP 429)."""
 

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from envex.runtime.engine import (
     AsyncEngine,
     EngineError,
+    EngineInternalError,
     PromptTooLongError,
     QueueFullError,
     RequestOutput,
@@ -27,8 +28,6 @@ from envex.runtime.engine import (
 )
 from envex.runtime.server.errors import APIError, bad_request
 from envex.runtime.server.metrics import Metrics
-
-_INTERNAL = "internal engine error"
 
 
 def engine_error(exc: BaseException, prompt_param: str) -> APIError:
@@ -39,7 +38,7 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError:
         return bad_request(str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), code="rate_limit_exceeded", headers={"Retry-After": "1"})
-    if isinstance(exc, EngineError) and not str(exc).startswith(_INTERNAL):
+    if isinstance(exc, EngineError) and not isinstance(exc, EngineInternalError):
         message = str(exc)
         return bad_request(message, param=prompt_param if message.startswith("prompt") else None)
     return APIError(500, f"{exc}; see the server log")
