@@ -106,11 +106,11 @@ def _install_locked(
         verified = verify_all(
             scan, decision.root, state, on_bundle=lambda p: bar.advance(description=f"verify {p.name}")
         )
+    for note in (*decision.notes, *verified.skipped):
+        ui.note(note)
     if not verified.bundles:
         raise InstallError("verify: every bundle on the media is older than what this prefix already accepted")
     state = holder[0] = pin_trust(prefix, state, decision)
-    for note in (*decision.notes, *verified.skipped):
-        ui.note(note)
     rotated = f", rotated from v{decision.rotated_from}" if decision.rotated_from else ""
     ui.ok(
         "verify",
