@@ -148,3 +148,15 @@ def _load_engine(model: str, device: str, dtype: str):  # -> LLMEngine
         return LLMEngine(EngineConfig(model=model, device=device, dtype=dtype))
     except (ModelNotFoundError, ValueError) as exc:
         raise _fail(str(exc)) from exc
+
+
+def main() -> None:
+    """`python -m envex.verify.cli gates run ...` / `... bench ...` until runtime/cli.py registers both."""
+    app = typer.Typer(no_args_is_help=True)
+    app.add_typer(gates_app, name="gates")
+    app.command("bench")(bench)
+    app()
+
+
+if __name__ == "__main__":
+    main()

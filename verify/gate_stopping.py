@@ -72,17 +72,18 @@ def _judge(kind: str, params: SamplingParams, expect: dict[str, Any], got: Any, 
 def _cases(tok: Any, tokens: list[int], max_tokens: int, token_counts: Sequence[int],
            stops_per_prompt: int) -> list[tuple[str, SamplingParams, dict[str, Any]]]:
     eos = set(tok.eos_token_ids)
-    first_eos = next((i for i, t in enumerate(tokens) if t in eos), None)
+    first_eos = next((i for i, t in enumerate(tokens[:max_tokens]) if t in eos), None)
     greedy = {"temperature": 0.0, "max_tokens": max_tokens}
     cases: list[tuple[str, SamplingParams, dict[str, Any]]] = [(
         "eos", SamplingParams(**greedy),
         {"n_tokens": first_eos + 1, "tokens": tokens[:first_eos + 1], "finish_reason": "stop"}
-        if first_eos is not None else {"n_tokens": max_tokens, "tokens": tokens, "finish_reason": "length"},
+        if first_eos is not None else {"n_tokens": max_tokens, "tokens": tokens[:max_tokens],
+                                       "finish_reason": "length"},
     )]
     for n in token_counts:
         cases.append(("max_tokens", SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
                       {"n_tokens": n, "tokens": tokens[:n], "finish_reason": "length"}))
-    visible = tokens[:first_eos] if first_eos is not None else tokens  # what a client sees: up to the EOS
+    visible = tokens[:first_eos if first_eos is not None else max_tokens]  # what a client sees: up to the EOS
     text = tok.decode(visible)
     for s in boundary_stops(tok, visible, text, stops_per_prompt):
         cases.append(("stop_string", SamplingParams(**greedy, stop=(s,)),
@@ -100,7 +101,8 @@ def check_stopping(engine: GateEngine, *, prompts: Sequence[str], max_tokens: in
     results: list[dict[str, Any]] = []
     for prompt in prompts:
         ids = chat_ids(tok, prompt)
-        base = engine.generate([ids], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))[0]
+        longest = max(max_tokens, *token_counts)  # the unconstrained run covers every case's length
+        base = engine.generate([ids], SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True))[0]
         cases = _cases(tok, base.token_ids, max_tokens, token_counts, stops_per_prompt)
         got = engine.generate([ids] * len(cases), [p for _, p, _ in cases])
         streamed = stream_many(engine, [(ids, p) for _, p, _ in cases])
