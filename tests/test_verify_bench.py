@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from envex.runtime.engine import EngineConfig, LLMEngine
 from envex.verify.bench import run_bench
 from envex.verify.bench_engines import (

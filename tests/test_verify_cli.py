@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 import typer
-from envex.verify.cli import bench, gates_app
 from typer.testing import CliRunner
+
+from envex.verify.cli import bench, gates_app
 
 runner = CliRunner()
 bench_app = typer.Typer()

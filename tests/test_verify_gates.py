@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.verify import data
 from envex.verify.gate_coding import check_coding
@@ -145,7 +146,7 @@ def test_semantic_regression_passes_then_fails_on_a_perturbed_weight(verify_engi
     texts = data.corpus_texts()[:1]
     ok = check_semantic(verify_engine, reference, texts=texts, max_len=48)
     assert ok.verdict == "pass" and ok.evidence["mean_kl"] < 1e-6 and ok.evidence["top1"] == 1.0
-    assert ok.thresholds["policy"] == "cpu-float32"
+    assert ok.thresholds["policy"] == "cpu-float32-torch"
     with perturbed_weight(verify_engine, scale=0.5):
         bad = check_semantic(verify_engine, reference, texts=texts, max_len=48)
     assert bad.verdict == "fail" and bad.evidence["mean_kl"] > ok.thresholds["max_mean_kl"]
@@ -224,7 +225,7 @@ def test_run_gates_report_is_json_with_every_gate(verify_engine: LLMEngine, refe
     saved = json.loads((tmp_path / "gates.json").read_text())
     assert saved["verdict"] == "pass" and {g["name"] for g in saved["gates"]} == set(seen)
     assert all({"verdict", "thresholds", "evidence", "summary"} <= set(g) for g in saved["gates"])
-    assert report.engine_policy == "cpu-float32" and report.reference_policy == "cpu-float32"
+    assert report.engine_policy == "cpu-float32-torch" and report.reference_policy == "cpu-float32-torch"
 
 
 def test_run_gates_rejects_unknown_names(verify_engine: LLMEngine, reference: HFReference) -> None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from envex.runtime.engine import EngineConfig, LLMEngine
 from envex.runtime.loader import load_model_info
 from envex.verify.cuda_check import build_model_dir

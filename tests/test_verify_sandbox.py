@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from envex.verify.gate_coding import extract_code
 from envex.verify.sandbox import SandboxLimits, network_namespace_available, run_python
 

@@ -6,6 +6,9 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from envex.verify.stats import (
     ANCHOR_DRIFT_LIMIT,
     Interval,
@@ -14,8 +17,6 @@ from envex.verify.stats import (
     percentiles,
     window_is_void,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 
 def test_bootstrap_ci_of_the_median_covers_the_true_median_about_95_percent() -> None:

@@ -1,7 +1,7 @@
 """Gate: greedy tokens identical to HF transformers on the same weights.
 
-Where the numeric policy is the reference's own (float32 on the same device type) the tokens must be identical.
-Where it differs (bf16 on a GPU, low-bit later) we apply vLLM's rule from its model tests
+Where the numeric policy is the reference's own (float32 through the torch kernels on a CPU) the tokens must be
+identical. Where it differs (bf16 or Triton on a GPU, low-bit later) we apply vLLM's rule from its model tests
 (`check_logprobs_close`): the sequences may diverge, but at the first differing position each side's token must
 be among the other side's top-k (k=5) candidates; after that point the two continue from different prefixes and
 are not compared. The divergence point is reported either way.
@@ -33,7 +33,7 @@ def check_reference_equality(engine: GateEngine, reference: HFReference, *, prom
     timer = Timer()
     policy = NumericPolicy.of(engine)
     if mode == "auto":
-        mode = "exact" if policy.name == reference.policy_name else "topk"
+        mode = "exact" if policy.computes_like(reference.policy_name) else "topk"
     encoded = [chat_ids(engine.tokenizer, p) for p in prompts]
     ours = engine.generate(encoded, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=top_k))
     cases: list[dict[str, Any]] = []

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
 from envex.verify.common import Timer
 from envex.verify.reference import HFReference
 from envex.verify.types import GateEngine, GateResult, NumericPolicy

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
 from envex.runtime.loader import ModelSource, resolve_model
 
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
@@ -62,7 +63,7 @@ class HFReference:
 
     @property
     def policy_name(self) -> str:
-        return f"{self.device.type}-{self.dtype}"
+        return f"{self.device.type}-{self.dtype}-torch"
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int = 5, ignore_eos: bool = False,
