@@ -174,8 +174,8 @@ def _install_locked(
             f"gates: {len(failed)} failed ({', '.join(failed) or 'no gate ran'}); report: "
             f"{prefix / summary.report}; nothing was activated"
         )
-    figures = ", ".join(f"{k} {v:g}" for k, v in list(summary.bench.items())[:3])
-    ui.ok("gates", f"{len(summary.gates)} gates passed ({summary.suite} suite); {figures}")
+    figures = "; " + ", ".join(f"{k} {v:g}" for k, v in list(summary.bench.items())[:3]) if summary.bench else ""
+    ui.ok("gates", f"{len(summary.gates)} gates passed ({summary.suite} suite){figures}")
     # 6. activate: launch.json, state.json, `current`, unit file
     with ui.step("activate"):
         state = holder[0] = finish_activation(prefix, state, release_id, launch)
