@@ -161,6 +161,9 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
     return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
 
 
+_HEADLINE_STATS = ("estimate", "low", "high", "p50", "p90", "p99")
+
+
 def _headline(report: Any) -> dict[str, float]:
     """envex's row of a bench report as flat numbers (`<metric>.<stat>`), at most 40, to keep state.json small."""
     rows = report.get("rows", []) if isinstance(report, dict) else []
@@ -171,7 +174,7 @@ def _headline(report: Any) -> dict[str, float]:
     for group in ("intervals", "percentiles"):
         for metric, stats in (row.get(group) or {}).items():
             for stat, value in (stats or {}).items():
-                if isinstance(value, int | float) and not isinstance(value, bool) and len(found) < 40:
+                if stat in _HEADLINE_STATS and isinstance(value, int | float) and len(found) < 40:
                     found[f"bench.{metric}.{stat}"] = float(value)
     return found
 
