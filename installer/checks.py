@@ -74,16 +74,19 @@ def run_checks(
             )
     try:
         report = json.loads(report_file.read_text())
+        gates = {
+            str(k): v if v in ("pass", "fail", "skip") else "fail" for k, v in dict(report.get("gates", {})).items()
+        }
+        # Fail closed: a pass needs the report to say so, at least one gate, and no gate that did not pass or skip.
+        passed = report.get("verdict") == "pass" and bool(gates) and all(v != "fail" for v in gates.values())
         summary = CheckSummary(
-            verdict="pass" if report.get("verdict") == "pass" else "fail",
+            verdict="pass" if passed else "fail",
             suite=str(report.get("suite", suite)),
-            gates={str(k): str(v) for k, v in dict(report.get("gates", {})).items()},
+            gates=gates,
             report=str(report_file.relative_to(prefix)),
             bench={str(k): float(v) for k, v in dict(report.get("bench", {})).items()},
             finished_at=now_ts(),
         )
     except (ValueError, TypeError, AttributeError) as exc:
         raise InstallError(f"gates: {report_file} is not a gate report ({exc})") from None
-    if not summary.gates:  # an empty report proves nothing: fail closed
-        summary = summary.model_copy(update={"verdict": "fail"})
     return summary, report

@@ -433,3 +433,57 @@ def test_reconcile_points_current_at_the_recorded_release_and_abandons_unfinishe
     assert current_target(tmp_path) == "0002-m-1.0.0"
     assert fixed.release("0003-m-1.0.0").status == "abandoned" and load_state(tmp_path) == fixed
     assert sorted(p.name for p in (tmp_path / "releases").iterdir()) == ["0001-m-1.0.0", "0002-m-1.0.0"]
+
+
+# ---- gate reports --------------------------------------------------------------------------------------------------
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def test_gate_report_reading():
+    from envex.installer.gate_runner import _headline, gate_verdicts, verdict_of
+
+    report = {
+        "verdict": "pass",
+        "gates": [{"name": "stopping", "verdict": "pass"}, {"name": "needle", "verdict": "fail"}],
+    }
+    assert verdict_of(report) == "pass" and gate_verdicts(report) == {"stopping": "pass", "needle": "fail"}
+    assert verdict_of({"passed": False}) == "fail" and verdict_of({}) == "fail"
+    bench = {
+        "rows": [
+            {
+                "included": True,
+                "intervals": {"output_tok_s": {"estimate": 5.0, "n": 3}},
+                "percentiles": {"ttft_s": {"p50": 0.1}},
+            }
+        ]
+    }
+    assert _headline(bench) == {"bench.output_tok_s.estimate": 5.0, "bench.ttft_s.p50": 0.1}
+
+
+@settings(max_examples=150, deadline=None)
+@given(report=_json)
+def test_gate_report_readers_never_crash_and_fail_closed(report, tmp_path_factory):
+    from envex.installer.checks import run_checks
+    from envex.installer.gate_runner import _headline, gate_verdicts, verdict_of
+
+    assert verdict_of(report) in ("pass", "fail")
+    assert set(gate_verdicts(report).values()) <= {"pass", "fail", "skip"}
+    assert isinstance(_headline(report), dict)
+    prefix = tmp_path_factory.mktemp("p")
+    injected = prefix / "injected.json"
+    injected.write_text(json.dumps(report))
+    try:
+        summary, _ = run_checks(
+            prefix, "0001-x-1.0.0", itest.fake_model_card(), suite="quick", bench=False, injected_report=injected
+        )
+    except InstallError as exc:
+        assert "is not a gate report" in str(exc)
+    else:  # only an explicit pass with at least one gate passes
+        if summary.verdict == "pass":
+            assert report.get("verdict") == "pass" and summary.gates
+            assert set(summary.gates.values()) <= {"pass", "skip"}
