@@ -141,3 +141,7 @@ def test_demo_media_install_serve_upgrade_rollback(tmp_path):
     assert done.returncode == 1 and "older than version" in done.stdout
 
     assert itest.violations(record) == [], "a non-loopback connection or name lookup was attempted"
+    # and the guard was really there, in the release's own interpreter too (gates and server ran under it)
+    probe = "import socket\ntry: socket.getaddrinfo('example.invalid', 443)\nexcept OSError: pass"
+    run([str(prefix / "current" / "venv" / "bin" / "python"), "-c", probe], env)
+    assert [v["kind"] for v in itest.violations(record)] == ["getaddrinfo"]
