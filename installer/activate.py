@@ -176,7 +176,7 @@ def status_lines(prefix: Path, state: State) -> list[str]:
     if active_launch is not None and active_launch.is_file():
         manifest, _ = read_launch(active_launch)
         lines.append(
-            f"serving: {manifest.model.served_name} ({manifest.numeric_policy}), runtime envex "
+            f"active launch: {manifest.model.served_name} ({manifest.numeric_policy}), runtime envex "
             f"{manifest.runtime.envex_version}; unit file {Path(prefix).resolve() / UNIT_FILE}"
         )
     return lines
