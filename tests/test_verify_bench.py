@@ -132,9 +132,14 @@ def test_a_row_serving_the_wrong_token_count_is_excluded(embedded_engine: LLMEng
 @pytest.mark.slow
 def test_envex_and_hf_stock_on_the_embedded_model(embedded_engine: LLMEngine, hf_reference: torch.nn.Module,
                                                   tmp_path: Path) -> None:
-    engines = [EnvexInProcess(embedded_engine), HFTransformers(hf_reference, pad_token_id=2)]
+    engines = [EnvexInProcess(embedded_engine), HFTransformers(hf_reference, pad_token_id=2),
+               HFTransformers(hf_reference, tuned=True, pad_token_id=2)]
     report = run_bench(engines, workload_name=TINY, repeats=2, out_dir=tmp_path)
-    for name in ("envex", "hf-stock"):
+    with pytest.raises(ValueError, match="do not fit the model's context of 8192"):
+        run_bench(engines[:1], workload_name="10k-512", repeats=2)
+    with pytest.raises(ValueError, match="compile"):
+        HFTransformers(hf_reference, tuned=True, compile=True)  # transformers compiles on CUDA only
+    for name in ("envex", "hf-stock", "hf-tuned(static)"):
         row = report.row(name)
         assert row.included, row.excluded_reason
         assert row.intervals["output_tok_s"]["estimate"] > 0 and row.intervals["tpot_s"]["estimate"] > 0

@@ -225,6 +225,9 @@ def run_bench(engines: Sequence[BenchEngine] | Any, *, tokenizer: Any = None,
     w = (workload_name if isinstance(workload_name, Workload)
          else named_workload(workload_name, concurrency=concurrency))
     config = BenchConfig(workload=w, repeats=repeats, warmups=warmups)
+    if envex is not None and w.prompt_tokens + w.output_tokens > envex.engine.max_model_len:
+        raise ValueError(f"workload {w.name!r}: {w.prompt_tokens} prompt + {w.output_tokens} output tokens do not "
+                         f"fit the model's context of {envex.engine.max_model_len}; choose a smaller workload")
     roof = None
     if with_roofline and envex is not None:
         eng = envex.engine

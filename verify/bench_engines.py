@@ -3,8 +3,7 @@ and return when each token of each request arrived.
 
 - `EnvexInProcess`: an LLMEngine stepped in this thread (closed loop: `concurrency` requests in flight).
 - `HFTransformers`: HF `generate()` on batches of `concurrency` requests; "stock" (dynamic cache) or "tuned"
-  (static cache, plus torch.compile where asked; compile is on by default on CUDA only, since on a CPU it needs a
-  C++ toolchain and minutes of compile time).
+  (static cache, plus transformers' own torch.compile of the forward, which it applies on CUDA only).
 - `OpenAICompatible`: any /v1/completions server over HTTP with SSE streaming (httpx), e.g. the customer's current
   server or `envex serve`; token counts come from the server's `usage`.
 """
@@ -126,9 +125,11 @@ class HFTransformers:
         self.model = model
         self.tuned = tuned
         self.device = next(model.parameters()).device
+        # transformers compiles the forward itself when generate() runs a static cache on a GPU (its CompileConfig:
+        # fullgraph, reduce-overhead, i.e. CUDA graphs); `compile=False` turns that off for the static-only row.
         self.compile = (self.device.type == "cuda") if compile is None else compile
-        if tuned and self.compile:
-            model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        if self.compile and self.device.type != "cuda":
+            raise ValueError("compile: transformers compiles generate() on CUDA only; use compile=False on a CPU")
         self.pad_token_id = pad_token_id
         label = "hf-stock" if not tuned else ("hf-tuned(static+compile)" if self.compile else "hf-tuned(static)")
         self.name = name or label
@@ -146,7 +147,9 @@ class HFTransformers:
                 mask[row, width - len(r.prompt_ids):] = 1
             n = max(r.max_tokens for r in batch)
             streamer = _TimingStreamer()
-            kwargs: dict[str, Any] = {"cache_implementation": "static"} if self.tuned else {}
+            kwargs: dict[str, Any] = {}
+            if self.tuned:
+                kwargs = {"cache_implementation": "static", "disable_compile": not self.compile}
             submitted = time.perf_counter()
             gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=streamer,
