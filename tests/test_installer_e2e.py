@@ -80,8 +80,18 @@ def test_demo_media_install_serve_upgrade_rollback(tmp_path):
     prefix = tmp_path / "prefix"
 
     # 1. first install from the media's own bootstrap, real gates, no benchmark to keep CI short
-    done = run(["sh", str(v1.media / "install.sh"), "--prefix", str(prefix), "--trust-fingerprint", v1.fingerprint,
-                "--no-bench"], env)
+    done = run(
+        [
+            "sh",
+            str(v1.media / "install.sh"),
+            "--prefix",
+            str(prefix),
+            "--trust-fingerprint",
+            v1.fingerprint,
+            "--no-bench",
+        ],
+        env,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     for step in ("verify", "probe", "plan", "install", "gates", "activate"):
         assert f"✓ {step}" in done.stdout
@@ -102,8 +112,14 @@ def test_demo_media_install_serve_upgrade_rollback(tmp_path):
         v2 = build_demo_media(tmp_path / "media-2", keys, runtime_version="0.2.0", model_version="1.1.0", wheel=wheel)
         fail_report = tmp_path / "fail.json"
         fail_report.write_text(json.dumps(itest.FAIL_REPORT))
-        install_cmd = [str(prefix / "current" / "venv" / "bin" / "envex-install"), "--media", str(v2.media),
-                       "--prefix", str(prefix), "--no-bench"]
+        install_cmd = [
+            str(prefix / "current" / "venv" / "bin" / "envex-install"),
+            "--media",
+            str(v2.media),
+            "--prefix",
+            str(prefix),
+            "--no-bench",
+        ]
         done = run(install_cmd, {**env, "ENVEX_TEST_GATES_REPORT": str(fail_report)})
         assert done.returncode == 1 and "gates: 1 failed" in done.stderr
         assert load_state(prefix).active == first and current_target(prefix) == first
