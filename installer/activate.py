@@ -11,12 +11,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Literal
 
-from envex.installer.fsutil import atomic_write, switch_symlink
+from envex.installer.fsutil import PrefixLock, atomic_write, switch_symlink
 from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV, LaunchManifest, read_launch
 from envex.installer.media import InstallError
 from envex.installer.release import RELEASES_DIR, release_dir
-from envex.installer.state import InstalledBundle, Release, State, now_ts, save_state
+from envex.installer.state import InstalledBundle, Release, State, load_state, now_ts, save_state
 
 CURRENT = "current"
 UNIT_FILE = "envex.service"
@@ -115,6 +116,27 @@ def rollback_target(prefix: Path, state: State) -> Release:
     if not older:
         raise InstallError(f"rollback: no release before {state.active} passed its gates and is still on disk")
     return older[-1]
+
+
+def change_release(prefix: Path, change: Literal["activate", "rollback"], release_id: str | None = None) -> State:
+    """What `envex activate|rollback` and the admin page both run: take the prefix lock, reconcile, switch.
+
+    For "activate", `release_id` is the release to make active. For "rollback", `release_id` (when given) is the
+    target the operator confirmed: if the releases changed since and the rollback would now go elsewhere, nothing
+    changes. Raises LockHeldError, InstallError or StateError with a one-line message.
+    """
+    with PrefixLock(prefix):
+        state = reconcile(prefix, load_state(prefix))
+        if change == "rollback":
+            target = rollback_target(prefix, state)
+            if release_id and target.id != release_id:
+                raise InstallError(
+                    f"rollback would now go to {target.id}, not {release_id} as confirmed; review and retry"
+                )
+            return activate_release(prefix, state, target.id, event="rollback")
+        if not release_id:
+            raise InstallError("activate: no release was chosen; give a release id from envex status")
+        return activate_release(prefix, state, release_id)
 
 
 def prune(prefix: Path, state: State) -> State:

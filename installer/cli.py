@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Literal, NoReturn
 
 import typer
 
-from envex.installer.fsutil import LockHeldError, PrefixLock
+from envex.installer.fsutil import LockHeldError
 from envex.installer.media import InstallError
 from envex.installer.state import StateError, load_state
 
@@ -156,18 +156,11 @@ def status(prefix: PrefixOpt = Path("/opt/envex")) -> None:
         typer.echo(line)
 
 
-def _locked_change(prefix: Path, change: str, release: str | None = None) -> None:
-    from envex.installer.activate import activate_release, reconcile, rollback_target
+def _locked_change(prefix: Path, change: Literal["activate", "rollback"], release: str | None = None) -> None:
+    from envex.installer.activate import change_release
 
     try:
-        with PrefixLock(prefix):
-            state = reconcile(prefix, load_state(prefix))
-            if change == "rollback":
-                target = rollback_target(prefix, state)
-                state = activate_release(prefix, state, target.id, event="rollback")
-            else:
-                assert release is not None
-                state = activate_release(prefix, state, release)
+        state = change_release(prefix, change, release)
     except LockHeldError as exc:
         _fail(str(exc), EXIT_LOCKED)
     except (InstallError, StateError) as exc:

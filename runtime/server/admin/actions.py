@@ -1,7 +1,6 @@
 """What the admin page can change, through the installer's own functions (the ones `envex activate|rollback` run).
 
-Activation and rollback take the prefix lock, reconcile, then call `installer.activate.activate_release` (with
-`rollback_target` for a rollback), exactly the sequence of `envex rollback|activate` in installer/cli.py.
+Activation and rollback call `installer.activate.change_release`, the function `envex rollback|activate` run.
 Re-verification runs `bundles.verify_bundle` against the pinned trust root.
 """
 
@@ -13,8 +12,8 @@ from pathlib import Path
 from typing import Literal
 
 from envex.bundles import VerificationError, load_root, verify_bundle
-from envex.installer.activate import activate_release, reconcile, rollback_target
-from envex.installer.fsutil import LockHeldError, PrefixLock
+from envex.installer.activate import change_release as installer_change_release
+from envex.installer.fsutil import LockHeldError
 from envex.installer.launch import KERNEL_CACHE
 from envex.installer.media import InstallError, pinned_root_path
 from envex.installer.release import release_dir
@@ -42,23 +41,11 @@ def change_release(
     For a rollback, `release_id` (when given) is the target the operator confirmed: if the releases changed
     since, and the rollback would now go elsewhere, nothing is changed.
     """
+    if change == "activate" and not release_id:
+        raise ActionError("activate: no release was chosen; pick one on the releases page")
     try:
-        with PrefixLock(prefix):
-            state = reconcile(prefix, load_state(prefix))
-            if change == "rollback":
-                target = rollback_target(prefix, state)
-                if release_id and target.id != release_id:
-                    raise ActionError(
-                        f"rollback would now go to {target.id}, not {release_id} as confirmed; review and retry"
-                    )
-                state = activate_release(prefix, state, target.id, event="rollback")
-            else:
-                if not release_id:
-                    raise ActionError("activate: no release was chosen; pick one on the releases page")
-                state = activate_release(prefix, state, release_id)
-    except LockHeldError as exc:
-        raise ActionError(str(exc)) from None
-    except (InstallError, StateError) as exc:
+        state = installer_change_release(prefix, change, release_id)
+    except (LockHeldError, InstallError, StateError) as exc:
         raise ActionError(str(exc)) from None
     assert state.active is not None
     return ChangeResult(
