@@ -7,6 +7,8 @@ stays under reports/); a slot left by a killed installer is removed by the next 
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +47,23 @@ class InstallOutcome:
     release: str | None
     active: str | None
     report: Path | None = None
+
+
+BUNDLES_DIR = "bundles"
+
+
+def keep_bundle_files(prefix: Path, bundles: tuple[VerifiedBundle, ...]) -> None:
+    """Keep the installed bundle files in <prefix>/bundles/, so the admin page can re-verify them later without
+    the media. Each is copied under a temporary name and renamed into place: a crash leaves no half file."""
+    keep = prefix / BUNDLES_DIR
+    keep.mkdir(exist_ok=True)
+    for bundle in bundles:
+        target = keep / bundle.path.name
+        tmp = keep / f".{bundle.path.name}.tmp"
+        shutil.copyfile(bundle.path, tmp)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
 
 
 def _describe(bundles: tuple[VerifiedBundle, ...]) -> str:
@@ -149,6 +168,7 @@ def _install_locked(
         launch = build_release(
             prefix, release_id, plan, on_progress=lambda what, _n: bar.advance(description=f"install {what}")
         )
+    keep_bundle_files(prefix, plan.bundles)
     state = holder[0] = state.with_release(release.model_copy(update={"status": "gating"}))
     save_state(prefix, state)
     ui.ok(

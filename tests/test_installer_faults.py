@@ -253,3 +253,16 @@ def test_rollback_and_activate_commands(world, prefix):
     assert done.returncode == 1 and "no model bundle" in done.stderr
     assert "is older than version 1.1.0, the highest already accepted" in done.stdout
     assert active_model_version(prefix) == "1.1.0"
+
+
+def test_installed_bundle_files_are_kept_for_re_verification(world, prefix):
+    """The admin page's re-verify needs the bundle files after the media is gone: the install keeps them."""
+    from envex.bundles import load_root, verify_bundle
+
+    kept = sorted((prefix / "bundles").glob("*.envex"))
+    on_media = sorted(p.name for p in (world["media"]["1.0.0"] / "bundles").glob("*.envex"))
+    assert [p.name for p in kept] == on_media
+    assert not list((prefix / "bundles").glob(".*.tmp"))
+    root = load_root(prefix / "trust" / "root.json")
+    assert {verify_bundle(p, root=root).name for p in kept} == {b.name for b in load_state(prefix).release(
+        load_state(prefix).active).bundles}
