@@ -150,18 +150,22 @@ def build_bundle(
     elif isinstance(targets, dict):
         targets = Targets.model_validate(targets)
     reqs = [r if isinstance(r, Requirement) else Requirement.model_validate(r) for r in requires]
+
+    def manifest_of(files: list[FileEntry]) -> Manifest:
+        return Manifest(
+            schema_version=SCHEMA_VERSION,
+            name=name,
+            kind=kind,
+            version=version,
+            created=format_timestamp(created),
+            expires=format_timestamp(expires),
+            targets=targets,
+            requires=reqs,
+            files=files,
+        )
+
     # Validate the metadata before reading gigabytes: a manifest with no files yet must already be valid.
-    Manifest(
-        schema_version=SCHEMA_VERSION,
-        name=name,
-        kind=kind,
-        version=version,
-        created=format_timestamp(created),
-        expires=format_timestamp(expires),
-        targets=targets,
-        requires=reqs,
-        files=[],
-    )
+    manifest_of([])
     out = Path(out)
     if out.is_dir():
         out = out / bundle_file_name(name, version)
@@ -181,17 +185,7 @@ def build_bundle(
                     raise BuildError(f"{path} changed size while it was being bundled ({size} then {written} bytes)")
                 handle.write(padding(size))
                 entries.append(FileEntry(path=rel, size=size, sha256=sha))
-            manifest = Manifest(
-                schema_version=SCHEMA_VERSION,
-                name=name,
-                kind=kind,
-                version=version,
-                created=format_timestamp(created),
-                expires=format_timestamp(expires),
-                targets=targets,
-                requires=reqs,
-                files=entries,
-            )
+            manifest = manifest_of(entries)
             write_member(handle, MANIFEST, manifest.to_bytes(), mtime)
             write_member(handle, SIGNATURES, SignaturesDocument(signatures=[]).to_bytes(), mtime)
             handle.write(end_of_archive())

@@ -23,20 +23,11 @@ from envex.installer.release import release_dir
 from envex.installer.state import load_state
 from envex.installer.testing import guarded_env, violations
 from envex.runtime.server.admin import build_admin_app
+from envex.runtime.server.admin.screenshot import CHROMIUM_ARGS
 from envex.runtime.server.admin.testing import build_admin_fixture
 from envex.runtime.server.testing import serve_in_thread
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 pytestmark = [
     pytest.mark.slow,

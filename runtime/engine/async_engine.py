@@ -82,7 +82,7 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params)
         pending = _Pending(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if self._in_flight >= self.engine.config.max_queue + self.engine.config.max_num_seqs:
+            if self._in_flight >= self.engine.capacity:
                 raise QueueFullError(
                     f"the server is at capacity ({self._in_flight} requests in flight); retry later"
                 )

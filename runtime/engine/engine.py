@@ -84,6 +84,11 @@ class LLMEngine:
         return 4 if self.runner.ops.name == "torch" else 0
 
     @property
+    def capacity(self) -> int:
+        """Requests that may be admitted at once, running or waiting; beyond it callers get QueueFullError."""
+        return self.config.max_queue + self.config.max_num_seqs
+
+    @property
     def device(self) -> torch.device:
         return self.runner.device
 
@@ -109,9 +114,10 @@ class LLMEngine:
         self.check_request(prompt_token_ids, params)
         if request_id in self._seqs:
             raise EngineError(f"request_id: {request_id!r} is already in use")
-        capacity = self.config.max_queue + self.config.max_num_seqs  # the same bound AsyncEngine applies
-        if len(self.scheduler.waiting) + len(self.scheduler.running) >= capacity:
-            raise QueueFullError(f"the engine is at capacity ({capacity} requests running or waiting); retry later")
+        if len(self.scheduler.waiting) + len(self.scheduler.running) >= self.capacity:
+            raise QueueFullError(
+                f"the engine is at capacity ({self.capacity} requests running or waiting); retry later"
+            )
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
