@@ -3,14 +3,13 @@ with the embedded model's tokenizer, built by verify/cuda_check.py's builder (th
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from envex.runtime.engine import EngineConfig, LLMEngine
-from envex.runtime.loader import load_model_info
 from envex.verify.cuda_check import build_model_dir
+from envex.verify.devcarry import write_tokenizer_dir
 from envex.verify.gate_reference import check_reference_equality
 from envex.verify.gate_semantic import check_semantic
 from envex.verify.reference import HFReference
@@ -18,12 +17,7 @@ from envex.verify.reference import HFReference
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    info = load_model_info("smollm2-135m-instruct")
-    tok = tmp_path_factory.mktemp("tok")
-    info.tokenizer._backend.save(str(tok / "tokenizer.json"))
-    config = {k: v for k, v in info.tokenizer._config.items() if isinstance(v, str | int | float | bool)}
-    (tok / "tokenizer_config.json").write_text(json.dumps(config))
-    (tok / "hf_config.json").write_text(json.dumps(info.hf_config, default=str))
+    tok = write_tokenizer_dir(tmp_path_factory.mktemp("tok"))
     return build_model_dir(tok, tmp_path_factory.mktemp("model"), num_hidden_layers=2, hidden_size=128,
                            intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
 
