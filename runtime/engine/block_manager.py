@@ -83,7 +83,8 @@ class BlockManager:
         """Publish the sequence's newly computed full blocks so later prompts can reuse them."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.block_size
+        # Only blocks whose every token is known: a pending token (overlapped scheduling) has no value to hash yet.
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         # _chain may already hold the hashes of the whole prompt (match_prefix computes them): only the first
         # `full` blocks are computed and present in the block table.
         for i, h in enumerate(self._chain(seq, full)[:full]):

@@ -33,6 +33,9 @@ class EngineConfig:
     # (0 turns it off; None: 4 on the torch backend, 0 on triton, whose decode steps replay CUDA graphs).
     # Exact: a draft token is kept only where it equals the model's own argmax.
     num_speculative_tokens: int | None = None
+    # Overlapped scheduling: schedule and launch step N+1 before reading step N's sampled tokens (None: on for
+    # CUDA, where host work then hides behind device work; on CPU it only delays outputs by a step).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS)):

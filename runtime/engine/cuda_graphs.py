@@ -87,9 +87,11 @@ class DecodeGraphs:
         return 1 <= batch <= self.sizes[-1]
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
+    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            fill: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """One decode token for each of B sequences -> logits [B, V] (a view of the graph's static output: use
-        it before the next run)."""
+        it before the next run). fill = (rows, source rows, source): input_ids[rows] come from the device tensor
+        source[source rows] instead (tokens sampled by the previous step that the host has not read)."""
         batch = len(input_ids)
         if not self.fits(batch):
             raise ValueError(f"batch: {batch} sequences, the largest captured decode graph takes {self.sizes[-1]}")
@@ -111,6 +113,14 @@ class DecodeGraphs:
         state.positions.copy_(pos, non_blocking=True)
         state.active.copy_(active, non_blocking=True)
         state.block_tables[:, :width].copy_(tables, non_blocking=True)
+        if fill is not None:
+            rows, src_rows, src = fill
+            if rows == src_rows == list(range(len(rows))):  # the steady state: the same batch as the last step
+                state.input_ids[:len(rows)].copy_(src[:len(rows)])
+            else:
+                dst = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+                idx = torch.tensor(src_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+                state.input_ids.index_copy_(0, dst, src.index_select(0, idx))
         if self.capture:
             self._graphs[b].replay()
             logits = self._logits[b]
@@ -118,15 +128,29 @@ class DecodeGraphs:
             logits = self._forward(b)
         return logits[:batch]
 
-    def run_chunks(self, chunks) -> torch.Tensor | None:
+    def run_chunks(self, chunks, pending_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] float32 for a step of scheduled chunks if it is a pure decode step that fits, else None.
-        chunks: envex.runtime.engine.scheduler.ScheduledChunk list."""
+        chunks: envex.runtime.engine.scheduler.ScheduledChunk list; pending_tokens: see ModelRunner.execute."""
         if not chunks or not self.fits(len(chunks)):
             return None
         for c in chunks:
             if c.num_tokens != 1 or not c.completes or c.start < len(c.seq.prompt_token_ids):
                 return None  # a prefill chunk, or a prompt token whose logprobs may be wanted: the eager path
-        # The token at position start is the last one generated (all_token_ids would copy the whole prompt).
-        ids = [c.seq.output_token_ids[c.start - len(c.seq.prompt_token_ids)] for c in chunks]
+        ids: list[int] = []
+        rows: list[int] = []
+        src_rows: list[int] = []
+        for row, c in enumerate(chunks):
+            # The token at position start is the newest one (all_token_ids would copy the whole prompt); when it
+            # is still pending on the device, the graph's input is filled from there.
+            out = c.seq.output_token_ids
+            k = c.start - len(c.seq.prompt_token_ids)
+            if k < len(out):
+                ids.append(out[k])
+            else:
+                assert pending_tokens is not None, "a pending token without its source tensor"
+                ids.append(0)
+                rows.append(row)
+                src_rows.append(c.seq.pending_row)
+        fill = (rows, src_rows, pending_tokens) if rows and pending_tokens is not None else None
         positions = [c.start for c in chunks]
-        return self.run(ids, positions, [c.seq.block_table for c in chunks]).float()
+        return self.run(ids, positions, [c.seq.block_table for c in chunks], fill).float()

@@ -11,7 +11,7 @@ from envex.runtime.engine.block_manager import BlockManager
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.detokenizer import IncrementalDetokenizer
 from envex.runtime.engine.model_runner import ModelRunner
-from envex.runtime.engine.sampler import sample, token_logprob
+from envex.runtime.engine.sampler import logprobs_for, sample_on_device, token_logprob
 from envex.runtime.engine.scheduler import ScheduledChunk, Scheduler
 from envex.runtime.engine.sequence import Sequence, Status
 from envex.runtime.engine.types import (
@@ -39,6 +39,26 @@ class Completion:
     logprobs: list[TokenLogprob] | None
 
 
+@dataclass
+class _Step:
+    """A launched step: the chunks that sample a token, and the sampled ids (on the device until read)."""
+
+    completing: list[ScheduledChunk]
+    firsts: list[int]  # each completing chunk's first logits row (drafts follow it)
+    logits: torch.Tensor
+    token_ids: torch.Tensor  # [len(completing)] int64, on the device
+    raw_logprobs: torch.Tensor | None
+    host_ids: torch.Tensor | None = None  # pinned copy, valid once `ready` has fired
+    ready: torch.cuda.Event | None = None
+
+    def read_ids(self) -> list[int]:
+        if self.ready is None:
+            return self.token_ids.tolist()
+        self.ready.synchronize()  # waits for this step only; the step launched after it keeps the device busy
+        assert self.host_ids is not None
+        return self.host_ids.tolist()
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int
@@ -50,6 +70,7 @@ class EngineStats:
     prefix_cache_hit_tokens_total: int
     preemptions_total: int
     accepted_draft_tokens_total: int = 0
+    overlapped_steps_total: int = 0
 
 
 class LLMEngine:
@@ -77,6 +98,15 @@ class LLMEngine:
         self._generation_tokens = 0
         self._cached_tokens = 0
         self._accepted_drafts = 0
+        # Overlapped scheduling: a pure decode step's sampled tokens stay on the device while the next step is
+        # scheduled and launched; the host reads them afterwards (one step later), so host work hides behind
+        # device work. Off while speculative decoding is on (drafts are verified against read tokens).
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = self.runner.device.type == "cuda"
+        self._overlap = overlap and self.scheduler.num_speculative_tokens == 0
+        self._in_flight: _Step | None = None
+        self._overlapped_steps = 0
 
     def _speculative_tokens(self) -> int:
         if self.config.num_speculative_tokens is not None:
@@ -141,15 +171,41 @@ class LLMEngine:
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- one step ------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the outputs of the tokens read in it. With overlapped scheduling
+        the tokens of a pure decode step are read during the next call, after that call has launched its own
+        step, so outputs trail the device by one step."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not self._may_overlap():
+            return self._finish(previous)  # read it first: the next step needs every token on the host
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
-        result = self.runner.execute(chunks)
+            return self._finish(previous) if previous is not None else []
+        launched = self._launch(chunks, previous)
+        outputs = self._finish(previous) if previous is not None else []
+        if self._overlap and all(c.start >= len(c.seq.prompt_token_ids) and not c.num_draft for c in chunks):
+            self._in_flight = launched  # a pure decode step: read its tokens next time
+            self._overlapped_steps += 1
+        else:
+            outputs += self._finish(launched)
+        return outputs
+
+    def _may_overlap(self) -> bool:
+        """False while any request needs the host to see every token before the next step: penalties count the
+        generated tokens, logprobs and prompt logprobs are read per step."""
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            p = seq.params
+            if p.logprobs is not None or p.prompt_logprobs is not None or p.presence_penalty or p.frequency_penalty:
+                return False
+        return True
+
+    def _launch(self, chunks: list[ScheduledChunk], previous: _Step | None) -> _Step:
+        """Run the model and sample on the device; nothing here waits for the device."""
+        result = self.runner.execute(chunks, previous.token_ids if previous is not None else None)
         completing: list[ScheduledChunk] = []
         for i, c in enumerate(chunks):
             seq = c.seq
@@ -162,25 +218,48 @@ class LLMEngine:
                 self._record_prompt_logprobs(c, result.prompt_logits[i])
             if c.completes:
                 completing.append(c)
+        # Row layout: each completing chunk has 1 + num_draft rows; sample the first row of every chunk together.
+        firsts, row = [], 0
+        for c in completing:
+            firsts.append(row)
+            row += 1 + c.num_draft
+        if not completing:
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            return _Step([], [], result.logits, empty, None)
+        first_logits = result.logits if row == len(completing) else result.logits[firsts]
+        token_ids, raw_logprobs = sample_on_device(first_logits, [c.seq for c in completing], self._generator)
+        for j, c in enumerate(completing):
+            c.seq.num_pending_tokens += 1
+            c.seq.pending_row = j
+        launched = _Step(completing, firsts, result.logits, token_ids, raw_logprobs)
+        if token_ids.is_cuda:
+            launched.host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            launched.host_ids.copy_(token_ids, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
+
+    def _finish(self, launched: _Step) -> list[RequestOutput]:
+        """Read a launched step's tokens and apply them: append, accept drafts, stop, detokenize, emit."""
+        if not launched.completing:
+            return []
+        ids = launched.read_ids()
+        seqs = [c.seq for c in launched.completing]
+        lps = logprobs_for(launched.raw_logprobs, seqs, ids)
         outputs: list[RequestOutput] = []
-        if completing:
-            # Row layout: each completing chunk has 1 + num_draft rows; sample the first row of every chunk
-            # together, then walk each chunk's drafts while they equal the model's own greedy choice.
-            firsts, row = [], 0
-            for c in completing:
-                firsts.append(row)
-                row += 1 + c.num_draft
-            seqs = [c.seq for c in completing]
-            token_ids, logprobs = sample(result.logits[firsts], seqs, self._generator)
-            for c, first, token_id, lp in zip(completing, firsts, token_ids, logprobs, strict=True):
-                seq = c.seq
-                self._append_token(seq, token_id, lp)
-                if c.num_draft:
-                    self._accept_drafts(c, result.logits[first + 1:first + 1 + c.num_draft], token_id)
-                outputs.append(self._output(seq))
-                if seq.is_finished:
-                    self.scheduler.remove(seq)
-                    del self._seqs[seq.request_id]
+        for c, first, token_id, lp in zip(launched.completing, launched.firsts, ids, lps, strict=True):
+            seq = c.seq
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:  # stopped or aborted while this token was in flight: the token is dropped
+                continue
+            self._append_token(seq, token_id, lp)
+            if c.num_draft:
+                self._accept_drafts(c, launched.logits[first + 1:first + 1 + c.num_draft], token_id)
+            self.blocks.commit(seq)
+            outputs.append(self._output(seq))
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                del self._seqs[seq.request_id]
         return outputs
 
     def _accept_drafts(self, c: ScheduledChunk, draft_logits: torch.Tensor, first_token: int) -> None:
@@ -224,7 +303,7 @@ class LLMEngine:
             seq.detokenizer.add_token(token_id)
             if seq.detokenizer.stopped_on is not None:
                 seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stopped_on
-            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_known_tokens >= self.max_model_len:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.status = Status.FINISHED
@@ -265,6 +344,7 @@ class LLMEngine:
             prefix_cache_hit_tokens_total=self._cached_tokens,
             preemptions_total=self.scheduler.num_preemptions,
             accepted_draft_tokens_total=self._accepted_drafts,
+            overlapped_steps_total=self._overlapped_steps,
         )
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

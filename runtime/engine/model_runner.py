@@ -124,13 +124,12 @@ class ModelRunner:
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
-        dev = self.device
         meta = AttentionMetadata(
             is_decode=all(n == 1 for n in q_lens),
             slot_mapping=slot_mapping,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            cu_seqlens_q=self._upload(cu, torch.int32),
+            seq_lens=self._upload(seq_lens, torch.int32),
+            block_tables=self._upload(tables, torch.int32),
             max_q_len=max(q_lens),
             max_seq_len=max(seq_lens),
             scale=self.scale,
@@ -163,30 +162,45 @@ class ModelRunner:
         meta.q_rows = q_valid.reshape(-1).nonzero().squeeze(1).to(dev)
         meta.attn_mask = mask.unsqueeze(1).to(dev)
 
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor without waiting for the device's queue (a blocking copy from pageable
+        memory would first drain the stream, and with it the overlap of host and device work)."""
+        t = torch.tensor(values, dtype=dtype)
+        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
+
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> StepResult:
+    def execute(self, chunks: list[ScheduledChunk], pending_tokens: torch.Tensor | None = None) -> StepResult:
+        """pending_tokens: the previous step's sampled ids, still on the device; a sequence whose newest token is
+        pending (seq.num_pending_tokens) reads it from row seq.pending_row there."""
         if self.decode_graphs is not None:  # a pure decode step replays a captured graph
-            graph_logits = self.decode_graphs.run_chunks(chunks)
+            graph_logits = self.decode_graphs.run_chunks(chunks, pending_tokens)
             if graph_logits is not None:
                 return StepResult(logits=graph_logits, prompt_logits={})
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        fill_at: list[int] = []  # rows of `ids` whose token is pending on the device
+        fill_from: list[int] = []
         bs = self.block_size
         for c in chunks:
             known = c.seq.all_token_ids + c.seq.draft_token_ids if c.num_draft else c.seq.all_token_ids
             tokens = known[c.start:c.start + c.num_tokens]
+            if len(tokens) < c.num_tokens:  # the chunk ends on the sequence's pending token
+                assert pending_tokens is not None and len(tokens) == c.num_tokens - 1, "pending token without source"
+                fill_at.append(len(ids) + len(tokens))
+                fill_from.append(c.seq.pending_row)
+                tokens = tokens + [0]
             ids.extend(tokens)
             for p in range(c.start, c.start + c.num_tokens):
                 positions.append(p)
                 slots.append(c.seq.block_table[p // bs] * bs + p % bs)
-        dev = self.device
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=dev)
-        meta = self._metadata(chunks, slot_mapping)
-        hidden = self.model(
-            self.ops, torch.tensor(ids, dtype=torch.int64, device=dev),
-            torch.tensor(positions, dtype=torch.int64, device=dev), self.cos, self.sin, self.kv_caches, meta,
-        )
+        input_ids = self._upload(ids, torch.int64)
+        if fill_at:
+            assert pending_tokens is not None
+            input_ids[self._upload(fill_at, torch.int64)] = pending_tokens[self._upload(fill_from, torch.int64)]
+        meta = self._metadata(chunks, self._upload(slots, torch.int64))
+        hidden = self.model(self.ops, input_ids, self._upload(positions, torch.int64), self.cos, self.sin,
+                            self.kv_caches, meta)
         ends, prompt_rows = [], {}
         offset = 0
         for i, c in enumerate(chunks):
@@ -195,7 +209,8 @@ class ModelRunner:
             offset += c.num_tokens
             if c.completes:  # the last row, or with drafts the last 1 + num_draft rows (each verifies one)
                 ends.extend(range(offset - 1 - c.num_draft, offset))
-        logits = self.model.compute_logits(hidden[ends]).float() if ends else hidden.new_zeros((0, 0))
+        logits = (self.model.compute_logits(hidden[self._upload(ends, torch.int64)]).float() if ends
+                  else hidden.new_zeros((0, 0)))
         prompt_logits = {
             i: self.model.compute_logits(hidden[a:b]).float() for i, (a, b) in prompt_rows.items()
         }

@@ -42,12 +42,14 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator | None = None
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [N, V] float32 for the N sequences to extend -> next token ids and (where asked) logprobs."""
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits: [N, V] float32 -> next token ids [N] int64 and the raw log-probabilities [N, V] (None when no row
+    asks for logprobs), both left on logits' device: nothing here waits for the device."""
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    logits = apply_penalties(logits.clone(), seqs)
+    if any(s.params.presence_penalty or s.params.frequency_penalty for s in seqs):
+        logits = apply_penalties(logits.clone(), seqs)
     next_ids = torch.argmax(logits, dim=-1)  # the greedy answer for every row; sampled rows overwrite theirs
     for row, seq in enumerate(seqs):
         p = seq.params
@@ -56,15 +58,26 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.
         scaled = _filter_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
         probs = scaled.softmax(-1)
         next_ids[row] = torch.multinomial(probs, 1, generator=seq.generator or default_generator)[0]
-    ids = next_ids.tolist()
+    return next_ids, raw_logprobs
+
+
+def logprobs_for(raw_logprobs: torch.Tensor | None, seqs: list[Sequence], ids: list[int]
+                 ) -> list[TokenLogprob | None]:
+    """The TokenLogprob of each row that asked for logprobs (None for the others)."""
     out: list[TokenLogprob | None] = [None] * len(seqs)
     if raw_logprobs is not None:
         for row, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            if n is None:
-                continue
-            out[row] = token_logprob(raw_logprobs[row], ids[row], n)
-    return ids, out
+            if seq.params.logprobs is not None:
+                out[row] = token_logprob(raw_logprobs[row], ids[row], seq.params.logprobs)
+    return out
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator | None = None
+           ) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [N, V] float32 for the N sequences to extend -> next token ids and (where asked) logprobs."""
+    next_ids, raw_logprobs = sample_on_device(logits, seqs, default_generator)
+    ids = next_ids.tolist()
+    return ids, logprobs_for(raw_logprobs, seqs, ids)
 
 
 def token_logprob(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:

@@ -98,6 +98,9 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted earlier in this loop
                 continue
+            if seq.awaits_final_token or (seq.num_pending_tokens and self.max_model_len is not None
+                                          and seq.num_tokens >= self.max_model_len):
+                continue  # its in-flight token is its last: it finishes when the engine reads that token
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             draft = self._draft(seq, budget - n) if n == 1 else []
             n += len(draft)

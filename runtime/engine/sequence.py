@@ -40,14 +40,29 @@ class Sequence:
     num_emitted_tokens: int = 0
     # Speculative tokens proposed for this step only (verified by the same forward pass, then cleared).
     draft_token_ids: list[int] = field(default_factory=list)
+    # Overlapped scheduling: tokens sampled on the device whose values the host has not read yet. They count in
+    # num_tokens (the scheduler plans the next step around them) but join output_token_ids only when read.
+    num_pending_tokens: int = 0
+    pending_row: int = -1  # the newest pending token's row in the in-flight step's sampled-token tensor
 
     @property
     def all_token_ids(self) -> list[int]:
+        """The tokens the host knows (prompt and read outputs; pending ones excluded)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_known_tokens + self.num_pending_tokens
+
+    @property
+    def awaits_final_token(self) -> bool:
+        """A pending token is this sequence's last by max_tokens: there is nothing more to schedule for it."""
+        n = self.num_pending_tokens
+        return n > 0 and len(self.output_token_ids) + n >= self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:
