@@ -90,18 +90,23 @@ def main() -> None:
         return torch.randint(0, 128000, (n, length), generator=gen).tolist()
 
     p1k, p10k, p64 = prompts(1, 1024), prompts(1, 10240), prompts(64, 1024)
+    all_cases = [("1x1K/256", p1k, 256), ("1x10K/512", p10k, 512), ("64x1K/256", p64, 256)]
     plan = {
-        "triton": (dict(backend="triton", use_cuda_graphs=True), [("1x1K/256", p1k, 256), ("1x10K/512", p10k, 512),
-                                                                 ("64x1K/256", p64, 256)]),
+        "triton": (dict(backend="triton", use_cuda_graphs=True), all_cases),
+        # the same without overlapped scheduling (each step's tokens read before the next step is scheduled)
+        "triton-sync": (dict(backend="triton", use_cuda_graphs=True, async_scheduling=False), all_cases),
+        # prefill in chunks of 16K tokens instead of 8K (fewer, larger cuBLAS matmuls)
+        "triton-16k": (dict(backend="triton", use_cuda_graphs=True, max_num_batched_tokens=16384),
+                       [("64x1K/256", p64, 256)]),
         "triton-nograph": (dict(backend="triton", use_cuda_graphs=False), [("1x1K/256", p1k, 256)]),
         "torch": (dict(backend="torch", use_cuda_graphs=False), [("1x1K/64", p1k, 64)]),
     }  # fmt: skip
     for name in args.runs.split(","):
         opts, cases = plan[name]
         t0 = time.perf_counter()
-        engine = LLMEngine(EngineConfig(model=str(args.dir), max_model_len=12288, max_num_seqs=64,
-                                        max_num_batched_tokens=8192, num_kv_blocks=8192,
-                                        enable_prefix_caching=False, **opts))  # fmt: skip
+        config = dict(model=str(args.dir), max_model_len=12288, max_num_seqs=64, max_num_batched_tokens=8192,
+                      num_kv_blocks=8192, enable_prefix_caching=False)
+        engine = LLMEngine(EngineConfig(**{**config, **opts}))
         load_s = time.perf_counter() - t0
         for length in (1024, 10240):  # warm-up: Triton compiles the prefill kernels for each tile shape once
             timed_requests(engine, prompts(1, length), 2)
