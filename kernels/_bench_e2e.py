@@ -41,9 +41,11 @@ class Engine8B:
         split = {k: opts.pop(k) for k in ("min_keys", "programs_per_sm") if k in opts}
         return opts, split
 
-    def decoder(self, use_gemv: bool, pdl: bool = False, attn_kwargs: dict | None = None) -> FusedDecoder:
+    def decoder(self, use_gemv: bool, pdl: bool = False, attn_kwargs: dict | None = None,
+                **options) -> FusedDecoder:  # fmt: skip
+        """options: further FusedDecoder flags (fuse_rotary_attention, merge_splits_in_kernel)."""
         return FusedDecoder(self.w, self.shape, self.caches, self.cos, self.sin, gemv_configs=self.gemv_configs,
-                            use_gemv=use_gemv, pdl=pdl, attn_kwargs=attn_kwargs)  # fmt: skip
+                            use_gemv=use_gemv, pdl=pdl, attn_kwargs=attn_kwargs, **options)  # fmt: skip
 
     def prefill_seqs(self, prompts: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """Prefill [B, L] prompts packed in one call; returns last-token logits [B, V]."""
@@ -60,10 +62,11 @@ class GraphedDecode:
     """One captured greedy decode step for a fixed batch; replay() advances the batch by one token, on device."""
 
     def __init__(self, eng: Engine8B, tables: torch.Tensor, first_ids: torch.Tensor, start_pos: int, max_len: int,
-                 max_steps: int, use_gemv: bool, pdl: bool = False) -> None:  # fmt: skip
+                 max_steps: int, use_gemv: bool, pdl: bool = False, decoder_options: dict | None = None,
+                 ) -> None:  # fmt: skip
         batch = tables.shape[0]
         attn_kwargs, split_kwargs = eng.attn_options(batch, max_len)
-        self.dec = eng.decoder(use_gemv, pdl, attn_kwargs)
+        self.dec = eng.decoder(use_gemv, pdl, attn_kwargs, **(decoder_options or {}))
         self.state = DecodeState(batch, tables.shape[1], DEV)
         self.state.block_tables.copy_(tables)
         self.first_ids, self.start_pos = first_ids.clone(), start_pos

@@ -1,11 +1,12 @@
 """Check and time every kernel at full size on the GPU, then the Llama-3.1-8B-shaped model end to end.
 
-    python3 -m envex.kernels.bench_h200 --out $OUT [--sections bw,kernels,sweep,e2e,hf,batch,hfcompile]
+    python3 -m envex.kernels.bench_h200 --out $OUT [--sections bw,kernels,sweep,e2e,hf,batch,hfcompile,fused]
 
 One device call: measured read bandwidth (the roofline), each kernel against its float64 reference and its floor,
 the batch-1 GEMV config sweep, batch-1 decode at 1K/256 and 10K/512 through the fused CUDA-graphed step, HF
 transformers stock (and, asked for, static cache + torch.compile) on the same weights and prompts, and a batch
-sweep. Prints a short table last and writes bench.json under --out.
+sweep; `fused` checks and times the fused decode attention against the unfused chain and the batch-1 step with
+each (kernels/_bench_fused.py). Prints a short table last and writes bench.json under --out.
 """
 
 from __future__ import annotations
@@ -325,6 +326,7 @@ def guarded(rep: Report, name: str, fn, *args) -> None:
 
 def main() -> None:
     from envex.kernels import _bench_e2e as E
+    from envex.kernels import _bench_fused as F
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
@@ -363,13 +365,17 @@ def main() -> None:
     rep.data["attn_best"] = ATTN_BEST
     if "kernels" in sections:
         guarded(rep, "kernels", section_kernels, rep, bw)
+    if "fused" in sections:
+        guarded(rep, "fused", F.section_fused, rep, bw, dict(ATTN_BEST), _paged)
     results: dict = {}
-    if sections & {"e2e", "hf", "batch", "hfcompile", "ttft", "concurrent"}:
+    if sections & {"e2e", "hf", "batch", "hfcompile", "ttft", "concurrent", "fused"}:
         hf = B.build_hf_model()
         eng = E.Engine8B(hf, num_blocks=21504, gemv_configs=dict(GEMV_BEST), attn_best=dict(ATTN_BEST))
         eng.prefill_attn = dict(PREFILL_BEST)
         rep.row("e2e", "model", weight_bytes_per_step=eng.weight_bytes, roofline_ms=eng.weight_bytes / bw / 1e9,
                 gpu_mem_gb=torch.cuda.memory_allocated() / 1e9)  # fmt: skip
+        if "fused" in sections:
+            guarded(rep, "fused e2e", F.section_fused_e2e, rep, eng, bw)
         gens = ((1024, 64), (10240, 64)) if args.quick else ((1024, 256), (10240, 512))
         for prompt, gen in gens:
             if "e2e" in sections:
@@ -402,7 +408,9 @@ def _table(rep: Report) -> None:
     print("\n=== summary ===", env.get("device"), "read BW", round(rep.data["read_TBps"], 3), "TB/s")
     keys = ("ok", "rel_err", "us", "of_floor", "of_bw", "vs_cublas", "tok_s", "of_roofline", "roofline_tok_s",
             "ttft_ms", "step_ms", "out_tok_s", "same_prefix_tokens", "same_greedy_prefix_as_envex", "decode_tok_s",
-            "top1_same", "default_us", "tflops", "error")  # fmt: skip
+            "top1_same", "default_us", "tflops", "pdl_us", "vs_unfused", "vs_unfused_rel_err",
+            "cache_rows_equal_unfused", "mismatches", "counters_zero", "saved_us_per_layer", "step_logits_vs_unfused",
+            "error")  # fmt: skip
     for r in rep.data["rows"]:
         if r["section"] == "sweep" and "best" not in r["name"] and "cuBLAS" not in r["name"]:
             continue

@@ -1,10 +1,12 @@
 """A whole decode step of a dense Llama-family model on the Triton kernels, built to be captured in a CUDA graph.
 
-At batch 1 each layer is five launches that read its weights once: QKV GEMV (add + RMSNorm folded in), rotary +
-KV write, split-K paged attention (+ merge), O GEMV, gate-up GEMV (add + RMSNorm folded in), down GEMV (SwiGLU
-folded in). Above one row the projections are cuBLAS matmuls and the norms the fused Triton kernels. The step
-ends with the LM head, greedy argmax on the device, and the bookkeeping for the next step (position, slot,
-sequence length), so a captured graph can be replayed token after token with no host work or sync.
+At batch 1 each layer is five launches that read its weights once: QKV GEMV (add + RMSNorm folded in), decode
+attention with rotary, the KV write and the split merge folded in (decode_attention.py; the unfused chain of
+rotary + KV write, attention and a merge kernel stays selectable), O GEMV, gate-up GEMV (add + RMSNorm folded
+in), down GEMV (SwiGLU folded in). Above one row the projections are cuBLAS matmuls and the norms the fused
+Triton kernels. The step ends with the LM head, greedy argmax on the device, and the bookkeeping for the next
+step (position, slot, sequence length), so a captured graph can be replayed token after token with no host work
+or sync.
 
 The model object only needs the Llama parameter names of envex.runtime.models.llama (embed_tokens_weight,
 layers[i].{input_layernorm,qkv_proj,o_proj,post_attention_layernorm,gate_up_proj,down_proj}_weight, norm_weight,
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from envex.kernels import attention, gemv, rotary
+from envex.kernels import attention, decode_attention, gemv, rotary
 from envex.kernels.ops import TritonOps
 
 
@@ -46,13 +48,26 @@ class DecodeState:
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
 
 
+# Decode attention reads q/k/v straight from the QKV output and does rotary + the KV write itself (one launch
+# fewer per layer). Shown equal to the unfused kernels under the interpreter (tests/test_kernels_attention.py).
+FUSE_ROTARY_ATTENTION = True
+# The key splits are merged by the last split program to finish (a per-(sequence, KV head) counter) instead of a
+# second launch. Off by default until the H200 run: the interpreter runs programs one after another, so it proves
+# the counting, the reset and the merge arithmetic but not the cross-SM memory ordering.
+MERGE_SPLITS_IN_KERNEL = False
+
+
 class FusedDecoder:
     def __init__(self, model, shape: DecodeShape, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  cos: torch.Tensor, sin: torch.Tensor, *, gemv_configs: dict[tuple[int, int, int], tuple] | None = None,
-                 use_gemv: bool = True, pdl: bool = False, attn_kwargs: dict | None = None) -> None:  # fmt: skip
+                 use_gemv: bool = True, pdl: bool = False, attn_kwargs: dict | None = None,
+                 fuse_rotary_attention: bool = FUSE_ROTARY_ATTENTION,
+                 merge_splits_in_kernel: bool = MERGE_SPLITS_IN_KERNEL) -> None:  # fmt: skip
         """gemv_configs: (N, K, prologue) -> (BLOCK_N, BLOCK_K, num_warps), tuned by kernels/bench_h200.py.
         pdl: chain the batch-1 kernels with programmatic dependent launch (each waits on its predecessor).
-        attn_kwargs: extra paged_attention options for decode (block_n, num_warps, num_stages)."""
+        attn_kwargs: extra decode attention options (block_n, num_warps, num_stages).
+        fuse_rotary_attention: decode_attention.decode_attention_fused instead of rotary_and_store_kv followed by
+        paged_attention. merge_splits_in_kernel (fused path only): merge the key splits inside that launch."""
         self.model = model
         self.shape = shape
         self.kv_caches = kv_caches
@@ -62,6 +77,11 @@ class FusedDecoder:
         self.use_gemv = use_gemv
         self.pdl = pdl
         self.attn_kwargs = attn_kwargs or {}
+        self.fuse_rotary_attention = fuse_rotary_attention
+        self.merge_splits_in_kernel = merge_splits_in_kernel
+        # Split-merge counters, one zeroed int32 buffer per batch size shared by every layer (each launch leaves
+        # it at zero). Allocated by the first forward at that size: the eager warm-up before a graph capture.
+        self._split_counters: dict[int, torch.Tensor] = {}
         self.ops = TritonOps()
 
     def _gemv(self, a: torch.Tensor, w: torch.Tensor, prologue: int = gemv.PROLOGUE_NONE,
@@ -77,7 +97,13 @@ class FusedDecoder:
         bs = self.block_size
         slots = state.block_tables.gather(1, (state.positions // bs)[:, None])[:, 0].long() * bs + state.positions % bs
         slots = torch.where(state.active, slots, -1)  # a negative slot skips the cache write
-        seq_lens = (state.positions + 1).to(torch.int32)
+        seq_lens = None if self.fuse_rotary_attention else (state.positions + 1).to(torch.int32)
+        counters = None
+        if self.fuse_rotary_attention and self.merge_splits_in_kernel:
+            counters = self._split_counters.get(batch)
+            if counters is None:
+                counters = decode_attention.new_split_counters(batch, s.num_kv_heads, state.positions.device)
+                self._split_counters[batch] = counters
         one_row = batch == 1 and self.use_gemv
         x = m.embed_tokens_weight[state.input_ids]  # [B, H]
         h = None
@@ -96,16 +122,24 @@ class FusedDecoder:
                 else:
                     normed, h = self.ops.add_rms_norm(x, h, layer.input_layernorm_weight, s.eps)
                 qkv = normed @ layer.qkv_proj_weight.t()
-            q = qkv[:, :q_size].view(batch, s.num_heads, s.head_dim)  # [B, Hq, D] views of the fused output
-            k = qkv[:, q_size : q_size + kv_size].view(batch, s.num_kv_heads, s.head_dim)
-            v = qkv[:, q_size + kv_size :].view(batch, s.num_kv_heads, s.head_dim)
             pdl = self.pdl and one_row
-            q, _ = rotary.rotary_and_store_kv(q, k, v, state.positions, self.cos, self.sin, k_cache, v_cache, slots,
-                                              pdl=pdl)  # fmt: skip
-            attn = attention.paged_attention(
-                q, k_cache, v_cache, state.cu_seqlens_q, seq_lens, state.block_tables, s.head_dim**-0.5,
-                max_q_len=1, max_seq_len=max_seq_len, num_splits=num_splits, pdl=pdl, **self.attn_kwargs,
-            ).view(batch, q_size)  # fmt: skip
+            if self.fuse_rotary_attention:
+                attn = decode_attention.decode_attention_fused(
+                    qkv, state.positions, slots, self.cos, self.sin, k_cache, v_cache, state.block_tables,
+                    s.head_dim**-0.5, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads, max_seq_len=max_seq_len,
+                    num_splits=num_splits, merge_in_kernel=self.merge_splits_in_kernel, counters=counters, pdl=pdl,
+                    **self.attn_kwargs,
+                ).view(batch, q_size)  # fmt: skip
+            else:
+                q = qkv[:, :q_size].view(batch, s.num_heads, s.head_dim)  # [B, Hq, D] views of the fused output
+                k = qkv[:, q_size : q_size + kv_size].view(batch, s.num_kv_heads, s.head_dim)
+                v = qkv[:, q_size + kv_size :].view(batch, s.num_kv_heads, s.head_dim)
+                q, _ = rotary.rotary_and_store_kv(q, k, v, state.positions, self.cos, self.sin, k_cache, v_cache,
+                                                  slots, pdl=pdl)  # fmt: skip
+                attn = attention.paged_attention(
+                    q, k_cache, v_cache, state.cu_seqlens_q, seq_lens, state.block_tables, s.head_dim**-0.5,
+                    max_q_len=1, max_seq_len=max_seq_len, num_splits=num_splits, pdl=pdl, **self.attn_kwargs,
+                ).view(batch, q_size)  # fmt: skip
             if one_row:
                 o, _ = self._gemv(attn, layer.o_proj_weight)
                 gu, h = self._gemv(o, layer.gate_up_proj_weight, prologue=gemv.PROLOGUE_ADD_RMS, b=h,

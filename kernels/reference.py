@@ -109,6 +109,32 @@ def paged_attention(
     return out
 
 
+def decode_attention_fused(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """One decode token per sequence from the fused QKV row [B, (Hq + 2·Hkv)·D]: rotary on q and k, k and v
+    written at slot_mapping (negative: not written), then attention over positions 0..position -> [B, Hq, D].
+    The unfused composition (rotary_and_store_kv, then paged_attention) the fused decode kernel must equal."""
+    batch = qkv.shape[0]
+    d = k_cache.shape[3]
+    q = qkv[:, : num_heads * d].view(batch, num_heads, d)  # [B, Hq, D] views of the fused row
+    k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].view(batch, num_kv_heads, d)
+    v = qkv[:, (num_heads + num_kv_heads) * d :].view(batch, num_kv_heads, d)
+    q_rot, _ = rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=qkv.device)
+    return paged_attention(q_rot, k_cache, v_cache, cu, positions + 1, block_tables, scale)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T, the projection every GEMV kernel computes."""
     return x @ weight.t()

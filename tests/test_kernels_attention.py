@@ -8,9 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
-from envex.kernels import attention, rotary  # noqa: E402
+from envex.kernels import attention, decode_attention, rotary  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
-from envex.kernels.testing import assert_close, f64  # noqa: E402
+from envex.kernels.testing import assert_close, f64, rel_err  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -125,3 +125,114 @@ def test_rotary_rejects_wrong_cos_width() -> None:
     with pytest.raises(ValueError, match="cos: last dim 16 != head_dim/2 = 32"):
         rotary.rotary_and_store_kv(q, k, v, torch.zeros(2, dtype=torch.long, device=DEV), cos, sin, kc, vc,
                                    torch.zeros(2, dtype=torch.long, device=DEV))  # fmt: skip
+
+
+def _decode_step_inputs(positions: list[int], n_q: int, n_kv: int, head_dim: int, page: int, dtype: torch.dtype,
+                        steps: int, seed: int = 0):  # fmt: skip
+    """Random caches with shuffled block tables that hold each sequence's positions up to position + steps - 1,
+    and rope tables. Slots are derived per step by _slots."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(p + steps - 1) // page + 1 for p in positions]
+    num_blocks = sum(blocks_per_seq) + 2
+    k_cache = torch.randn(num_blocks, page, n_kv, head_dim, generator=g).to(dtype).to(DEV)
+    v_cache = torch.randn(num_blocks, page, n_kv, head_dim, generator=g).to(dtype).to(DEV)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.full((len(positions), max(blocks_per_seq) + 1), num_blocks - 1)  # unused entries arbitrary
+    used = 0
+    for b, nb in enumerate(blocks_per_seq):
+        tables[b, :nb] = perm[used : used + nb]
+        used += nb
+    cos, sin = _rope(max(positions) + steps, head_dim)
+    return k_cache, v_cache, tables.to(torch.int32).to(DEV), cos, sin
+
+
+def _slots(tables: torch.Tensor, pos: torch.Tensor, page: int, padding: list[int]) -> torch.Tensor:
+    slots = tables.gather(1, (pos // page)[:, None])[:, 0].long() * page + pos % page
+    slots[padding] = -1  # padding rows of a graph batch: nothing may be written
+    return slots
+
+
+# Positions of the new token: length 1, a sequence ending exactly on a block boundary (after the first step),
+# odd lengths, and a padding row (index 2) whose slot is -1.
+DECODE_POSITIONS, DECODE_PADDING = [0, 15, 9, 22], [2]
+
+
+@pytest.mark.parametrize("n_q,n_kv,page,num_splits,merge_in_kernel", [
+    (2, 2, 8, 1, True), (8, 2, 16, 1, False),  # GQA 1 and 4, one split: no partials, no counters
+    (4, 2, 16, 3, False), (4, 2, 8, 3, True),  # the merge as a second launch and in the last program
+    (8, 2, 8, 5, True), (2, 2, 16, 8, True),  # more splits than a short sequence has keys: empty splits
+])  # fmt: skip
+def test_decode_attention_fused_matches_reference(n_q: int, n_kv: int, page: int, num_splits: int,
+                                                  merge_in_kernel: bool) -> None:  # fmt: skip
+    """Two decode steps reusing one counter buffer: outputs and cache writes against the float64 reference
+    (rotary, store, attention), padding rows write nothing, counters are back at zero after every launch."""
+    dtype, head_dim, steps = torch.bfloat16, 32, 2
+    kc, vc, tables, cos, sin = _decode_step_inputs(DECODE_POSITIONS, n_q, n_kv, head_dim, page, dtype, steps)
+    kc0, vc0 = kc.clone(), vc.clone()
+    kc_ref, vc_ref = kc.double(), vc.double()
+    batch = len(DECODE_POSITIONS)
+    active = [b for b in range(batch) if b not in DECODE_PADDING]
+    counters = decode_attention.new_split_counters(batch, n_kv, DEV)
+    pos = torch.tensor(DECODE_POSITIONS, device=DEV)
+    written = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + step)
+        qkv = torch.randn(batch, (n_q + 2 * n_kv) * head_dim, generator=g).to(dtype).to(DEV)
+        slots = _slots(tables, pos, page, DECODE_PADDING)
+        written += slots[slots >= 0].tolist()
+        out = torch.full((batch, n_q, head_dim), float("nan"), dtype=dtype, device=DEV)
+        partials = (torch.full((num_splits, batch, n_q, head_dim), float("nan"), device=DEV),
+                    torch.full((num_splits, batch, n_q), float("nan"), device=DEV))  # fmt: skip
+        got = decode_attention.decode_attention_fused(
+            qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
+            max_seq_len=int(pos.max()) + 1, num_splits=num_splits, merge_in_kernel=merge_in_kernel,
+            counters=counters, out=out, partials=partials,
+        )  # fmt: skip
+        assert got.data_ptr() == out.data_ptr()
+        want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables,
+                                          head_dim**-0.5, n_q, n_kv)  # fmt: skip
+        assert_close(f"decode fused step {step}", out[active], want[active], dtype)
+        assert (counters == 0).all(), "the merging program must leave every counter at zero"
+        pos = pos + 1
+    assert_close("k_cache", kc, kc_ref, dtype)
+    assert_close("v_cache", vc, vc_ref, dtype)
+    untouched = torch.ones(kc.shape[0] * page, dtype=torch.bool, device=DEV)
+    untouched[written] = False
+    for name, c, c0 in (("k_cache", kc, kc0), ("v_cache", vc, vc0)):
+        flat, flat0 = c.view(-1, n_kv * head_dim), c0.view(-1, n_kv * head_dim)
+        assert torch.equal(flat[untouched], flat0[untouched]), f"{name}: a slot outside the active rows' changed"
+        assert not torch.equal(flat[~untouched], flat0[~untouched]), f"{name}: the active rows' slots not written"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_attention_fused_equals_unfused_path(dtype: torch.dtype) -> None:
+    """The fused kernel against the kernels it replaces (rotary_and_store_kv, then paged_attention + merge) on the
+    same inputs: identical cache contents, and outputs equal up to summation order."""
+    n_q, n_kv, head_dim, page = 8, 2, 64, 16
+    positions = [31, 4, 40]  # 32 keys end on a block boundary
+    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, dtype, 1, seed=5)
+    kc2, vc2 = kc.clone(), vc.clone()
+    pos = torch.tensor(positions, device=DEV)
+    slots = _slots(tables, pos, page, [])
+    qkv = torch.randn(3, (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEV)
+    fused = decode_attention.decode_attention_fused(qkv, pos, slots, cos, sin, kc, vc, tables, 0.125, num_heads=n_q,
+                                                    num_kv_heads=n_kv, max_seq_len=41, num_splits=2)  # fmt: skip
+    q = qkv[:, : n_q * head_dim].view(3, n_q, head_dim)
+    k = qkv[:, n_q * head_dim : (n_q + n_kv) * head_dim].view(3, n_kv, head_dim)
+    v = qkv[:, (n_q + n_kv) * head_dim :].view(3, n_kv, head_dim)
+    q_rot, _ = rotary.rotary_and_store_kv(q, k, v, pos, cos, sin, kc2, vc2, slots)
+    cu = torch.arange(4, dtype=torch.int32, device=DEV)
+    unfused = attention.paged_attention(q_rot, kc2, vc2, cu, (pos + 1).to(torch.int32), tables, 0.125, max_q_len=1,
+                                        max_seq_len=41, num_splits=2)  # fmt: skip
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert rel_err(fused, unfused) < (4e-3 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_decode_attention_fused_rejects_short_counters() -> None:
+    kc, vc, tables, cos, sin = _decode_step_inputs([3, 5], 4, 2, 32, 8, torch.float32, 1)
+    pos = torch.tensor([3, 5], device=DEV)
+    with pytest.raises(ValueError, match="counters: 2 entries < batch·Hkv = 4"):
+        decode_attention.decode_attention_fused(
+            torch.zeros(2, 8 * 32, device=DEV), pos, _slots(tables, pos, 8, []), cos, sin, kc, vc, tables, 0.1,
+            num_heads=4, num_kv_heads=2, max_seq_len=6, num_splits=2, counters=torch.zeros(2, dtype=torch.int32),
+        )  # fmt: skip

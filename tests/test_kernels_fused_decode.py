@@ -63,8 +63,13 @@ def _dense_logits(model: SimpleNamespace, ids: list[int], cos: torch.Tensor, sin
     return ref.rms_norm(x[-1:], m.norm_weight.double(), s.eps) @ m.lm_head_weight.double().t()
 
 
-@pytest.mark.parametrize("use_gemv", [True, False])
-def test_prefill_then_graph_free_greedy_decode_matches_dense(use_gemv: bool) -> None:
+# The default (fused attention, merge kernel) runs in test_kernels_cuda_graphs.py.
+@pytest.mark.parametrize("use_gemv,fuse,merge", [
+    (True, False, False),  # the unfused chain: rotary + KV write, attention, merge kernel
+    (True, True, True),  # everything in one attention launch, splits merged by the last program
+    (False, True, True),  # the cuBLAS path with the fused attention
+])  # fmt: skip
+def test_prefill_then_graph_free_greedy_decode_matches_dense(use_gemv: bool, fuse: bool, merge: bool) -> None:
     dtype = torch.float32  # fp32 so greedy picks are stable and errors reflect the kernels, not rounding
     model = _model(dtype)
     inv = 1.0 / (10000.0 ** (torch.arange(0, SHAPE.head_dim, 2).float() / SHAPE.head_dim))
@@ -82,7 +87,8 @@ def test_prefill_then_graph_free_greedy_decode_matches_dense(use_gemv: bool) -> 
                      torch.tensor([n], dtype=torch.int32, device=DEV), table, n, n)  # fmt: skip
     assert rel_err(logits, _dense_logits(model, prompt, cos, sin)) < 2e-3
 
-    decoder = FusedDecoder(model, SHAPE, caches, cos, sin, use_gemv=use_gemv)
+    decoder = FusedDecoder(model, SHAPE, caches, cos, sin, use_gemv=use_gemv, fuse_rotary_attention=fuse,
+                           merge_splits_in_kernel=merge)  # fmt: skip
     state = DecodeState(1, table.shape[1], DEV)
     state.block_tables.copy_(table)
     state.input_ids.fill_(int(logits.argmax()))
@@ -98,3 +104,5 @@ def test_prefill_then_graph_free_greedy_decode_matches_dense(use_gemv: bool) -> 
         assert int(out[0, i]) == int(want.argmax())
         seq.append(int(out[0, i]))
     assert int(step) == 4 and int(state.positions) == n + 4
+    if merge:  # one buffer for every layer and step, back at zero after each launch
+        assert (decoder._split_counters[1] == 0).all()

@@ -1,0 +1,316 @@
+"""Decode attention with rotary, the KV-cache write and (optionally) the split merge folded into one launch.
+
+The unfused decode layer runs three kernels between the QKV and O projections: `rotary.rotary_and_store_kv`,
+`attention._attn_kernel` and `attention._merge_splits_kernel`, two of them launch-bound at batch 1 (NOTES.md:
+2.2 µs + ~2 µs of a 7.6 µs attention stage). Here one program per (sequence, KV head, key split) reads the
+un-rotated q/k/v straight from the QKV projection's output row, and:
+
+1. rotates the GROUP query heads of its KV head in registers (every split redoes it: GROUP x D elements);
+2. attends over its share of the *cached* keys 0 .. pos-1 with the same tile code as `attention._attn_kernel`;
+3. if it owns the split holding position pos (the new token), rotates the new k, writes k and v into the paged
+   cache at the slot (a negative slot is a padding row: nothing is written) and adds the new key to its online
+   softmax from registers. No program of this launch reads position pos from the cache, so the write races with
+   nothing;
+4. with more than one split, writes its partial (o, lse); with MERGE_IN_KERNEL the last split of a (sequence, KV
+   head) to finish merges all partials (the "last block" pattern of the CUDA threadFenceReduction sample and of
+   CUTLASS's split-K serial semaphore), else `attention._merge_splits_kernel` runs as a second launch.
+
+Rounding follows the unfused path: rotated q and k are rounded to the storage dtype before the dots, as the
+rotary kernel stores them; the new key's probability is rounded to V's dtype as `tl.dot(p.to(v.dtype), v)` does.
+Floor: memory, as `attention.paged_attention` (2·seq_len·Hkv·D·bytes per sequence per layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels.attention import LOG2E, _attend_tile, _merge_splits_kernel, choose_num_splits
+
+# Elements of the [splits, GROUP, D] fp32 tile the merging program loads at once: 64 registers a thread at 4 warps.
+_MERGE_TILE = 8192
+
+
+@triton.jit
+def _rope(x, xp, c, s, lo_half):
+    """HF rotate_half: x1·c − x2·s in the low half, x2·c + x1·s in the high half; xp is x's partner (d ± D/2).
+    Written as the rotary kernel writes it, so both round the same way."""
+    return tl.where(lo_half, x * c - xp * s, x * c + xp * s)
+
+
+@triton.jit
+def _merge_partials(part_o_ptr, part_lse_ptr, t, head0, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr):  # fmt: skip
+    """Σ_s 2^(lse_s − m)·o_s / Σ_s 2^(lse_s − m) for the GROUP heads head0.. of token t -> [GROUP_P2, BLOCK_D].
+    Loads bypass L1 (.cg): the partials were written by other SMs during this launch."""
+    g = tl.arange(0, GROUP_P2)
+    g_ok = g < GROUP
+    sp = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(part_lse_ptr + sp[:, None] * stride_ls + t * stride_lt + head0 + g[None, :],
+                      mask=(sp < NUM_SPLITS)[:, None] & g_ok[None, :], other=float("-inf"),
+                      cache_modifier=".cg")  # fmt: skip
+    m = tl.max(lse_all, axis=0)  # [GROUP_P2]; finite for real heads: the new key's split always has a key
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w_sum = tl.sum(tl.exp2(lse_all - m[None, :]), axis=0)
+    ss = tl.arange(0, MERGE_S)[:, None, None]
+    gg = g[None, :, None]
+    dd = tl.arange(0, BLOCK_D)[None, None, :]
+    acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, NUM_SPLITS, MERGE_S):  # MERGE_S splits per step keep the tile in registers
+        s_ok = (s0 + ss) < NUM_SPLITS
+        # [MERGE_S, GROUP_P2, 1] log-sum-exps and [MERGE_S, GROUP_P2, BLOCK_D] partial outputs
+        lse = tl.load(part_lse_ptr + (s0 + ss) * stride_ls + t * stride_lt + head0 + gg,
+                      mask=s_ok & (gg < GROUP), other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+        o = tl.load(part_o_ptr + (s0 + ss) * stride_ps + t * stride_pt + (head0 + gg) * stride_ph + dd,
+                    mask=s_ok & (gg < GROUP) & (dd < HEAD_DIM), other=0.0, cache_modifier=".cg")  # fmt: skip
+        acc += tl.sum(tl.exp2(lse - m[None, :, None]) * o, axis=0)
+    return acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
+
+
+@triton.jit
+def _decode_fused_kernel(
+    qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, qk_scale,
+    stride_qkv, stride_cos, stride_ot, stride_oh,
+    stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    N_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:  # qkv, positions and slots come from earlier kernels of the step; the counters from this kernel's
+        tl.extra.cuda.gdc_launch_dependents()  # previous launch (complete once gdc_wait returns, transitively)
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // NUM_SPLITS
+    split = tl.program_id(1) % NUM_SPLITS
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pos = tl.load(pos_ptr + b)  # the new token's position; keys 0 .. pos-1 are cached
+    seq_len = pos + 1
+
+    rows = tl.arange(0, BLOCK_M)  # one row per query head of this KV head's group (decode: one token)
+    row_ok = rows < GROUP
+    head = kvh * GROUP + rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    lo_half = d < HALF
+    partner = tl.where(lo_half, d + HALF, d - HALF)
+    c = tl.load(cos_ptr + pos * stride_cos + tl.where(lo_half, d, d - HALF), mask=d_ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_cos + tl.where(lo_half, d, d - HALF), mask=d_ok, other=0.0).to(tl.float32)
+
+    # 1. q of the GROUP heads, rotated and rounded as the rotary kernel would have stored it.
+    row_ptr = qkv_ptr + b.to(tl.int64) * stride_qkv
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q_ptrs = row_ptr + head[:, None] * HEAD_DIM
+    q = tl.load(q_ptrs + d[None, :], mask=q_mask, other=0.0)
+    qp = tl.load(q_ptrs + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = _rope(q.to(tl.float32), qp, c[None, :], s[None, :], lo_half[None, :]).to(q.dtype)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    # 2. This split's share of the cached keys, in BLOCK_N multiples as attention._attn_kernel splits them.
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(seq_len - 1, lo + chunk)  # position pos (the new key) comes from registers, below
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int64) + pos
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
+                                     k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh,
+                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True)  # fmt: skip
+
+    # 3. The new token's k (rotated) and v. Every split computes them (two L2-resident rows); only the owner of
+    # position pos writes them to the cache and lets the new key into its softmax.
+    owner = split == pos // chunk
+    k_row = row_ptr + (N_KV * GROUP + kvh) * HEAD_DIM
+    k_new = tl.load(k_row + d, mask=d_ok, other=0.0).to(tl.float32)
+    k_par = tl.load(k_row + partner, mask=d_ok, other=0.0).to(tl.float32)
+    k_new = _rope(k_new, k_par, c, s, lo_half).to(k_cache_ptr.dtype.element_ty)
+    v_new = tl.load(row_ptr + (N_KV * GROUP + N_KV + kvh) * HEAD_DIM + d, mask=d_ok, other=0.0)
+    v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+    slot = tl.load(slot_ptr + b)
+    # A negative slot is a padding row of a graph batch: nothing to cache. (A bound rather than `d_ok & owner`:
+    # the interpreter rejects masks built from scalar booleans.)
+    write = d < tl.where(owner & (slot >= 0), HEAD_DIM, 0)
+    slot_c = tl.maximum(slot, 0).to(tl.int64)
+    kv_off = (slot_c // PAGE) * stride_kb + (slot_c % PAGE) * stride_ks + kvh * stride_kh + d
+    tl.store(k_cache_ptr + kv_off, k_new, mask=write)
+    tl.store(v_cache_ptr + kv_off, v_new, mask=write)
+    if UPCAST_DOT:
+        v_dot = v_new.to(tl.float32)
+    else:
+        v_dot = v_new
+    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+    s_new = tl.where(owner, s_new, float("-inf"))
+    m_new = tl.maximum(m_i, s_new)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split (short sequence) keeps p = 0
+    p = tl.exp2(s_new - m_safe)
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(v_dot.dtype).to(tl.float32)[:, None] * v_dot.to(tl.float32)[None, :]
+    m_i = m_new
+
+    l_div = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_div[:, None]
+    t = b.to(tl.int64)  # one query token per sequence: token index = sequence index
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=q_mask)  # fmt: skip
+    else:
+        tl.store(part_o_ptr + split * stride_ps + t * stride_pt + head[:, None] * stride_ph + d[None, :], o,
+                 mask=q_mask)  # fmt: skip
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_div), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
+        if MERGE_IN_KERNEL:
+            # 4. Memory ordering (the pattern of CUTLASS's split-K semaphore, cutlass/barrier.h):
+            #  - every thread of this program has stored part of the partial above; the CTA barrier orders those
+            #    stores before the atomic, which one thread issues (Triton lowers a scalar atomic to one thread);
+            #  - the atomic is acq_rel at GPU scope: its release half makes this CTA's partial (cumulatively, via
+            #    the barrier) visible to whichever program later reads the incremented count;
+            #  - the program that reads NUM_SPLITS-1 has acquired every other split's release (they form one
+            #    release sequence on the counter), and Triton broadcasts the atomic's result to the CTA through
+            #    shared memory behind a barrier; the second barrier below makes that ordering explicit before any
+            #    thread loads a partial, and those loads skip L1 (.cg) so no stale line can be hit.
+            # The last program resets the counter to 0: all NUM_SPLITS increments of this launch have happened,
+            # and the next launch that uses the counter starts after this one completes (stream order; with PDL
+            # after gdc_wait, which waits for the predecessor chain to complete), so no memset is ever needed.
+            tl.debug_barrier()
+            count = tl.atomic_add(counter_ptr + b * N_KV + kvh, 1, sem="acq_rel", scope="gpu")
+            if count == NUM_SPLITS - 1:
+                tl.debug_barrier()
+                merged = _merge_partials(part_o_ptr, part_lse_ptr, t, kvh * GROUP, stride_ps, stride_pt, stride_ph,
+                                         stride_ls, stride_lt, GROUP, GROUP_P2, HEAD_DIM, BLOCK_D, NUM_SPLITS,
+                                         BLOCK_S, MERGE_S)  # fmt: skip
+                g = tl.arange(0, GROUP_P2)
+                tl.store(out_ptr + t * stride_ot + (kvh * GROUP + g[:, None]) * stride_oh + d[None, :],
+                         merged.to(out_ptr.dtype.element_ty), mask=(g < GROUP)[:, None] & d_ok[None, :])  # fmt: skip
+                tl.store(counter_ptr + b * N_KV + kvh, 0)
+
+
+def new_split_counters(batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The zeroed int32 counters `decode_attention_fused(merge_in_kernel=True)` needs: one per (sequence, KV head).
+    Allocate once per batch size and reuse (each launch leaves them at zero); one buffer serves every layer."""
+    return torch.zeros(batch * num_kv_heads, dtype=torch.int32, device=device)
+
+
+def decode_attention_fused(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    merge_in_kernel: bool = True,
+    counters: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """One decode token per sequence: rotary on q/k, k/v written to the cache at slot_mapping, attention -> [B,Hq,D].
+
+    qkv: [B, (Hq + 2·Hkv)·D], the QKV projection's output, un-rotated (q heads, then k heads, then v heads).
+    positions: [B] position of each sequence's new token (its cached keys are 0 .. position-1; max_seq_len bounds
+    position + 1). slot_mapping: [B] cache slot of the new token (block·block_size + offset); negative = padding
+    row, nothing written (its output is garbage). cos/sin: [max_pos, D/2] float32. Caches: [num_blocks,
+    block_size, Hkv, D]. merge_in_kernel: merge the key splits in the last program to finish (needs `counters`,
+    from new_split_counters, left at zero after every launch; allocated here if None) instead of a second launch.
+    out / partials ([S, B, Hq, D] and [S, B, Hq] float32): preallocated buffers, else allocated here.
+    """
+    check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
+    batch = qkv.shape[0]
+    dev = qkv.device
+    check(num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
+          f"num_heads: {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")  # fmt: skip
+    check(k_cache.dim() == 4, f"k_cache: expected [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
+    page, head_dim = k_cache.shape[1], k_cache.shape[3]
+    check(qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim,
+          f"qkv: width {qkv.shape[1]} != (Hq + 2·Hkv)·D = {(num_heads + 2 * num_kv_heads) * head_dim}")  # fmt: skip
+    check(head_dim % 2 == 0, f"k_cache: head_dim {head_dim} must be even for rotate_half rotary")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, ndim=4, dtypes=(qkv.dtype,), device=dev)
+        check(c.shape[2] == num_kv_heads, f"{name}: {c.shape[2]} KV heads, expected {num_kv_heads}")
+    check(k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
+          "v_cache: must have k_cache's shape and strides")  # fmt: skip
+    check(page >= 1 and page & (page - 1) == 0, f"k_cache: block_size {page} must be a power of two")
+    for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
+        check_tensor(name, t, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
+        check(t.shape[0] == batch, f"{name}: {t.shape[0]} entries for batch {batch}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, ndim=2, dtypes=(torch.float32,), device=dev)
+        check(t.shape[1] == head_dim // 2, f"{name}: last dim {t.shape[1]} != head_dim/2 = {head_dim // 2}")
+    check(cos.stride(0) == sin.stride(0), "cos/sin: must share one row stride; pass .contiguous() for both")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=dev)
+    check(block_tables.shape[0] == batch, f"block_tables: {block_tables.shape[0]} rows for batch {batch}")
+    check(max_seq_len >= 1, f"max_seq_len: {max_seq_len} must be ≥ 1")
+
+    if out is None:
+        out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=dev)
+    check_tensor("out", out, ndim=3, dtypes=(qkv.dtype,), device=dev)
+    check(out.shape == (batch, num_heads, head_dim), f"out: shape {tuple(out.shape)} != {(batch, num_heads, head_dim)}")
+    if batch == 0:
+        return out
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, dev)
+    merge_in_kernel = merge_in_kernel and num_splits > 1
+    if num_splits > 1:
+        if partials is None:
+            partials = (torch.empty((num_splits, batch, num_heads, head_dim), dtype=torch.float32, device=dev),
+                        torch.empty((num_splits, batch, num_heads), dtype=torch.float32, device=dev))  # fmt: skip
+        part_o, part_lse = partials
+        for name, t, shape in (("o", part_o, (num_splits, batch, num_heads, head_dim)),
+                               ("lse", part_lse, (num_splits, batch, num_heads))):  # fmt: skip
+            check(t.shape == shape and t.dtype == torch.float32 and t.stride(-1) == 1,
+                  f"partials: {name} must be float32 {list(shape)} with a contiguous last dim")  # fmt: skip
+    else:
+        part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
+    if merge_in_kernel:
+        if counters is None:
+            counters = new_split_counters(batch, num_kv_heads, dev)
+        check_tensor("counters", counters, ndim=1, dtypes=(torch.int32,), device=dev)
+        need = batch * num_kv_heads
+        msg = f"counters: {counters.numel()} entries < batch·Hkv = {need}; allocate with new_split_counters"
+        check(counters.numel() >= need, msg)
+    else:
+        counters = part_lse  # unused by the kernel (MERGE_IN_KERNEL=False)
+    group = num_heads // num_kv_heads
+    block_d = next_pow2(head_dim)
+    block_s = next_pow2(num_splits)
+    merge_s = min(block_s, max(1, _MERGE_TILE // (next_pow2(group) * block_d)))
+    _decode_fused_kernel[(batch, num_kv_heads * num_splits)](
+        qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, block_tables,
+        out, part_o, part_lse, counters, float(scale) * LOG2E,
+        qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        N_KV=num_kv_heads, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
+        MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
+        num_warps=num_warps or 4, num_stages=num_stages or 2, **pdl_launch(pdl),
+    )  # fmt: skip
+    if num_splits > 1 and not merge_in_kernel:
+        _merge_splits_kernel[(batch, num_heads)](
+            part_o, part_lse, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        )  # fmt: skip
+    return out
