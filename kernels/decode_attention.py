@@ -89,7 +89,8 @@ def _decode_fused_kernel(
     kvh = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     HALF: tl.constexpr = HEAD_DIM // 2
-    pos = tl.load(pos_ptr + b)  # the new token's position; keys 0 .. pos-1 are cached
+    # The new token's position (keys 0 .. pos-1 are cached), int32 like _attn_kernel's loop bounds.
+    pos = tl.load(pos_ptr + b).to(tl.int32)
     seq_len = pos + 1
 
     rows = tl.arange(0, BLOCK_M)  # one row per query head of this KV head's group (decode: one token)
@@ -116,7 +117,7 @@ def _decode_fused_kernel(
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(seq_len - 1, lo + chunk)  # position pos (the new key) comes from registers, below
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int64) + pos
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
