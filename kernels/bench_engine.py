@@ -6,8 +6,8 @@ Writes a random-weight bf16 checkpoint of the 8B shape (HF names, safetensors, a
 tokenizer) once, then times the engine with the triton backend (CUDA-graph decode), the triton backend without
 graphs, and the torch reference backend: batch 1 at 1K/256 and 10K/512 (TTFT included), and 64 concurrent
 requests at 1K/256 with prefill included. Greedy, ignore_eos, so every run emits exactly max_tokens tokens.
-Prefix caching is off: the prompts are random and share no prefix (and a 10K prompt chunked at 8K tokens trips
-BlockManager.commit when it is on, see the report of 2026-11-29).
+Prefix caching is off: the prompts are random and share no prefix. Runs beside the default (overlapped scheduling,
+16K-token steps): triton-sync (no overlap) and triton-8k (8K-token steps), for the A/B in benchmarks.md.
 """
 
 from __future__ import annotations
@@ -95,21 +95,22 @@ def main() -> None:
         "triton": (dict(backend="triton", use_cuda_graphs=True), all_cases),
         # the same without overlapped scheduling (each step's tokens read before the next step is scheduled)
         "triton-sync": (dict(backend="triton", use_cuda_graphs=True, async_scheduling=False), all_cases),
-        # prefill in chunks of 16K tokens instead of 8K (fewer, larger cuBLAS matmuls)
-        "triton-16k": (dict(backend="triton", use_cuda_graphs=True, max_num_batched_tokens=16384),
-                       [("64x1K/256", p64, 256)]),
+        # prefill in chunks of 8K tokens instead of the default 16K
+        "triton-8k": (dict(backend="triton", use_cuda_graphs=True, max_num_batched_tokens=8192),
+                      [("64x1K/256", p64, 256)]),
         "triton-nograph": (dict(backend="triton", use_cuda_graphs=False), [("1x1K/256", p1k, 256)]),
         "torch": (dict(backend="torch", use_cuda_graphs=False), [("1x1K/64", p1k, 64)]),
     }  # fmt: skip
     for name in args.runs.split(","):
         opts, cases = plan[name]
         t0 = time.perf_counter()
-        config = dict(model=str(args.dir), max_model_len=12288, max_num_seqs=64, max_num_batched_tokens=8192,
-                      num_kv_blocks=8192, enable_prefix_caching=False)
+        config = dict(model=str(args.dir), max_model_len=12288, max_num_seqs=64, num_kv_blocks=8192,
+                      enable_prefix_caching=False)
         engine = LLMEngine(EngineConfig(**{**config, **opts}))
         load_s = time.perf_counter() - t0
-        for length in (1024, 10240):  # warm-up: Triton compiles the prefill kernels for each tile shape once
-            timed_requests(engine, prompts(1, length), 2)
+        # warm-up: Triton compiles the prefill kernels for each tile shape once (mixed prefill + decode steps too)
+        for n, length in ((1, 1024), (1, 10240), (16, 1024)):
+            timed_requests(engine, prompts(n, length), 4)
         for case, ps, max_tokens in cases:
             row = dict(run=name, case=case, load_s=load_s, **timed_requests(engine, ps, max_tokens))
             report["rows"].append(row)

@@ -60,6 +60,21 @@ def test_stops_seeds_logprobs_and_penalties_match_the_plain_engine(plain, overla
     assert got == want
     assert got[0][2] == "stop" and got[1][2] == "stop" and got[2][2] == "length"
     assert len(got[2][1]) == 1
+    # A request that stopped on EOS had one more step in flight; it is dropped and the engine is idle again
+    # (the semantic gate calls full_logits right after generate).
+    assert not overlapped.has_unfinished()
+    hello = overlapped.encode_prompt("Hello there")
+    assert overlapped.full_logits(hello).shape[0] == len(hello)
+
+
+def test_full_logits_after_aborting_with_a_step_in_flight(overlapped):
+    engine = overlapped
+    engine.add_request("a", engine.encode_prompt("Tell me about the sea"), GREEDY)
+    for _ in range(3):  # prefill, then decode steps whose tokens stay in flight
+        engine.step()
+    assert engine.abort_request("a") is not None
+    hello = engine.encode_prompt("Hello there")
+    assert engine.full_logits(hello).shape[0] == len(hello) and not engine.has_unfinished()
 
 
 def test_a_request_ending_by_length_costs_no_extra_step(overlapped, monkeypatch):

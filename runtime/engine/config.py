@@ -20,7 +20,9 @@ class EngineConfig:
     backend: str = "auto"  # auto: triton on cuda, torch elsewhere
     max_model_len: int | None = None  # default: the model's window, capped at 32768
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Tokens per step (prefill chunks plus decodes). None: 16384 on CUDA, where prefill matmuls run nearer the
+    # tensor-core peak in large chunks (offline_docs/benchmarks.md), and 2048 on CPU.
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb (cpu) or free device memory (cuda)
     kv_cache_memory_gb: float = 1.0  # cpu only
@@ -44,7 +46,7 @@ class EngineConfig:
         if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens: must be in 0..16, got {self.num_speculative_tokens}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size: must be a power of two, got {self.block_size}")

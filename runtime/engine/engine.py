@@ -89,7 +89,8 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_num_batched_tokens=config.max_num_batched_tokens or (
+                                       16384 if self.runner.device.type == "cuda" else 2048),
                                    num_speculative_tokens=self._speculative_tokens(),
                                    max_model_len=self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
@@ -187,7 +188,8 @@ class LLMEngine:
             return self._finish(previous) if previous is not None else []
         launched = self._launch(chunks, previous)
         outputs = self._finish(previous) if previous is not None else []
-        if self._overlap and all(c.start >= len(c.seq.prompt_token_ids) and not c.num_draft for c in chunks):
+        pure_decode = all(c.start >= len(c.seq.prompt_token_ids) and not c.num_draft for c in chunks)
+        if self._overlap and pure_decode and not all(c.seq.is_finished for c in launched.completing):
             self._in_flight = launched  # a pure decode step: read its tokens next time
             self._overlapped_steps += 1
         else:
@@ -377,6 +379,9 @@ class LLMEngine:
     @torch.inference_mode()
     def full_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of one sequence, [len, V] float32 (for the KL gate); needs an idle engine."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished():
+            self._finish(self._in_flight)  # only tokens of aborted requests were in flight
+            self._in_flight = None
         if self.has_unfinished():
             raise EngineError("full_logits needs an idle engine; wait for running requests to finish")
         if not 0 < len(token_ids) <= self.max_model_len:
@@ -384,7 +389,7 @@ class LLMEngine:
         seq = Sequence("full-logits", list(token_ids), SamplingParams(max_tokens=1, prompt_logprobs=0), None)
         out = []
         try:
-            step = self.config.max_num_batched_tokens
+            step = self.scheduler.max_num_batched_tokens
             for start in range(0, len(token_ids), step):
                 n = min(step, len(token_ids) - start)
                 if not self.blocks.ensure(seq, start + n):
