@@ -135,10 +135,11 @@ def _gemv_persistent_kernel(
 # Retuned on the H200 by kernels/bench_h200.py; NOTES.md has the table.
 DEFAULT_CONFIG = (8, 512, 4)
 # Best measured on the H200 for the Llama-3.1-8B projections, keyed by (N, K, prologue): bench_h200.py sweep of
-# 2026-11-29 at commit e2aed4e (NOTES.md). A 4th entry selects the persistent kernel.
+# 2026-11-29 at commit e2aed4e (NOTES.md); the O projection's persistent config from the `fused` section at commit
+# 27ad50e (8.41 against 9.26 us chunked). A 4th entry selects the persistent kernel.
 H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (6144, 4096, PROLOGUE_ADD_RMS): (1, 0, 16, 4),
-    (4096, 4096, PROLOGUE_NONE): (2, 2048, 8),
+    (4096, 4096, PROLOGUE_NONE): (2, 0, 8, 4),
     (28672, 4096, PROLOGUE_ADD_RMS): (2, 0, 8, 4),
     (4096, 14336, PROLOGUE_SILU_MUL): (1, 0, 8, 2),
     (128256, 4096, PROLOGUE_ADD_RMS): (2, 0, 8, 4),

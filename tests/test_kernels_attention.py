@@ -225,7 +225,8 @@ def test_decode_attention_fused_equals_unfused_path(dtype: torch.dtype) -> None:
     unfused = attention.paged_attention(q_rot, kc2, vc2, cu, (pos + 1).to(torch.int32), tables, 0.125, max_q_len=1,
                                         max_seq_len=41, num_splits=2)  # fmt: skip
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    assert rel_err(fused, unfused) < (4e-3 if dtype == torch.bfloat16 else 1e-5)
+    # float32 on a GPU: both kernels' tl.dot run in tf32, with different summation orders
+    assert rel_err(fused, unfused) < (4e-3 if dtype == torch.bfloat16 else 1e-5 if DEV == "cpu" else 2e-3)
 
 
 def test_decode_attention_fused_rejects_short_counters() -> None:
