@@ -224,7 +224,10 @@ def test_decode_attention_fused_equals_unfused_path(dtype: torch.dtype) -> None:
     cu = torch.arange(4, dtype=torch.int32, device=DEV)
     unfused = attention.paged_attention(q_rot, kc2, vc2, cu, (pos + 1).to(torch.int32), tables, 0.125, max_q_len=1,
                                         max_seq_len=41, num_splits=2)  # fmt: skip
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    if dtype == torch.bfloat16 or DEV == "cpu":
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    else:  # float32 on a GPU: the two kernels' rotations may contract to FMAs differently (last-ulp differences)
+        assert torch.equal(vc, vc2) and rel_err(kc, kc2) < 1e-6
     # float32 on a GPU: both kernels' tl.dot run in tf32, with different summation orders
     assert rel_err(fused, unfused) < (4e-3 if dtype == torch.bfloat16 else 1e-5 if DEV == "cpu" else 2e-3)
 
@@ -235,5 +238,6 @@ def test_decode_attention_fused_rejects_short_counters() -> None:
     with pytest.raises(ValueError, match="counters: 2 entries < batch·Hkv = 4"):
         decode_attention.decode_attention_fused(
             torch.zeros(2, 8 * 32, device=DEV), pos, _slots(tables, pos, 8, []), cos, sin, kc, vc, tables, 0.1,
-            num_heads=4, num_kv_heads=2, max_seq_len=6, num_splits=2, counters=torch.zeros(2, dtype=torch.int32),
+            num_heads=4, num_kv_heads=2, max_seq_len=6, num_splits=2,
+            counters=torch.zeros(2, dtype=torch.int32, device=DEV),
         )  # fmt: skip
