@@ -20,8 +20,9 @@ class EngineConfig:
     backend: str = "auto"  # auto: triton on cuda, torch elsewhere
     max_model_len: int | None = None  # default: the model's window, capped at 32768
     max_num_seqs: int = 64
-    # Tokens per step (prefill chunks plus decodes). None: 16384 on CUDA, where prefill matmuls run nearer the
-    # tensor-core peak in large chunks (offline_docs/benchmarks.md), and 2048 on CPU.
+    # Tokens per step (prefill chunks plus decodes). None: 8192 on CUDA, where larger chunks keep the prefill
+    # matmuls near the tensor-core peak (16384 measured no faster, with a later first token: benchmarks.md),
+    # and 2048 on CPU.
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb (cpu) or free device memory (cuda)

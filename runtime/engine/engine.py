@@ -90,7 +90,7 @@ class LLMEngine:
                                    enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens or (
-                                       16384 if self.runner.device.type == "cuda" else 2048),
+                                       8192 if self.runner.device.type == "cuda" else 2048),
                                    num_speculative_tokens=self._speculative_tokens(),
                                    max_model_len=self.max_model_len)
         self._seqs: dict[str, Sequence] = {}
