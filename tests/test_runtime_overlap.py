@@ -120,3 +120,14 @@ def test_preemption_with_tokens_in_flight_does_not_change_answers(plain):
     assert [c.token_ids for c in out] == want
     assert small.stats().preemptions_total > 0 and small.stats().overlapped_steps_total > 0
     assert small.stats().kv_blocks_used == 0
+
+
+def test_warm_up_leaves_the_engine_as_it_found_it(plain):
+    engine = _engine(True, max_num_batched_tokens=64, max_model_len=128)
+    want = plain.generate(PROMPTS[:3], GREEDY)
+    engine.warm_up()  # the step kinds: a 64-token prefill chunk, decodes mixed with a chunk, decode steps
+    stats = engine.stats()
+    assert not engine.has_unfinished() and stats.kv_blocks_used == 0
+    assert stats.prompt_tokens_total == stats.generation_tokens_total == stats.overlapped_steps_total == 0
+    assert engine.blocks.enable_prefix_caching and not engine.blocks._block_of  # nothing published
+    assert [c.token_ids for c in engine.generate(PROMPTS[:3], GREEDY)] == [c.token_ids for c in want]

@@ -39,6 +39,8 @@ class EngineConfig:
     # Overlapped scheduling: schedule and launch step N+1 before reading step N's sampled tokens (None: on for
     # CUDA, where host work then hides behind device work; on CPU it only delays outputs by a step).
     async_scheduling: bool | None = None
+    # Compile the kernels' variants at start with a few throwaway requests (None: on for CUDA; see warm_up).
+    warm_up: bool | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS)):

@@ -108,6 +108,31 @@ class LLMEngine:
         self._overlap = overlap and self.scheduler.num_speculative_tokens == 0
         self._in_flight: _Step | None = None
         self._overlapped_steps = 0
+        if config.warm_up if config.warm_up is not None else self.runner.device.type == "cuda":
+            self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run throwaway requests through every kind of step — a prefill chunk of the whole token budget, a step
+        mixing decodes with a short prefill chunk, decode steps; odd and even lengths — so that Triton compiles its
+        kernel variants now, not during the first real requests (seconds on a cold cache). Leaves the engine as
+        it found it: idle, no blocks in use, nothing published to the prefix cache, counters at zero."""
+        if self.has_unfinished():
+            raise EngineError("warm_up needs an idle engine; wait for running requests to finish")
+        vocab = self.model_config.vocab_size
+        long = max(1, min(self.scheduler.max_num_batched_tokens, self.max_model_len - 4,
+                          (self.blocks.num_blocks - 8) * self.blocks.block_size))
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        caching, self.blocks.enable_prefix_caching = self.blocks.enable_prefix_caching, False
+        try:
+            for i, n in enumerate((37, 48, long)):
+                if n + params.max_tokens <= self.max_model_len:
+                    self.add_request(f"warm-up-{i}", [(j * 7919 + i) % vocab for j in range(n)], params)
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.blocks.enable_prefix_caching = caching
+        self._prompt_tokens = self._generation_tokens = self._cached_tokens = 0
+        self._accepted_drafts = self._overlapped_steps = 0
 
     def _speculative_tokens(self) -> int:
         if self.config.num_speculative_tokens is not None:
