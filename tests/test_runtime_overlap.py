@@ -5,6 +5,8 @@ tests compare it, request by request, with the plain engine on the embedded mode
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
@@ -131,3 +133,54 @@ def test_warm_up_leaves_the_engine_as_it_found_it(plain):
     assert stats.prompt_tokens_total == stats.generation_tokens_total == stats.overlapped_steps_total == 0
     assert engine.blocks.enable_prefix_caching and not engine.blocks._block_of  # nothing published
     assert [c.token_ids for c in engine.generate(PROMPTS[:3], GREEDY)] == [c.token_ids for c in want]
+
+
+def test_the_openai_server_on_an_overlapped_engine(overlapped):
+    """The server (uvicorn on 127.0.0.1, the official client) on the overlapped engine: the France answer,
+    streaming equal to non-streaming, concurrent requests equal to alone, a dropped stream aborted and freed."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from envex.runtime.engine import AsyncEngine
+    from envex.runtime.server.app import build_app
+    from envex.runtime.server.testing import serve_in_thread
+
+    model = overlapped.model_name
+    with serve_in_thread(build_app(AsyncEngine(overlapped))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        france = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(model=model, messages=france, temperature=0, max_tokens=24)
+        assert reply.choices[0].message.content == "The capital of France is Paris."
+        assert reply.choices[0].finish_reason == "stop" and reply.usage.completion_tokens == 8
+        chunks = list(client.chat.completions.create(model=model, messages=france, temperature=0, max_tokens=24,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "The capital of France is Paris."
+
+        async def ask(c: openai.AsyncOpenAI, prompt: str) -> str:
+            r = await c.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=12)
+            return r.choices[0].text
+
+        async def run() -> tuple[list[str], list[str]]:
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=300) as c:
+                alone = [await ask(c, p) for p in PROMPTS[:6]]
+                return alone, list(await asyncio.gather(*(ask(c, p) for p in PROMPTS[:6])))
+
+        alone, together = asyncio.run(run())
+        assert all(alone) and together == alone
+
+        body = {"model": model, "prompt": "Write a very long story.", "max_tokens": 4000, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/completions",
+                                                                          json=body) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 4:
+                    break
+            assert overlapped.stats().kv_blocks_used > 0
+        deadline = time.monotonic() + 60
+        while (overlapped.has_unfinished() or overlapped.stats().kv_blocks_used) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not overlapped.has_unfinished() and overlapped.stats().kv_blocks_used == 0
