@@ -54,12 +54,13 @@ def timed_requests(engine, prompts: list[list[int]], max_tokens: int) -> dict[st
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}-{t0}", p, params)
     done = 0
-    slowest: list[tuple[float, int, int]] = []  # (seconds, chunks, tokens) of the slowest steps, host wall clock
+    # The slowest steps, host wall clock: (seconds, sequences running before the step, prompt tokens admitted so far)
+    slowest: list[tuple[float, int, int]] = []
     while done < len(prompts):
         t_step = time.perf_counter()
-        running = list(engine.scheduler.running)
+        running = len(engine.scheduler.running)
         outs = engine.step()
-        slowest.append((time.perf_counter() - t_step, len(running), engine.stats().prompt_tokens_total))
+        slowest.append((time.perf_counter() - t_step, running, engine.stats().prompt_tokens_total))
         slowest = sorted(slowest, reverse=True)[:4]
         for out in outs:
             now = time.perf_counter() - t0

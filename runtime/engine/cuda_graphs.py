@@ -15,6 +15,7 @@ import torch
 
 from envex.kernels.fused_decode import DecodeShape, DecodeState, FusedDecoder, splits_for
 from envex.runtime.config import ModelConfig
+from envex.runtime.engine.model_runner import fill_pending
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 
@@ -114,13 +115,7 @@ class DecodeGraphs:
         state.active.copy_(active, non_blocking=True)
         state.block_tables[:, :width].copy_(tables, non_blocking=True)
         if fill is not None:
-            rows, src_rows, src = fill
-            if rows == src_rows == list(range(len(rows))):  # the steady state: the same batch as the last step
-                state.input_ids[:len(rows)].copy_(src[:len(rows)])
-            else:
-                dst = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                idx = torch.tensor(src_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                state.input_ids.index_copy_(0, dst, src.index_select(0, idx))
+            fill_pending(state.input_ids, *fill)
         if self.capture:
             self._graphs[b].replay()
             logits = self._logits[b]

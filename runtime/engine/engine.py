@@ -102,13 +102,12 @@ class LLMEngine:
         # Overlapped scheduling: a pure decode step's sampled tokens stay on the device while the next step is
         # scheduled and launched; the host reads them afterwards (one step later), so host work hides behind
         # device work. Off while speculative decoding is on (drafts are verified against read tokens).
-        overlap = config.async_scheduling
-        if overlap is None:
-            overlap = self.runner.device.type == "cuda"
+        cuda = self.runner.device.type == "cuda"
+        overlap = cuda if config.async_scheduling is None else config.async_scheduling
         self._overlap = overlap and self.scheduler.num_speculative_tokens == 0
         self._in_flight: _Step | None = None
         self._overlapped_steps = 0
-        if config.warm_up if config.warm_up is not None else self.runner.device.type == "cuda":
+        if cuda if config.warm_up is None else config.warm_up:
             self.warm_up()
 
     def warm_up(self) -> None:

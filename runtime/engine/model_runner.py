@@ -53,6 +53,25 @@ def _column_major_weights(model: torch.nn.Module) -> None:
             param.data = param.data.t().contiguous().t()
 
 
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without waiting for the device's queue (a blocking copy from pageable
+    memory would first drain the stream, and with it the overlap of host and device work)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.to(device, non_blocking=True) if device.type != "cpu" else t
+
+
+def fill_pending(input_ids: torch.Tensor, rows: list[int], src_rows: list[int], src: torch.Tensor) -> None:
+    """input_ids[rows] = src[src_rows], on the device: tokens the previous step sampled that the host has not read
+    (overlapped scheduling). The steady state, the same decode batch as the last step in the same order, is one
+    copy."""
+    if rows == src_rows == list(range(len(rows))):
+        input_ids[:len(rows)].copy_(src[:len(rows)])
+    else:
+        dev = input_ids.device
+        input_ids.index_copy_(0, upload(rows, torch.int64, dev),
+                              src.index_select(0, upload(src_rows, torch.int64, dev)))
+
+
 @dataclass
 class StepResult:
     # [N, V] float32: per chunk that completes its sequence, in chunk order, 1 + num_draft rows
@@ -127,9 +146,9 @@ class ModelRunner:
         meta = AttentionMetadata(
             is_decode=all(n == 1 for n in q_lens),
             slot_mapping=slot_mapping,
-            cu_seqlens_q=self._upload(cu, torch.int32),
-            seq_lens=self._upload(seq_lens, torch.int32),
-            block_tables=self._upload(tables, torch.int32),
+            cu_seqlens_q=upload(cu, torch.int32, self.device),
+            seq_lens=upload(seq_lens, torch.int32, self.device),
+            block_tables=upload(tables, torch.int32, self.device),
             max_q_len=max(q_lens),
             max_seq_len=max(seq_lens),
             scale=self.scale,
@@ -162,12 +181,6 @@ class ModelRunner:
         meta.q_rows = q_valid.reshape(-1).nonzero().squeeze(1).to(dev)
         meta.attn_mask = mask.unsqueeze(1).to(dev)
 
-    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list as a device tensor without waiting for the device's queue (a blocking copy from pageable
-        memory would first drain the stream, and with it the overlap of host and device work)."""
-        t = torch.tensor(values, dtype=dtype)
-        return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
-
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], pending_tokens: torch.Tensor | None = None) -> StepResult:
         """pending_tokens: the previous step's sampled ids, still on the device; a sequence whose newest token is
@@ -194,12 +207,12 @@ class ModelRunner:
             for p in range(c.start, c.start + c.num_tokens):
                 positions.append(p)
                 slots.append(c.seq.block_table[p // bs] * bs + p % bs)
-        input_ids = self._upload(ids, torch.int64)
+        input_ids = upload(ids, torch.int64, self.device)
         if fill_at:
             assert pending_tokens is not None
-            input_ids[self._upload(fill_at, torch.int64)] = pending_tokens[self._upload(fill_from, torch.int64)]
-        meta = self._metadata(chunks, self._upload(slots, torch.int64))
-        hidden = self.model(self.ops, input_ids, self._upload(positions, torch.int64), self.cos, self.sin,
+            fill_pending(input_ids, fill_at, fill_from, pending_tokens)
+        meta = self._metadata(chunks, upload(slots, torch.int64, self.device))
+        hidden = self.model(self.ops, input_ids, upload(positions, torch.int64, self.device), self.cos, self.sin,
                             self.kv_caches, meta)
         ends, prompt_rows = [], {}
         offset = 0
@@ -209,7 +222,7 @@ class ModelRunner:
             offset += c.num_tokens
             if c.completes:  # the last row, or with drafts the last 1 + num_draft rows (each verifies one)
                 ends.extend(range(offset - 1 - c.num_draft, offset))
-        logits = (self.model.compute_logits(hidden[self._upload(ends, torch.int64)]).float() if ends
+        logits = (self.model.compute_logits(hidden[upload(ends, torch.int64, self.device)]).float() if ends
                   else hidden.new_zeros((0, 0)))
         prompt_logits = {
             i: self.model.compute_logits(hidden[a:b]).float() for i, (a, b) in prompt_rows.items()

@@ -72,14 +72,6 @@ def logprobs_for(raw_logprobs: torch.Tensor | None, seqs: list[Sequence], ids: l
     return out
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], default_generator: torch.Generator | None = None
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [N, V] float32 for the N sequences to extend -> next token ids and (where asked) logprobs."""
-    next_ids, raw_logprobs = sample_on_device(logits, seqs, default_generator)
-    ids = next_ids.tolist()
-    return ids, logprobs_for(raw_logprobs, seqs, ids)
-
-
 def token_logprob(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
     """logprobs: [V] log-probabilities at one position."""
     top: dict[int, float] = {}
