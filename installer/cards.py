@@ -7,14 +7,14 @@ the bundle verified. Unknown keys are rejected.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from envex.bundles import VerifiedBundle
 from envex.bundles.archive import BundleArchive
+from envex.installer.state import validate_json
 
 MODEL_CARD = "envex-model.json"
 RUNTIME_CARD = "envex-runtime.json"
@@ -93,11 +93,9 @@ def _read_card(bundle: VerifiedBundle, name: str) -> bytes:
 
 def _parse(cls: type[_Card], data: bytes, where: str) -> _Card:
     try:
-        return cls.model_validate(json.loads(data))
-    except (ValueError, ValidationError) as exc:
-        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
-        detail = ".".join(str(p) for p in first["loc"]) + ": " + first["msg"] if first else str(exc)
-        raise CardError(f"{where}: invalid ({detail})") from None
+        return validate_json(cls, data)
+    except ValueError as exc:
+        raise CardError(f"{where}: invalid ({exc})") from None
 
 
 def model_card(bundle: VerifiedBundle) -> ModelCard:

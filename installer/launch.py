@@ -7,14 +7,13 @@ resolves through the `current` link once, at start: a later switch of `current` 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from envex.installer.state import BundleRef, CheckSummary
+from envex.installer.state import BundleRef, CheckSummary, validate_json
 
 LAUNCH_FILE = "launch.json"
 KERNEL_CACHE = "kernels"
@@ -121,14 +120,9 @@ def read_launch(path: Path | str) -> tuple[LaunchManifest, Path]:
     except OSError as exc:
         raise LaunchError(f"{path}: cannot read: {exc.strerror}; is the prefix installed (envex status)?") from None
     try:
-        manifest = LaunchManifest.model_validate(json.loads(data))
+        manifest = validate_json(LaunchManifest, data)
     except ValueError as exc:
-        if isinstance(exc, ValidationError) and exc.errors():
-            first = exc.errors()[0]
-            detail = ".".join(str(p) for p in first["loc"]) + ": " + first["msg"]
-        else:
-            detail = str(exc)
-        raise LaunchError(f"{path}: invalid launch manifest ({detail})") from None
+        raise LaunchError(f"{path}: invalid launch manifest ({exc})") from None
     return manifest, real.parent
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -118,6 +118,21 @@ class State(_Model):
         return max(numbers, default=0) + 1
 
 
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def validate_json(cls: type[_M], data: bytes) -> _M:
+    """Parse JSON bytes into a pydantic model; a failure is a ValueError whose message is one line: the first
+    error's field path and message (or the JSON error)."""
+    try:
+        return cls.model_validate(json.loads(data))
+    except ValueError as exc:
+        if isinstance(exc, ValidationError) and exc.errors():
+            first = exc.errors()[0]
+            raise ValueError(".".join(str(p) for p in first["loc"]) + ": " + first["msg"]) from None
+        raise ValueError(str(exc)) from None
+
+
 def load_state(prefix: Path) -> State:
     """The prefix's state, or an empty one when no install has happened there yet."""
     path = Path(prefix) / STATE_FILE
@@ -128,11 +143,9 @@ def load_state(prefix: Path) -> State:
     except OSError as exc:
         raise StateError(f"{path}: cannot read: {exc.strerror}") from None
     try:
-        return State.model_validate(json.loads(data))
-    except (ValueError, ValidationError) as exc:
-        first = exc.errors()[0] if isinstance(exc, ValidationError) else None
-        where = ".".join(str(p) for p in first["loc"]) + ": " + first["msg"] if first else str(exc)
-        raise StateError(f"{path}: invalid ({where}); restore it from a backup or reinstall the prefix") from None
+        return validate_json(State, data)
+    except ValueError as exc:
+        raise StateError(f"{path}: invalid ({exc}); restore it from a backup or reinstall the prefix") from None
 
 
 def save_state(prefix: Path, state: State) -> None:
