@@ -159,7 +159,7 @@ class VerifiedBundle:
                 _fsync_tree(staging)
             os.rename(staging, dest)
             if durable:
-                _fsync_dir(parent)
+                fsync_dir(parent)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -193,7 +193,8 @@ def _write_checked(
         )
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -203,7 +204,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _fsync_tree(root: Path) -> None:
     for directory, _dirs, _files in os.walk(root):
-        _fsync_dir(Path(directory))
+        fsync_dir(Path(directory))
 
 
 def verify_bundle(

@@ -9,13 +9,7 @@ import secrets
 from pathlib import Path
 from types import TracebackType
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from envex.bundles.verify import fsync_dir
 
 
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from envex.installer.fsutil import atomic_write
+
 ADMIN_DIR = "admin"
 TOKEN_FILE = "token.json"
 TOKEN_PREFIX = "envex-admin-"
@@ -61,17 +63,7 @@ def create_admin_token(prefix: Path, *, replace: bool = False) -> str:
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)
-    tmp = path.with_name(f".{TOKEN_FILE}.tmp-{secrets.token_hex(4)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as out:
-            json.dump(record, out)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(record).encode(), mode=0o600)
     return token
 
 
