@@ -302,6 +302,24 @@ def read_members(path: Path) -> list[tuple[tarfile.TarInfo, bytes]]:
         return result
 
 
+def tar_bytes(
+    members: list[tuple[tarfile.TarInfo, bytes]],
+    *,
+    format: int = tarfile.PAX_FORMAT,
+    global_pax: dict[str, str] | None = None,
+) -> bytes:
+    """`members` as the bytes of a tar, header fields as given (sizes follow the data of regular files)."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=format, pax_headers=global_pax) as archive:
+        for info, data in members:
+            if info.isreg():
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+            else:
+                archive.addfile(info)
+    return out.getvalue()
+
+
 def write_members(
     path: Path,
     members: list[tuple[tarfile.TarInfo, bytes]],
@@ -309,14 +327,8 @@ def write_members(
     format: int = tarfile.PAX_FORMAT,
     global_pax: dict[str, str] | None = None,
 ) -> None:
-    """Write `members` as a tar at `path`, header fields as given (sizes follow the data of regular files)."""
-    with tarfile.open(path, "w", format=format, pax_headers=global_pax) as archive:
-        for info, data in members:
-            if info.isreg():
-                info.size = len(data)
-                archive.addfile(info, io.BytesIO(data))
-            else:
-                archive.addfile(info)
+    """Write `members` as a tar at `path` (see tar_bytes)."""
+    path.write_bytes(tar_bytes(members, format=format, global_pax=global_pax))
 
 
 def member_offsets(path: Path) -> dict[str, tuple[int, int, int]]:

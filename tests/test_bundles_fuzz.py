@@ -7,7 +7,6 @@ a hostile-but-signed document would be interpreted.
 
 from __future__ import annotations
 
-import io
 import json
 import tarfile
 import tempfile
@@ -35,7 +34,7 @@ from envex.bundles import (
 from envex.bundles.archive import BundleArchive
 from envex.bundles.canonical import canonical_bytes
 from envex.bundles.keys import sign
-from envex.bundles.testing import SyntheticSigstore
+from envex.bundles.testing import SyntheticSigstore, tar_bytes
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 KEY = generate_key()
@@ -71,18 +70,6 @@ def verify_bytes(data: bytes, **kwargs: Any) -> VerifiedBundle | VerificationErr
             return exc
 
 
-def tar_of(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
-    out = io.BytesIO()
-    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as archive:
-        for info, data in members:
-            if info.isreg():
-                info.size = len(data)
-                archive.addfile(info, io.BytesIO(data))
-            else:
-                archive.addfile(info)
-    return out.getvalue()
-
-
 def signed_bundle(manifest_bytes: bytes, payload: dict[str, bytes], *, extra: bytes | None = None) -> bytes:
     signatures = canonical_bytes({"signatures": [{"keyid": ROOT.signed.roles.bundles.keyids[0],
                                                   "sig": sign(KEY, manifest_bytes)}]})  # fmt: skip
@@ -90,7 +77,7 @@ def signed_bundle(manifest_bytes: bytes, payload: dict[str, bytes], *, extra: by
     members += [(tarfile.TarInfo("manifest.json"), manifest_bytes), (tarfile.TarInfo("signatures.json"), signatures)]
     if extra is not None:
         members.append((tarfile.TarInfo("manifest.json.sigstore.json"), extra))
-    return tar_of(members)
+    return tar_bytes(members)
 
 
 json_values = st.recursive(
@@ -210,7 +197,7 @@ def test_arbitrary_tar_structures(members: list[tuple[str, bytes, bytes, str]]) 
         info.linkname = link
         infos.append((info, data if info.isreg() else b""))
     try:
-        data = tar_of(infos)
+        data = tar_bytes(infos)
     except (ValueError, UnicodeError):  # tarfile cannot write some names; nothing to verify then
         return
     assert isinstance(verify_bytes(data), VerificationError)
@@ -265,7 +252,7 @@ def test_arbitrary_signatures_json(signatures: Any) -> None:
         (tarfile.TarInfo("manifest.json"), manifest),
         (tarfile.TarInfo("signatures.json"), canonical_bytes(signatures)),
     ]
-    assert isinstance(verify_bytes(tar_of(members)), VerificationError)
+    assert isinstance(verify_bytes(tar_bytes(members)), VerificationError)
 
 
 @FUZZ
