@@ -43,6 +43,12 @@ def source_root() -> Path | None:
     return here if (here / "pyproject.toml").is_file() and (here / "installer").is_dir() else None
 
 
+def pip_wheel_command(src: Path, out: Path) -> list[str]:
+    """`pip wheel` of one source tree into `out`, offline: no index, no dependencies, no build isolation."""
+    return [sys.executable, "-m", "pip", "--isolated", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+            "--disable-pip-version-check", "-q", "-w", str(out), str(src)]
+
+
 def build_envex_wheel(out_dir: Path, root: Path | None = None) -> Path:
     """Build the envex wheel offline from the source tree (no build isolation, no index, no dependencies)."""
     root = root or source_root()
@@ -50,21 +56,7 @@ def build_envex_wheel(out_dir: Path, root: Path | None = None) -> Path:
         raise InstallError("demo: envex is not running from its source tree; give --wheel with an envex wheel")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="envex-wheel-") as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "--isolated",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "--no-index",
-            "--disable-pip-version-check",
-            "-q",
-            "-w",
-            tmp,
-            str(root),
-        ]
+        cmd = pip_wheel_command(root, Path(tmp))
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = sorted(Path(tmp).glob("envex-*.whl"))
         if proc.returncode != 0 or not wheels:

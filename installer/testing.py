@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from envex.bundles import build_bundle, sign_bundle
 from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, ModelCard, ModelDefaults, RuntimeCard
+from envex.installer.demo import pip_wheel_command
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR
 
 PASS_REPORT = {"verdict": "pass", "suite": "quick", "gates": {"injected": "pass"}, "bench": {"injected": 1.0}}
@@ -123,24 +123,7 @@ def build_tiny_wheels(out: Path) -> list[Path]:
             packages = ["{name}"]
             """)
         )
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "--isolated",
-                "wheel",
-                "--no-deps",
-                "--no-build-isolation",
-                "--no-index",
-                "-q",
-                "-w",
-                str(out),
-                str(src),
-            ],
-            check=True,
-            capture_output=True,
-        )
+        subprocess.run(pip_wheel_command(src, out), check=True, capture_output=True)
     return sorted(out.glob("*.whl"))
 
 
