@@ -139,7 +139,7 @@ def main() -> None:
     app(prog_name="envex-install")
 
 
-# ---- `envex` commands, registered by runtime/cli.py ---------------------------------------------------------------
+# ---- `envex` commands, registered by installer/commands.py ----------------------------------------------------
 
 
 def status(prefix: PrefixOpt = Path("/opt/envex")) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from envex.bundles import VerifiedBundle
 from envex.installer.activate import finish_activation, reconcile
+from envex.installer.admin.auth import create_admin_token, has_admin_token
 from envex.installer.checks import report_dir, run_checks
 from envex.installer.fsutil import PrefixLock
 from envex.installer.media import InstallError, pin_trust, scan_media, settle_trust, verify_all
@@ -23,7 +24,6 @@ from envex.installer.probe import probe
 from envex.installer.release import build_release, remove_release
 from envex.installer.state import Release, State, load_state, now_ts, save_state
 from envex.installer.ui import InstallUI
-from envex.runtime.server.admin.auth import create_admin_token, has_admin_token
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from envex.installer.activate import current_target
+from envex.installer.admin import build_admin_app
+from envex.installer.admin.screenshot import CHROMIUM_ARGS
+from envex.installer.admin.testing import build_admin_fixture
 from envex.installer.release import release_dir
 from envex.installer.state import load_state
 from envex.installer.testing import guarded_env, violations
-from envex.runtime.server.admin import build_admin_app
-from envex.runtime.server.admin.screenshot import CHROMIUM_ARGS
-from envex.runtime.server.admin.testing import build_admin_fixture
 from envex.runtime.server.testing import serve_in_thread
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -43,12 +43,12 @@ def fixture(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(fixture, tmp_path_factory):
-    """`envex admin` itself (python -m envex.runtime.server.admin.cli), in a child process under the network guard
+    """`envex admin` itself (python -m envex.installer.admin.cli), in a child process under the network guard
     that records any connection or name lookup outside loopback."""
     work = tmp_path_factory.mktemp("guard")
     env, record = guarded_env(work)
     log = (work / "stderr.log").open("w")
-    cmd = [sys.executable, "-m", "envex.runtime.server.admin.cli", "--prefix", str(fixture.prefix), "--port", "0",
+    cmd = [sys.executable, "-m", "envex.installer.admin.cli", "--prefix", str(fixture.prefix), "--port", "0",
            "--cpu", *(arg for d in fixture.bundle_dirs for arg in ("--bundles", str(d)))]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
@@ -273,10 +273,10 @@ def test_login_backoff_after_repeated_failures(browser, fixture, tmp_path):
 
 def test_overview_shows_live_figures_of_a_served_model(browser, fixture, embedded_engine):
     """The admin router mounted on the serving app (as `envex serve --launch` does): live tok/s and queue depth."""
+    from envex.installer.admin import admin_router
+    from envex.installer.admin.screenshot import chat_load, wait_for_live
+    from envex.installer.admin.screenshot import login as shot_login
     from envex.runtime.engine import AsyncEngine
-    from envex.runtime.server.admin import admin_router
-    from envex.runtime.server.admin.screenshot import chat_load, wait_for_live
-    from envex.runtime.server.admin.screenshot import login as shot_login
     from envex.runtime.server.app import build_app
 
     app = build_app(AsyncEngine(embedded_engine), extra_routers=[admin_router(fixture.prefix, probe_gpu=False)])

@@ -13,16 +13,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envex.runtime.server.admin import (
+from envex.installer.admin import (
     AdminTokenError,
     build_admin_app,
     create_admin_token,
     prefix_from_launch,
     verify_admin_token,
 )
-from envex.runtime.server.admin.auth import LoginThrottle, SessionStore, csrf_ok, token_path
-from envex.runtime.server.admin.docs import doc_image, doc_names, render_doc, render_markdown
-from envex.runtime.server.admin.views import LiveSampler
+from envex.installer.admin.auth import LoginThrottle, SessionStore, csrf_ok, token_path
+from envex.installer.admin.docs import doc_image, doc_names, render_doc, render_markdown
+from envex.installer.admin.views import LiveSampler
 
 
 def test_admin_token_is_stored_hashed_and_private(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_envex_admin_command_prints_the_token_once_and_serves_on_loopback(tmp_pa
     from envex.installer.state import State, save_state
 
     save_state(tmp_path, State())
-    cmd = [sys.executable, "-m", "envex.runtime.server.admin.cli", "--prefix", str(tmp_path), "--port", "0", "--cpu"]
+    cmd = [sys.executable, "-m", "envex.installer.admin.cli", "--prefix", str(tmp_path), "--port", "0", "--cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -156,7 +156,7 @@ def test_envex_admin_command_prints_the_token_once_and_serves_on_loopback(tmp_pa
 
 
 def test_admin_routers_for_launch(tmp_path: Path) -> None:
-    from envex.runtime.server.admin import admin_routers_for_launch
+    from envex.installer.admin import admin_routers_for_launch
 
     assert admin_routers_for_launch(tmp_path / "current" / "launch.json") == []
     (tmp_path / "state.json").write_text("{}")

@@ -1,6 +1,6 @@
 """`envex gates run` and `envex bench`: thin typer entry points over run_gates and run_bench.
 
-The lead registers them in runtime/cli.py: `app.add_typer(gates_app, name="gates")`, `app.command("bench")(bench)`.
+Registered in installer/commands.py: `app.add_typer(gates_app, name="gates")`, `app.command("bench")(bench)`.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def _load_engine(model: str, device: str, dtype: str):  # -> LLMEngine
 
 
 def main() -> None:
-    """`python -m envex.verify.cli gates run ...` / `... bench ...` until runtime/cli.py registers both."""
+    """`python -m envex.verify.cli gates run ...` / `... bench ...` until installer/commands.py registers both."""
     app = typer.Typer(no_args_is_help=True)
     app.add_typer(gates_app, name="gates")
     app.command("bench")(bench)

@@ -1,4 +1,4 @@
-"""`envex admin`: serve the admin page for a prefix when no model is being served (registered by runtime/cli.py)."""
+"""`envex admin`: the admin page for a prefix when no model is being served (registered by installer/commands.py)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def admin(
     """Serve the admin page (overview, hardware, bundles, gates, benchmarks, releases, docs) at /admin."""
     import uvicorn
 
-    from envex.runtime.server.admin.app import build_admin_app
-    from envex.runtime.server.admin.auth import AdminTokenError, create_admin_token, has_admin_token
+    from envex.installer.admin.app import build_admin_app
+    from envex.installer.admin.auth import AdminTokenError, create_admin_token, has_admin_token
     from envex.runtime.server.serve import ServeError, bind_socket
 
     try:
@@ -58,7 +58,7 @@ def admin(
 
 
 def main() -> None:
-    """`python -m envex.runtime.server.admin.cli` until the lead registers `envex admin`."""
+    """`python -m envex.installer.admin.cli` until the lead registers `envex admin`."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command(name="admin")(admin)
     app(prog_name="envex admin")

@@ -20,11 +20,11 @@ from rich.console import Console
 
 from envex.bundles import load_private_key, make_demo_trust
 from envex.installer import testing as itest
+from envex.installer.admin.auth import TOKEN_PREFIX, create_admin_token
+from envex.installer.admin.views import bench_dir
 from envex.installer.media import BUNDLES_DIR
 from envex.installer.pipeline import InstallOptions, install
 from envex.installer.ui import InstallUI
-from envex.runtime.server.admin.auth import TOKEN_PREFIX, create_admin_token
-from envex.runtime.server.admin.views import bench_dir
 
 VERSIONS = ("1.0.0", "1.1.0")
 

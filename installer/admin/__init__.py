@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from envex.runtime.server.admin.auth import AdminTokenError, create_admin_token, has_admin_token, verify_admin_token
+from envex.installer.admin.auth import AdminTokenError, create_admin_token, has_admin_token, verify_admin_token
 
 _LAZY = {
-    "admin_router": "envex.runtime.server.admin.routes",
-    "build_admin_app": "envex.runtime.server.admin.app",
-    "prefix_from_launch": "envex.runtime.server.admin.app",
-    "admin_routers_for_launch": "envex.runtime.server.admin.app",
+    "admin_router": "envex.installer.admin.routes",
+    "build_admin_app": "envex.installer.admin.app",
+    "prefix_from_launch": "envex.installer.admin.app",
+    "admin_routers_for_launch": "envex.installer.admin.app",
 }
 
 __all__ = [

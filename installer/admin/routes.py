@@ -18,10 +18,8 @@ import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
-from envex.installer.probe import Probe, probe
-from envex.installer.state import load_state
-from envex.runtime.server.admin import actions, docs, views
-from envex.runtime.server.admin.auth import (
+from envex.installer.admin import actions, docs, views
+from envex.installer.admin.auth import (
     AdminTokenError,
     LoginThrottle,
     Session,
@@ -29,7 +27,9 @@ from envex.runtime.server.admin.auth import (
     csrf_ok,
     verify_admin_token,
 )
-from envex.runtime.server.admin.web import SecureRoute, read_form, same_origin, templates
+from envex.installer.admin.web import SecureRoute, read_form, same_origin, templates
+from envex.installer.probe import Probe, probe
+from envex.installer.state import load_state
 
 HERE = Path(__file__).parent
 COOKIE = "envex_admin"

@@ -13,9 +13,9 @@ from typing import Annotated
 import typer
 
 from envex.bundles.cli import bundle_app, verify_app
+from envex.installer.admin.cli import admin
 from envex.installer.cli import activate, demo, rollback, status
 from envex.runtime.loader import EMBEDDED_MODEL
-from envex.runtime.server.admin.cli import admin
 from envex.verify.cli import bench, gates_app
 
 app = typer.Typer(
@@ -67,8 +67,8 @@ def serve(
 
     extra_routers: list = []
     if launch is not None:
+        from envex.installer.admin import admin_routers_for_launch
         from envex.installer.launch import LaunchError, load_launch
-        from envex.runtime.server.admin import admin_routers_for_launch
 
         try:
             config = load_launch(launch)

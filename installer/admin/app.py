@@ -8,8 +8,8 @@ from pathlib import Path
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import RedirectResponse
 
+from envex.installer.admin.routes import admin_router
 from envex.installer.state import STATE_FILE
-from envex.runtime.server.admin.routes import admin_router
 
 
 def build_admin_app(prefix: Path, *, bundle_dirs: Sequence[Path] = (), probe_gpu: bool = True) -> FastAPI:
