@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -50,6 +50,7 @@ class _Step:
     raw_logprobs: torch.Tensor | None
     host_ids: torch.Tensor | None = None  # pinned copy, valid once `ready` has fired
     ready: torch.cuda.Event | None = None
+    errors: dict[int, str] = field(default_factory=dict)  # completing row -> why its sampling failed
 
     def read_ids(self) -> list[int]:
         if self.ready is None:
@@ -253,11 +254,12 @@ class LLMEngine:
             empty = torch.zeros(0, dtype=torch.int64, device=self.device)
             return _Step([], [], result.logits, empty, None)
         first_logits = result.logits if row == len(completing) else result.logits[firsts]
-        token_ids, raw_logprobs = sample_on_device(first_logits, [c.seq for c in completing], self._generator)
+        token_ids, raw_logprobs, errors = sample_on_device(first_logits, [c.seq for c in completing],
+                                                           self._generator)
         for j, c in enumerate(completing):
             c.seq.num_pending_tokens += 1
             c.seq.pending_row = j
-        launched = _Step(completing, firsts, result.logits, token_ids, raw_logprobs)
+        launched = _Step(completing, firsts, result.logits, token_ids, raw_logprobs, errors=errors)
         if token_ids.is_cuda:
             launched.host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
             launched.host_ids.copy_(token_ids, non_blocking=True)
@@ -273,10 +275,17 @@ class LLMEngine:
         seqs = [c.seq for c in launched.completing]
         lps = logprobs_for(launched.raw_logprobs, seqs, ids)
         outputs: list[RequestOutput] = []
-        for c, first, token_id, lp in zip(launched.completing, launched.firsts, ids, lps, strict=True):
+        for j, (c, first, token_id, lp) in enumerate(zip(launched.completing, launched.firsts, ids, lps,
+                                                         strict=True)):
             seq = c.seq
             seq.num_pending_tokens -= 1
             if seq.is_finished:  # stopped or aborted while this token was in flight: the token is dropped
+                continue
+            if j in launched.errors:  # this request's sampling failed: end it alone, the batch goes on
+                seq.status, seq.finish_reason = Status.FINISHED, "error"
+                outputs.append(replace(self._output(seq), error=launched.errors[j]))
+                self.scheduler.remove(seq)
+                del self._seqs[seq.request_id]
                 continue
             self._append_token(seq, token_id, lp)
             if c.num_draft:

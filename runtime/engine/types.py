@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+# A temperature below this samples as greedy (argmax): dividing logits by a smaller one only sharpens the
+# distribution past what float32 can tell from argmax, and near 1e-38 it overflows to inf (offline_docs/api.md).
+GREEDY_TEMPERATURE = 1e-5
 
 
 class EngineError(Exception):
@@ -31,8 +34,9 @@ class PromptTooLongError(EngineError):
 class SamplingParams:
     """Per-request decoding settings. Validated here, so an invalid one cannot exist.
 
-    temperature 0 means greedy. top_k 0 means no top-k cut. logprobs None means none are returned; an integer n
-    returns the chosen token's logprob and the n most likely alternatives at each generated position.
+    temperature 0 (or any below GREEDY_TEMPERATURE) means greedy. top_k 0 means no top-k cut. logprobs None means
+    none are returned; an integer n returns the chosen token's logprob and the n most likely alternatives at each
+    generated position.
     """
 
     max_tokens: int = 16
@@ -75,7 +79,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,8 @@ class RequestOutput:
 
     `text` is only ever text that can no longer turn out to be part of a stop string. On the last output
     `finished` is True and `finish_reason` is "stop" (EOS, stop token or stop string), "length" (max_tokens or
-    the context window) or "abort" (cancelled).
+    the context window), "abort" (cancelled) or "error" (this request's sampling failed; `error` says why, and
+    the other requests in the batch go on).
     """
 
     request_id: str
@@ -106,3 +111,4 @@ class RequestOutput:
     completion_token_count: int
     prompt_logprobs: list[TokenLogprob | None] | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # set only with finish_reason "error": one line for people
