@@ -7,8 +7,8 @@ import math
 import torch
 
 from envex.kernels import _bench_lib as B
+from envex.kernels.accuracy import rel_err
 from envex.kernels.fused_decode import DecodeShape, DecodeState, FusedDecoder, prefill, splits_for
-from envex.kernels.testing import rel_err
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

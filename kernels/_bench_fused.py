@@ -21,8 +21,8 @@ import torch
 from envex.kernels import _bench_lib as B
 from envex.kernels import attention, decode_attention, gemv, rotary
 from envex.kernels import reference as ref
+from envex.kernels.accuracy import TOLERANCE, rel_err
 from envex.kernels.fused_decode import splits_for
-from envex.kernels.testing import TOLERANCE, rel_err
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -26,7 +26,7 @@ import torch
 from envex.kernels import _bench_lib as B
 from envex.kernels import reference as ref
 from envex.kernels import skinny_gemm as sg
-from envex.kernels.testing import TOLERANCE, rel_err
+from envex.kernels.accuracy import TOLERANCE, rel_err
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -26,8 +26,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from envex.kernels import _bench_lib as B  # noqa: E402
 from envex.kernels import activation, attention, gemv, norm, rotary  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
+from envex.kernels.accuracy import TOLERANCE, rel_err  # noqa: E402
 from envex.kernels.fused_decode import splits_for  # noqa: E402
-from envex.kernels.testing import TOLERANCE, rel_err  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -20,12 +20,12 @@ import pytest
 
 from envex.installer.activate import current_target
 from envex.installer.admin import build_admin_app
-from envex.installer.admin.screenshot import CHROMIUM_ARGS
-from envex.installer.admin.testing import build_admin_fixture
 from envex.installer.release import release_dir
 from envex.installer.state import load_state
-from envex.installer.testing import guarded_env, violations
-from envex.runtime.server.testing import serve_in_thread
+from envex.tests.support.admin import build_admin_fixture
+from envex.tests.support.admin_screenshot import CHROMIUM_ARGS
+from envex.tests.support.installer import guarded_env, violations
+from envex.tests.support.server import serve_in_thread
 
 CHROMIUM = Path("/usr/bin/chromium")
 
@@ -274,10 +274,10 @@ def test_login_backoff_after_repeated_failures(browser, fixture, tmp_path):
 def test_overview_shows_live_figures_of_a_served_model(browser, fixture, embedded_engine):
     """The admin router mounted on the serving app (as `envex serve --launch` does): live tok/s and queue depth."""
     from envex.installer.admin import admin_router
-    from envex.installer.admin.screenshot import chat_load, wait_for_live
-    from envex.installer.admin.screenshot import login as shot_login
     from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
+    from envex.tests.support.admin_screenshot import chat_load, wait_for_live
+    from envex.tests.support.admin_screenshot import login as shot_login
 
     app = build_app(AsyncEngine(embedded_engine), extra_routers=[admin_router(fixture.prefix, probe_gpu=False)])
     with serve_in_thread(app) as url:

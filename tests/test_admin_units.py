@@ -168,7 +168,7 @@ def test_admin_routers_for_launch(tmp_path: Path) -> None:
 def bare_server(tmp_path_factory):
     """The admin app over a prefix with an empty state.json and a token, on a real uvicorn on loopback."""
     from envex.installer.state import State, save_state
-    from envex.runtime.server.testing import serve_in_thread
+    from envex.tests.support.server import serve_in_thread
 
     prefix = tmp_path_factory.mktemp("bare")
     save_state(prefix, State())

@@ -44,7 +44,7 @@ from envex.bundles import (
 )
 from envex.bundles.archive import BundleArchive
 from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
-from envex.bundles.testing import SyntheticSigstore, flip_byte, member_offsets
+from envex.tests.support.bundles import SyntheticSigstore, flip_byte, member_offsets
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 LATER = NOW + timedelta(days=30)

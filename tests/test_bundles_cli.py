@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from envex.bundles.cli import bundle_app, verify_app
-from envex.bundles.testing import flip_byte, member_offsets
+from envex.tests.support.bundles import flip_byte, member_offsets
 
 app = typer.Typer()
 app.add_typer(bundle_app, name="bundle")

@@ -34,7 +34,7 @@ from envex.bundles import (
 from envex.bundles.archive import BundleArchive
 from envex.bundles.canonical import canonical_bytes
 from envex.bundles.keys import sign
-from envex.bundles.testing import SyntheticSigstore, tar_bytes
+from envex.tests.support.bundles import SyntheticSigstore, tar_bytes
 
 NOW = datetime.now(UTC).replace(microsecond=0)
 KEY = generate_key()

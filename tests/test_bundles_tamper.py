@@ -38,7 +38,7 @@ from envex.bundles import (
 )
 from envex.bundles.archive import BundleArchive
 from envex.bundles.canonical import canonical_bytes
-from envex.bundles.testing import (
+from envex.tests.support.bundles import (
     SyntheticSigstore,
     flip_byte,
     member_offsets,

@@ -18,10 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from envex.installer import testing as itest
 from envex.installer.activate import current_target
 from envex.installer.demo import build_demo_media, build_envex_wheel, source_root
 from envex.installer.state import load_state
+from envex.tests.support import installer as itest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 from envex.bundles import load_private_key, make_demo_trust
-from envex.installer import testing as itest
 from envex.installer.activate import current_target
 from envex.installer.state import load_state
 from envex.installer.ui import PAUSE_MARKER, STEPS
+from envex.tests.support import installer as itest
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envex.bundles import generate_key, make_demo_trust, make_root, sign_root, verify_bundle
-from envex.installer import testing as itest
 from envex.installer.fsutil import LockHeldError, PrefixLock, atomic_write, switch_symlink
 from envex.installer.launch import LaunchError, LaunchManifest, load_launch
 from envex.installer.media import InstallError, pin_trust, scan_media, settle_trust, verify_all
@@ -23,6 +22,7 @@ from envex.installer.plan import make_plan
 from envex.installer.probe import Probe, probe
 from envex.installer.release import create_venv
 from envex.installer.state import State, StateError, load_state, save_state
+from envex.tests.support import installer as itest
 
 EXPIRES = datetime.now(UTC) + timedelta(days=30)
 

@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 
 from envex.kernels import attention, decode_attention, rotary  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
-from envex.kernels.testing import assert_close, f64, rel_err  # noqa: E402
+from envex.kernels.accuracy import rel_err  # noqa: E402
+from envex.tests.support.kernels import assert_close, f64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
-from envex.kernels.testing import rel_err  # noqa: E402
+from envex.kernels.accuracy import rel_err  # noqa: E402
 from envex.runtime.config import ModelConfig  # noqa: E402
 from envex.runtime.engine.cuda_graphs import DecodeGraphs, graph_ladder  # noqa: E402
 

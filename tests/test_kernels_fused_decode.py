@@ -10,8 +10,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
 from envex.kernels import reference as ref  # noqa: E402
+from envex.kernels.accuracy import rel_err  # noqa: E402
 from envex.kernels.fused_decode import DecodeShape, DecodeState, FusedDecoder, prefill  # noqa: E402
-from envex.kernels.testing import rel_err  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SHAPE = DecodeShape(num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64, eps=1e-5)

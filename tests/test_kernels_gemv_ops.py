@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 from envex.kernels import gemv  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
 from envex.kernels.ops import TritonOps  # noqa: E402
-from envex.kernels.testing import assert_close, f64  # noqa: E402
+from envex.tests.support.kernels import assert_close, f64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [(8, 128, 4), (4, 256, 4), (16, 64, 2), (2, 0, 4, 1), (4, 0, 2, 2)]  # 4th entry: persistent kernel

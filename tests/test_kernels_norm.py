@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 from envex.kernels import activation, norm  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
-from envex.kernels.testing import assert_close, f64  # noqa: E402
+from envex.tests.support.kernels import assert_close, f64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -145,7 +145,7 @@ def test_the_openai_server_on_an_overlapped_engine(overlapped):
 
     from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
-    from envex.runtime.server.testing import serve_in_thread
+    from envex.tests.support.server import serve_in_thread
 
     model = overlapped.model_name
     with serve_in_thread(build_app(AsyncEngine(overlapped))) as url:

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 
 from envex.runtime.engine import AsyncEngine, LLMEngine
 from envex.runtime.server.app import build_app
-from envex.runtime.server.testing import serve_in_thread
+from envex.tests.support.server import serve_in_thread
 
 API_KEY = "sk-test-envex"
 MODEL = "smollm2-135m-instruct"

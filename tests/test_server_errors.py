@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from envex.runtime.engine import AsyncEngine, LLMEngine
 from envex.runtime.server.app import build_app
-from envex.runtime.server.testing import serve_in_thread
+from envex.tests.support.server import serve_in_thread
 
 API_KEY = "sk-test-errors"
 MODEL = "smollm2-135m-instruct"

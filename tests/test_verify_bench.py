@@ -152,7 +152,7 @@ def test_envex_and_hf_stock_on_the_embedded_model(embedded_engine: LLMEngine, hf
 def test_http_envex_server_agrees_with_in_process(embedded_engine: LLMEngine) -> None:
     from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
-    from envex.runtime.server.testing import serve_in_thread
+    from envex.tests.support.server import serve_in_thread
 
     # The server owns its own engine (its thread steps it); the in-process engine is the session's.
     server_engine = LLMEngine(EngineConfig(device="cpu", enable_prefix_caching=False))

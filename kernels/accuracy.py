@@ -1,4 +1,5 @@
-"""What the kernel tests and the H200 bench share: relative error against float64, tolerances, poisoned outputs."""
+"""The kernels' accuracy contract, shared by the kernel tests and the H200 benches: relative error against float64,
+and the bound per output dtype."""
 
 from __future__ import annotations
 
@@ -16,15 +17,3 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(o).all():
         return float("inf")
     return float((o - r).norm() / r.norm().clamp_min(1e-300))
-
-
-def f64(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Float tensors upcast to float64 (for the reference); integer tensors unchanged."""
-    return [t.to(torch.float64) if t.is_floating_point() else t for t in tensors]
-
-
-def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
-    err = rel_err(out, ref)
-    tol = TOLERANCE[dtype]
-    assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g} for {dtype}"
-    return err

@@ -1,6 +1,6 @@
 """Test tools for the admin page: a real prefix with two installed releases, built by the installer itself.
 
-Never used by the admin page. The releases hold the installer's fake model bundle (installer.testing); their
+Never used by the admin page. The releases hold the installer's fake model bundle (tests/support/installer.py); their
 gate reports are injected (the installer's ENVEX_TEST_GATES_REPORT hook) with evidence shaped like the gate
 runner's, and each gets a benchmark table and plot written by verify's own report code from fixture figures
 (labelled as such: they are not measurements).
@@ -19,12 +19,12 @@ from typing import Any
 from rich.console import Console
 
 from envex.bundles import load_private_key, make_demo_trust
-from envex.installer import testing as itest
 from envex.installer.admin.auth import TOKEN_PREFIX, create_admin_token
 from envex.installer.admin.views import bench_dir
 from envex.installer.media import BUNDLES_DIR
 from envex.installer.pipeline import InstallOptions, install
 from envex.installer.ui import InstallUI
+from envex.tests.support import installer as itest
 
 VERSIONS = ("1.0.0", "1.1.0")
 

@@ -1,6 +1,6 @@
 """Take offline_docs/admin-overview.png: the overview page of a served model under load, in headless Chromium.
 
-    python -m envex.installer.admin.screenshot [--out offline_docs/admin-overview.png]
+    python -m envex.tests.support.admin_screenshot [--out offline_docs/admin-overview.png]
 
 It installs the admin test fixture (two releases, by the installer) into a temporary directory, serves the
 embedded model with the admin page mounted exactly as `envex serve --launch` does (build_app's extra_routers),
@@ -86,10 +86,10 @@ def take(out: Path, work: Path) -> dict[str, float]:
     from playwright.sync_api import sync_playwright
 
     from envex.installer.admin import admin_router
-    from envex.installer.admin.testing import build_admin_fixture
     from envex.runtime.engine import AsyncEngine, EngineConfig, LLMEngine
     from envex.runtime.server.app import build_app
-    from envex.runtime.server.testing import serve_in_thread
+    from envex.tests.support.admin import build_admin_fixture
+    from envex.tests.support.server import serve_in_thread
 
     fixture = build_admin_fixture(work, served_name="smollm2-135m-instruct")
     engine = LLMEngine(EngineConfig(device="cpu"))
@@ -107,7 +107,7 @@ def take(out: Path, work: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envex.installer.admin.screenshot", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m envex.tests.support.admin_screenshot", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("offline_docs/admin-overview.png"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="envex-admin-shot-") as work:

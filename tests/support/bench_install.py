@@ -1,6 +1,6 @@
 """Time the installer's work on the demo model bundle against a plain copy of the same file (the baseline).
 
-    python -m envex.installer.bench_install [--repeats 5]
+    python -m envex.tests.support.bench_install [--repeats 5]
 
 Prints one JSON object: median seconds of `cp` (shutil.copyfile + fsync), `verify_bundle`, `extract` (re-hashing
 copy into a fresh directory), and a whole `envex-install` with an injected gate report (verify, probe, plan,
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from envex.bundles import verify_bundle
 from envex.installer.demo import build_demo_media, build_envex_wheel
-from envex.installer.testing import PASS_REPORT
+from envex.tests.support.installer import PASS_REPORT
 
 
 def _time(fn) -> float:  # type: ignore[no-untyped-def]
