@@ -155,9 +155,3 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu_and_mul(gate_up)): the MLP's down projection with its activation."""
     return linear(silu_and_mul(gate_up), weight)
-
-
-def skinny_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T for a decode batch (1 ≤ M ≤ 64): the contract of skinny_gemm.skinny_matmul, which
-    accumulates in fp32 (split-K partials included) and rounds once to x's dtype."""
-    return linear(x, weight)
