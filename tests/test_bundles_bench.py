@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from envex.bundles.bench_verify import markdown, run
+from envex.verify.bench_bundle_verify import markdown, run
 
 
 def test_bench_verify_small(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Timing helpers, the read-bandwidth probe and the Llama-3.1-8B-shaped model that kernels/bench_h200.py uses."""
+"""Timing helpers, the read-bandwidth probe and the Llama-3.1-8B-shaped model that bench_h200.py uses."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Check and time every kernel at full size on the GPU, then the Llama-3.1-8B-shaped model end to end.
 
-    python3 -m envex.kernels.bench_h200 --out $OUT [--sections bw,kernels,sweep,e2e,hf,batch,hfcompile,fused]
+    python3 -m envex.verify.kernel_bench.bench_h200 --out $OUT [--sections bw,kernels,sweep,e2e,hf,batch,
+                                                    hfcompile,fused]
 
 One device call: measured read bandwidth (the roofline), each kernel against its float64 reference and its floor,
 the batch-1 GEMV config sweep, batch-1 decode at 1K/256 and 10K/512 through the fused CUDA-graphed step, HF
 transformers stock (and, asked for, static cache + torch.compile) on the same weights and prompts, and a batch
 sweep; `fused` checks and times the fused decode attention against the unfused chain and the batch-1 step with
-each (kernels/_bench_fused.py). Prints a short table last and writes bench.json under --out.
+each (verify/kernel_bench/_bench_fused.py). Prints a short table last and writes bench.json under --out.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from envex.kernels import _bench_lib as B  # noqa: E402
 from envex.kernels import activation, attention, gemv, norm, rotary  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
 from envex.kernels.accuracy import TOLERANCE, rel_err  # noqa: E402
 from envex.kernels.fused_decode import splits_for  # noqa: E402
+from envex.verify.kernel_bench import _bench_lib as B  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -325,8 +326,8 @@ def guarded(rep: Report, name: str, fn, *args) -> None:
 
 
 def main() -> None:
-    from envex.kernels import _bench_e2e as E
-    from envex.kernels import _bench_fused as F
+    from envex.verify.kernel_bench import _bench_e2e as E
+    from envex.verify.kernel_bench import _bench_fused as F
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))

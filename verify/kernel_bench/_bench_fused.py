@@ -1,4 +1,4 @@
-"""The `fused` section of kernels/bench_h200.py: fused decode attention against the unfused chain, then both in
+"""The `fused` section of bench_h200.py: fused decode attention against the unfused chain, then both in
 the whole batch-1 step.
 
 1. Kernels, at B=1 L=1K, B=1 L=10K and B=64 L=1K: the unfused chain (rotary_and_store_kv, paged_attention with
@@ -18,11 +18,11 @@ import math
 
 import torch
 
-from envex.kernels import _bench_lib as B
 from envex.kernels import attention, decode_attention, gemv, rotary
 from envex.kernels import reference as ref
 from envex.kernels.accuracy import TOLERANCE, rel_err
 from envex.kernels.fused_decode import splits_for
+from envex.verify.kernel_bench import _bench_lib as B
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -159,7 +159,7 @@ def _o_gemv(rep, bw: float) -> None:
 
 def section_fused_e2e(rep, eng, bw: float) -> None:
     """Part 4: the batch-1 step with each variant's FusedDecoder flags, graphed with PDL, side by side."""
-    from envex.kernels import _bench_e2e as E
+    from envex.verify.kernel_bench import _bench_e2e as E
 
     for prompt, gen in ((1024, 256), (10240, 512)):
         tag = f"{prompt // 1024}K/{gen}"

@@ -1,6 +1,6 @@
 """Benchmark: `verify_bundle` against `sha256sum` on the same multi-GB bundle file, in the same run.
 
-    python -m envex.bundles.bench_verify --size-gb 4 [--dir /tmp] [--repeats 3] [--shards 4]
+    python -m envex.verify.bench_bundle_verify --size-gb 4 [--dir /tmp] [--repeats 3] [--shards 4]
 
 Builds a signed model-like bundle of `--shards` weight files totalling `--size-gb` GiB under a fresh directory in
 `--dir` (checking free space first), reads it once to warm the page cache, then alternates `sha256sum BUNDLE` and

@@ -1,4 +1,4 @@
-"""End-to-end sections of kernels/bench_h200.py: batch-1 decode, HF baselines, batch sweep, on 8B-shaped weights."""
+"""End-to-end sections of bench_h200.py: batch-1 decode, HF baselines, batch sweep, on 8B-shaped weights."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import math
 
 import torch
 
-from envex.kernels import _bench_lib as B
 from envex.kernels.accuracy import rel_err
 from envex.kernels.fused_decode import DecodeShape, DecodeState, FusedDecoder, prefill, splits_for
+from envex.verify.kernel_bench import _bench_lib as B
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
