@@ -1,0 +1,107 @@
+"""The product packages import downward only (offline_docs/layout.md): kernels → runtime → verify → installer, with
+bundles beside them importing none of the four, and no product module importing envex.tests.
+
+Every import counts, at module level or inside a function (a lazy import is still a dependency), read with `ast`
+from the source files, so nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lower rank may not import higher rank.
+RANK = {"kernels": 0, "runtime": 1, "verify": 2, "installer": 3}
+# Beside the chain: imports none of RANK's packages (any of them may import it).
+SIDE = {"bundles"}
+# Folders of the envex namespace that are not product code under the rule.
+NOT_PRODUCT = {"tests", "offline_docs"}
+
+# Known violations being removed, as (file relative to the repo root, imported module). Each entry needs a comment
+# naming who removes it; an entry that no longer matches a violation fails the test, so the list only shrinks.
+ALLOWED: set[tuple[str, str]] = set()
+
+
+def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in `source`, a module of envex.<package>; relative imports resolve
+    inside the package (they cannot climb out of it: the envex namespace has no __init__)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                found.append((node.lineno, f"envex.{package}"))
+            elif node.module:
+                # `from envex import verify` imports the package envex.verify.
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "envex" else [node.module]
+                found += [(node.lineno, name) for name in names]
+    return found
+
+
+def violation(package: str, module: str) -> str | None:
+    """Why envex.<package> may not import `module`, or None when it may."""
+    parts = module.split(".")
+    if parts[0] != "envex" or len(parts) < 2 or parts[1] == package:
+        return None
+    target = parts[1]
+    if target == "tests":
+        return "product code imports test support (move the piece it needs into the product under a proper name)"
+    if package in SIDE and target in RANK:
+        return f"{package} sits beside the chain and imports none of {sorted(RANK)}"
+    if package in RANK and target in RANK and RANK[target] > RANK[package]:
+        return f"{package} (rank {RANK[package]}) imports the higher {target} (rank {RANK[target]})"
+    return None
+
+
+def violations() -> dict[tuple[str, str], str]:
+    """{(file, module): 'file:line: import module: why'} over every .py file of the product packages."""
+    out: dict[tuple[str, str], str] = {}
+    for package in sorted(RANK.keys() | SIDE):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for line, module in imported_modules(path.read_text(encoding="utf-8"), package):
+                why = violation(package, module)
+                if why:
+                    out.setdefault((rel, module), f"{rel}:{line}: import {module}: {why}")
+    return out
+
+
+def test_every_product_package_has_a_place_in_the_rule() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    folders = {name.removeprefix("envex.") for name in pyproject["tool"]["setuptools"]["package-dir"]}
+    assert folders - NOT_PRODUCT == RANK.keys() | SIDE, "a new top-level package needs a rank in tests/test_layering.py"
+
+
+def test_packages_import_downward_only() -> None:
+    found = violations()
+    new = [found[key] for key in sorted(found.keys() - ALLOWED)]
+    assert not new, "upward or test-support imports:\n" + "\n".join(new)
+    stale = sorted(ALLOWED - found.keys())
+    assert not stale, f"ALLOWED lists imports that are gone; delete these entries: {stale}"
+
+
+@pytest.mark.parametrize(
+    ("package", "source", "expected"),
+    [
+        ("runtime", "def f():\n    from envex.installer.commands import main\n", "imports the higher installer"),
+        ("kernels", "import envex.runtime.engine.engine\n", "imports the higher runtime"),
+        ("verify", "from envex import installer\n", "imports the higher installer"),
+        ("bundles", "from envex.kernels import ops\n", "beside the chain"),
+        ("installer", "from envex.tests.support.installer import fake_media\n", "test support"),
+        ("installer", "from envex.runtime.server.app import build_app\nfrom . import cards\n", None),
+        ("verify", "from envex.bundles import verify_bundle\nimport torch\n", None),
+    ],
+)
+def test_the_check_sees_function_level_and_package_imports(package: str, source: str, expected: str | None) -> None:
+    reasons = [violation(package, module) for _, module in imported_modules(source, package)]
+    flagged = [r for r in reasons if r]
+    if expected is None:
+        assert flagged == []
+    else:
+        assert len(flagged) == 1 and expected in flagged[0], flagged
