@@ -19,16 +19,9 @@ from envex.runtime.server.chat import create_chat_completion
 from envex.runtime.server.completions import create_completion
 from envex.runtime.server.context import ServerContext
 from envex.runtime.server.errors import APIError, bad_request, install_error_handlers
+from envex.runtime.server.limits import ServerLimits
 from envex.runtime.server.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
-from envex.runtime.server.protocol import (
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-    decode_json,
-    parse_body,
-    read_body,
-    validate,
-)
+from envex.runtime.server.protocol import DetokenizeRequest, TokenizeChatRequest, parse_tokenize, read_body
 
 OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 OPEN_PATHS = ("/health", "/metrics")
@@ -67,28 +60,26 @@ def _openai_router() -> APIRouter:
     @router.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:
         ctx = _context(request)
-        data = decode_json(await read_body(request))
-        if isinstance(data, dict) and "messages" in data:
-            chat = validate(TokenizeChatRequest, data)
-            ctx.check_model(chat.model)
-            tokens = await ctx.encode_chat(chat.messages, add_generation_prompt=chat.add_generation_prompt is not False,
-                                           add_special_tokens=bool(chat.add_special_tokens))
+        body = await read_body(request, ctx.limits.max_body_bytes)
+        req = await ctx.prep(len(body) <= ctx.limits.inline_bytes, parse_tokenize, body, ctx.limits)
+        ctx.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            tokens = await ctx.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt is not False,
+                                           add_special_tokens=bool(req.add_special_tokens))
         else:
-            plain = validate(TokenizeCompletionRequest, data)
-            ctx.check_model(plain.model)
-            tokens = (await ctx.encode([plain.prompt], add_special_tokens=plain.add_special_tokens is not False))[0]
+            tokens = (await ctx.encode([req.prompt], add_special_tokens=req.add_special_tokens is not False))[0]
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         ctx = _context(request)
-        req = await parse_body(request, DetokenizeRequest)
+        req = await ctx.parse(request, DetokenizeRequest)
         ctx.check_model(req.model)
         vocab = ctx.async_engine.engine.model_config.vocab_size
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"tokens: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-        return JSONResponse({"prompt": ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+        return JSONResponse({"prompt": (await ctx.decode([req.tokens]))[0]})
 
     return router
 
@@ -119,14 +110,24 @@ def _open_router() -> APIRouter:
 
 
 def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_model_name: str | None = None,
-              extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+              extra_routers: Sequence[APIRouter] = (), limits: ServerLimits | None = None) -> FastAPI:
     """The server app over `async_engine` (started and stopped by the app's lifespan).
 
     `api_key`: when given, /v1/*, /tokenize and /detokenize need `Authorization: Bearer <api_key>`; /health and
     /metrics stay open. `served_model_name`: the name clients send as `model` (default: the engine's).
+    `limits`: what one request may cost (ServerLimits' defaults when None).
     """
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key: must not be empty or blank; omit it to serve without a key")
+
+    metrics = Metrics(known_paths=(*OPENAI_PATHS, *OPEN_PATHS))
+    ctx = ServerContext(
+        async_engine=async_engine,
+        served_model_name=served_model_name or async_engine.engine.model_name,
+        metrics=metrics,
+        api_key=api_key,
+        limits=limits or ServerLimits(),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,16 +135,11 @@ def build_app(async_engine: AsyncEngine, *, api_key: str | None = None, served_m
         try:
             yield
         finally:
+            ctx.pool.shutdown()
             await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="Envex", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
-    metrics = Metrics(known_paths=(*OPENAI_PATHS, *OPEN_PATHS))
-    app.state.envex = ServerContext(
-        async_engine=async_engine,
-        served_model_name=served_model_name or async_engine.engine.model_name,
-        metrics=metrics,
-        api_key=api_key,
-    )
+    app.state.envex = ctx
     install_error_handlers(app)
     app.include_router(_openai_router())
     app.include_router(_open_router())

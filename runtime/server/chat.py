@@ -21,7 +21,7 @@ from envex.runtime.server.generation import (
     start_generation,
     stream_events,
 )
-from envex.runtime.server.protocol import ChatCompletionRequest, parse_body
+from envex.runtime.server.protocol import ChatCompletionRequest
 
 _PROMPT = "messages"
 
@@ -42,8 +42,9 @@ def chat_logprobs(ctx: ServerContext, out: RequestOutput, top_n: int) -> list[di
 
 async def create_chat_completion(ctx: ServerContext, request: Request) -> Response:
     started = time.monotonic()
-    req = await parse_body(request, ChatCompletionRequest)
+    req = await ctx.parse(request, ChatCompletionRequest)
     ctx.check_model(req.model)
+    ctx.check_max_tokens(req.max_new_tokens, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
     ids = await ctx.encode_chat(req.messages, add_generation_prompt=req.add_generation_prompt is not False)
     room = ctx.max_model_len - len(ids)
     if room < 1:

@@ -21,7 +21,7 @@ from envex.runtime.server.generation import (
     start_generation,
     stream_events,
 )
-from envex.runtime.server.protocol import MAX_CHOICES, CompletionRequest, parse_body
+from envex.runtime.server.protocol import MAX_CHOICES, CompletionRequest
 
 _PROMPT = "prompt"
 
@@ -67,8 +67,9 @@ class LegacyLogprobs:
 
 async def create_completion(ctx: ServerContext, request: Request) -> Response:
     started = time.monotonic()
-    req = await parse_body(request, CompletionRequest)
+    req = await ctx.parse(request, CompletionRequest)
     ctx.check_model(req.model)
+    ctx.check_max_tokens(req.max_tokens, "max_tokens")
     prompts: list[str] | list[list[int]] = req.prompt
     n = req.n or 1
     if len(prompts) * n > MAX_CHOICES:
@@ -79,7 +80,7 @@ async def create_completion(ctx: ServerContext, request: Request) -> Response:
         prompt_texts = list(prompts)
     else:
         prompt_ids = [list(p) for p in prompts]  # type: ignore[arg-type]
-        prompt_texts = [ctx.tokenizer.decode(p, skip_special_tokens=False) for p in prompt_ids] if req.echo else []
+        prompt_texts = await ctx.decode(prompt_ids) if req.echo else []
     echo_logprobs = req.logprobs if req.echo else None
     jobs = [
         Job(p, ids, sampling_params(req, max_tokens=req.max_tokens or 16, logprobs=req.logprobs,

@@ -2,22 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 
 from envex.runtime.engine import AsyncEngine, SamplingParams
 from envex.runtime.server.errors import APIError, bad_request
 from envex.runtime.server.generation import sampling_error
+from envex.runtime.server.limits import PrepPool, ServerLimits
 from envex.runtime.server.metrics import Metrics
-from envex.runtime.server.protocol import ChatMessage
+from envex.runtime.server.protocol import ChatMessage, Model, parse_request, read_body
 from envex.runtime.tokenizer import ChatTemplateError, Tokenizer
 
-# Tokenizing a long prompt takes a while; beyond this many characters it runs off the event loop.
-_OFFLOAD_CHARS = 32_768
+T = TypeVar("T")
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
@@ -27,7 +27,12 @@ class ServerContext:
     served_model_name: str
     metrics: Metrics
     api_key: str | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    pool: PrepPool = field(init=False, repr=False)
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.pool = PrepPool(self.limits)
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -54,22 +59,47 @@ class ServerContext:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.served_model_name!r} "
                            "(see GET /v1/models)", param="model", code="model_not_found")
 
-    async def encode(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:
-        def run() -> list[list[int]]:
-            return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens) for t in texts]
+    async def prep(self, inline: bool, fn: Callable[..., T], *args: object) -> T:
+        """Run CPU work for a request: on the loop when `inline` (small), else on the bounded prep pool."""
+        return fn(*args) if inline else await self.pool.run(fn, *args)
 
-        if sum(len(t) for t in texts) > _OFFLOAD_CHARS:
-            return await asyncio.to_thread(run)
-        return run()
+    async def parse(self, request: Request, model: type[Model]) -> Model:
+        """Read the body (413 past max_body_bytes), then decode, bound and validate it (400 naming the field)."""
+        body = await read_body(request, self.limits.max_body_bytes)
+        return await self.prep(len(body) <= self.limits.inline_bytes, parse_request, body, model, self.limits)
+
+    async def encode(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:
+        inline = sum(len(t) for t in texts) <= self.limits.inline_chars
+        return await self.prep(inline, self.tokenizer.encode_batch, texts, add_special_tokens)
+
+    async def decode(self, ids: list[list[int]]) -> list[str]:
+        inline = sum(len(i) for i in ids) <= self.limits.inline_chars
+        return await self.prep(inline, self.tokenizer.decode_batch, ids, False)
 
     async def encode_chat(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
                           add_special_tokens: bool = False) -> list[int]:
-        try:
-            text = self.tokenizer.apply_chat_template([m.for_template() for m in messages],
-                                                      add_generation_prompt=add_generation_prompt)
-        except ChatTemplateError as exc:
-            raise bad_request(str(exc), param="messages") from None
-        return (await self.encode([text], add_special_tokens=add_special_tokens))[0]
+        """Render the chat template (400 past max_rendered_chars) and tokenize the result."""
+        templated = [m.for_template() for m in messages]
+
+        def run() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(templated, add_generation_prompt=add_generation_prompt)
+            except ChatTemplateError as exc:
+                raise bad_request(str(exc), param="messages") from None
+            limit = self.limits.max_rendered_chars
+            if len(text) > limit:
+                raise bad_request(f"messages: the chat template renders them as {len(text):,} characters, more than "
+                                  f"the limit of {limit:,}; send fewer or shorter messages", param="messages")
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+        chars = sum(len(m["content"]) for m in templated)
+        return await self.prep(chars <= self.limits.inline_chars and len(messages) <= self.limits.inline_messages, run)
+
+    def check_max_tokens(self, value: int | None, param: str) -> None:
+        """A max_tokens the context window cannot hold whatever the prompt: 400 naming the field and the window."""
+        if value is not None and value > self.max_model_len:
+            raise bad_request(f"{param}: {value:,} is more than this model's context window of {self.max_model_len:,} "
+                              "tokens (prompt and output together); lower it", param=param)
 
     def token_text(self, token_id: int) -> str:
         """A token's text decoded alone (for logprobs); cached, bounded by the vocabulary."""

@@ -11,10 +11,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
+CLIENT_CLOSED_REQUEST = 499  # counted in the metrics for a client that left before its answer
 
 _TYPES = {
     400: "invalid_request_error",
@@ -70,11 +72,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return err.response()
 
     async def on_validation_error(_: Request, exc: Exception) -> JSONResponse:
-        # Bodies are parsed by protocol.parse_body; this only catches path or query parameters.
+        # Bodies are parsed by protocol.parse_request; this only catches path or query parameters.
         assert isinstance(exc, RequestValidationError)
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return bad_request(f"{loc or 'request'}: {first.get('msg', 'invalid')}", param=loc).response()
+
+    async def on_client_left(request: Request, _: Exception) -> Response:
+        # Not a server error: one line, and 499 (nginx's "client closed request") in the metrics, as for clients
+        # that leave later on. Nobody reads the response.
+        log.warning("%s %s: the client disconnected before its request body was read in full (499)",
+                    request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
 
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in a request handler", exc_info=exc)
@@ -83,4 +92,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(ClientDisconnect, on_client_left)
     app.add_exception_handler(Exception, on_unexpected)

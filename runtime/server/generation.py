@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from envex.runtime.engine import (
 from envex.runtime.server.errors import APIError, bad_request
 from envex.runtime.server.metrics import Metrics
 
+log = logging.getLogger(__name__)
+
 
 def engine_error(exc: BaseException, prompt_param: str) -> APIError:
     """An engine exception -> the HTTP error a client should see."""
@@ -42,6 +45,15 @@ def engine_error(exc: BaseException, prompt_param: str) -> APIError:
         message = str(exc)
         return bad_request(message, param=prompt_param if message.startswith("prompt") else None)
     return APIError(500, f"{exc}; see the server log")
+
+
+def failed_output(out: RequestOutput) -> APIError | None:
+    """A request the engine ended with finish_reason "error" (its own sampling failed; the batch went on)."""
+    if out.finish_reason != "error":
+        return None
+    log.warning("request %s failed in the engine: %s", out.request_id, out.error)
+    return APIError(500, f"{out.error or 'the engine could not continue this request'}; the other requests are "
+                    "not affected; see the server log", code="request_failed")
 
 
 def sampling_error(exc: ValueError) -> APIError:
@@ -75,23 +87,11 @@ def check_capacity(async_engine: AsyncEngine, jobs: list[Job], prompt_param: str
     if not async_engine.is_running:
         raise APIError(503, "the engine is not running; see the server log and /health", code="engine_down")
     engine = async_engine.engine
-    seen: set[int] = set()
-    for job in jobs:
-        if job.prompt_index not in seen:
-            seen.add(job.prompt_index)
-            try:
-                engine.check_request(job.prompt_ids, job.params)
-            except EngineError as exc:
-                raise engine_error(exc, prompt_param) from None
-    capacity = engine.config.max_queue + engine.config.max_num_seqs
-    if async_engine.in_flight + len(jobs) > capacity:
-        raise APIError(
-            429,
-            f"the server is at capacity ({async_engine.in_flight} requests in flight, room for {capacity}); "
-            "retry later",
-            code="rate_limit_exceeded",
-            headers={"Retry-After": "1"},
-        )
+    for i, job in enumerate(jobs):  # admission is judged in one place, the engine's check_request
+        try:
+            engine.check_request(job.prompt_ids, job.params, in_flight=async_engine.in_flight + i)
+        except EngineError as exc:
+            raise engine_error(exc, prompt_param) from None
 
 
 class Generation:
@@ -134,6 +134,9 @@ class Generation:
                     self._done.add(index)
                     waiting.discard(index)
                     continue
+                failed = failed_output(item)
+                if failed is not None:  # before any byte of the response: a plain 500 for this request
+                    raise failed
                 self._buffer.append((index, item))
                 waiting.discard(index)
         except BaseException:
@@ -154,6 +157,9 @@ class Generation:
                     continue
                 if isinstance(item, BaseException):
                     raise engine_error(item, self._prompt_param)
+                failed = failed_output(item)
+                if failed is not None:  # a stream gets it as its last event; other requests go on
+                    raise failed
                 self._record(index, item)
                 yield index, item
         finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from envex.runtime.engine.types import MAX_TOP_LOGPROBS
 from envex.runtime.server.errors import APIError, bad_request
 
-MAX_BODY_BYTES = 4 * 1024 * 1024
+if TYPE_CHECKING:
+    from envex.runtime.server.limits import ServerLimits
+
 MAX_N = 16
 MAX_CHOICES = 64  # prompts x n in one completions request
 MAX_STOP = 16
@@ -319,7 +321,7 @@ def validate(model: type[Model], data: Any) -> Model:
         raise bad_request(_message(err, param), param=param) from None
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body is {int(declared)} bytes; the limit is {limit} bytes",
@@ -356,5 +358,61 @@ def decode_json(body: bytes) -> Any:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
 
 
-async def parse_body(request: Request, model: type[Model]) -> Model:
-    return validate(model, decode_json(await read_body(request)))
+def _text_chars(content: Any) -> int:
+    """Characters of a message's content as the template will see it (a string, or text parts joined)."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict)]
+        return sum(len(t) for t in texts if isinstance(t, str)) + max(len(content) - 1, 0)
+    return 0
+
+
+def check_limits(data: Any, limits: ServerLimits) -> None:
+    """Refuse a decoded body that would cost more than `limits` allow, before validation does any of that work
+    (pydantic on 50,000 messages holds the GIL for 0.2 s). Only sizes are checked here; types are validate's."""
+    if not isinstance(data, dict):
+        return
+
+    def over(param: str, what: str, size: int, limit: int, fix: str) -> APIError:
+        return bad_request(f"{param}: {size:,} {what} is more than the limit of {limit:,}; {fix}", param=param)
+
+    messages = data.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > limits.max_messages:
+            raise over("messages", "messages", len(messages), limits.max_messages,
+                       "send fewer messages (drop or summarise the oldest)")
+        for i, message in enumerate(messages):
+            size = _text_chars(message.get("content")) if isinstance(message, dict) else 0
+            if size > limits.max_message_chars:
+                raise over(f"messages[{i}].content", "characters", size, limits.max_message_chars,
+                           "shorten the message")
+    prompt = data.get("prompt")
+    items = prompt if isinstance(prompt, list) else [prompt]
+    chars = sum(len(p) for p in items if isinstance(p, str))
+    if chars > limits.max_prompt_chars:
+        raise over("prompt", "characters", chars, limits.max_prompt_chars, "shorten the prompt or split the request")
+    # A list of token ids, or a list of token-id lists (a list of strings counts 0 here).
+    ids = sum(len(p) if isinstance(p, list) else isinstance(p, int) for p in items)
+    if ids > limits.max_token_ids:
+        raise over("prompt", "token ids", ids, limits.max_token_ids, "shorten the prompt or split the request")
+    for name, limit in (("tokens", limits.max_token_ids), ("stop_token_ids", limits.max_stop_token_ids)):
+        value = data.get(name)
+        if isinstance(value, list) and len(value) > limit:
+            raise over(name, "entries", len(value), limit, "send fewer")
+
+
+def parse_request(body: bytes, model: type[Model], limits: ServerLimits) -> Model:
+    """Decode, bound and validate a body: CPU work, run inline for small bodies and on the prep pool otherwise."""
+    data = decode_json(body)
+    check_limits(data, limits)
+    return validate(model, data)
+
+
+def parse_tokenize(body: bytes, limits: ServerLimits) -> TokenizeChatRequest | TokenizeCompletionRequest:
+    """/tokenize takes either shape: with `messages` it is the chat form."""
+    data = decode_json(body)
+    check_limits(data, limits)
+    if isinstance(data, dict) and "messages" in data:
+        return validate(TokenizeChatRequest, data)
+    return validate(TokenizeCompletionRequest, data)
