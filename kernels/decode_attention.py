@@ -41,6 +41,19 @@ def _rope(x, xp, c, s, lo_half):
 
 
 @triton.jit
+def _head_rms_norm(x, xp, w_ptr, d, partner, d_ok, eps, HEAD_DIM: tl.constexpr):
+    """HF's RMSNorm over each row of x [R, BLOCK_D] (one head each), applied to x and to its rotary partner xp:
+    fp32 statistics, the normalised value rounded to x's dtype, then times the weight and rounded again."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / HEAD_DIM + eps)[:, None]
+    w = tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    wp = tl.load(w_ptr + partner, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    x_n = (w * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+    xp_n = (wp * (xp.to(tl.float32) * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+    return x_n, xp_n
+
+
+@triton.jit
 def _merge_partials(part_o_ptr, part_lse_ptr, t, head0, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr):  # fmt: skip
@@ -73,14 +86,14 @@ def _merge_partials(part_o_ptr, part_lse_ptr, t, head0, stride_ps, stride_pt, st
 @triton.jit
 def _decode_fused_kernel(
     qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, qk_scale,
+    out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, q_norm_ptr, k_norm_ptr, qk_scale, norm_eps,
     stride_qkv, stride_cos, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     N_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
     if USE_PDL:  # qkv, positions and slots come from earlier kernels of the step; the counters from this kernel's
         tl.extra.cuda.gdc_launch_dependents()  # previous launch (complete once gdc_wait returns, transitively)
@@ -108,8 +121,10 @@ def _decode_fused_kernel(
     q_mask = row_ok[:, None] & d_ok[None, :]
     q_ptrs = row_ptr + head[:, None] * HEAD_DIM
     q = tl.load(q_ptrs + d[None, :], mask=q_mask, other=0.0)
-    qp = tl.load(q_ptrs + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    q = _rope(q.to(tl.float32), qp, c[None, :], s[None, :], lo_half[None, :]).to(q.dtype)
+    qp = tl.load(q_ptrs + partner[None, :], mask=q_mask, other=0.0)
+    if QK_NORM:  # Qwen3: RMSNorm over each head before the rotation (rounded as the norm kernel rounds)
+        q, qp = _head_rms_norm(q, qp, q_norm_ptr, d, partner, d_ok, norm_eps, HEAD_DIM)
+    q = _rope(q.to(tl.float32), qp.to(tl.float32), c[None, :], s[None, :], lo_half[None, :]).to(q.dtype)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -130,9 +145,13 @@ def _decode_fused_kernel(
     # position pos writes them to the cache and lets the new key into its softmax.
     owner = split == pos // chunk
     k_row = row_ptr + (N_KV * GROUP + kvh) * HEAD_DIM
-    k_new = tl.load(k_row + d, mask=d_ok, other=0.0).to(tl.float32)
-    k_par = tl.load(k_row + partner, mask=d_ok, other=0.0).to(tl.float32)
-    k_new = _rope(k_new, k_par, c, s, lo_half).to(k_cache_ptr.dtype.element_ty)
+    k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
+    k_par = tl.load(k_row + partner, mask=d_ok, other=0.0)
+    if QK_NORM:
+        k_new, k_par = _head_rms_norm(k_new[None, :], k_par[None, :], k_norm_ptr, d, partner, d_ok, norm_eps,
+                                      HEAD_DIM)  # fmt: skip
+        k_new, k_par = tl.reshape(k_new, [BLOCK_D]), tl.reshape(k_par, [BLOCK_D])
+    k_new = _rope(k_new.to(tl.float32), k_par.to(tl.float32), c, s, lo_half).to(k_cache_ptr.dtype.element_ty)
     v_new = tl.load(row_ptr + (N_KV * GROUP + N_KV + kvh) * HEAD_DIM + d, mask=d_ok, other=0.0)
     v_new = v_new.to(v_cache_ptr.dtype.element_ty)
     slot = tl.load(slot_ptr + b)
@@ -219,12 +238,16 @@ def decode_attention_fused(
     counters: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
     block_n: int = 64,
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """One decode token per sequence: rotary on q/k, k/v written to the cache at slot_mapping, attention -> [B,Hq,D].
+    """One decode token per sequence: (q/k RMSNorm,) rotary on q/k, k/v written to the cache at slot_mapping,
+    attention -> [B,Hq,D].
 
     qkv: [B, (Hq + 2·Hkv)·D], the QKV projection's output, un-rotated (q heads, then k heads, then v heads).
     positions: [B] position of each sequence's new token (its cached keys are 0 .. position-1; max_seq_len bounds
@@ -233,6 +256,7 @@ def decode_attention_fused(
     block_size, Hkv, D]. merge_in_kernel: merge the key splits in the last program to finish (needs `counters`,
     from new_split_counters, left at zero after every launch; allocated here if None) instead of a second launch.
     out / partials ([S, B, Hq, D] and [S, B, Hq] float32): preallocated buffers, else allocated here.
+    q_norm, k_norm: [D] RMSNorm weights applied to each q and k head before the rotation (Qwen3), both or neither.
     """
     check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
     batch = qkv.shape[0]
@@ -260,6 +284,11 @@ def decode_attention_fused(
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=dev)
     check(block_tables.shape[0] == batch, f"block_tables: {block_tables.shape[0]} rows for batch {batch}")
     check(max_seq_len >= 1, f"max_seq_len: {max_seq_len} must be ≥ 1")
+    check((q_norm is None) == (k_norm is None), "q_norm/k_norm: pass both or neither")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            check_tensor(name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+            check(w.shape[0] == head_dim, f"{name}: length {w.shape[0]} != head_dim {head_dim}")
 
     if out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=dev)
@@ -297,13 +326,15 @@ def decode_attention_fused(
     merge_s = min(block_s, max(1, _MERGE_TILE // (next_pow2(group) * block_d)))
     _decode_fused_kernel[(batch, num_kv_heads * num_splits)](
         qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, block_tables,
-        out, part_o, part_lse, counters, float(scale) * LOG2E,
+        out, part_o, part_lse, counters, q_norm if q_norm is not None else cos,
+        k_norm if k_norm is not None else cos, float(scale) * LOG2E, float(norm_eps),
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         N_KV=num_kv_heads, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
         MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
+        QK_NORM=q_norm is not None,
         num_warps=num_warps or 4, num_stages=num_stages or 2, **pdl_launch(pdl),
     )  # fmt: skip
     if num_splits > 1 and not merge_in_kernel:

@@ -32,9 +32,10 @@ def _sm_count(device: torch.device) -> int:
 
 @triton.jit
 def _gemv_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, h_ptr,
+    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -77,14 +78,17 @@ def _gemv_kernel(
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    if HAS_BIAS:  # Qwen2's QKV bias: added in fp32 before the one rounding, as cuBLAS's epilogue does
+        y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
 def _gemv_persistent_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, out_ptr, h_ptr,
+    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """A fixed number of programs each computes the whole input row once (prologue included) and keeps it in
     registers while it streams BLOCK_N-row weight tiles, the next tile requested before the current is reduced.
@@ -125,6 +129,8 @@ def _gemv_persistent_kernel(
                          eviction_policy="evict_first")  # fmt: skip
         y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         rows = rb * BLOCK_N + rr
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -160,12 +166,14 @@ def gemv(
     b: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    bias: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
 
-    a: [M,K] ([M,2K] for PROLOGUE_SILU_MUL); b: [M,K] (ADD_RMS); norm_weight: [K] (ADD_RMS, RMS). Meant for small
+    a: [M,K] ([M,2K] for PROLOGUE_SILU_MUL); b: [M,K] (ADD_RMS); norm_weight: [K] (ADD_RMS, RMS); bias: [N], added
+    to y before its rounding. Meant for small
     M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M. pdl: launch with
     programmatic dependent launch (Hopper), so this kernel's weight stream overlaps the previous kernel's tail;
     only for a chain of kernels that all wait on their predecessor (the fused decode step).
@@ -186,6 +194,9 @@ def gemv(
         assert norm_weight is not None
         check_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=a.device)
         check(norm_weight.shape[0] == k, f"norm_weight: length {norm_weight.shape[0]} != K = {k}")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=a.device)
+        check(bias.shape[0] == n, f"bias: length {bias.shape[0]} != N = {n}")
     m = a.shape[0]
     out = torch.empty((m, n), dtype=a.dtype, device=a.device)
     h = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == PROLOGUE_ADD_RMS else out
@@ -194,18 +205,21 @@ def gemv(
     block_n, block_k, num_warps, *rest = config or tuned_config(n, k, prologue)
     bb = b if b is not None else a
     nw = norm_weight if norm_weight is not None else weight
+    bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
     if rest and rest[0] > 0:
         programs = min(triton.cdiv(n, block_n), rest[0] * _sm_count(a.device))
         _gemv_persistent_kernel[(programs, m)](
-            a, bb, nw, weight, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0), h.stride(0),
-            float(eps), K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl,
+            a, bb, nw, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
+            h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl,
             num_warps=num_warps, **pdl_launch(pdl),
         )  # fmt: skip
         return out, (h if prologue == PROLOGUE_ADD_RMS else None)
     block_k = min(block_k, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
-        a, bb, nw, weight, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0), h.stride(0),
-        float(eps), K=k, PROLOGUE=prologue, BLOCK_N=block_n, BLOCK_K=block_k, USE_PDL=pdl, num_warps=num_warps,
+        a, bb, nw, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
+        h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, USE_PDL=pdl, num_warps=num_warps,
         **pdl_launch(pdl),
     )  # fmt: skip
     return out, (h if prologue == PROLOGUE_ADD_RMS else None)

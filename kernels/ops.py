@@ -1,74 +1,153 @@
-"""TritonOps: the engine's fused operations on the Triton kernels, method for method like TorchOps.
+"""The one interface between a model file and the kernels: `Ops`, its per-step metadata, and the torch backend.
 
-envex.runtime.engine.torch_ops.TorchOps is the reference; the gates prove the two agree. Projections stay with
-torch (cuBLAS) except at one row (batch-1 decode), where `linear` and the fused prologue variants use the GEMV
-kernel, which reads the weight once and folds the norm or the activation into the same pass.
+A model (envex.runtime.models.<arch>) calls only these fused entry points, on every device and batch size; the
+backend chooses the kernel inside each (the batch-1 GEMV with the norm or activation folded in, cuBLAS, the
+torch reference):
+
+    norm_linear   residual add + RMSNorm + projection (+ bias)      -> (y, new residual)
+    linear        projection (+ bias)
+    act_linear    SwiGLU + projection
+    attention     (q/k RMSNorm) + rotary + KV-cache write + paged causal attention
+
+`TorchOps` is kernels/reference.py behind that interface: the reference every other backend is proven against
+(tests, and the gates against HF transformers). `TritonOps` (triton_ops.py) is the CUDA fast path. This module
+imports no Triton, so the torch backend runs where Triton is not installed.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
+import torch.nn.functional as F
 
-from envex.kernels import activation, attention, gemv, norm, rotary
+from envex.kernels import reference
 
 
-class TritonOps:
-    name = "triton"
+@dataclass(frozen=True, kw_only=True)
+class AttentionLayer:
+    """One attention layer's static shape and weights, as the model file owns them."""
 
-    def __init__(self, *, gemv_max_rows: int = 1) -> None:
-        # Above this many rows, cuBLAS matmul beats re-reading the weight per row in the GEMV kernel.
-        self.gemv_max_rows = gemv_max_rows
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    q_norm: torch.Tensor | None = None  # [D] Qwen3's per-head RMSNorm weights (both or neither)
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 1e-6
 
-    @staticmethod
-    def _rows(x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, x.shape[-1])  # [..., H] -> [T, H] (copies only if the view is impossible)
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return norm.rms_norm(self._rows(x), weight, eps).view(x.shape)
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        normed, total = norm.add_rms_norm(self._rows(x), self._rows(residual), weight, eps)
-        return normed.view(x.shape), total.view(x.shape)
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        out = activation.silu_and_mul(self._rows(x))
-        return out.view(*x.shape[:-1], out.shape[-1])
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged KV cache; built once per step by the engine, only read here.
 
-    def rotary_and_store_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                            cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        return rotary.rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
+    Tokens of all sequences are packed: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]; they sit at
+    positions seq_len_b - q_len_b .. seq_len_b - 1 and attend causally to cached keys 0 .. their position.
+    A sequence's cached tokens live in blocks block_tables[b, :ceil(seq_len_b / block_size)].
+    """
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta) -> torch.Tensor:
-        """meta: envex.runtime.engine.attention.AttentionMetadata (only its paged fields are read)."""
-        return attention.paged_attention(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, meta.scale,
-            max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len,
-        )  # fmt: skip
+    positions: torch.Tensor  # int64 [T]: position of each token
+    slot_mapping: torch.Tensor  # int64 [T]: where each token's K/V is written (block * block_size + offset; < 0: not)
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    cos: torch.Tensor  # float32 [max_positions, D / 2] rotary tables
+    sin: torch.Tensor
+    max_q_len: int
+    max_seq_len: int  # bounds every sequence's length after this step (a CUDA graph passes max_model_len)
+    # int32 [B]: cached tokens after this step's writes. None for a pure decode step, where it is positions + 1.
+    seq_lens: torch.Tensor | None = None
+    num_splits: int | None = None  # decode key splits; None: chosen per launch (a CUDA graph fixes it)
+    # The same lengths on the host, for backends that loop over sequences (the torch reference); None in graphs.
+    q_lens_host: list[int] | None = None
+    seq_lens_host: list[int] | None = None
 
-    # ---- projections (beyond TorchOps: a model may call these, or torch.nn.functional.linear) -------------
+    @property
+    def is_decode(self) -> bool:
+        return self.max_q_len == 1
+
+
+class Ops(Protocol):
+    """The fused entry points a model file calls. Shapes: x [T, H]; residual [T, H] or None (the first layer)."""
+
+    name: str
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(linear(rms_norm(x + residual)), x + residual); with residual None, (linear(rms_norm(x)), x)."""
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """linear(silu(gate) * up) for the fused gate-up row [gate | up]."""
+        ...
+
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+        """qkv [T, (Hq + 2 Hkv) D] un-rotated -> attention output [T, Hq D]; writes this step's K/V into the cache."""
+        ...
+
+
+def split_qkv(qkv: torch.Tensor, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views q [T, Hq, D], k and v [T, Hkv, D] of the fused QKV output."""
+    q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
+    return (q.reshape(-1, layer.num_heads, layer.head_dim), k.reshape(-1, layer.num_kv_heads, layer.head_dim),
+            v.reshape(-1, layer.num_kv_heads, layer.head_dim))  # fmt: skip
+
+
+class TorchOps:
+    """kernels/reference.py as a backend: any device, any dtype; the definition the fast paths must equal."""
+
+    name = "torch"
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if residual is None:
+            normed, residual = reference.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = self._rows(x)
-        if bias is not None or rows.shape[0] > self.gemv_max_rows or not x.is_cuda:
-            return torch.nn.functional.linear(x, weight, bias)
-        y, _ = gemv.gemv(rows, weight)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
 
-    def add_rms_norm_linear(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(linear(rms_norm(x + residual)), x + residual) in one pass over the weight when x has one row."""
-        if x.shape[0] > self.gemv_max_rows or not x.is_cuda:
-            normed, total = self.add_rms_norm(x, residual, norm_weight, eps)
-            return torch.nn.functional.linear(normed, weight), total
-        y, total = gemv.gemv(x, weight, prologue=gemv.PROLOGUE_ADD_RMS, b=residual, norm_weight=norm_weight, eps=eps)
-        assert total is not None
-        return y, total
+    def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(reference.silu_and_mul(gate_up), weight)
 
-    def silu_and_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """linear(silu_and_mul(gate_up)) in one pass over the weight when gate_up has one row."""
-        if gate_up.shape[0] > self.gemv_max_rows or not gate_up.is_cuda:
-            return torch.nn.functional.linear(self.silu_and_mul(gate_up), weight)
-        y, _ = gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL)
-        return y
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+        q, k, v = split_qkv(qkv, layer)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = reference.rms_norm(q, layer.q_norm, layer.norm_eps)
+            k = reference.rms_norm(k, layer.k_norm, layer.norm_eps)
+        q, _ = reference.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
+                                             meta.slot_mapping)  # fmt: skip
+        seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
+        out = reference.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, meta.block_tables,
+                                        layer.scale, q_lens=meta.q_lens_host,
+                                        seq_lens_host=meta.seq_lens_host)  # fmt: skip
+        return out.reshape(-1, layer.q_size)
+
+
+def make_ops(backend: str, device: torch.device) -> Ops:
+    """The backend's Ops: "torch" anywhere, "triton" on a CUDA device."""
+    if backend == "torch":
+        return TorchOps()
+    if backend == "triton":
+        if device.type != "cuda":
+            raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
+        from envex.kernels.triton_ops import TritonOps  # imports Triton: only where the fast path runs
+
+        return TritonOps(pdl=torch.cuda.get_device_capability(device) >= (9, 0))
+    raise ValueError(f"backend: {backend!r} is not one of torch, triton")

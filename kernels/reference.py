@@ -79,33 +79,42 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    *,
+    q_lens: list[int] | None = None,
+    seq_lens_host: list[int] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed varlen queries [T, Hq, D] over a paged KV cache.
 
     Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (q_len of them), which sit at positions
-    seq_len-q_len .. seq_len-1 and attend to keys 0..own position. Decode is q_len == 1.
+    seq_len-q_len .. seq_len-1 and attend to keys 0..own position. Decode is q_len == 1. q_lens / seq_lens_host:
+    the same lengths as host lists, when the caller has them (saves a device read per sequence).
     """
     num_tokens, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
+    if q_lens is None:
+        cu = cu_seqlens_q.tolist()
+        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+    tables = block_tables.long()
     out = torch.empty_like(q)
-    for b in range(seq_lens.shape[0]):
-        q0, q1 = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        seq_len, q_len = int(seq_lens[b]), q1 - q0
+    q0 = 0
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
+        q1 = q0 + q_len
         if q_len == 0:
             continue
         n_blocks = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[b, :n_blocks].long()
-        keys = k_cache[blocks].reshape(-1, hkv, d)[:seq_len]  # [seq_len, Hkv, D]
-        vals = v_cache[blocks].reshape(-1, hkv, d)[:seq_len]
-        keys = keys.repeat_interleave(group, dim=1).to(q.dtype)  # [seq_len, Hq, D]
-        vals = vals.repeat_interleave(group, dim=1).to(q.dtype)
-        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], keys) * scale  # [Hq, q_len, seq_len]
+        blocks = tables[b, :n_blocks]
+        keys = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].to(q.dtype)  # [seq_len, Hkv, D]
+        vals = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].to(q.dtype)
+        qg = q[q0:q1].reshape(q_len, hkv, group, d)  # the GQA group of each KV head, without repeating K/V
+        scores = torch.einsum("qhgd,khd->hgqk", qg, keys) * scale  # [Hkv, G, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
         k_pos = torch.arange(seq_len, device=q.device)[None, :]
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, vals)
+        out[q0:q1] = torch.einsum("hgqk,khd->qhgd", probs, vals).reshape(q_len, hq, d)
+        q0 = q1
     return out
 
 
@@ -121,8 +130,12 @@ def decode_attention_fused(
     scale: float,
     num_heads: int,
     num_kv_heads: int,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
-    """One decode token per sequence from the fused QKV row [B, (Hq + 2·Hkv)·D]: rotary on q and k, k and v
+    """One decode token per sequence from the fused QKV row [B, (Hq + 2·Hkv)·D]: (q/k RMSNorm per head with
+    q_norm/k_norm,) rotary on q and k, k and v
     written at slot_mapping (negative: not written), then attention over positions 0..position -> [B, Hq, D].
     The unfused composition (rotary_and_store_kv, then paged_attention) the fused decode kernel must equal."""
     batch = qkv.shape[0]
@@ -130,14 +143,17 @@ def decode_attention_fused(
     q = qkv[:, : num_heads * d].view(batch, num_heads, d)  # [B, Hq, D] views of the fused row
     k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].view(batch, num_kv_heads, d)
     v = qkv[:, (num_heads + num_kv_heads) * d :].view(batch, num_kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
     q_rot, _ = rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=qkv.device)
     return paged_attention(q_rot, k_cache, v_cache, cu, positions + 1, block_tables, scale)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T, the projection every GEMV kernel computes."""
-    return x @ weight.t()
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias), the projection every GEMV kernel computes."""
+    y = x @ weight.t()
+    return y if bias is None else y + bias
 
 
 def add_rms_norm_linear(

@@ -206,6 +206,34 @@ def test_decode_attention_fused_matches_reference(n_q: int, n_kv: int, page: int
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_q,n_kv,num_splits", [(4, 2, 1), (8, 2, 3)])
+def test_decode_attention_fused_with_qk_norm(dtype: torch.dtype, n_q: int, n_kv: int, num_splits: int) -> None:
+    """Qwen3: each q and k head RMS-normed (its own weights) before the rotation, inside the fused kernel."""
+    head_dim, page = 32, 8
+    kc, vc, tables, cos, sin = _decode_step_inputs(DECODE_POSITIONS, n_q, n_kv, head_dim, page, dtype, 1, seed=3)
+    kc_ref, vc_ref = kc.double(), vc.double()
+    batch = len(DECODE_POSITIONS)
+    active = [b for b in range(batch) if b not in DECODE_PADDING]
+    g = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(batch, (n_q + 2 * n_kv) * head_dim, generator=g) * 3).to(dtype).to(DEV)
+    qn, kn = (1 + 0.5 * torch.randn(2, head_dim, generator=g)).to(dtype).to(DEV)
+    pos = torch.tensor(DECODE_POSITIONS, device=DEV)
+    slots = _slots(tables, pos, page, DECODE_PADDING)
+    got = decode_attention.decode_attention_fused(
+        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
+        max_seq_len=int(pos.max()) + 1, num_splits=num_splits, merge_in_kernel=False, q_norm=qn, k_norm=kn,
+        norm_eps=1e-6,
+    )  # fmt: skip
+    want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
+                                      n_q, n_kv, q_norm=qn.double(), k_norm=kn.double(), norm_eps=1e-6)  # fmt: skip
+    assert_close("decode fused qk-norm", got[active], want[active], dtype)
+    assert_close("k_cache qk-norm", kc, kc_ref, dtype)
+    with pytest.raises(ValueError, match="q_norm/k_norm: pass both or neither"):
+        decode_attention.decode_attention_fused(qkv, pos, slots, cos, sin, kc, vc, tables, 0.1, num_heads=n_q,
+                                                num_kv_heads=n_kv, max_seq_len=32, q_norm=qn)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_attention_fused_equals_unfused_path(dtype: torch.dtype) -> None:
     """The fused kernel against the kernels it replaces (rotary_and_store_kv, then paged_attention + merge) on the
     same inputs: identical cache contents, and outputs equal up to summation order."""

@@ -1,4 +1,4 @@
-"""Batch-1 GEMV with its fused prologues, and TritonOps against the engine's TorchOps reference."""
+"""Batch-1 GEMV with its fused prologues and bias, and TritonOps' projections against TorchOps (the reference)."""
 
 import os
 
@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 
 from envex.kernels import gemv  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
-from envex.kernels.ops import TritonOps  # noqa: E402
+from envex.kernels.ops import TorchOps  # noqa: E402
+from envex.kernels.triton_ops import TritonOps  # noqa: E402
 from envex.tests.support.kernels import assert_close, f64  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,53 +57,38 @@ def test_gemv_rejects_mismatched_k() -> None:
                   norm_weight=torch.randn(64, device=DEV))  # fmt: skip
 
 
-def _torch_ops():
-    torch_ops = pytest.importorskip("envex.runtime.engine.torch_ops")
-    return torch_ops.TorchOps()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cfg", [(8, 64, 4), (2, 0, 4, 1)])
+def test_gemv_bias(dtype: torch.dtype, cfg: tuple[int, ...]) -> None:
+    """Qwen2's QKV bias in the GEMV epilogue, with and without the norm prologue."""
+    n, k = 40, 96
+    a, b = (torch.randn(1, k, device=DEV).to(dtype) for _ in range(2))
+    nw = torch.randn(k, device=DEV).to(dtype)
+    w = (torch.randn(n, k, device=DEV) / k**0.5).to(dtype)
+    bias = torch.randn(n, device=DEV).to(dtype)
+    y, _ = gemv.gemv(a, w, bias=bias, config=cfg)
+    assert_close("gemv bias", y, ref.linear(*f64(a, w, bias)), dtype)
+    y, _ = gemv.gemv(a, w, prologue=gemv.PROLOGUE_ADD_RMS, b=b, norm_weight=nw, eps=1e-5, bias=bias, config=cfg)
+    normed, _ = ref.add_rms_norm(*f64(a, b, nw), 1e-5)
+    assert_close("add_rms gemv bias", y, ref.linear(normed, *f64(w, bias)), dtype)
+    with pytest.raises(ValueError, match="bias: length 39 != N = 40"):
+        gemv.gemv(a, w, bias=bias[:39])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_triton_ops_match_torch_ops(dtype: torch.dtype) -> None:
-    t_ops, x_ops = _torch_ops(), TritonOps()
-    x = torch.randn(3, 128, device=DEV).to(dtype)
-    r = torch.randn(3, 128, device=DEV).to(dtype)
-    w = torch.randn(128, device=DEV).to(dtype)
-    assert_close("ops.rms_norm", x_ops.rms_norm(x, w, 1e-5), t_ops.rms_norm(x, w, 1e-5), dtype)
-    for got, want in zip(x_ops.add_rms_norm(x, r, w, 1e-5), t_ops.add_rms_norm(x, r, w, 1e-5), strict=True):
-        assert_close("ops.add_rms_norm", got, want, dtype)
-    heads = torch.randn(3, 4, 64, device=DEV).to(dtype)  # Qwen3 q/k norm: RMSNorm over each head
-    hw = torch.randn(64, device=DEV).to(dtype)
-    assert_close("ops.rms_norm 3d", x_ops.rms_norm(heads, hw, 1e-6), t_ops.rms_norm(heads, hw, 1e-6), dtype)
-    gu = torch.randn(3, 256, device=DEV).to(dtype)
-    assert_close("ops.silu_and_mul", x_ops.silu_and_mul(gu), t_ops.silu_and_mul(gu), dtype)
-
-    q, k, v = (torch.randn(3, h, 64, device=DEV).to(dtype) for h in (4, 2, 2))
-    positions = torch.tensor([4, 9, 2], device=DEV)
-    inv = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
-    freqs = torch.arange(16).float()[:, None] * inv[None, :]
-    cos, sin = freqs.cos().to(DEV), freqs.sin().to(DEV)
-    slots = torch.tensor([4, 9, 2], device=DEV)
-    caches = [torch.zeros(2, 8, 2, 64, device=DEV).to(dtype) for _ in range(4)]
-    got = x_ops.rotary_and_store_kv(q, k, v, positions, cos, sin, caches[0], caches[1], slots)
-    want = t_ops.rotary_and_store_kv(q, k, v, positions, cos, sin, caches[2], caches[3], slots)
-    for name, a, b in (("q_rot", got[0], want[0]), ("k_rot", got[1], want[1]), ("k_cache", caches[0], caches[2]),
-                       ("v_cache", caches[1], caches[3])):  # fmt: skip
-        assert_close(f"ops.{name}", a, b, dtype)
-
-
-def test_triton_ops_attention_reads_metadata() -> None:
-    attention_meta = pytest.importorskip("envex.runtime.engine.attention")
-    g = torch.Generator().manual_seed(1)
-    kc = torch.randn(6, 8, 2, 64, generator=g).to(DEV)
-    vc = torch.randn(6, 8, 2, 64, generator=g).to(DEV)
-    q = torch.randn(4, 8, 64, generator=g).to(DEV)
-    meta = attention_meta.AttentionMetadata(
-        is_decode=False, slot_mapping=torch.zeros(4, dtype=torch.long, device=DEV),
-        cu_seqlens_q=torch.tensor([0, 3, 4], dtype=torch.int32, device=DEV),
-        seq_lens=torch.tensor([20, 9], dtype=torch.int32, device=DEV),
-        block_tables=torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32, device=DEV),
-        max_q_len=3, max_seq_len=20, scale=0.125,
-    )  # fmt: skip
-    out = TritonOps().attention(q, kc, vc, meta)
-    want = ref.paged_attention(*f64(q, kc, vc), meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, 0.125)
-    assert_close("ops.attention", out, want, torch.float32)
+@pytest.mark.parametrize("rows", [1, 3])  # one row: the GEMV kernels; more: cuBLAS with the Triton norms
+def test_triton_ops_match_torch_ops(dtype: torch.dtype, rows: int) -> None:
+    t_ops, x_ops = TorchOps(), TritonOps()
+    x, r = (torch.randn(rows, 128, device=DEV).to(dtype) for _ in range(2))
+    nw = torch.randn(128, device=DEV).to(dtype)
+    w = (torch.randn(72, 128, device=DEV) / 128**0.5).to(dtype)
+    bias = torch.randn(72, device=DEV).to(dtype)
+    for residual in (None, r):
+        for b in (None, bias):
+            got = x_ops.norm_linear(x, residual, nw, 1e-5, w, b)
+            want = t_ops.norm_linear(x, residual, nw, 1e-5, w, b)
+            assert_close("ops.norm_linear", got[0], want[0], dtype)
+            assert_close("ops.norm_linear residual", got[1], want[1], dtype)
+    assert_close("ops.linear", x_ops.linear(x, w, bias), t_ops.linear(x, w, bias), dtype)
+    gu = torch.randn(rows, 256, device=DEV).to(dtype)
+    assert_close("ops.act_linear", x_ops.act_linear(gu, w), t_ops.act_linear(gu, w), dtype)

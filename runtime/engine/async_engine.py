@@ -20,7 +20,6 @@ from envex.runtime.engine.engine import EngineStats, LLMEngine
 from envex.runtime.engine.types import (
     EngineError,
     EngineInternalError,
-    QueueFullError,
     RequestOutput,
     SamplingParams,
 )
@@ -79,13 +78,9 @@ class AsyncEngine:
         be admitted. Closing the iterator early aborts the request.
         """
         request_id = request_id or self.new_request_id()
-        self.engine.check_request(prompt_token_ids, params)
         pending = _Pending(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
-            if self._in_flight >= self.engine.capacity:
-                raise QueueFullError(
-                    f"the server is at capacity ({self._in_flight} requests in flight); retry later"
-                )
+            self.engine.check_request(prompt_token_ids, params, in_flight=self._in_flight)
             self._in_flight += 1
             self._pending[request_id] = pending
         self._commands.put(("add", (request_id, list(prompt_token_ids), params)))

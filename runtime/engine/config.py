@@ -1,14 +1,19 @@
-"""Engine settings: one frozen dataclass, built from CLI options or a launch manifest and passed down."""
+"""Engine settings: one frozen dataclass, built from CLI options or a launch manifest, resolved once for the device
+and the model (`EngineConfig.resolved`), and passed down. Nothing below the engine reads a default of its own."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
+from envex.runtime.config import ModelConfig
 from envex.runtime.loader import EMBEDDED_MODEL
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 BACKENDS = ("auto", "torch", "triton")
+# auto: the weights in the model's files; dummy: random weights of the right shapes and realistic magnitudes made
+# on the device from config.json alone (for benchmarks: speed does not depend on the values; answers do).
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,11 +23,10 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda when available
     dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
     backend: str = "auto"  # auto: triton on cuda, torch elsewhere
-    max_model_len: int | None = None  # default: the model's window, capped at 32768
+    load_format: str = "auto"
+    max_model_len: int | None = None  # default: the model's window (or sliding window), capped at 32768
     max_num_seqs: int = 64
-    # Tokens per step (prefill chunks plus decodes). None: 8192 on CUDA, where larger chunks keep the prefill
-    # matmuls near the tensor-core peak (16384 measured no faster, with a later first token: benchmarks.md),
-    # and 2048 on CPU.
+    # Tokens per step (prefill chunks plus decodes). None: see resolved().
     max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # default: from kv_cache_memory_gb (cpu) or free device memory (cuda)
@@ -32,10 +36,10 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 429)
     seed: int = 0
     use_cuda_graphs: bool = True
-    # Prompt-lookup speculative decoding for greedy requests: up to this many drafted tokens verified per step
-    # (0 turns it off; None: 4 on the torch backend, 0 on triton, whose decode steps replay CUDA graphs).
-    # Exact: a draft token is kept only where it equals the model's own argmax.
-    num_speculative_tokens: int | None = None
+    # Prompt-lookup speculative decoding for greedy requests: up to this many drafted tokens verified per step.
+    # Exact: a draft token is kept only where it equals the model's own argmax. Off by default: on chat prompts
+    # only ~11% of drafts were accepted on the CPU, which halved single-stream speed (offline_docs/engine.md).
+    num_speculative_tokens: int = 0
     # Overlapped scheduling: schedule and launch step N+1 before reading step N's sampled tokens (None: on for
     # CUDA, where host work then hides behind device work; on CPU it only delays outputs by a step).
     async_scheduling: bool | None = None
@@ -43,10 +47,11 @@ class EngineConfig:
     warm_up: bool | None = None
 
     def __post_init__(self) -> None:
-        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS)):
+        for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS),
+                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        if self.num_speculative_tokens is not None and not 0 <= self.num_speculative_tokens <= 16:
+        if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens: must be in 0..16, got {self.num_speculative_tokens}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -57,3 +62,42 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:
             raise ValueError(f"gpu_memory_utilization: must be in [0.05, 0.98], got {self.gpu_memory_utilization}")
+
+    def resolved(self, model: ModelConfig, *, cuda_available: bool) -> EngineConfig:
+        """Every setting made concrete for this device and model: the one place where defaults are decided.
+        The engine runs on the result, and the installer records it in launch.json."""
+        if self.device == "cuda" and not cuda_available:
+            raise ValueError("device: cuda was asked for but no CUDA device is visible; use --device cpu")
+        device = ("cuda" if cuda_available else "cpu") if self.device == "auto" else self.device
+        cuda = device == "cuda"
+        backend = ("triton" if cuda else "torch") if self.backend == "auto" else self.backend
+        if backend == "triton" and not cuda:
+            raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
+        window = model.max_position_embeddings
+        if model.sliding_window:  # no sliding-window attention in this family yet: serve within the window
+            window = min(window, model.sliding_window)
+        return replace(
+            self,
+            device=device,
+            backend=backend,
+            dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype,
+            max_model_len=min(self.max_model_len or min(window, _MAX_DEFAULT_LEN), window),
+            # 8K-token steps on CUDA keep the prefill matmuls near the tensor-core peak (16K measured no faster,
+            # with a later first token: benchmarks.md); 2K on CPU.
+            max_num_batched_tokens=self.max_num_batched_tokens or (8192 if cuda else 2048),
+            use_cuda_graphs=self.use_cuda_graphs and backend == "triton",
+            # Overlap hides host work behind device work; on the CPU it would only delay outputs by a step.
+            # Speculation verifies drafts against read tokens, so the two do not run together.
+            async_scheduling=(cuda if self.async_scheduling is None else self.async_scheduling)
+            and self.num_speculative_tokens == 0,
+            warm_up=cuda if self.warm_up is None else self.warm_up,
+        )
+
+    @property
+    def is_resolved(self) -> bool:
+        return (self.device != "auto" and self.backend != "auto" and self.dtype != "auto"
+                and all(getattr(self, f.name) is not None for f in fields(self) if f.name in _RESOLVED))
+
+
+_MAX_DEFAULT_LEN = 32768
+_RESOLVED = ("max_model_len", "max_num_batched_tokens", "async_scheduling", "warm_up")

@@ -1,10 +1,11 @@
-"""CUDA-graph decode for the Triton backend: one captured step per batch size of a ladder.
+"""CUDA-graph decode: the model file's forward captured once per batch size of a ladder, replayed token by token.
 
-A decode step of B sequences runs the graph of the smallest ladder size ≥ B; the extra rows are padding
-(inactive: they write nothing into the KV cache, and their logits are dropped). The step itself is
-envex.kernels.fused_decode.FusedDecoder: at batch 1 the projections are GEMVs with the norms and SwiGLU folded
-in, chained with programmatic dependent launch; above that, cuBLAS matmuls and the fused Triton norms. Host work
-per step is three small copies into the graph's static inputs; sampling stays with the engine's sampler.
+A decode step of B sequences replays the graph of the smallest ladder size ≥ B; the extra rows are padding
+(inactive: they write nothing into the KV cache, and their logits are dropped). What is captured is
+ModelRunner.forward_logits, the same forward every eager step runs, on static input buffers: the per-step
+metadata (cache slots from the block tables and positions) is computed on the device inside the graph, and the
+key-split count of decode attention is fixed per graph. Host work per step is a few small copies into the static
+inputs; sampling stays with the engine.
 
 All graphs share one memory pool (captured largest first), so the ladder costs about one step's activations.
 """
@@ -13,8 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from envex.kernels.fused_decode import DecodeShape, DecodeState, FusedDecoder, splits_for
-from envex.runtime.config import ModelConfig
+from envex.kernels.ops import AttentionMetadata
 from envex.runtime.engine.model_runner import fill_pending
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -27,51 +27,61 @@ def graph_ladder(max_batch: int, ladder: tuple[int, ...] = DEFAULT_LADDER) -> tu
     return tuple(sorted({b for b in ladder if b < max_batch} | {max_batch}))
 
 
-def supports(config: ModelConfig) -> bool:
-    """The fused step covers dense Llama-family layers without QKV bias or q/k norms (Llama, Mistral, SmolLM2)."""
-    return not config.attention_bias and not config.qk_norm
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int | None:
+    """A graph's fixed decode key-split count (None off CUDA: the eager launcher then chooses)."""
+    if device.type != "cuda":
+        return None
+    from envex.kernels.attention import choose_num_splits  # Triton: only where graphs run
+
+    return choose_num_splits(batch, num_kv_heads, max_seq_len, device)
+
+
+class _Inputs:
+    """Device buffers a captured step reads (what the graph holds by address)."""
+
+    def __init__(self, batch: int, max_blocks: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=device)  # position of the token fed in
+        self.block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        # False for padding rows: they compute garbage but write nothing into the KV cache.
+        self.active = torch.ones(batch, dtype=torch.bool, device=device)
 
 
 class DecodeGraphs:
-    def __init__(self, model, config: ModelConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 cos: torch.Tensor, sin: torch.Tensor, *, max_batch: int, max_model_len: int,
-                 capture: bool = True, gemv_configs: dict | None = None) -> None:  # fmt: skip
+    def __init__(self, runner, *, max_batch: int, capture: bool = True) -> None:  # runner: ModelRunner
         """capture=False runs the same step eagerly (for CPU tests under the Triton interpreter)."""
-        if not supports(config):
-            raise ValueError(f"model: {config.architecture} with QKV bias or q/k norm has no fused decode step; "
-                             "run it with use_cuda_graphs=False")  # fmt: skip
-        self.device = kv_caches[0][0].device
-        self.block_size = kv_caches[0][0].shape[1]
-        self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // self.block_size)
+        self.runner = runner
+        self.device = runner.device
+        self.block_size = runner.block_size
+        self.max_model_len = runner.max_model_len
+        self.max_blocks = -(-self.max_model_len // self.block_size)
         self.sizes = graph_ladder(max_batch)
-        self.capture = capture
-        shape = DecodeShape(num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-                            head_dim=config.head_dim, hidden_size=config.hidden_size,
-                            eps=config.rms_norm_eps)  # fmt: skip
-        cuda = self.device.type == "cuda"
-        self._states: dict[int, DecodeState] = {}
-        self._decoders: dict[int, FusedDecoder] = {}
-        self._splits: dict[int, int] = {}
+        self.capture = capture and self.device.type == "cuda"
+        kv_heads = runner.model_config.num_key_value_heads
+        self._inputs = {b: _Inputs(b, self.max_blocks, self.device) for b in self.sizes}
+        self._splits = {b: num_splits_for(b, kv_heads, self.max_model_len, self.device) for b in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
-        for b in self.sizes:
-            self._states[b] = DecodeState(b, self.max_blocks, self.device)
-            self._decoders[b] = FusedDecoder(model, shape, kv_caches, cos, sin, gemv_configs=gemv_configs,
-                                             use_gemv=b == 1, pdl=cuda and b == 1)  # fmt: skip
-            self._splits[b] = splits_for(b, shape.num_kv_heads, max_model_len, self.device)
-        if capture:
+        if self.capture:
             self._capture_all()
 
     def _forward(self, b: int) -> torch.Tensor:
-        return self._decoders[b].forward(self._states[b], self._splits[b], self.max_model_len)
+        x = self._inputs[b]
+        bs = self.block_size
+        slots = x.block_tables.gather(1, (x.positions // bs)[:, None])[:, 0].long() * bs + x.positions % bs
+        meta = AttentionMetadata(
+            positions=x.positions, slot_mapping=torch.where(x.active, slots, -1), cu_seqlens_q=x.cu_seqlens_q,
+            block_tables=x.block_tables, cos=self.runner.cos, sin=self.runner.sin, max_q_len=1,
+            max_seq_len=self.max_model_len, num_splits=self._splits[b],
+        )  # fmt: skip
+        return self.runner.forward_logits(x.input_ids, meta)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
         for b in sorted(self.sizes, reverse=True):  # largest first: the others fit in its pool
-            state = self._states[b]
-            state.active.zero_()  # warm-up and capture must not write into live KV blocks
+            self._inputs[b].active.zero_()  # warm-up and capture must not write into live KV blocks
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -97,25 +107,21 @@ class DecodeGraphs:
         if not self.fits(batch):
             raise ValueError(f"batch: {batch} sequences, the largest captured decode graph takes {self.sizes[-1]}")
         b = next(s for s in self.sizes if s >= batch)
-        state = self._states[b]
+        x = self._inputs[b]
         width = max(len(t) for t in block_tables)
         if width > self.max_blocks:
             raise ValueError(f"block_tables: {width} blocks > {self.max_blocks} that max_model_len allows")
         pad = b - batch
-        ids = torch.tensor(input_ids + [0] * pad, dtype=torch.int64)
-        pos = torch.tensor(positions + [0] * pad, dtype=torch.int64)
-        active = torch.tensor([True] * batch + [False] * pad)
         flat = [0] * (b * width)  # one host tensor for all tables: per-row tensors cost ~5 us each
         for row, t in enumerate(block_tables):
             flat[row * width : row * width + len(t)] = t
-        tables = torch.tensor(flat, dtype=torch.int32).view(b, width)
         # Only the first `width` columns matter: kernels read a sequence's table up to its own length.
-        state.input_ids.copy_(ids, non_blocking=True)
-        state.positions.copy_(pos, non_blocking=True)
-        state.active.copy_(active, non_blocking=True)
-        state.block_tables[:, :width].copy_(tables, non_blocking=True)
+        x.input_ids.copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.int64), non_blocking=True)
+        x.positions.copy_(torch.tensor(positions + [0] * pad, dtype=torch.int64), non_blocking=True)
+        x.active.copy_(torch.tensor([True] * batch + [False] * pad), non_blocking=True)
+        x.block_tables[:, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(b, width), non_blocking=True)
         if fill is not None:
-            fill_pending(state.input_ids, *fill)
+            fill_pending(x.input_ids, *fill)
         if self.capture:
             self._graphs[b].replay()
             logits = self._logits[b]

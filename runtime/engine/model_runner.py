@@ -1,4 +1,8 @@
-"""Runs the model for one scheduled step: builds the packed inputs and attention metadata, returns logits."""
+"""Runs the model for one scheduled step: builds the packed inputs and the attention metadata, returns logits.
+
+The model file's forward is the only forward: eager steps call it directly, and on the triton backend a pure
+decode step replays a CUDA graph that captured the same forward (cuda_graphs.py).
+"""
 
 from __future__ import annotations
 
@@ -6,40 +10,15 @@ from dataclasses import dataclass
 
 import torch
 
+from envex.kernels.ops import AttentionMetadata, make_ops
 from envex.runtime.config import ModelConfig
-from envex.runtime.engine.attention import AttentionMetadata
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.scheduler import ScheduledChunk
-from envex.runtime.engine.torch_ops import TorchOps
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import model_class
 from envex.runtime.models.llama import rope_cos_sin
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device: cuda was asked for but no CUDA device is visible; use --device cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def pick_ops(backend: str, device: torch.device):  # -> TorchOps | TritonOps
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return TorchOps()
-    if device.type != "cuda":
-        raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
-    from envex.kernels.ops import TritonOps  # imported only on CUDA: the kernels need a GPU (or the interpreter)
-
-    return TritonOps()
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _column_major_weights(model: torch.nn.Module) -> None:
@@ -51,6 +30,20 @@ def _column_major_weights(model: torch.nn.Module) -> None:
     for param in model.parameters():
         if param.dim() == 2:
             param.data = param.data.t().contiguous().t()
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights with realistic magnitudes, made on the model's device (vLLM's --load-format dummy): norm
+    weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm_weight"):
+            param.fill_(1.0)
+        elif param.dim() == 1:
+            param.normal_(0.0, 0.02, generator=gen)
+        else:
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
 
 
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -80,42 +73,40 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        """config: resolved (EngineConfig.resolved) for this device and model."""
+        assert config.is_resolved and config.max_model_len is not None, "the engine passes a resolved config"
         self.config = config
         self.model_config: ModelConfig = loaded.config
-        self.device = pick_device(config.device)
-        self.dtype = pick_dtype(config.dtype, self.device)
-        self.ops = pick_ops(config.backend, self.device)
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.ops = make_ops(config.backend, self.device)
         mc = self.model_config
         with torch.no_grad():
             self.model = model_class(mc)(mc, dtype=self.dtype, device=self.device)
-            self.model.load_weights(loaded.iter_weights())
+            if config.load_format == "dummy":
+                dummy_weights(self.model, config.seed)
+            else:
+                self.model.load_weights(loaded.iter_weights())
             if self.device.type == "cpu":
                 _column_major_weights(self.model)
-        self.cos, self.sin = rope_cos_sin(mc, max_model_len, self.device)
+        self.max_model_len = config.max_model_len
+        self.cos, self.sin = rope_cos_sin(mc, self.max_model_len, self.device)
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks(max_model_len)
+        self.num_blocks = self._num_blocks()
         shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(mc.num_hidden_layers)
         ]
-        self.scale = mc.head_dim ** -0.5
-        self.decode_graphs = self._decode_graphs(max_model_len)
+        self.decode_graphs = None
+        if config.use_cuda_graphs and self.device.type == "cuda":
+            from envex.runtime.engine.cuda_graphs import DecodeGraphs
 
-    def _decode_graphs(self, max_model_len: int):  # -> DecodeGraphs | None
-        """CUDA-graph decode steps (runtime/engine/cuda_graphs.py) for the Triton backend, when the model has one."""
-        if not (self.config.use_cuda_graphs and self.device.type == "cuda" and self.ops.name == "triton"):
-            return None
-        from envex.runtime.engine.cuda_graphs import DecodeGraphs, supports
+            self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
 
-        if not supports(self.model_config):
-            return None
-        return DecodeGraphs(self.model, self.model_config, self.kv_caches, self.cos, self.sin,
-                            max_batch=self.config.max_num_seqs, max_model_len=max_model_len)
-
-    def _num_blocks(self, max_model_len: int) -> int:
+    def _num_blocks(self) -> int:
         mc = self.model_config
         bytes_per_block = (2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim
                            * torch.finfo(self.dtype).bits // 8)
@@ -127,59 +118,19 @@ class ModelRunner:
             blocks = int(budget // bytes_per_block)
         else:
             blocks = int(self.config.kv_cache_memory_gb * 2**30 // bytes_per_block)
-        needed = -(-max_model_len // self.block_size)
+        needed = -(-self.max_model_len // self.block_size)
         if blocks < needed:
             raise ValueError(
                 f"num_kv_blocks: {blocks} blocks of {self.block_size} tokens cannot hold one sequence of "
-                f"max_model_len={max_model_len}; lower --max-model-len or give the KV cache more memory"
+                f"max_model_len={self.max_model_len}; lower --max-model-len or give the KV cache more memory"
             )
         return blocks
 
-    def _metadata(self, chunks: list[ScheduledChunk], slot_mapping: torch.Tensor) -> AttentionMetadata:
-        q_lens = [c.num_tokens for c in chunks]
-        seq_lens = [c.start + c.num_tokens for c in chunks]
-        max_blocks = max(len(c.seq.block_table) for c in chunks)
-        tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
-        cu = [0]
-        for n in q_lens:
-            cu.append(cu[-1] + n)
-        meta = AttentionMetadata(
-            is_decode=all(n == 1 for n in q_lens),
-            slot_mapping=slot_mapping,
-            cu_seqlens_q=upload(cu, torch.int32, self.device),
-            seq_lens=upload(seq_lens, torch.int32, self.device),
-            block_tables=upload(tables, torch.int32, self.device),
-            max_q_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            scale=self.scale,
-        )
-        if isinstance(self.ops, TorchOps):
-            self._torch_gather(meta, chunks, q_lens, seq_lens)
-        return meta
-
-    def _torch_gather(self, meta: AttentionMetadata, chunks: list[ScheduledChunk], q_lens: list[int],
-                      seq_lens: list[int]) -> None:
-        """Dense per-sequence views of the paged cache for the reference attention (host-built, small)."""
-        bs = self.block_size
-        b, max_q, max_s = len(chunks), meta.max_q_len, meta.max_seq_len
-        pos = torch.arange(max_s)
-        tables = meta.block_tables.cpu().long()  # [B, max_blocks]
-        kv_slots = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1).expand(b, -1)) * bs + pos % bs
-        seq_t = torch.tensor(seq_lens)
-        q_t = torch.tensor(q_lens)
-        starts = torch.tensor([0] + q_lens[:-1]).cumsum(0)
-        qi = torch.arange(max_q)
-        q_valid = qi[None, :] < q_t[:, None]  # [B, Q]
-        q_index = torch.where(q_valid, starts[:, None] + qi[None, :], 0)
-        q_pos = (seq_t - q_t)[:, None] + qi[None, :]  # [B, Q] absolute position of each query
-        mask = (pos[None, None, :] <= q_pos[:, :, None]) & (pos[None, None, :] < seq_t[:, None, None])
-        mask &= q_valid[:, :, None]
-        mask[:, :, 0] |= ~q_valid  # padded query rows attend to one key so softmax stays finite
-        dev = self.device
-        meta.kv_slots = torch.where(pos[None, :] < seq_t[:, None], kv_slots, 0).to(dev)
-        meta.q_index = q_index.to(dev)
-        meta.q_rows = q_valid.reshape(-1).nonzero().squeeze(1).to(dev)
-        meta.attn_mask = mask.unsqueeze(1).to(dev)
+    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The whole model on a step whose every token needs logits (a decode step) -> [T, V] in the model dtype.
+        What a CUDA graph captures."""
+        hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
+        return self.model.compute_logits(self.ops, hidden, residual)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], pending_tokens: torch.Tensor | None = None) -> StepResult:
@@ -211,9 +162,22 @@ class ModelRunner:
         if fill_at:
             assert pending_tokens is not None
             fill_pending(input_ids, fill_at, fill_from, pending_tokens)
-        meta = self._metadata(chunks, upload(slots, torch.int64, self.device))
-        hidden = self.model(self.ops, input_ids, upload(positions, torch.int64, self.device), self.cos, self.sin,
-                            self.kv_caches, meta)
+        q_lens = [c.num_tokens for c in chunks]
+        seq_lens = [c.start + c.num_tokens for c in chunks]
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            positions=upload(positions, torch.int64, self.device),
+            slot_mapping=upload(slots, torch.int64, self.device),
+            cu_seqlens_q=upload(cu, torch.int32, self.device),
+            block_tables=upload([c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks],
+                                torch.int32, self.device),
+            cos=self.cos, sin=self.sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
+            seq_lens=upload(seq_lens, torch.int32, self.device), q_lens_host=q_lens, seq_lens_host=seq_lens,
+        )  # fmt: skip
+        hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
         ends, prompt_rows = [], {}
         offset = 0
         for i, c in enumerate(chunks):
@@ -222,9 +186,12 @@ class ModelRunner:
             offset += c.num_tokens
             if c.completes:  # the last row, or with drafts the last 1 + num_draft rows (each verifies one)
                 ends.extend(range(offset - 1 - c.num_draft, offset))
-        logits = (self.model.compute_logits(hidden[upload(ends, torch.int64, self.device)]).float() if ends
-                  else hidden.new_zeros((0, 0)))
+        logits = hidden.new_zeros((0, 0))
+        if ends:
+            rows = upload(ends, torch.int64, self.device)
+            logits = self.model.compute_logits(self.ops, hidden[rows], residual[rows]).float()
         prompt_logits = {
-            i: self.model.compute_logits(hidden[a:b]).float() for i, (a, b) in prompt_rows.items()
+            i: self.model.compute_logits(self.ops, hidden[a:b], residual[a:b]).float()
+            for i, (a, b) in prompt_rows.items()
         }
         return StepResult(logits=logits, prompt_logits=prompt_logits)

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, Ops
 from envex.runtime.config import ModelConfig
-from envex.runtime.engine.attention import AttentionMetadata
 
 
 def rope_cos_sin(config: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,7 +46,7 @@ class LlamaLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         c = config
-        self.config = c
+        self.eps = c.rms_norm_eps
         qkv_out = c.q_size + 2 * c.kv_size
         self.input_layernorm_weight = _param(c.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm_weight = _param(c.hidden_size, dtype=dtype, device=device)
@@ -57,32 +57,21 @@ class LlamaLayer(nn.Module):
         self.k_norm_weight = _param(c.head_dim, dtype=dtype, device=device) if c.qk_norm else None
         self.gate_up_proj_weight = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
         self.down_proj_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
+        self.attn = AttentionLayer(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                   head_dim=c.head_dim, scale=c.head_dim**-0.5, q_norm=self.q_norm_weight,
+                                   k_norm=self.k_norm_weight, norm_eps=c.rms_norm_eps)  # fmt: skip
 
-    def forward(self, ops, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        if residual is None:
-            residual = hidden
-            hidden = ops.rms_norm(hidden, self.input_layernorm_weight, c.rms_norm_eps)
-        else:
-            hidden, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm_weight, c.rms_norm_eps)
-        qkv = torch.nn.functional.linear(hidden, self.qkv_proj_weight, self.qkv_proj_bias)  # [T, q + 2kv]
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.reshape(-1, c.num_attention_heads, c.head_dim)  # [T, Hq, D]
-        k = k.reshape(-1, c.num_key_value_heads, c.head_dim)  # [T, Hkv, D]
-        v = v.reshape(-1, c.num_key_value_heads, c.head_dim)
-        if self.q_norm_weight is not None:  # Qwen3: RMSNorm over each head before RoPE
-            q = ops.rms_norm(q, self.q_norm_weight, c.rms_norm_eps)
-            k = ops.rms_norm(k, self.k_norm_weight, c.rms_norm_eps)
-        k_cache, v_cache = kv_cache
-        q, _ = ops.rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        attn = ops.attention(q, k_cache, v_cache, meta)  # [T, Hq, D]
-        hidden = torch.nn.functional.linear(attn.reshape(-1, c.q_size), self.o_proj_weight)
-        hidden, residual = ops.add_rms_norm(hidden, residual, self.post_attention_layernorm_weight, c.rms_norm_eps)
-        hidden = torch.nn.functional.linear(ops.silu_and_mul(
-            torch.nn.functional.linear(hidden, self.gate_up_proj_weight)), self.down_proj_weight)
-        return hidden, residual
+    def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """hidden, residual [T, H] -> the MLP output and the residual stream before it (added by the next norm)."""
+        qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
+                                        self.qkv_proj_weight, self.qkv_proj_bias)  # [T, q + 2kv]
+        attn = ops.attention(qkv, *kv_cache, meta, self.attn)  # [T, q]
+        hidden = ops.linear(attn, self.o_proj_weight)
+        gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
+                                            self.gate_up_proj_weight)  # [T, 2I]
+        return ops.act_linear(gate_up, self.down_proj_weight), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,18 +92,20 @@ class LlamaForCausalLM(nn.Module):
             else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
 
-    def forward(self, ops, input_ids: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions: [T] -> final normed hidden states [T, hidden]."""
+    def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """input_ids [T] -> (hidden, residual) [T, H] after the last layer, before the final norm; compute_logits
+        takes the rows that need logits."""
         hidden = self.embed_tokens_weight[input_ids]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(ops, hidden, residual, positions, cos, sin, kv_cache, meta)
-        hidden, _ = ops.add_rms_norm(hidden, residual, self.norm_weight, self.config.rms_norm_eps)
-        return hidden
+            hidden, residual = layer(ops, hidden, residual, kv_cache, meta)
+        assert residual is not None, "a model has at least one layer"
+        return hidden, residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.lm_head_weight)
+    def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on the given rows -> logits [N, V] in the model's dtype."""
+        return ops.norm_linear(hidden, residual, self.norm_weight, self.config.rms_norm_eps, self.lm_head_weight)[0]
 
     # ---- loading -------------------------------------------------------------------------------------------
 

@@ -1,13 +1,11 @@
-"""Check and time every kernel at full size on the GPU, then the Llama-3.1-8B-shaped model end to end.
+"""Check and time every kernel at full size on the GPU against its float64 reference and its floor.
 
-    python3 -m envex.verify.kernel_bench.bench_h200 --out $OUT [--sections bw,kernels,sweep,e2e,hf,batch,
-                                                    hfcompile,fused]
+    python3 -m envex.verify.kernel_bench.bench_h200 --out $OUT [--sections bw,kernels,sweep,psweep]
 
-One device call: measured read bandwidth (the roofline), each kernel against its float64 reference and its floor,
-the batch-1 GEMV config sweep, batch-1 decode at 1K/256 and 10K/512 through the fused CUDA-graphed step, HF
-transformers stock (and, asked for, static cache + torch.compile) on the same weights and prompts, and a batch
-sweep; `fused` checks and times the fused decode attention against the unfused chain and the batch-1 step with
-each (verify/kernel_bench/_bench_fused.py). Prints a short table last and writes bench.json under --out.
+One device call: measured read bandwidth (the roofline), each kernel against its reference and its floor, and the
+batch-1 GEMV and attention config sweeps. The model end to end is measured through the OpenAI server by
+bench_server.py (the fused-step and HF sections that lived here went with kernels/fused_decode.py, whose
+hand-written forward the model file replaced). Prints a short table last and writes bench.json under --out.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from envex.kernels import activation, attention, gemv, norm, rotary  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
 from envex.kernels.accuracy import TOLERANCE, rel_err  # noqa: E402
-from envex.kernels.fused_decode import splits_for  # noqa: E402
 from envex.verify.kernel_bench import _bench_lib as B  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -130,7 +127,7 @@ def _attention_checks(rep: Report, bw: float) -> None:
         q = torch.randn(batch, HQ, D, device=DEV, dtype=BF16)
         cu = torch.arange(batch + 1, device=DEV, dtype=torch.int32)
         sl = torch.full((batch,), seq, device=DEV, dtype=torch.int32)
-        splits = splits_for(batch, HKV, seq, DEV)
+        splits = attention.choose_num_splits(batch, HKV, seq, DEV)
 
         def run(i: int, q=q, kc=kc, vc=vc, tables=tables, cu=cu, sl=sl, seq=seq, splits=splits, sets=sets):
             return attention.paged_attention(q, kc, vc, cu, sl, tables[i % sets], D**-0.5, max_q_len=1,
@@ -224,7 +221,7 @@ def _attention_regime(rep: Report, bw: float, regime: str, batch: int, seq: int)
         for stages in (1, 2, 3):
             for min_keys in (32, 64, 128, 256):
                 for pps in (2, 4):
-                    splits = splits_for(batch, HKV, seq, DEV, min_keys=min_keys, programs_per_sm=pps)
+                    splits = attention.choose_num_splits(batch, HKV, seq, DEV, min_keys=min_keys, programs_per_sm=pps)
                     if (block_n, stages, splits) in seen:
                         continue
                     seen.add((block_n, stages, splits))
@@ -326,12 +323,9 @@ def guarded(rep: Report, name: str, fn, *args) -> None:
 
 
 def main() -> None:
-    from envex.verify.kernel_bench import _bench_e2e as E
-    from envex.verify.kernel_bench import _bench_fused as F
-
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
-    ap.add_argument("--sections", default="bw,kernels,sweep,e2e,hf,batch")
+    ap.add_argument("--sections", default="bw,kernels,sweep")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--quick", action="store_true", help="few GEMV configs, short generations (smoke run)")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
@@ -366,41 +360,6 @@ def main() -> None:
     rep.data["attn_best"] = ATTN_BEST
     if "kernels" in sections:
         guarded(rep, "kernels", section_kernels, rep, bw)
-    if "fused" in sections:
-        guarded(rep, "fused", F.section_fused, rep, bw, dict(ATTN_BEST), _paged)
-    results: dict = {}
-    if sections & {"e2e", "hf", "batch", "hfcompile", "ttft", "concurrent", "fused"}:
-        hf = B.build_hf_model()
-        eng = E.Engine8B(hf, num_blocks=21504, gemv_configs=dict(GEMV_BEST), attn_best=dict(ATTN_BEST))
-        eng.prefill_attn = dict(PREFILL_BEST)
-        rep.row("e2e", "model", weight_bytes_per_step=eng.weight_bytes, roofline_ms=eng.weight_bytes / bw / 1e9,
-                gpu_mem_gb=torch.cuda.memory_allocated() / 1e9)  # fmt: skip
-        if "fused" in sections:
-            guarded(rep, "fused e2e", F.section_fused_e2e, rep, eng, bw)
-        gens = ((1024, 64), (10240, 64)) if args.quick else ((1024, 256), (10240, 512))
-        for prompt, gen in gens:
-            if "e2e" in sections:
-                guarded(rep, f"e2e {prompt}", E.section_batch1, rep, eng, bw, prompt, gen, results)
-        if "e2e" in sections:
-            guarded(rep, "accuracy", E.section_accuracy, rep, eng, results)
-        if "hf" in sections:
-            for prompt, gen in gens:
-                if f"prompt_{prompt}" not in results:
-                    results[f"prompt_{prompt}"] = torch.randint(0, 128256, (1, prompt), device=DEV)
-                guarded(rep, f"hf {prompt}", E.section_hf, rep, eng, prompt, gen, results)
-        if "ttft" in sections:
-            guarded(rep, "ttft", E.section_ttft, rep, eng)
-        if "batch" in sections:
-            batches = [int(b) for b in args.batches.split(",")]
-            guarded(rep, "batch sweep", E.section_batch_sweep, rep, eng, bw, batches, 1024 + 128)
-        if "batch" in sections or "concurrent" in sections:
-            guarded(rep, "concurrent", E.section_concurrent, rep, eng, bw, 64, 1024, 64 if args.quick else 256, 8)
-        if "hfcompile" in sections:
-            E.hf_compile(eng)
-            for prompt, gen in gens:
-                if f"prompt_{prompt}" not in results:
-                    results[f"prompt_{prompt}"] = torch.randint(0, 128256, (1, prompt), device=DEV)
-                guarded(rep, f"hfc {prompt}", E.section_hf, rep, eng, prompt, gen, results, "static+compile")
     _table(rep)
 
 

@@ -1,0 +1,83 @@
+"""TritonOps: the `Ops` entry points (kernels/ops.py) on the Triton kernels, the CUDA fast path.
+
+Each entry point picks its kernel from the rows it is given:
+- one row (batch-1 decode): the GEMV kernel (gemv.py), which reads the weight once at full bandwidth and folds
+  the residual add + RMSNorm, the SwiGLU and the bias into the same pass; chained with programmatic dependent
+  launch on Hopper, so each kernel's weight stream starts under its predecessor's tail;
+- more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it;
+- attention: for a pure decode step, decode_attention_fused (q/k norm + rotary + KV write + attention + split
+  merge in one or two launches); else rotary_and_store_kv and the varlen paged_attention kernel.
+The model file never sees these choices; the gates prove the result equals TorchOps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from envex.kernels import activation, attention, decode_attention, gemv, norm, rotary
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, split_qkv
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])  # [..., H] -> [T, H] (copies only if the view is impossible)
+
+
+class TritonOps:
+    name = "triton"
+
+    def __init__(self, *, pdl: bool = False) -> None:
+        # pdl: launch the one-row kernels with programmatic dependent launch (Hopper and later). Every kernel so
+        # launched waits on its predecessor before reading activations, so mixing with plain launches is safe.
+        self.pdl = pdl
+
+    @staticmethod
+    def _gemv(x: torch.Tensor) -> bool:
+        return x.shape[0] == 1  # above one row, cuBLAS beats re-reading the weight per row
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self._gemv(x):
+            prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
+            y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
+                                 bias=bias, pdl=self.pdl)  # fmt: skip
+            return y, (x if total is None else total)
+        if residual is None:
+            normed, residual = norm.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
+        return F.linear(normed, weight, bias), residual
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self._gemv(x):
+            return gemv.gemv(x, weight, bias=bias, pdl=self.pdl)[0]
+        return F.linear(x, weight, bias)
+
+    def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._gemv(gate_up):
+            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
+        return F.linear(activation.silu_and_mul(gate_up), weight)
+
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+        tokens = qkv.shape[0]
+        if meta.is_decode:
+            pdl = self.pdl and tokens == 1
+            return decode_attention.decode_attention_fused(
+                qkv, meta.positions, meta.slot_mapping, meta.cos, meta.sin, k_cache, v_cache, meta.block_tables,
+                layer.scale, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, merge_in_kernel=False,
+                q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=layer.norm_eps, pdl=pdl,
+            ).view(tokens, layer.q_size)  # fmt: skip
+        q, k, v = split_qkv(qkv, layer)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = norm.rms_norm(_rows(q), layer.q_norm, layer.norm_eps).view(q.shape)
+            k = norm.rms_norm(_rows(k), layer.k_norm, layer.norm_eps).view(k.shape)
+        q, _ = rotary.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
+                                          meta.slot_mapping)  # fmt: skip
+        assert meta.seq_lens is not None, "a step with prefill chunks carries seq_lens"
+        out = attention.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                        layer.scale, max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len,
+                                        num_splits=meta.num_splits)  # fmt: skip
+        return out.view(tokens, layer.q_size)
