@@ -1,0 +1,232 @@
+"""End to end through the OpenAI server on one GPU: several envex trees and model shapes, side by side in one run.
+
+    python3 -m envex.verify.kernel_bench.bench_server --out $OUT --commit C \
+        --runs new:llama8b=/tmp/ns,old:llama8b=/tmp/ns_old,new:qwen3-8b=/tmp/ns [--cases b1_1k,b1_10k,c64_1k]
+
+Each run starts `envex.runtime.server.serve` in a child process whose PYTHONPATH is that tree (a folder holding
+the namespace package envex, so an older commit can be measured beside this one), on 127.0.0.1, and drives it
+with raw HTTP streaming requests (httpx): byte-identical token-id prompts, greedy, ignore_eos, so every request
+emits exactly max_tokens tokens (checked). Random bf16 weights: a checkpoint on disk for trees that cannot build
+dummy weights (the Llama shape only), `load_format=dummy` otherwise. Cases:
+
+    b1_1k   batch 1, 1K-token prompt, 256 out: decode tok/s (after the first token) and TTFT; 1 warm-up + 3 runs
+    b1_10k  batch 1, 10K prompt, 512 out; 1 warm-up + 2 runs
+    c64_1k  64 concurrent 1K/256 streams: output tok/s over the whole wave; 1 warm-up + 2 runs
+
+The roofline is the bytes one decode step reads (weights except the embedding table, plus the KV cache at the
+mean context) over the read bandwidth measured in the same run. Writes server.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = {
+    "llama8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                    vocab_size=128256, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                    tie_word_embeddings=False, torch_dtype="bfloat16", eos_token_id=128001),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16",
+                     eos_token_id=151645),
+}  # fmt: skip
+CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2)}
+
+
+def step_bytes(shape: dict, context: int) -> float:
+    """Bytes one batch-1 decode step reads: every weight but the embedding table (one row of it), bf16, plus the
+    K and V of `context` cached tokens in every layer."""
+    h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    d = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * d if shape["model_type"] == "qwen3" else 0)
+    weights = n * per_layer + shape["vocab_size"] * h + 2 * h
+    return 2.0 * (weights + n * 2 * kv * context)
+
+
+def write_model_dir(path: Path, shape: dict, *, weights: bool) -> None:
+    """config.json and a word-level tokenizer (token i is "t{i}"); with weights, a random bf16 checkpoint."""
+    if (path / "config.json").is_file():
+        return
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path.mkdir(parents=True, exist_ok=True)
+    if weights:
+        import torch
+        import transformers
+
+        cfg = {k: v for k, v in shape.items() if k not in ("architectures", "model_type", "torch_dtype")}
+        config = transformers.LlamaConfig(**cfg)
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = transformers.LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(prev)
+        model.save_pretrained(path, safe_serialization=True, max_shard_size="4GB")
+        del model
+        torch.cuda.empty_cache()
+    (path / "config.json").write_text(json.dumps(shape))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(shape["vocab_size"])}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+LAUNCH = """
+import json, sys
+from envex.runtime.engine.config import EngineConfig
+from envex.runtime.server.serve import serve
+serve(EngineConfig(**json.loads(sys.argv[1])), host="127.0.0.1", port=int(sys.argv[2]))
+"""
+
+
+def start_server(tree: str, settings: dict, port: int, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": f"{tree}:{os.environ.get('PYTHONPATH', '')}"}
+    out = log.open("w")
+    return subprocess.Popen([sys.executable, "-c", LAUNCH, json.dumps(settings), str(port)], env=env, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 400.0) -> float:
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError("server not ready in time")
+
+
+async def one_stream(client, base: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    tokens = -1
+    async with client.stream("POST", f"{base}/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    return {"start": t0, "end": end, "stamps": stamps, "tokens": tokens}
+
+
+async def run_case(base: str, model: str, batch: int, prompt_len: int, out_len: int, seed: int) -> dict:
+    import random
+
+    import httpx
+
+    rng = random.Random(seed)
+    vocab = 30000  # ids every shape's vocabulary has
+    prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(batch)]
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=batch + 4)) as client:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(client, base, model, p, out_len) for p in prompts))
+        wall = time.perf_counter() - t0
+    counts = [r["tokens"] for r in results]
+    usage = out_len if all(n == out_len for n in counts) else -1  # the served counts must hold (ignore_eos)
+    first = results[0]
+    ttft = first["stamps"][0] - first["start"] if first["stamps"] else float("nan")
+    decode = (first["stamps"][-1] - first["stamps"][0]) if len(first["stamps"]) > 1 else float("nan")
+    return {"wall_s": wall, "ttft_ms": ttft * 1e3, "decode_s": decode, "chunks": len(first["stamps"]),
+            "completion_tokens": usage, "output_tok_s": batch * usage / wall,
+            "decode_tok_s": (usage - 1) / decode if decode == decode and decode > 0 else float("nan")}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--runs", required=True, help="label:shape=tree,... (tree: a folder holding envex/)")
+    ap.add_argument("--cases", default="b1_1k,b1_10k,c64_1k")
+    ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
+    ap.add_argument("--checkpoint", default="old", help="labels whose tree needs weights on disk")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    bw = B.measure_bandwidth()
+    report: dict = {"env": {"device": torch.cuda.get_device_name(), "commit": args.commit, "torch": torch.__version__,
+                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "argv": " ".join(sys.argv)},
+                    "bandwidth": bw, "runs": []}  # fmt: skip
+    print(json.dumps(report["env"]), bw, flush=True)
+    torch.cuda.empty_cache()
+    needs_weights = set(args.checkpoint.split(","))
+    for i, spec in enumerate(args.runs.split(",")):
+        label_shape, tree = spec.split("=")
+        label, shape_name = label_shape.split(":")
+        shape = SHAPES[shape_name]
+        weights = label in needs_weights
+        model_dir = args.models / (shape_name + ("-ckpt" if weights else ""))
+        t0 = time.monotonic()
+        write_model_dir(model_dir, shape, weights=weights)
+        settings = {"model": str(model_dir), "max_model_len": 12288, "enable_prefix_caching": False}
+        if not weights:
+            settings["load_format"] = "dummy"
+        run = {"label": label, "shape": shape_name, "tree": tree, "write_s": time.monotonic() - t0, "cases": {}}
+        port = 18000 + i
+        base = f"http://127.0.0.1:{port}"
+        proc = start_server(tree, settings, port, args.out / f"server-{label}-{shape_name}.log")
+        try:
+            run["ready_s"] = wait_ready(base, proc)
+            for case in args.cases.split(","):
+                batch, prompt_len, out_len, reps = CASES[case]
+                rows = [asyncio.run(run_case(base, shape_name, batch, prompt_len, out_len, seed=r))
+                        for r in range(reps + 1)][1:]  # the first is the warm-up
+                ok = [r for r in rows if r["completion_tokens"] == out_len]
+                key = "decode_tok_s" if batch == 1 else "output_tok_s"
+                context = prompt_len + out_len // 2
+                roof = bw["read_TBps"] * 1e12 / step_bytes(shape, context)
+                med = statistics.median(r[key] for r in ok) if ok else float("nan")
+                run["cases"][case] = {"rows": rows, "median": med, "metric": key, "roofline_tok_s": roof,
+                                      "share_of_roofline": med / roof if batch == 1 else None,
+                                      "ttft_ms": statistics.median(r["ttft_ms"] for r in ok) if ok else None}
+                print(f"{label:>5} {shape_name:>9} {case:>7}: {key} {med:8.1f}  (roofline {roof:.1f})", flush=True)
+        except Exception as exc:  # one failed run must not lose the others
+            run["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"{label} {shape_name}: {run['error']}", flush=True)
+        finally:
+            os.killpg(proc.pid, 15)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+        report["runs"].append(run)
+        (args.out / "server.json").write_text(json.dumps(report, indent=1))
+    print(f"\nread bandwidth {bw['read_TBps']:.3f} TB/s (best of a Triton read sweep and torch sum)")
+    for run in report["runs"]:
+        for case, c in run["cases"].items():
+            share = f"{100 * c['share_of_roofline']:.1f}%" if c["share_of_roofline"] else "-"
+            print(f"{run['label']:>5} {run['shape']:>9} {case:>7} {c['metric']:>13} {c['median']:9.1f} "
+                  f"roof {share:>6} ttft {c['ttft_ms'] or 0:8.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
