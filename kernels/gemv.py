@@ -17,6 +17,8 @@ intermediate bf16 roundings HF performs (closer to the float64 reference than HF
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -138,9 +140,9 @@ def _gemv_persistent_kernel(
 # programs per SM (BLOCK_K is then the whole K). For the chunked kernel, small BLOCK_N gives many programs
 # (≥ 4 per SM for N = 4096) so enough weight bytes are in flight per SM; 16-byte loads need
 # BLOCK_K ≥ 8·32·num_warps/BLOCK_N elements per row chunk.
-# Retuned on the H200 by kernels/bench_h200.py; NOTES.md has the table.
+# Retuned on the H200 by verify/kernel_bench/bench_h200.py; kernels/NOTES.md has the table.
 DEFAULT_CONFIG = (8, 512, 4)
-# Best measured on the H200 for the Llama-3.1-8B projections, keyed by (N, K, prologue): bench_h200.py sweep of
+# Best measured on the H200 for the Llama-3.1-8B projections, keyed by (N, K, prologue): the bench_h200 sweep of
 # 2026-11-29 at commit e2aed4e (NOTES.md); the O projection's persistent config from the `fused` section at commit
 # 27ad50e (8.41 against 9.26 us chunked). A 4th entry selects the persistent kernel.
 H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
@@ -153,9 +155,22 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
 
 
 def tuned_config(n: int, k: int, prologue: int) -> tuple[int, ...]:
-    """The measured best config for this projection if there is one, else DEFAULT_CONFIG."""
-    key = (n, k, PROLOGUE_ADD_RMS if prologue == PROLOGUE_RMS else prologue)
-    return H200_CONFIGS.get(key, DEFAULT_CONFIG)
+    """The measured best config for this projection; for a shape never measured, that of the nearest measured
+    shape with the same prologue (by log N and log K): the best config follows the shape's regime (how many
+    programs N gives, whether K fits one register tile), not its exact size. A new architecture's projections
+    (Qwen3-8B: 24576 x 4096, 4096 x 12288, 151936 x 4096) so start from the Llama-3.1-8B tuning
+    (NOTES.md, v10)."""
+    p = PROLOGUE_ADD_RMS if prologue == PROLOGUE_RMS else prologue
+    if (n, k, p) in H200_CONFIGS:
+        return H200_CONFIGS[(n, k, p)]
+    same = [(abs(math.log(n / n2)) + abs(math.log(k / k2)), k2, cfg) for (n2, k2, p2), cfg in H200_CONFIGS.items()
+            if p2 == p]  # fmt: skip
+    if not same:
+        return DEFAULT_CONFIG
+    _, k2, cfg = min(same)
+    if len(cfg) > 3 and cfg[3] > 0 and triton.next_power_of_2(k) > triton.next_power_of_2(k2):
+        return DEFAULT_CONFIG  # the persistent kernel holds all of K in registers: never past a measured width
+    return cfg
 
 
 def gemv(

@@ -92,3 +92,13 @@ def test_triton_ops_match_torch_ops(dtype: torch.dtype, rows: int) -> None:
     assert_close("ops.linear", x_ops.linear(x, w, bias), t_ops.linear(x, w, bias), dtype)
     gu = torch.randn(rows, 256, device=DEV).to(dtype)
     assert_close("ops.act_linear", x_ops.act_linear(gu, w), t_ops.act_linear(gu, w), dtype)
+
+
+def test_tuned_config_for_an_unmeasured_shape_is_the_nearest_measured_regime() -> None:
+    """Qwen3-8B's projections start from the Llama-3.1-8B tuning of the same prologue; a K past every measured
+    persistent tile falls back to the chunked kernel (the persistent one holds all of K in registers)."""
+    assert gemv.tuned_config(28672, 4096, gemv.PROLOGUE_ADD_RMS) == gemv.H200_CONFIGS[(28672, 4096, 1)]
+    assert gemv.tuned_config(24576, 4096, gemv.PROLOGUE_ADD_RMS) == gemv.H200_CONFIGS[(28672, 4096, 1)]
+    assert gemv.tuned_config(4096, 12288, gemv.PROLOGUE_SILU_MUL) == gemv.H200_CONFIGS[(4096, 14336, 3)]
+    assert gemv.tuned_config(6144, 4096, gemv.PROLOGUE_RMS) == gemv.H200_CONFIGS[(6144, 4096, 1)]
+    assert gemv.tuned_config(4096, 28672, gemv.PROLOGUE_SILU_MUL) == gemv.DEFAULT_CONFIG

@@ -33,7 +33,9 @@ ARCHS = {  # the three shapes of attention the family has: plain, QKV bias, q/k 
     "qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 32},
     "mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None},
 }
-TOL = 2e-3  # float32; the interpreter and tf32 dots on a GPU both stay far below
+# float32: exact arithmetic under the interpreter stays far below 2e-3; on a GPU the Triton attention's tf32 dots
+# against cuBLAS's fp32 compound over the layers (2.1e-3 seen for Qwen3 on the H200, 2026-11-30).
+TOL = 2e-3 if DEV.type == "cpu" else 5e-3
 
 
 class _Runner(SimpleNamespace):

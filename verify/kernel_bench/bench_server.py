@@ -196,9 +196,12 @@ def main() -> None:
         proc = start_server(tree, settings, port, args.out / f"server-{label}-{shape_name}.log")
         try:
             run["ready_s"] = wait_ready(base, proc)
+            import httpx
+
+            served = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
             for case in args.cases.split(","):
                 batch, prompt_len, out_len, reps = CASES[case]
-                rows = [asyncio.run(run_case(base, shape_name, batch, prompt_len, out_len, seed=r))
+                rows = [asyncio.run(run_case(base, served, batch, prompt_len, out_len, seed=r))
                         for r in range(reps + 1)][1:]  # the first is the warm-up
                 ok = [r for r in rows if r["completion_tokens"] == out_len]
                 key = "decode_tok_s" if batch == 1 else "output_tok_s"
