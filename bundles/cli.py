@@ -7,10 +7,11 @@ input (a missing file, an invalid option value).
 from __future__ import annotations
 
 import json
+import tempfile
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, NoReturn, cast
+from typing import Annotated, Any, NoReturn, cast
 
 import typer
 from pydantic import ValidationError
@@ -79,8 +80,8 @@ def _parse_requirement(text: str) -> Requirement:
 
 @bundle_app.command("build")
 def build(
+    ctx: typer.Context,
     kind: Annotated[KindChoice, typer.Option("--kind", help="What the bundle holds.")],
-    src: Annotated[Path, typer.Option("--src", help="Directory whose files become the payload.")],
     name: Annotated[str, typer.Option("--name", help="Bundle name, e.g. smollm2-135m-instruct.")],
     version: Annotated[str, typer.Option("--version", help="Semantic version, e.g. 1.0.0.")],
     out: Annotated[Path, typer.Option("--out", help="Bundle file, or a directory for NAME-VERSION.envex.")],
@@ -91,19 +92,74 @@ def build(
     python: Annotated[str | None, typer.Option("--python", help="Python specifier, e.g. '>=3.11,<3.13'.")] = None,
     torch: Annotated[str | None, typer.Option("--torch", help="torch specifier, e.g. '==2.5.1'.")] = None,
     triton: Annotated[str | None, typer.Option("--triton", help="triton specifier, e.g. '==3.1.0'.")] = None,
+    src: Annotated[Path | None, typer.Option("--src", help="Directory whose files become the payload.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "--model",
+            help="Kernels only, instead of --src: run the engine's warm-up for this model (a model bundle's source "
+            "directory with envex-model.json, a .gguf file or an HF directory) on this machine's GPU and bundle the "
+            "Triton cache it compiled, keyed to this GPU, driver, python, torch, triton, CUDA and kernel sources.",
+        ),
+    ] = None,
+    cuda: Annotated[str | None, typer.Option("--cuda", help="CUDA specifier (kernels), e.g. '==13.0'.")] = None,
+    kernel_sources: Annotated[
+        str | None, typer.Option("--kernel-sources", help="Kernel-source digest (kernels), sha256 hex.")
+    ] = None,
     requires: Annotated[
         list[str] | None, typer.Option("--requires", help="Needed bundle NAME:KIND:CONSTRAINTS (repeatable).")
     ] = None,
     expires_days: Annotated[int, typer.Option("--expires-days", min=1, help="Lifetime in days.")] = 365,
 ) -> None:
-    """Build an unsigned bundle from a directory (sign it next with `envex bundle sign`)."""
+    """Build an unsigned bundle from a directory, or a kernels bundle from a model's warm-up (sign it next with
+    `envex bundle sign`)."""
+    if (src is None) == (model is None):
+        _usage("give --src DIR, or --model M for a kernels bundle compiled on this GPU (not both)")
+    given = {"accelerators": list(accelerator or []), "min_driver": min_driver, "python": python, "torch": torch,
+             "triton": triton, "cuda": cuda, "kernel_sources": kernel_sources}
+    with tempfile.TemporaryDirectory(prefix="envex-bundle-") as tmp:
+        if model is not None:
+            src, keyed = _kernels_from_model(ctx, kind, model, Path(tmp) / "payload", min_driver)
+            given = {**keyed, **{k: v for k, v in given.items() if v not in (None, [])}}  # the options win
+        assert src is not None
+        _build(src, kind, name, version, out, given, requires, expires_days)
+
+
+KERNELS_FROM_MODEL = "kernels_from_model"  # key of the typer context object: (model, dest, min_driver) -> targets
+
+
+def _kernels_from_model(
+    ctx: typer.Context, kind: KindChoice, model: str, dest: Path, min_driver: str | None
+) -> tuple[Path, dict[str, Any]]:
+    # Compiling needs the engine, which this package may not import: the envex command passes the function in
+    # (installer/commands.py), as the context object.
+    if kind is not KindChoice.kernels:
+        _usage(f"--model builds a kernels bundle, not a {kind.value} bundle; give --src for that")
+    stage = (ctx.obj or {}).get(KERNELS_FROM_MODEL) if isinstance(ctx.obj, dict) else None
+    if stage is None:
+        _usage("--model needs the engine: run `envex bundle build` from a full envex install on the GPU machine")
+    try:
+        return dest, stage(model, dest, min_driver)
+    except (ValueError, OSError, RuntimeError) as exc:
+        typer.echo(f"error: --model {model}: {exc}", err=True)
+        raise typer.Exit(EXIT_FAILED) from None
+
+
+def _build(
+    src: Path,
+    kind: KindChoice,
+    name: str,
+    version: str,
+    out: Path,
+    given: dict[str, Any],
+    requires: list[str] | None,
+    expires_days: int,
+) -> None:
     _existing(src, "source directory")
     reqs = [_parse_requirement(r) for r in requires or []]
     created = datetime.now(UTC)
     try:
-        targets = Targets(
-            accelerators=list(accelerator or []), min_driver=min_driver, python=python, torch=torch, triton=triton
-        )
+        targets = Targets.model_validate(given)
         path = build_bundle(
             src,
             kind=cast(Kind, kind.value),

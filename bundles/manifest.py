@@ -13,7 +13,15 @@ from datetime import UTC, datetime
 from functools import total_ordering
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 
@@ -202,8 +210,19 @@ class FileEntry(_Strict):
     sha256: Sha256Hex
 
 
+# Keys that only kernel bundles need, added after the first manifests were signed: absent from the canonical form
+# when unset, so a manifest written before them keeps its exact bytes (and its signatures).
+_OPTIONAL_TARGETS = ("cuda", "kernel_sources")
+# What a kernels bundle must name: compiled Triton code runs only where every one of these matches.
+KERNEL_KEYS = ("accelerators", "min_driver", "python", "torch", "triton", "cuda", "kernel_sources")
+
+
 class Targets(_Strict):
-    """Where the bundle runs. Empty or None means "any"; the installer compares these with the probed hardware."""
+    """Where the bundle runs. Empty or None means "any"; the installer compares these with the probed hardware.
+
+    `cuda` is a specifier on the CUDA version torch was built for; `kernel_sources` is the digest of the envex
+    kernel sources a kernels bundle was compiled from (`envex.bundles.kernel_cache.kernel_sources_digest`).
+    """
 
     accelerators: list[Annotated[str, _pattern(_ACCELERATOR, "an accelerator architecture such as sm_90")]] = Field(
         max_length=64
@@ -212,6 +231,20 @@ class Targets(_Strict):
     python: Specifier | None
     torch: Specifier | None
     triton: Specifier | None
+    cuda: Specifier | None = None
+    kernel_sources: Sha256Hex | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_optional_keys(self, handler: Any) -> Any:
+        data = handler(self)
+        for key in _OPTIONAL_TARGETS:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+    def missing_kernel_keys(self) -> list[str]:
+        """The keys a kernels bundle must set and this one leaves empty ([] when it is fully keyed)."""
+        return [key for key in KERNEL_KEYS if getattr(self, key) in (None, [])]
 
 
 class Requirement(_Strict):
@@ -258,6 +291,9 @@ class Manifest(_Strict):
     def _consistent(self) -> Manifest:
         if parse_timestamp(self.expires) <= parse_timestamp(self.created):
             raise ValueError(f"expires {self.expires} is not after created {self.created}")
+        if self.kind == "kernels" and self.targets.missing_kernel_keys():
+            missing = ", ".join(f"targets.{k}" for k in self.targets.missing_kernel_keys())
+            raise ValueError(f"a kernels bundle must name where its compiled code runs; {missing} not set")
         paths = [f.path for f in self.files]
         for before, after in zip(paths, paths[1:], strict=False):
             if before >= after:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from envex.installer.fsutil import PrefixLock, atomic_write, switch_symlink
-from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV, LaunchManifest, read_launch
+from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV, LaunchManifest, read_launch, recorded_probe
 from envex.installer.media import InstallError
 from envex.installer.release import RELEASES_DIR, release_dir
 from envex.installer.state import InstalledBundle, Release, State, load_state, now_ts, save_state
@@ -201,4 +201,14 @@ def status_lines(prefix: Path, state: State) -> list[str]:
             f"active launch: {manifest.model.served_name} ({manifest.numeric_policy}), runtime envex "
             f"{manifest.runtime.envex_version}; unit file {Path(prefix).resolve() / UNIT_FILE}"
         )
+        kernels = manifest.kernels
+        lines.append(
+            f"kernels: bundle {kernels.bundle.name} {kernels.bundle.version} ({kernels.accelerator}, triton "
+            f"{kernels.triton}; digest {kernels.bundle.manifest_sha256[:16]}…), read-only"
+            if kernels is not None
+            else f"kernels: no kernel bundle{'; compiled at first start' if manifest.mode == 'cuda' else ''}"
+        )
+        recorded = recorded_probe(prefix)
+        if recorded is not None:
+            lines.append(f"hardware ({recorded[1]}): {recorded[0].summary()}")
     return lines

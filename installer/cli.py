@@ -195,12 +195,24 @@ def demo(
     wheel: Annotated[Path | None, typer.Option(help="an envex wheel to ship (default: build from the source)")] = None,
     gpu: Annotated[bool, typer.Option("--gpu/--cpu")] = True,
     rebuild: Annotated[bool, typer.Option(help="rebuild the demo media (e.g. after changing the source)")] = False,
+    device: Annotated[
+        str, typer.Option(help="auto | cpu | cuda: on CUDA the media also gets a kernel bundle compiled here")
+    ] = "auto",
+    media_only: Annotated[
+        bool, typer.Option("--media-only", help="build the signed media, print its trust fingerprint, stop there")
+    ] = False,
 ) -> None:
     """The embedded default end to end: demo keys and signed media, install, gates and benchmark, activate, serve."""
     import shutil
 
-    from envex.installer.demo import build_demo_media
+    from envex.installer.demo import build_demo_media, cuda_available
 
+    if device not in ("auto", "cpu", "cuda"):
+        _fail(f"--device {device!r}: use auto, cpu or cuda", EXIT_USAGE)
+    gpu = gpu and device != "cpu"
+    kernels = gpu and (device == "cuda" or cuda_available())
+    if device == "cuda" and not cuda_available():
+        _fail("--device cuda: torch sees no CUDA device here; use --device cpu", EXIT_USAGE)
     prefix = prefix.absolute()
     work = prefix / ".demo"
     media = work / "media"
@@ -209,10 +221,19 @@ def demo(
     typer.echo(f"building signed demo media in {media} (demo key in {work / 'keys'})")
     try:
         built = build_demo_media(
-            media, work / "keys", runtime_version=runtime_version, model_version=model_version, wheel=wheel
+            media,
+            work / "keys",
+            runtime_version=runtime_version,
+            model_version=model_version,
+            wheel=wheel,
+            kernels=kernels,
         )
     except (InstallError, ValueError, OSError) as exc:
         _fail(f"demo media: {exc}")
+    if media_only:
+        kernels_line = f"; kernel bundle {built.kernels.name}" if built.kernels else ""
+        typer.echo(f"media: {media}{kernels_line}\ntrust fingerprint: {built.fingerprint}")
+        return
     code = run_install(
         media=media, prefix=prefix, trust_fingerprint=built.fingerprint, yes=True, suite=suite, bench=bench, gpu=gpu
     )

@@ -12,11 +12,19 @@ from typing import Annotated
 
 import typer
 
-from envex.bundles.cli import bundle_app, verify_app
+from envex.bundles.cli import KERNELS_FROM_MODEL, bundle_app, verify_app
 from envex.installer.admin.cli import admin
 from envex.installer.cli import activate, demo, rollback, status
 from envex.runtime.loader import EMBEDDED_MODEL
 from envex.verify.cli import bench, gates_app
+
+
+def _stage_kernels(model: str, dest: Path, min_driver: str | None) -> dict[str, object]:
+    """`envex bundle build --kind kernels --model M`: the engine's warm-up on this GPU (bundles cannot run it)."""
+    from envex.installer.kernel_bundle import stage_kernels
+
+    return stage_kernels(model, dest, min_driver=min_driver)
+
 
 app = typer.Typer(
     name="envex",
@@ -24,6 +32,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"obj": {KERNELS_FROM_MODEL: _stage_kernels}},
 )
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(verify_app, name="verify")

@@ -3,6 +3,9 @@
 Demo trust: one Ed25519 key holds every role (fine for a demo, wrong for production; see offline_docs/bundles.md).
 The key and root live in `<workdir>/keys` and are reused, so a second `envex demo` meets the root it pinned.
 
+Demo kernels: on a CUDA host (`envex demo --device cuda`, or auto where a GPU is seen) the media also carries a
+kernel bundle for the embedded model, compiled here by the engine's warm-up (installer/kernel_bundle.py).
+
 Demo wheelhouse: the runtime bundle holds the envex wheel only (built offline from the source tree with
 `pip wheel --no-deps --no-build-isolation`); the release venv takes torch and the other dependencies from the
 environment that runs the installer (see release.create_venv). Production runtime bundles carry every wheel.
@@ -18,12 +21,14 @@ import tempfile
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from envex.bundles import build_bundle, load_private_key, load_root, make_demo_trust, sign_bundle
 from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, ModelCard, ModelDefaults, RuntimeCard, SmokeTest
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR, InstallError
 
 RUNTIME_BUNDLE = "envex-runtime"
+KERNELS_SUFFIX = "-kernels"  # the demo's kernel bundle is <model>-kernels-<model version>
 DEMO_LIFETIME = timedelta(days=365)
 INSTALL_SH = Path(__file__).with_name("install.sh")
 
@@ -35,6 +40,16 @@ class DemoMedia:
     key_path: Path
     runtime_version: str
     model_version: str
+    kernels: Path | None = None
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (False where torch is absent)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def source_root() -> Path | None:
@@ -111,9 +126,11 @@ def build_demo_media(
     model_version: str = "1.0.0",
     wheel: Path | None = None,
     model_path: Path | None = None,
+    kernels: bool = False,
 ) -> DemoMedia:
     """Write signed demo media into `media` (created; bundles already there are kept, so a second run of
-    `envex demo` finds the release it installed and does not install it again)."""
+    `envex demo` finds the release it installed and does not install it again). `kernels`: also a kernel bundle,
+    compiled by the engine's warm-up on this machine's GPU (CUDA only)."""
     from envex.runtime.loader import EMBEDDED_MODEL, embedded_model_path
 
     root_path, key_path, fingerprint = demo_trust(keys_dir)
@@ -131,8 +148,43 @@ def build_demo_media(
     gguf = model_path or embedded_model_path()
     runtime_file = media / BUNDLES_DIR / f"{RUNTIME_BUNDLE}-{runtime_version}.envex"
     model_file = media / BUNDLES_DIR / f"{EMBEDDED_MODEL}-{model_version}.envex"
-    if runtime_file.is_file() and model_file.is_file():  # built by an earlier run: the same bytes, the same release
-        return DemoMedia(media, fingerprint, key_path, runtime_version, model_version)
+    kernels_file = media / BUNDLES_DIR / f"{EMBEDDED_MODEL}{KERNELS_SUFFIX}-{model_version}.envex"
+    have_base = runtime_file.is_file() and model_file.is_file()  # built by an earlier run: the same release
+    if have_base and (not kernels or kernels_file.is_file()):
+        return DemoMedia(media, fingerprint, key_path, runtime_version, model_version, _existing(kernels_file))
+    with tempfile.TemporaryDirectory(prefix="envex-demo-") as tmp:
+        model_src = Path(tmp) / "model"
+        model_src.mkdir()
+        shutil.copyfile(gguf, model_src / gguf.name)
+        mcard = model_card_for(gguf, EMBEDDED_MODEL)
+        (model_src / MODEL_CARD).write_text(json.dumps(mcard.model_dump(), indent=2) + "\n")
+        if not have_base:
+            _build_runtime_and_model(media, key, model_src, runtime_version, model_version, wheel)
+        if kernels and not kernels_file.is_file():
+            # Compiled by the engine's warm-up on this GPU, for the model bundle above and the kernel sources of
+            # the runtime above (built from this same source tree).
+            from envex.installer.kernel_bundle import build_kernel_bundle
+
+            built = build_kernel_bundle(
+                str(model_src),
+                name=f"{EMBEDDED_MODEL}{KERNELS_SUFFIX}",
+                version=model_version,
+                out=media / BUNDLES_DIR,
+                requires=[{"name": EMBEDDED_MODEL, "kind": "model", "version": f"=={model_version}"}],
+            )
+            sign_bundle(built, [key])
+    return DemoMedia(media, fingerprint, key_path, runtime_version, model_version, _existing(kernels_file))
+
+
+def _existing(path: Path) -> Path | None:
+    return path if path.is_file() else None
+
+
+def _build_runtime_and_model(
+    media: Path, key: Any, model_src: Path, runtime_version: str, model_version: str, wheel: Path | None
+) -> None:
+    from envex.runtime.loader import EMBEDDED_MODEL
+
     with tempfile.TemporaryDirectory(prefix="envex-demo-") as tmp:
         runtime_src = Path(tmp) / "runtime"
         wheelhouse = runtime_src / WHEELHOUSE
@@ -154,18 +206,12 @@ def build_demo_media(
             targets={"accelerators": [], "min_driver": None, "python": ">=3.11", "torch": None, "triton": None},
         )
         sign_bundle(runtime, [key])
-        model_src = Path(tmp) / "model"
-        model_src.mkdir()
-        shutil.copyfile(gguf, model_src / gguf.name)
-        mcard = model_card_for(gguf, EMBEDDED_MODEL)
-        (model_src / MODEL_CARD).write_text(json.dumps(mcard.model_dump(), indent=2) + "\n")
-        model = build_bundle(
-            model_src,
-            kind="model",
-            name=EMBEDDED_MODEL,
-            version=model_version,
-            out=media / BUNDLES_DIR,
-            requires=[{"name": RUNTIME_BUNDLE, "kind": "runtime", "version": ">=0.1.0"}],
-        )
-        sign_bundle(model, [key])
-    return DemoMedia(media, fingerprint, key_path, runtime_version, model_version)
+    model = build_bundle(
+        model_src,
+        kind="model",
+        name=EMBEDDED_MODEL,
+        version=model_version,
+        out=media / BUNDLES_DIR,
+        requires=[{"name": RUNTIME_BUNDLE, "kind": "runtime", "version": ">=0.1.0"}],
+    )
+    sign_bundle(model, [key])

@@ -59,10 +59,13 @@ class LaunchModel(_Model):
 
 
 class LaunchKernels(_Model):
-    cache_dir: str  # relative to the release directory; TRITON_CACHE_DIR points here
+    """The release's kernel bundle: its compiled Triton cache, read-only, and the keys it was installed for."""
+
+    cache_dir: str  # relative to the release directory; read through envex.kernels.bundle_cache, never written
     accelerator: str
     triton: str | None
-    bundle: BundleRef
+    bundle: BundleRef  # its manifest_sha256 is the kernel bundle's digest
+    keys: dict[str, Any] | None = None  # the bundle's targets as installed (accelerators, driver, ..., kernel_sources)
 
 
 class LaunchRuntime(_Model):
@@ -93,6 +96,9 @@ class LaunchManifest(_Model):
     runtime: LaunchRuntime
     gates: CheckSummary | None = None
     bench: dict[str, float] = Field(default_factory=dict)
+    # The install's probe of this machine (installer.probe.Probe.as_dict): what status and the admin page show,
+    # rather than probing again.
+    hardware: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _engine_settings_known(self) -> LaunchManifest:
@@ -129,7 +135,7 @@ def read_launch(path: Path | str) -> tuple[LaunchManifest, Path]:
 def load_launch(path: Path | str, *, require_gates: bool = True) -> Any:
     """The EngineConfig that launch.json describes; refuses a release whose gates did not pass on this machine.
 
-    Also sets the offline switches and points Triton at the release's kernel cache, before the engine imports.
+    Also sets the offline switches and, on CUDA, Triton's cache manager (`kernel_env`), before the engine imports.
     """
     manifest, release_dir = read_launch(path)
     if require_gates and (manifest.gates is None or manifest.gates.verdict != "pass"):
@@ -140,7 +146,49 @@ def load_launch(path: Path | str, *, require_gates: bool = True) -> Any:
     weights = release_dir / manifest.model.path
     if not weights.exists():
         raise LaunchError(f"{path}: the model {weights} is missing; reinstall the release or roll back")
+    if manifest.kernels is not None and not (release_dir / manifest.kernels.cache_dir).is_dir():
+        raise LaunchError(
+            f"{path}: the kernel bundle's cache {release_dir / manifest.kernels.cache_dir} is missing; reinstall "
+            "the release or roll back"
+        )
     set_offline_env()
-    if manifest.kernels is not None:
-        os.environ["TRITON_CACHE_DIR"] = str(release_dir / manifest.kernels.cache_dir)
+    if manifest.mode == "cuda":
+        for key in (BUNDLE_ENV, LABEL_ENV):  # another release's bundle must not leak in through the environment
+            os.environ.pop(key, None)
+        os.environ.update(kernel_env(manifest, release_dir))
     return manifest.engine_config(release_dir)
+
+
+# Names shared with envex.kernels.bundle_cache (which imports triton, so it is not imported here).
+CACHE_MANAGER = "envex.kernels.bundle_cache:BundleCacheManager"
+BUNDLE_ENV = "ENVEX_KERNEL_BUNDLE"
+LABEL_ENV = "ENVEX_KERNEL_BUNDLE_LABEL"
+
+
+def kernel_env(manifest: LaunchManifest, release_dir: Path) -> dict[str, str]:
+    """The environment that makes Triton read the release's kernel bundle read-only (and name what is missing when a
+    kernel must be built on a host without a C compiler). Misses go to Triton's usual cache (TRITON_CACHE_DIR,
+    left as the operator set it), never into the release. Without a kernel bundle only the manager is set, so a
+    missing C compiler is still named at start."""
+    env = {"TRITON_CACHE_MANAGER": CACHE_MANAGER}
+    if manifest.kernels is not None:
+        env[BUNDLE_ENV] = str(release_dir / manifest.kernels.cache_dir)
+        env[LABEL_ENV] = f"{manifest.kernels.bundle.name} {manifest.kernels.bundle.version}"
+    return env
+
+
+def recorded_probe(prefix: Path) -> tuple[Any, str] | None:
+    """(the Probe the install of the active release recorded, where it came from), or None when there is none."""
+    from envex.installer.probe import Probe
+
+    try:
+        manifest, _ = read_launch(Path(prefix) / "current" / LAUNCH_FILE)
+    except LaunchError:
+        return None
+    if manifest.hardware is None:
+        return None
+    try:
+        return Probe.from_dict(manifest.hardware), f"recorded by the install of release {manifest.release} at " \
+            f"{manifest.created}"
+    except ValueError:
+        return None

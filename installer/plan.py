@@ -1,25 +1,31 @@
 """Step 3: decide what to install on this machine, or say exactly what is missing. Nothing is written here.
 
-Choices: the newest runtime and model bundles (or the model named with --model), the kernel bundle built for
-this accelerator and Triton version (CUDA only; none is needed on CPU), engine settings that fit the memory,
-and a check that the disk has room for the release beside the active one.
+Choices: the newest runtime and model bundles (or the model named with --model), the newest kernel bundle whose
+keys all match (CUDA only: accelerator, driver floor, python, torch, triton, CUDA, the runtime's kernel-source
+digest, and the model it was compiled for; each one refused is noted with the key that differs, and without one
+the kernels compile at first start), engine settings that fit the memory, and a check that the disk has room
+for the release beside the active one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from envex.bundles import SemVer, VerifiedBundle
+from envex.bundles.archive import BundleArchive
+from envex.bundles.kernel_cache import MAX_WHEEL_BYTES, KernelCacheError, wheel_kernel_digest
 from envex.bundles.verify import DISK_HEADROOM
-from envex.installer.cards import ModelCard, RuntimeCard, model_card, runtime_card
+from envex.installer.cards import WHEELHOUSE, ModelCard, RuntimeCard, model_card, runtime_card
 from envex.installer.media import InstallError
 from envex.installer.probe import Probe
 from envex.installer.state import BundleRef
 
 GIB = 1 << 30
 CPU_RAM_FRACTION = 0.8  # leave the rest to the OS and the serving process' own overhead
+GPU_MEMORY_UTILIZATION = 0.85
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -38,6 +44,7 @@ class Plan:
     disk_needed: int
     disk_free: int
     notes: tuple[str, ...]
+    probe: Probe | None = None  # what the plan was made for; recorded in launch.json (the admin page shows it)
 
     @property
     def bundles(self) -> list[VerifiedBundle]:
@@ -84,7 +91,8 @@ def _spec_ok(spec: str | None, have: str | None) -> bool:
 def target_problems(bundle: VerifiedBundle, probe: Probe, mode: str) -> list[str]:
     """Why `bundle` cannot run here ([] when it can), each as a phrase naming what is missing."""
     t = bundle.manifest.targets
-    label = f"{bundle.kind} bundle {bundle.name} {bundle.version}"
+    kind = "kernel" if bundle.kind == "kernels" else bundle.kind
+    label = f"{kind} bundle {bundle.name} {bundle.version}"
     problems: list[str] = []
     accelerator = probe.accelerator if mode == "cuda" else "cpu"
     if t.accelerators and accelerator not in t.accelerators:
@@ -97,6 +105,47 @@ def target_problems(bundle: VerifiedBundle, probe: Probe, mode: str) -> list[str
             problems.append(f"{label} needs {what} {spec}; found {have or 'none'}")
     if t.triton is not None and mode == "cuda" and not _spec_ok(t.triton, probe.triton):
         problems.append(f"{label} needs triton {t.triton}; found {probe.triton or 'none'}")
+    return problems
+
+
+def runtime_kernel_digest(runtime: VerifiedBundle) -> str:
+    """The kernel-source digest of the envex wheel in `runtime`'s wheelhouse (re-hashed against the verified
+    manifest as it is read); InstallError when there is none or it cannot be read."""
+    wheels = [f for f in runtime.manifest.files if re.fullmatch(rf"{WHEELHOUSE}/envex-[^/]+\.whl", f.path)]
+    label = f"runtime bundle {runtime.name} {runtime.version}"
+    if len(wheels) != 1:
+        raise InstallError(f"{label} holds {len(wheels)} envex wheels; cannot tell which kernel sources it runs")
+    entry = wheels[0]
+    if entry.size > MAX_WHEEL_BYTES:
+        raise InstallError(f"{label}: {entry.path} is larger than {MAX_WHEEL_BYTES >> 20} MiB; not an envex wheel")
+    with BundleArchive.open(runtime.path) as archive:
+        data = b"".join(bytes(chunk) for chunk in archive.stream(archive.payload_members()[entry.path]))
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise InstallError(f"{label}: {entry.path} changed since the bundle was verified; check the media")
+    try:
+        return wheel_kernel_digest(data)
+    except KernelCacheError as exc:
+        raise InstallError(f"{label}: {entry.path}: {exc}") from None
+
+
+def kernel_problems(
+    bundle: VerifiedBundle, probe: Probe, runtime_digest: str | None, model: VerifiedBundle
+) -> list[str]:
+    """Why the kernels `bundle` cannot serve here ([] when every key matches), each naming the key that differs."""
+    t = bundle.manifest.targets
+    label = f"kernel bundle {bundle.name} {bundle.version}"
+    problems = target_problems(bundle, probe, "cuda")
+    if not _spec_ok(t.cuda, probe.torch_cuda):
+        problems.append(f"{label} is keyed to CUDA {t.cuda}; torch here is built for CUDA {probe.torch_cuda or 'none'}")
+    if t.kernel_sources is not None and t.kernel_sources != runtime_digest:
+        have = runtime_digest[:12] + "…" if runtime_digest else "unknown (no envex wheel in the runtime bundle)"
+        problems.append(
+            f"{label} was compiled from kernel sources {t.kernel_sources[:12]}…; the runtime being installed has {have}"
+        )
+    for req in bundle.manifest.requires:
+        if req.kind == "model" and (req.name != model.name or not req.allows(model.version)):
+            problems.append(f"{label} was compiled for model {req.name} {req.version}; installing {model.name} "
+                            f"{model.version}")
     return problems
 
 
@@ -125,13 +174,9 @@ def make_plan(
     rcard, mcard = runtime_card(runtime), model_card(model)
     kernels = None
     if mode == "cuda":
-        fitting = [b for b in by_kind["kernels"] if not target_problems(b, probe, mode)]
-        if fitting:
-            kernels = _newest(fitting)
-        else:
-            notes.append(
-                f"no kernel bundle for {probe.accelerator} and triton {probe.triton}: kernels compile on first use"
-            )
+        kernels = _choose_kernels(by_kind["kernels"], probe, runtime, model, notes)
+    elif by_kind["kernels"]:
+        notes.append("kernel bundles hold compiled GPU code: not used in CPU mode")
     problems = target_problems(runtime, probe, mode) + target_problems(model, probe, mode)
     chosen = [b for b in (runtime, model, kernels) if b is not None]
     for bundle in chosen:
@@ -145,29 +190,17 @@ def make_plan(
     if problems:
         raise InstallError("plan: " + "; ".join(problems))
 
-    dtype = "bfloat16" if mode == "cuda" else "float32"
-    window = mcard.max_position_embeddings
-    context = min(max_model_len or mcard.defaults.max_model_len, window)
+    engine = engine_choices(mcard, mode, max_model_len)
+    dtype, context, seqs = str(engine["dtype"]), int(engine["max_model_len"]), int(engine["max_num_seqs"])
     per_token = mcard.kv_bytes_per_token(DTYPE_BYTES[dtype])
     weights = mcard.parameters * DTYPE_BYTES[dtype]
-    seqs = mcard.defaults.max_num_seqs
-    engine: dict[str, Any] = {
-        "device": mode,
-        "dtype": dtype,
-        "backend": "triton" if mode == "cuda" else "torch",
-        "max_model_len": context,
-        "max_num_seqs": seqs,
-    }
     if mode == "cuda":
         gpu = probe.gpus[0]
-        utilization = 0.85
-        budget = int(gpu.memory_total * utilization)
+        budget = int(gpu.memory_total * GPU_MEMORY_UTILIZATION)
         kv = per_token * context  # at least one sequence at the full context; the pool takes what is left
-        engine["gpu_memory_utilization"] = utilization
     else:
         budget = int(probe.ram_available * CPU_RAM_FRACTION)
         kv = per_token * context * min(seqs, 4)
-        engine["kv_cache_memory_gb"] = round(max(kv / GIB, 0.0625), 4)
     if weights + kv > budget:
         where = "GPU memory" if mode == "cuda" else "available RAM"
         raise InstallError(
@@ -199,4 +232,52 @@ def make_plan(
         disk_needed=disk_needed,
         disk_free=probe.disk_free,
         notes=tuple(notes),
+        probe=probe,
     )
+
+
+def engine_choices(card: ModelCard, mode: str, max_model_len: int | None = None) -> dict[str, Any]:
+    """The engine settings the plan chooses for `card` in `mode` (EngineConfig's defaults fill the rest). A kernel
+    bundle is built with the same choices, so that its warm-up compiles the variants the release will run."""
+    dtype = "bfloat16" if mode == "cuda" else "float32"
+    context = min(max_model_len or card.defaults.max_model_len, card.max_position_embeddings)
+    seqs = card.defaults.max_num_seqs
+    engine: dict[str, Any] = {
+        "device": mode,
+        "dtype": dtype,
+        "backend": "triton" if mode == "cuda" else "torch",
+        "max_model_len": context,
+        "max_num_seqs": seqs,
+    }
+    if mode == "cuda":
+        engine["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION
+    else:
+        kv = card.kv_bytes_per_token(DTYPE_BYTES[dtype]) * context * min(seqs, 4)
+        engine["kv_cache_memory_gb"] = round(max(kv / GIB, 0.0625), 4)
+    return engine
+
+
+def _choose_kernels(
+    offered: list[VerifiedBundle], probe: Probe, runtime: VerifiedBundle, model: VerifiedBundle, notes: list[str]
+) -> VerifiedBundle | None:
+    """The newest kernel bundle whose keys all match this host, runtime and model; a note for each one refused."""
+    fitting: list[VerifiedBundle] = []
+    if offered:
+        try:
+            digest: str | None = runtime_kernel_digest(runtime)
+        except InstallError as exc:
+            digest = None
+            notes.append(str(exc))
+        for bundle in offered:
+            problems = kernel_problems(bundle, probe, digest, model)
+            if problems:
+                notes.append(f"refused: {'; '.join(problems)}")
+            else:
+                fitting.append(bundle)
+    if fitting:
+        return _newest(fitting)
+    notes.append(
+        f"no kernel bundle for {probe.accelerator}, triton {probe.triton or 'none'} and this runtime: kernels will "
+        "compile at first start (that needs a C compiler on this host)"
+    )
+    return None

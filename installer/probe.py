@@ -52,6 +52,17 @@ class Probe:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Probe:
+        """The probe `as_dict` recorded (launch.json's `hardware`); ValueError when it is not one."""
+        try:
+            values = dict(data)
+            values["gpus"] = tuple(GPU(**g) for g in values.get("gpus", ()))
+            values["notes"] = tuple(values.get("notes", ()))
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not a recorded probe ({exc})") from None
+
     def summary(self) -> str:
         gib = 1 << 30
         if self.gpus:

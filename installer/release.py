@@ -141,7 +141,7 @@ def build_release(
         plan.runtime.extract(slot / "runtime")
         if plan.kernels is not None:
             step("kernels", plan.kernels.total_bytes)
-            plan.kernels.extract(slot / KERNEL_CACHE)
+            read_only_files(plan.kernels.extract(slot / KERNEL_CACHE))
         step("venv", 0)
         card = plan.runtime_card
         create_venv(
@@ -176,12 +176,13 @@ def make_launch(release_id: str, plan: Plan, versions: dict[str, str | None]) ->
     dtype = str(engine["dtype"])
     kernels = None
     if plan.kernels is not None:
-        accelerators = plan.kernels.manifest.targets.accelerators
+        targets = plan.kernels.manifest.targets
         kernels = LaunchKernels(
             cache_dir=KERNEL_CACHE,
-            accelerator=accelerators[0] if accelerators else "any",
+            accelerator=targets.accelerators[0] if targets.accelerators else "any",
             triton=versions.get("triton"),
             bundle=bundle_ref(plan.kernels),
+            keys=targets.model_dump(mode="json"),
         )
     return LaunchManifest(
         release=release_id,
@@ -212,7 +213,17 @@ def make_launch(release_id: str, plan: Plan, versions: dict[str, str | None]) ->
             venv="venv",
             bundle=bundle_ref(plan.runtime),
         ),
+        hardware=plan.probe.as_dict() if plan.probe is not None else None,
     )
+
+
+def read_only_files(root: Path) -> Path:
+    """Take the write bits off every file under `root` (the kernel cache is read, never written, once installed).
+    Directories keep theirs, so that removing an old release needs no chmod."""
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(path.stat().st_mode & ~0o222)
+    return root
 
 
 def remove_release(prefix: Path, release_id: str) -> None:

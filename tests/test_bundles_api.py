@@ -265,7 +265,9 @@ def test_demo_trust(tmp_path: Path, src: Path) -> None:
     demo = make_demo_trust(tmp_path / "trust", expires=LATER)
     assert stat.S_IMODE(demo.key_path.stat().st_mode) == 0o600
     root = load_root(demo.root_path, fingerprint=demo.fingerprint)
-    path = build_bundle(src, kind="kernels", name="kernels-sm90", version="0.1.0", out=tmp_path)
+    keyed = {"accelerators": ["sm_90"], "min_driver": "580", "python": ">=3.12,<3.13", "torch": "==2.11.0",
+             "triton": "==3.6.0", "cuda": "==13.0", "kernel_sources": "0" * 64}  # a kernels bundle names them all
+    path = build_bundle(src, kind="kernels", name="kernels-sm90", version="0.1.0", out=tmp_path, targets=keyed)
     sign_bundle(path, [load_private_key(demo.key_path)])
     assert verify_bundle(path, root=root).kind == "kernels"
 

@@ -366,50 +366,6 @@ for attempt in (lambda: socket.create_connection(("10.255.255.1", 80), timeout=0
     assert kinds == ["create_connection", "getaddrinfo", "connect_ex"]
 
 
-def test_plan_on_cuda_picks_the_kernel_bundle_for_this_accelerator(tmp_path, trust):
-    from envex.bundles import build_bundle, load_private_key, sign_bundle
-    from envex.installer.probe import GPU
-
-    media = media_with(tmp_path, trust)
-    key = load_private_key(trust.key_path)
-    for name, accel, triton in (
-        ("kernels-h100", "sm_90", ">=3.0,<4"),
-        ("kernels-a100", "sm_80", ">=3.0,<4"),
-        ("kernels-old", "sm_90", "<3"),
-    ):
-        src = tmp_path / name
-        src.mkdir()
-        (src / "cache.bin").write_bytes(b"compiled")
-        targets = {"accelerators": [accel], "min_driver": "535", "python": None, "torch": None, "triton": triton}
-        sign_bundle(
-            build_bundle(src, kind="kernels", name=name, version="1.0.0", out=media / "bundles", targets=targets), [key]
-        )
-    gpu = GPU(
-        index=0,
-        name="H100",
-        compute_capability="9.0",
-        accelerator="sm_90",
-        memory_total=80 << 30,
-        memory_free=80 << 30,
-        mig_mode="disabled",
-        ecc_uncorrected=0,
-    )
-    cuda = cpu_probe(
-        mode="cuda",
-        gpus=(gpu,),
-        driver_version="550.54.15",
-        cuda_driver_version="12.4",
-        triton="3.1.0",
-        cuda_smoke="ok",
-    )
-    plan = make_plan(verified(media, trust), cuda)
-    assert plan.kernels is not None and plan.kernels.name == "kernels-h100"
-    assert plan.engine["dtype"] == "bfloat16" and plan.engine["backend"] == "triton"
-    old_driver = cpu_probe(**{**cuda.__dict__, "driver_version": "470.1"})
-    plan = make_plan(verified(media, trust), old_driver)
-    assert plan.kernels is None and "kernels compile on first use" in plan.notes[0]
-
-
 def test_reconcile_points_current_at_the_recorded_release_and_abandons_unfinished_slots(tmp_path):
     from envex.installer.activate import current_target, reconcile
     from envex.installer.state import BundleRef, Release

@@ -28,6 +28,7 @@ from envex.installer.admin.auth import (
     verify_admin_token,
 )
 from envex.installer.admin.web import SecureRoute, read_form, same_origin, templates
+from envex.installer.launch import recorded_probe
 from envex.installer.probe import Probe, probe
 from envex.installer.state import load_state
 
@@ -217,12 +218,18 @@ def admin_router(prefix: Path, *, bundle_dirs: tuple[Path, ...] = (), probe_gpu:
         if (session := session_of(request)) is None:
             return login_redirect()
         if st.probe is None:
-            await run_probe()
+            # The install's own probe of this machine, as launch.json recorded it; a live probe only without one
+            # (or when asked for with the button).
+            recorded = recorded_probe(st.prefix)
+            if recorded is not None:
+                st.probe, st.probed_at = recorded
+            else:
+                await run_probe()
         return page(request, "hardware.html", session, title="Hardware", probe=st.probe, probed_at=st.probed_at)
 
     async def run_probe() -> None:
         st.probe = await asyncio.to_thread(probe, st.prefix, want_gpu=st.probe_gpu)
-        st.probed_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        st.probed_at = "run by this page at " + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
     @router.post("/hardware/probe")
     async def reprobe(request: Request) -> Response:

