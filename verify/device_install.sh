@@ -1,14 +1,15 @@
 #!/bin/sh
 # The whole install on the H200 (issue 14; offline_docs/install.md, "First install on a GPU host"), in two device
 # calls on one warm machine (python -m envex.verify.devcarry prepare, here, first):
-#   call 1, carry .devcarry/gguf/part-aa .whl:
+#   call 1, carry .devcarry/gguf/part-aa .whl (about 60 MiB of the 64 a call may move):
 #      sh verify/device_install.sh stage   part-aa stashed; deps, envex wheel, network guard, the demo trust
-#   call 2, carry .devcarry/gguf/part-ab .devcarry/gguf/manifest.json .devcarry/tok .whl:
+#   call 2, carry .devcarry/gguf/part-ab .devcarry/gguf/manifest.json .devcarry/tok (the machine keeps .whl and
+#   .device from call 1):
 #      sh verify/device_install.sh run     GGUF joined; media, kernel bundle, envex-install, status, serve, admin,
 #                                          first-token times; then the random-weight install that must be refused
-#   call 3, only when call 2 stopped before the random-weight steps (no carry: the machine keeps .device, .whl):
+#   call 3, only when call 2 stopped before the random-weight steps (no carry):
 #      sh verify/device_install.sh dummy
-# Everything is idempotent, so a cold machine in call 2 redoes what it can; without part-aa it says so.
+# Everything is idempotent; a machine gone cold before call 2 has lost part-aa and the deps: run both again.
 # Writes $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-*.html, kernels.json.
 # ENVEX_DEVICE_LIMIT (default 570 s) stops every step; no step starts after ENVEX_DEVICE_DEADLINE (default 480 s).
 set -u
@@ -23,7 +24,7 @@ t0=$(date +%s)
 setup() {
   if [ ! -f "$work/deps/.done" ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-      .whl/*.whl || { echo "setup: installing .whl/*.whl failed; carry .whl" >&2; return 3; }
+      .whl/*.whl || { echo "setup: installing .whl/*.whl failed; carry .whl (call 1)" >&2; return 3; }
     # The envex wheel of this checkout: what the runtime bundle ships and what the installer runs.
     rm -rf "$work/wheel"
     python3 -m pip wheel -q --no-deps --no-build-isolation --no-index -w "$work/wheel" . \
