@@ -152,27 +152,33 @@ def build_release(
     except OSError as exc:
         raise InstallError(f"install: writing {slot} failed: {exc.strerror or exc}; check the disk and media") from None
     versions = venv_versions(slot / "venv")
-    launch = make_launch(release_id, plan, versions)
+    launch = make_launch(release_id, plan, versions, slot)
     atomic_write(slot / LAUNCH_FILE, launch.to_bytes())
     return launch
 
 
-def engine_settings(plan: Plan) -> dict[str, Any]:
-    """Every EngineConfig setting (defaults from EngineConfig itself, the plan's choices over them)."""
+def engine_settings(plan: Plan, model_path: Path) -> dict[str, Any]:
+    """Every EngineConfig setting as the engine will run it: the plan's choices over EngineConfig's defaults,
+    resolved for this host's mode and the installed model (EngineConfig.resolved, the one place defaults are
+    decided), so launch.json records concrete values, not "auto"."""
     from envex.runtime.engine.config import EngineConfig
+    from envex.runtime.loader import load_model_info
 
-    defaults = EngineConfig()
-    settings = {
-        f.name: getattr(defaults, f.name) for f in fields(EngineConfig) if f.name not in ("model", "served_name")
-    }
-    settings.update(plan.engine)
-    return settings
+    config = EngineConfig(model=str(model_path), **plan.engine)
+    config = config.resolved(load_model_info(str(model_path)).config, cuda_available=plan.mode == "cuda")
+    return {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name not in ("model", "served_name")}
 
 
-def make_launch(release_id: str, plan: Plan, versions: dict[str, str | None]) -> LaunchManifest:
+def model_path(slot: Path, plan: Plan) -> Path:
+    """The installed model inside a release slot: the weights file (GGUF) or the model directory (HF)."""
+    weights = plan.model_card.weights
+    return slot / "model" / weights if weights != "." else slot / "model"
+
+
+def make_launch(release_id: str, plan: Plan, versions: dict[str, str | None], slot: Path) -> LaunchManifest:
     mcard = plan.model_card
     weights_entry = next((f for f in plan.model.manifest.files if f.path == mcard.weights), None)
-    engine = engine_settings(plan)
+    engine = engine_settings(plan, model_path(slot, plan))
     dtype = str(engine["dtype"])
     kernels = None
     if plan.kernels is not None:
