@@ -7,7 +7,8 @@ torch reference):
     norm_linear   residual add + RMSNorm + projection (+ bias)      -> (y, new residual)
     linear        projection (+ bias)
     act_linear    SwiGLU + projection
-    attention     (q/k RMSNorm) + rotary + KV-cache write + paged causal attention
+    attention     (q/k RMSNorm) + rotary + KV-cache write + paged causal attention (+ sinks, sliding window)
+    moe           residual add + RMSNorm + router (top-k, softmax) + experts (float or MXFP4) -> (y, new residual)
 
 `TorchOps` is kernels/reference.py behind that interface: the reference every other backend is proven against
 (tests, and the gates against HF transformers). `TritonOps` (triton_ops.py) is the CUDA fast path. This module
@@ -36,6 +37,8 @@ class AttentionLayer:
     q_norm: torch.Tensor | None = None  # [D] Qwen3's per-head RMSNorm weights (both or neither)
     k_norm: torch.Tensor | None = None
     norm_eps: float = 1e-6
+    sinks: torch.Tensor | None = None  # [Hq] gpt-oss's per-head sink logits (join the softmax, carry no value)
+    sliding_window: int | None = None  # a query at position p sees keys p-window+1 .. p only
 
     @property
     def q_size(self) -> int:
@@ -75,6 +78,48 @@ class AttentionMetadata:
         return self.max_q_len == 1
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoEWeights:
+    """One MoE layer's experts, as the model file owns them: float stacks or MXFP4-packed ones (kernels/mxfp4.py),
+    never both. Rows are outputs (the packed checkpoints' orientation); gate_up's rows interleave gate and up
+    (gate_0, up_0, gate_1, ...), as gpt-oss publishes them. Activation: gpt-oss's clamped SwiGLU (alpha, limit)."""
+
+    gate_up_bias: torch.Tensor  # [E, 2I]
+    down_bias: torch.Tensor  # [E, H]
+    gate_up: torch.Tensor | None = None  # [E, 2I, H] float
+    down: torch.Tensor | None = None  # [E, H, I] float
+    gate_up_blocks: torch.Tensor | None = None  # [E, 2I, H/32, 16] uint8, with scales [E, 2I, H/32] uint8
+    gate_up_scales: torch.Tensor | None = None
+    down_blocks: torch.Tensor | None = None  # [E, H, I/32, 16] uint8, with scales [E, H, I/32] uint8
+    down_scales: torch.Tensor | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        packed = (self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales)
+        floats = (self.gate_up, self.down)
+        if not (all(t is not None for t in floats) and all(t is None for t in packed)
+                or all(t is None for t in floats) and all(t is not None for t in packed)):
+            raise ValueError("MoEWeights: give gate_up and down as float tensors or all four MXFP4 tensors")
+
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up is None
+
+    def gate_up_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The float stack, or the MXFP4 (blocks, scales) pair (what kernels/reference.py takes)."""
+        if self.gate_up is not None:
+            return self.gate_up
+        assert self.gate_up_blocks is not None and self.gate_up_scales is not None
+        return self.gate_up_blocks, self.gate_up_scales
+
+    def down_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.down is not None:
+            return self.down
+        assert self.down_blocks is not None and self.down_scales is not None
+        return self.down_blocks, self.down_scales
+
+
 class Ops(Protocol):
     """The fused entry points a model file calls. Shapes: x [T, H]; residual [T, H] or None (the first layer)."""
 
@@ -95,6 +140,14 @@ class Ops(Protocol):
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
         """qkv [T, (Hq + 2 Hkv) D] un-rotated -> attention output [T, Hq D]; writes this step's K/V into the cache."""
+        ...
+
+    def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(moe(rms_norm(x + residual)), x + residual): router logits = linear(h, router_weight, router_bias), the
+        top_k experts of each token weighted by the softmax of their logits (reference.moe_route), each expert
+        down(swiglu_oai(gate_up(h)))."""
         ...
 
 
@@ -135,9 +188,21 @@ class TorchOps:
                                              meta.slot_mapping)  # fmt: skip
         seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
         out = reference.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, meta.block_tables,
-                                        layer.scale, q_lens=meta.q_lens_host,
-                                        seq_lens_host=meta.seq_lens_host)  # fmt: skip
+                                        layer.scale, q_lens=meta.q_lens_host, seq_lens_host=meta.seq_lens_host,
+                                        sinks=layer.sinks, window=layer.sliding_window)  # fmt: skip
         return out.reshape(-1, layer.q_size)
+
+    def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if residual is None:
+            h, residual = reference.rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
+        weights, ids = reference.moe_route(F.linear(h, router_weight, router_bias), top_k)
+        out = reference.moe_experts(h, weights, ids, experts.gate_up_matrix(), experts.gate_up_bias,
+                                    experts.down_matrix(), experts.down_bias, experts.alpha, experts.limit)
+        return out, residual
 
 
 def make_ops(backend: str, device: torch.device) -> Ops:

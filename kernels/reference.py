@@ -82,12 +82,17 @@ def paged_attention(
     *,
     q_lens: list[int] | None = None,
     seq_lens_host: list[int] | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed varlen queries [T, Hq, D] over a paged KV cache.
 
     Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (q_len of them), which sit at positions
     seq_len-q_len .. seq_len-1 and attend to keys 0..own position. Decode is q_len == 1. q_lens / seq_lens_host:
     the same lengths as host lists, when the caller has them (saves a device read per sequence).
+    sinks [Hq]: gpt-oss's per-head attention sink, a logit that joins each row's softmax and carries no value
+    (HF GptOssAttention). window: sliding window, a query at position p sees keys p-window+1 .. p only (HF's
+    `kv_idx > q_idx - sliding_window`); blocks wholly before the window are never read.
     """
     num_tokens, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -104,15 +109,26 @@ def paged_attention(
         if q_len == 0:
             continue
         n_blocks = (seq_len + block_size - 1) // block_size
-        blocks = tables[b, :n_blocks]
-        keys = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].to(q.dtype)  # [seq_len, Hkv, D]
-        vals = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len].to(q.dtype)
+        # With a window, start at the block of the first key the chunk's first query sees.
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
+        blocks = tables[b, first:n_blocks]
+        k0 = first * block_size  # position of the first gathered key
+        keys = k_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len - k0].to(q.dtype)  # [L, Hkv, D]
+        vals = v_cache.index_select(0, blocks).reshape(-1, hkv, d)[:seq_len - k0].to(q.dtype)
         qg = q[q0:q1].reshape(q_len, hkv, group, d)  # the GQA group of each KV head, without repeating K/V
-        scores = torch.einsum("qhgd,khd->hgqk", qg, keys) * scale  # [Hkv, G, q_len, seq_len]
+        scores = torch.einsum("qhgd,khd->hgqk", qg, keys) * scale  # [Hkv, G, q_len, L]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
-        k_pos = torch.arange(seq_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        probs = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
+        k_pos = torch.arange(k0, seq_len, device=q.device)[None, :]
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden = hidden | (k_pos <= q_pos - window)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scores = scores.masked_fill(hidden, float("-inf")).to(acc)
+        if sinks is not None:  # one extra logit per head, dropped after the softmax
+            sink = sinks.to(acc).reshape(hkv, group, 1, 1).expand(hkv, group, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out[q0:q1] = torch.einsum("hgqk,khd->qhgd", probs, vals).reshape(q_len, hq, d)
         q0 = q1
     return out
@@ -133,10 +149,13 @@ def decode_attention_fused(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence from the fused QKV row [B, (Hq + 2·Hkv)·D]: (q/k RMSNorm per head with
     q_norm/k_norm,) rotary on q and k, k and v
-    written at slot_mapping (negative: not written), then attention over positions 0..position -> [B, Hq, D].
+    written at slot_mapping (negative: not written), then attention over positions 0..position -> [B, Hq, D]
+    (with sinks and a window as paged_attention takes them).
     The unfused composition (rotary_and_store_kv, then paged_attention) the fused decode kernel must equal."""
     batch = qkv.shape[0]
     d = k_cache.shape[3]
@@ -147,7 +166,8 @@ def decode_attention_fused(
         q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
     q_rot, _ = rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     cu = torch.arange(batch + 1, dtype=torch.int32, device=qkv.device)
-    return paged_attention(q_rot, k_cache, v_cache, cu, positions + 1, block_tables, scale)
+    return paged_attention(q_rot, k_cache, v_cache, cu, positions + 1, block_tables, scale, sinks=sinks,
+                           window=window)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -171,3 +191,58 @@ def rms_norm_linear(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, weig
 def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear(silu_and_mul(gate_up)): the MLP's down projection with its activation."""
     return linear(silu_and_mul(gate_up), weight)
+
+
+# ---- mixture of experts (gpt-oss) ---------------------------------------------------------------------------
+
+
+def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k], expert ids [T, k] int64): the top k logits, softmaxed over those
+    k alone in the logits' dtype (HF GptOssTopKRouter). Ties go to the lower expert id, as torch.topk breaks them."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU on interleaved columns [g0, u0, g1, u1, ...] -> [..., I]:
+    (clamp(u, -limit, limit) + 1) · g' · sigmoid(alpha · g') with g' = min(g, limit) (HF GptOssExperts)."""
+    gate = gate_up[..., 0::2].clamp(max=limit)
+    up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def expert_matrix(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's matrix [N, K] in dtype, from a float stack [E, N, K] or a packed MXFP4 (blocks, scales) pair:
+    only that expert is dequantized (what the kernels do in registers, one tile at a time)."""
+    if isinstance(w, tuple):
+        from envex.kernels import mxfp4
+
+        return mxfp4.dequantize(w[0][e], w[1][e], dtype)
+    return w[e].to(dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    gate_up_bias: torch.Tensor,
+    down: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """Σ_k weights[t, k] · down_e(swiglu_oai(gate_up_e(x[t]))) over each token's chosen experts e = ids[t, k].
+
+    x [T, H]; gate_up [E, 2I, H] (rows interleaved gate/up) with bias [E, 2I]; down [E, H, I] with bias [E, H];
+    either float or MXFP4 (blocks, scales) pairs. Each projection, the activation and the weighting round to x's
+    dtype where HF's expert loop does (GptOssExperts.forward), so in bf16 this is HF's arithmetic.
+    """
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        h = x[tok]
+        gu = h @ expert_matrix(gate_up, e, x.dtype).t() + gate_up_bias[e].to(x.dtype)
+        y = swiglu_oai(gu, alpha, limit) @ expert_matrix(down, e, x.dtype).t() + down_bias[e].to(x.dtype)
+        out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
+    return out

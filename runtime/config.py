@@ -5,14 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# architectures name -> (qkv bias default, q/k norm). The model file is the same (models/llama.py): the Llama
-# family differs only in these switches, read from the config where it states them.
+# architectures name -> (qkv bias default, q/k norm). The Llama family shares one model file (models/llama.py)
+# and differs only in these switches, read from the config where it states them; gpt-oss has its own file
+# (models/gpt_oss.py) and the MoE, sink, window and quantization fields below.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
+    "GptOssForCausalLM": (True, False),
 }
+GPT_OSS = "GptOssForCausalLM"
+# What HF's GptOssConfig fills in when config.json leaves it out (configuration_gpt_oss.py).
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+QUANT_METHODS = ("mxfp4",)
 
 
 class ConfigError(ValueError):
@@ -27,6 +34,28 @@ class RopeScaling:
     low_freq_factor: float
     high_freq_factor: float
     original_max_position_embeddings: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class YarnScaling:
+    """YaRN ("rope_type": "yarn"), as transformers' _compute_yarn_parameters reads it."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # cos/sin multiplier; None: 0.1·ln(factor) + 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """A mixture-of-experts MLP: every layer routes each token to top_k of num_experts experts (gpt-oss)."""
+
+    num_experts: int
+    top_k: int
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +78,13 @@ class ModelConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # gpt-oss. sliding_window above caps every layer (and, unimplemented, the served length); layer_windows gives
+    # each layer its own window (None: full attention), which the attention kernels implement.
+    layer_windows: tuple[int | None, ...] = ()
+    attention_sinks: bool = False
+    moe: MoEConfig | None = None
+    quantization: str | None = None  # "mxfp4": the MoE experts are stored packed (kernels/mxfp4.py)
+    rope_yarn: YarnScaling | None = None
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -84,8 +120,13 @@ class ModelConfig:
         rope = dict(cfg.get("rope_parameters") or {})
         legacy = cfg.get("rope_scaling") or {}
         rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        if arch == GPT_OSS and not rope and not legacy:
+            rope = dict(_GPT_OSS_ROPE)
+        if arch == GPT_OSS:
+            rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 150000.0)))
         rope_type = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
         scaling = None
+        yarn = None
         if rope_type == "llama3":
             src = {**legacy, **rope}
             scaling = RopeScaling(
@@ -94,11 +135,32 @@ class ModelConfig:
                 high_freq_factor=float(src["high_freq_factor"]),
                 original_max_position_embeddings=int(src["original_max_position_embeddings"]),
             )
+        elif rope_type == "yarn":
+            src = {**legacy, **rope}
+            if src.get("mscale") or src.get("mscale_all_dim"):
+                raise ConfigError("config.json: yarn with mscale/mscale_all_dim is not supported; supported: "
+                                  "factor, beta_fast, beta_slow, truncate, attention_factor")
+            factor = src.get("factor")
+            original = src.get("original_max_position_embeddings")
+            if not isinstance(factor, int | float) or not isinstance(original, int):
+                raise ConfigError("config.json: yarn rope scaling needs a numeric factor and an integer "
+                                  "original_max_position_embeddings")
+            yarn = YarnScaling(
+                factor=float(factor), original_max_position_embeddings=original,
+                beta_fast=float(src.get("beta_fast") or 32.0), beta_slow=float(src.get("beta_slow") or 1.0),
+                truncate=bool(src.get("truncate", True)),
+                attention_factor=None if src.get("attention_factor") is None else float(src["attention_factor"]),
+            )  # fmt: skip
         elif rope_type != "default":
-            raise ConfigError(f"config.json: rope type {rope_type!r} is not supported; supported: default, llama3")
+            raise ConfigError(
+                f"config.json: rope type {rope_type!r} is not supported; supported: default, llama3, yarn"
+            )
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        gpt_oss = _gpt_oss_fields(cfg) if arch == GPT_OSS else {}
+        if gpt_oss:
+            sliding = None  # per layer, in layer_windows
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -118,4 +180,36 @@ class ModelConfig:
             sliding_window=sliding if isinstance(sliding, int) else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            rope_yarn=yarn,
+            **gpt_oss,
         )
+
+
+def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The gpt-oss fields of ModelConfig from its config.json, with HF GptOssConfig's defaults."""
+    layers = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ConfigError(f"config.json: layer_types must list {layers} of 'sliding_attention' / 'full_attention'")
+    window = cfg.get("sliding_window", 128)
+    if "sliding_attention" in types and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"config.json: sliding_window must be a positive integer, got {window!r}")
+    experts = cfg.get("num_local_experts", cfg.get("num_experts", 128))
+    top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token", 4))
+    if not isinstance(experts, int) or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ConfigError(f"config.json: num_experts_per_tok ({top_k!r}) must be in 1..num_local_experts "
+                          f"({experts!r})")  # fmt: skip
+    quant = cfg.get("quantization_config") or None
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method is not None and method not in QUANT_METHODS:
+        raise ConfigError(f"config.json: quantization {method!r} is not supported for gpt-oss; supported: "
+                          f"{', '.join(QUANT_METHODS)} (or none)")  # fmt: skip
+    if method == "mxfp4" and (cfg["hidden_size"] % 32 or cfg["intermediate_size"] % 32):
+        raise ConfigError("config.json: mxfp4 experts need hidden_size and intermediate_size divisible by 32")
+    return dict(
+        layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
+        attention_sinks=True,
+        moe=MoEConfig(num_experts=experts, top_k=top_k, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                      swiglu_limit=float(cfg.get("swiglu_limit", 7.0))),
+        quantization=method,
+    )

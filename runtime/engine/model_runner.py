@@ -10,13 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
+from envex.kernels import mxfp4
 from envex.kernels.ops import AttentionMetadata, make_ops
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import model_class
-from envex.runtime.models.llama import rope_cos_sin
+from envex.runtime.models.rope import rope_cos_sin
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -35,10 +36,16 @@ def _column_major_weights(model: torch.nn.Module) -> None:
 @torch.no_grad()
 def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights with realistic magnitudes, made on the model's device (vLLM's --load-format dummy): norm
-    weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers."""
+    weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers;
+    MXFP4-packed matrices (`X_blocks` with `X_scales`) random codes at that same magnitude."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("norm_weight"):
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name.endswith("_blocks") and param.dtype == torch.uint8:
+            mxfp4.fill_random_(param, params[name.removesuffix("_blocks") + "_scales"], gen)
+        elif name.endswith("_scales") and param.dtype == torch.uint8:
+            continue  # filled with its blocks
+        elif name.endswith("norm_weight"):
             param.fill_(1.0)
         elif param.dim() == 1:
             param.normal_(0.0, 0.02, generator=gen)
@@ -73,8 +80,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
-        """config: resolved (EngineConfig.resolved) for this device and model."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, *, extra_kv_bytes_per_block: int = 0) -> None:
+        """config: resolved (EngineConfig.resolved) for this device and model. extra_kv_bytes_per_block: what
+        another cache indexed by the same blocks costs per block (a draft model's), out of the same budget."""
+        self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
         assert config.is_resolved and config.max_model_len is not None, "the engine passes a resolved config"
         self.config = config
         self.model_config: ModelConfig = loaded.config
@@ -109,7 +118,7 @@ class ModelRunner:
     def _num_blocks(self) -> int:
         mc = self.model_config
         bytes_per_block = (2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim
-                           * torch.finfo(self.dtype).bits // 8)
+                           * torch.finfo(self.dtype).bits // 8) + self.extra_kv_bytes_per_block
         if self.config.num_kv_blocks is not None:
             blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":

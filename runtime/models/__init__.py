@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from torch import nn
 
-from envex.runtime.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from envex.runtime.config import GPT_OSS, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from envex.runtime.models.gpt_oss import GptOssForCausalLM
 from envex.runtime.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    arch: GptOssForCausalLM if arch == GPT_OSS else LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES
+}
 
 
 def model_class(config: ModelConfig) -> type[nn.Module]:

@@ -7,7 +7,6 @@ conversion step.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -15,27 +14,9 @@ from torch import nn
 
 from envex.kernels.ops import AttentionLayer, AttentionMetadata, Ops
 from envex.runtime.config import ModelConfig
+from envex.runtime.models.rope import rope_cos_sin
 
-
-def rope_cos_sin(config: ModelConfig, max_positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_positions, head_dim / 2] in float32, computed exactly as HF computes them."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
-    if scaling is not None:  # Llama 3.1: stretch low frequencies, keep high ones, blend in between
-        low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-        high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
-        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, smoothed, scaled)
-    positions = torch.arange(max_positions, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
-    return freqs.cos().to(device), freqs.sin().to(device)
+__all__ = ["LlamaForCausalLM", "rope_cos_sin"]  # rope_cos_sin lives in models/rope.py, shared by every model
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:

@@ -1,0 +1,413 @@
+"""gpt-oss's mixture of experts on Triton: routing, then the expert projections reading MXFP4 (or float) weights
+directly, dequantized tile by tile in registers, with the clamped SwiGLU fused into the first projection.
+
+Two paths, chosen by the number of token rows T (`fused_moe`):
+
+- T ≤ GEMV_MAX_ROWS (decode): a GEMV over the chosen experts only. `_gate_up_gemv_kernel` runs one program
+  column per (token, expert slot); each program redoes the token's top-k over the router logits (E values, in
+  L2), so routing costs no launch, and the first column stores the chosen ids and weights for the next kernel.
+  `_down_gemv_kernel` then sums the top_k experts of its token in registers: no atomics, no second pass.
+- larger T (prefill, wide decode batches): grouped by expert. The (token, slot) pairs are sorted by expert into
+  tiles of BLOCK_M rows (`align_by_expert`, device-only: sized for the worst case, so there is no host sync and
+  a CUDA graph can hold it), and `_gate_up_grouped_kernel` / `_down_grouped_kernel` multiply each tile with its
+  expert's weights on the tensor cores (after vLLM's fused_moe and its moe_align_block_size). Each pair's down
+  output goes to its own row, and the top_k rows of a token are summed in a fixed order: deterministic.
+
+MXFP4 (kernels/mxfp4.py): byte b of a row holds elements 2b (low nibble) and 2b + 1 (high nibble), so every
+kernel splits its input into even and odd elements and multiplies them by the low and high nibbles: the
+dequantized tile is never interleaved in registers. A code becomes a float by building its fp32 bits, and the
+e8m0 scale its fp32 exponent: exact.
+
+Floor (decode): memory. Per token and layer the GEMV path reads top_k · (2I·H + H·I) · 17/32 bytes of packed
+experts (values and scales) plus E·H·2 of the router; gpt-oss-120b: 4 · 12.9 MB + 0.7 MB.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from envex.kernels import mxfp4
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
+
+GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
+
+
+@triton.jit
+def _topk_softmax(logits_ptr, t, stride_l, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_TK: tl.constexpr):  # fmt: skip
+    """Token t's top_k experts (ties: the lower id) and their softmax weights over those k -> ([BLOCK_TK] int32,
+    [BLOCK_TK] float32); entries ≥ TOP_K are padding."""
+    ee = tl.arange(0, BLOCK_E)
+    v = tl.load(logits_ptr + t * stride_l + ee, mask=ee < E, other=float("-inf")).to(tl.float32)
+    kk = tl.arange(0, BLOCK_TK)
+    top_v = tl.full([BLOCK_TK], float("-inf"), dtype=tl.float32)
+    top_i = tl.zeros([BLOCK_TK], dtype=tl.int32)
+    for i in tl.static_range(TOP_K):
+        m = tl.max(v, axis=0)
+        idx = tl.min(tl.where(v == m, ee, BLOCK_E), axis=0)
+        top_v = tl.where(kk == i, m, top_v)
+        top_i = tl.where(kk == i, idx, top_i)
+        v = tl.where(ee == idx, float("-inf"), v)
+    p = tl.exp(top_v - tl.max(top_v, axis=0))  # padding: exp(-inf) = 0
+    return top_i, p / tl.sum(p, axis=0)
+
+
+@triton.jit
+def _e2m1(nib):
+    """e2m1 codes (uint8 0..15) -> float32: sign bit 3, exponent bits 2-1, mantissa bit 0; the fp32 bits are
+    built directly (subnormal code 1 is 0.5 = 2^-1)."""
+    code = nib.to(tl.int32)
+    e = (code >> 1) & 3
+    m = code & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight_pair(w_ptr, s_ptr, e, rows, row_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
+                 PACKED: tl.constexpr):  # fmt: skip
+    """Expert e's weights for `rows` at the even and odd input columns 2·kb and 2·kb + 1 -> two float32 tiles
+    [len(rows), len(kb)]. PACKED: w is the MXFP4 blocks viewed as [E, N, K/2] bytes, s the scales [E, N, K/32];
+    else w is a float [E, N, K] stack."""
+    mask = row_ok[:, None] & k_ok[None, :]
+    e64 = e.to(tl.int64)
+    r64 = rows.to(tl.int64)[:, None]
+    if PACKED:
+        byte = tl.load(w_ptr + e64 * stride_we + r64 * stride_wn + kb[None, :], mask=mask, other=0)
+        sc = tl.load(s_ptr + e64 * stride_se + r64 * stride_sn + (kb // 16)[None, :], mask=mask, other=0)
+        scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0 reads as 0
+        return _e2m1(byte & 15) * scale, _e2m1(byte >> 4) * scale
+    else:
+        base = w_ptr + e64 * stride_we + r64 * stride_wn + 2 * kb[None, :]
+        return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
+                tl.load(base + 1, mask=mask, other=0.0).to(tl.float32))  # fmt: skip
+
+
+@triton.jit
+def _swiglu_oai(g, u, alpha, limit):
+    g = tl.minimum(g, limit)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    return (u + 1.0) * (g * tl.sigmoid(alpha * g))
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act, alpha, limit,
+    K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
+):  # fmt: skip
+    """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
+    BLOCK_I output pairs j of this program (weight rows 2j and 2j + 1)."""
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    t = pair // TOP_K
+    slot = pair % TOP_K
+    top_i, top_w = _topk_softmax(logits_ptr, t, stride_l, E, TOP_K, BLOCK_E, BLOCK_TK)
+    kk = tl.arange(0, BLOCK_TK)
+    e = tl.sum(tl.where(kk == slot, top_i, 0), axis=0)
+    w_slot = tl.sum(tl.where(kk == slot, top_w, 0.0), axis=0)
+    # One program per pair publishes the routing for the down kernel (a vector store with one live lane: a bound
+    # rather than `& (pid_n == 0)`, as the interpreter rejects masks built from scalar booleans).
+    publish = kk < tl.where(pid_n == 0, 1, 0)
+    tl.store(ids_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.int32) + e, mask=publish)
+    tl.store(wts_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.float32) + w_slot, mask=publish)
+
+    j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
+    j_ok = j < INTER
+    jj = tl.arange(0, BLOCK_K // 2)
+    acc_g = tl.zeros([BLOCK_I, BLOCK_K // 2], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_I, BLOCK_K // 2], dtype=tl.float32)
+    x_row = x_ptr + t.to(tl.int64) * stride_x
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 2 + jj  # byte column: input elements 2·kb (low nibble) and 2·kb + 1 (high)
+        k_ok = kb < K // 2
+        x_even = tl.load(x_row + 2 * kb, mask=k_ok, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_row + 2 * kb + 1, mask=k_ok, other=0.0).to(tl.float32)
+        g_lo, g_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
+                                  stride_sn, PACKED)  # fmt: skip
+        acc_g += g_lo * x_even[None, :] + g_hi * x_odd[None, :]
+        u_lo, u_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
+                                  stride_sn, PACKED)  # fmt: skip
+        acc_u += u_lo * x_even[None, :] + u_hi * x_odd[None, :]
+    bias_row = b_ptr + e.to(tl.int64) * stride_be
+    dt = act_ptr.dtype.element_ty
+    # HF rounds the projection (bias included) to the activation dtype before the SwiGLU.
+    g = (tl.sum(acc_g, axis=1) + tl.load(bias_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)).to(dt)
+    u = (tl.sum(acc_u, axis=1) + tl.load(bias_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)).to(dt)
+    a = _swiglu_oai(g.to(tl.float32), u.to(tl.float32), alpha, limit)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(dt), mask=j_ok)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
+    N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr,
+):  # fmt: skip
+    """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, in slot order."""
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    jj = tl.arange(0, BLOCK_K // 2)
+    dt = out_ptr.dtype.element_ty
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in range(TOP_K):
+        pair = t * TOP_K + slot
+        e = tl.load(ids_ptr + pair)
+        wt = tl.load(wts_ptr + pair)
+        a_row = act_ptr + pair.to(tl.int64) * stride_act
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
+        for k0 in range(0, INTER, BLOCK_K):
+            kb = k0 // 2 + jj
+            k_ok = kb < INTER // 2
+            a_even = tl.load(a_row + 2 * kb, mask=k_ok, other=0.0).to(tl.float32)
+            a_odd = tl.load(a_row + 2 * kb + 1, mask=k_ok, other=0.0).to(tl.float32)
+            lo, hi = _weight_pair(w_ptr, s_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
+                                  PACKED)  # fmt: skip
+            acc += lo * a_even[None, :] + hi * a_odd[None, :]
+        r = tl.sum(acc, axis=1) + tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
+        y += wt * r.to(dt).to(tl.float32)  # HF rounds each expert's output before weighting it
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, ids_ptr, wts_ptr, stride_l, E: tl.constexpr, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_TK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    top_i, top_w = _topk_softmax(logits_ptr, t, stride_l, E, TOP_K, BLOCK_E, BLOCK_TK)
+    kk = tl.arange(0, BLOCK_TK)
+    tl.store(ids_ptr + t * TOP_K + kk, top_i, mask=kk < TOP_K)
+    tl.store(wts_ptr + t * TOP_K + kk, top_w, mask=kk < TOP_K)
+
+
+@triton.jit
+def _gate_up_grouped_kernel(
+    x_ptr, pairs_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act, alpha, limit,
+    K: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+    BLOCK_K: tl.constexpr, PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One tile of BLOCK_M (token, slot) pairs of one expert × BLOCK_I output pairs: act = swiglu(x @ W^T + b)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:  # a tile past the last expert's (the grid is sized for the worst case)
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair >= 0
+    tok = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
+    j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
+    j_ok = j < INTER
+    jj = tl.arange(0, BLOCK_K // 2)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 2 + jj
+        k_ok = kb < K // 2
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        x_even = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :], mask=x_mask, other=0.0)
+        x_odd = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :] + 1, mask=x_mask, other=0.0)
+        g_lo, g_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
+                                  stride_sn, PACKED)  # fmt: skip
+        u_lo, u_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
+                                  stride_sn, PACKED)  # fmt: skip
+        if UPCAST_DOT:
+            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+        else:  # dequantized values are exact in bf16/fp16 (a 3-bit mantissa times a power of two)
+            g_lo, g_hi = g_lo.to(x_even.dtype), g_hi.to(x_even.dtype)
+            u_lo, u_hi = u_lo.to(x_even.dtype), u_hi.to(x_even.dtype)
+        acc_g += tl.dot(x_even, tl.trans(g_lo)) + tl.dot(x_odd, tl.trans(g_hi))
+        acc_u += tl.dot(x_even, tl.trans(u_lo)) + tl.dot(x_odd, tl.trans(u_hi))
+    bias_row = b_ptr + e.to(tl.int64) * stride_be
+    dt = act_ptr.dtype.element_ty
+    g = (acc_g + tl.load(bias_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
+    u = (acc_u + tl.load(bias_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
+    a = _swiglu_oai(g.to(tl.float32), u.to(tl.float32), alpha, limit)
+    rows = tl.where(row_ok, pair, 0).to(tl.int64)
+    tl.store(act_ptr + rows[:, None] * stride_act + j[None, :], a.to(dt), mask=row_ok[:, None] & j_ok[None, :])
+
+
+@triton.jit
+def _down_grouped_kernel(
+    act_ptr, pairs_ptr, block_expert_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
+    N: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """out[pair, n] = weight[pair] · (act[pair] @ W_e^T + b_e)[n] (float32) for one tile of one expert's pairs."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair >= 0
+    rows = tl.where(row_ok, pair, 0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    jj = tl.arange(0, BLOCK_K // 2)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        kb = k0 // 2 + jj
+        k_ok = kb < INTER // 2
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        a_even = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :], mask=a_mask, other=0.0)
+        a_odd = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :] + 1, mask=a_mask, other=0.0)
+        lo, hi = _weight_pair(w_ptr, s_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
+                              PACKED)  # fmt: skip
+        if UPCAST_DOT:
+            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+        else:
+            lo, hi = lo.to(a_even.dtype), hi.to(a_even.dtype)
+        acc += tl.dot(a_even, tl.trans(lo)) + tl.dot(a_odd, tl.trans(hi))
+    dt = act_ptr.dtype.element_ty
+    r = (acc + tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
+    wt = tl.load(wts_ptr + rows, mask=row_ok, other=0.0)
+    tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], wt[:, None] * r.to(tl.float32),
+             mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
+
+
+# ---- launchers ----------------------------------------------------------------------------------------------
+
+Weights = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # float [E, N, K], or MXFP4 (blocks, scales)
+
+
+def _weight_args(name: str, w: Weights, n: int, k: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:  # fmt: skip
+    """(w, s, stride_we, stride_wn, stride_se, stride_sn, packed) for the kernels, after checking the shapes."""
+    if isinstance(w, tuple):
+        blocks, scales = w
+        mxfp4.check_packed(blocks, scales)
+        check(blocks.dim() == 4 and blocks.shape[1:3] == (n, k // mxfp4.GROUP),
+              f"{name}: blocks {tuple(blocks.shape)} do not hold [E, {n}, {k} / 32, 16]")  # fmt: skip
+        check(blocks.stride(3) == 1 and blocks.stride(2) == 16 and blocks.stride(1) == k // 2,
+              f"{name}: blocks must be contiguous within each expert")  # fmt: skip
+        check(scales.stride(2) == 1 and scales.stride(1) == k // mxfp4.GROUP,
+              f"{name}: scales must be contiguous within each expert")  # fmt: skip
+        check(blocks.device == device and scales.device == device, f"{name}: on another device than x")
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), True
+    check_tensor(name, w, ndim=3, dtypes=FLOAT_DTYPES, device=device)
+    check(w.shape[1:] == (n, k), f"{name}: shape {tuple(w.shape)} is not [E, {n}, {k}]")
+    return w, w, w.stride(0), w.stride(1), 0, 0, False
+
+
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (expert ids [T, top_k] int32, weights [T, top_k] float32), as reference.moe_route."""
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    t, e = logits.shape
+    check(1 <= top_k <= e, f"top_k: {top_k} must be in 1..{e} experts")
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
+    wts = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, ids, wts, logits.stride(0), E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
+                            BLOCK_TK=next_pow2(top_k))  # fmt: skip
+    return ids, wts
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token, slot) pairs, flattened as t·top_k + slot, sorted by expert into tiles of block_m -> (pairs
+    [max_tiles · block_m] int32, -1 where a tile is padding; tile_expert [max_tiles] int32, -1 past the last tile).
+
+    max_tiles = ceil(P / block_m) + E bounds any routing (each expert pads at most one partial tile), so nothing
+    here waits for the device."""
+    flat = ids.reshape(-1).long()  # [P]
+    p = flat.numel()
+    dev = ids.device
+    max_tiles = -(-p // block_m) + num_experts
+    order = torch.argsort(flat, stable=True)  # pair ids by expert
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    starts = torch.cumsum(counts, 0) - counts
+    expert_of = flat[order]
+    dest = (padded_end - padded)[expert_of] + torch.arange(p, device=dev) - starts[expert_of]
+    pairs = torch.full((max_tiles * block_m,), -1, dtype=torch.int32, device=dev)
+    pairs[dest] = order.to(torch.int32)
+    tile_start = torch.arange(max_tiles, device=dev) * block_m
+    tile_expert = torch.searchsorted(padded_end, tile_start, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return pairs, tile_expert
+
+
+def fused_moe(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    top_k: int,
+    *,
+    gate_up: Weights,
+    gate_up_bias: torch.Tensor,
+    down: Weights,
+    down_bias: torch.Tensor,
+    alpha: float,
+    limit: float,
+    gemv_max_rows: int = GEMV_MAX_ROWS,
+) -> torch.Tensor:
+    """Σ_k softmax-weighted down(swiglu(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
+    dtype: reference.moe_route followed by reference.moe_experts. x [T, H] (normed); logits [T, E]; gate_up
+    [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float or MXFP4 (blocks, scales); biases [E, 2I] and
+    [E, H]."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    t, h = x.shape
+    e = logits.shape[1]
+    check(logits.shape[0] == t, f"logits: {logits.shape[0]} rows for {t} tokens")
+    check_tensor("gate_up_bias", gate_up_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    check_tensor("down_bias", down_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    inter = gate_up_bias.shape[1] // 2
+    check(gate_up_bias.shape == (e, 2 * inter) and down_bias.shape == (e, h),
+          f"biases: {tuple(gate_up_bias.shape)} / {tuple(down_bias.shape)} are not [{e}, 2I] / [{e}, {h}]")  # fmt: skip
+    check(h % 2 == 0 and inter % 2 == 0, f"x: hidden {h} and intermediate {inter} must be even")
+    check(1 <= top_k <= e, f"top_k: {top_k} must be in 1..{e} experts")
+    w1, s1, we1, wn1, se1, sn1, packed1 = _weight_args("gate_up", gate_up, 2 * inter, h, x.device)
+    w2, s2, we2, wn2, se2, sn2, packed2 = _weight_args("down", down, h, inter, x.device)
+    check(packed1 == packed2, "gate_up/down: both MXFP4 or both float")
+    out = torch.empty_like(x)
+    if t == 0:
+        return out
+    pairs_n = t * top_k
+    act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)
+    if t <= gemv_max_rows:
+        ids = torch.empty(pairs_n, dtype=torch.int32, device=x.device)
+        wts = torch.empty(pairs_n, dtype=torch.float32, device=x.device)
+        block_i, block_k = 16, 256
+        _gate_up_gemv_kernel[(triton.cdiv(inter, block_i), pairs_n)](
+            x, logits, ids, wts, w1, s1, gate_up_bias, act,
+            x.stride(0), logits.stride(0), we1, wn1, se1, sn1, gate_up_bias.stride(0), act.stride(0),
+            float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
+            BLOCK_TK=next_pow2(top_k), BLOCK_I=block_i, BLOCK_K=min(block_k, next_pow2(h)), PACKED=packed1,
+            num_warps=4,
+        )  # fmt: skip
+        block_n = 16
+        _down_gemv_kernel[(triton.cdiv(h, block_n), t)](
+            act, ids, wts, w2, s2, down_bias, out,
+            act.stride(0), we2, wn2, se2, sn2, down_bias.stride(0), out.stride(0),
+            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(inter)), PACKED=packed2,
+            num_warps=4,
+        )  # fmt: skip
+        return out
+    ids, wts = route(logits, top_k)
+    block_m = 16 if t * top_k <= 16 * e else 64  # decode-sized batches spread thin over the experts
+    pairs, tile_expert = align_by_expert(ids, e, block_m)
+    tiles = tile_expert.shape[0]
+    block_i, block_n, block_k = 32, 64, 64
+    _gate_up_grouped_kernel[(tiles, triton.cdiv(inter, block_i))](
+        x, pairs, tile_expert, w1, s1, gate_up_bias, act,
+        x.stride(0), we1, wn1, se1, sn1, gate_up_bias.stride(0), act.stride(0), float(alpha), float(limit),
+        K=h, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k, PACKED=packed1,
+        UPCAST_DOT=INTERPRETING, num_warps=4,
+    )  # fmt: skip
+    per_pair = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
+    _down_grouped_kernel[(tiles, triton.cdiv(h, block_n))](
+        act, pairs, tile_expert, wts, w2, s2, down_bias, per_pair,
+        act.stride(0), we2, wn2, se2, sn2, down_bias.stride(0), per_pair.stride(0),
+        N=h, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PACKED=packed2, UPCAST_DOT=INTERPRETING,
+        num_warps=4,
+    )  # fmt: skip
+    out.copy_(per_pair.view(t, top_k, h).sum(1))  # the top_k slots of each token in a fixed order
+    return out
