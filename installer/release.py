@@ -159,13 +159,12 @@ def build_release(
 
 def engine_settings(plan: Plan, model_path: Path) -> dict[str, Any]:
     """Every EngineConfig setting as the engine will run it: the plan's choices over EngineConfig's defaults,
-    resolved for this host's mode and the installed model (EngineConfig.resolved, the one place defaults are
+    resolved for this host's mode and the model card's window (EngineConfig.resolved, the one place defaults are
     decided), so launch.json records concrete values, not "auto"."""
     from envex.runtime.engine.config import EngineConfig
-    from envex.runtime.loader import load_model_info
 
     config = EngineConfig(model=str(model_path), **plan.engine)
-    config = config.resolved(load_model_info(str(model_path)).config, cuda_available=plan.mode == "cuda")
+    config = config.resolved(window=plan.model_card.max_position_embeddings, cuda_available=plan.mode == "cuda")
     return {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name not in ("model", "served_name")}
 
 

@@ -63,9 +63,10 @@ class EngineConfig:
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:
             raise ValueError(f"gpu_memory_utilization: must be in [0.05, 0.98], got {self.gpu_memory_utilization}")
 
-    def resolved(self, model: ModelConfig, *, cuda_available: bool) -> EngineConfig:
-        """Every setting made concrete for this device and model: the one place where defaults are decided.
-        The engine runs on the result, and the installer records it in launch.json."""
+    def resolved(self, *, window: int, cuda_available: bool) -> EngineConfig:
+        """Every setting made concrete for this device and a model whose servable context is `window` tokens
+        (model_window): the one place where defaults are decided. The engine runs on the result, and the
+        installer records it in launch.json (from the model card, without loading the weights)."""
         if self.device == "cuda" and not cuda_available:
             raise ValueError("device: cuda was asked for but no CUDA device is visible; use --device cpu")
         device = ("cuda" if cuda_available else "cpu") if self.device == "auto" else self.device
@@ -73,9 +74,6 @@ class EngineConfig:
         backend = ("triton" if cuda else "torch") if self.backend == "auto" else self.backend
         if backend == "triton" and not cuda:
             raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
-        window = model.max_position_embeddings
-        if model.sliding_window:  # no sliding-window attention in this family yet: serve within the window
-            window = min(window, model.sliding_window)
         return replace(
             self,
             device=device,
@@ -100,4 +98,12 @@ class EngineConfig:
 
 
 _MAX_DEFAULT_LEN = 32768
+
+
+def model_window(model: ModelConfig) -> int:
+    """The context a model can be served at: its position limit, or its sliding window where the model has one
+    (no sliding-window attention in the Llama family yet, so such a model is served within the window)."""
+    if model.sliding_window:
+        return min(model.max_position_embeddings, model.sliding_window)
+    return model.max_position_embeddings
 _RESOLVED = ("max_model_len", "max_num_batched_tokens", "async_scheduling", "warm_up")

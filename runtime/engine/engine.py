@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from envex.runtime.engine.block_manager import BlockManager
-from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.config import EngineConfig, model_window
 from envex.runtime.engine.detokenizer import IncrementalDetokenizer
 from envex.runtime.engine.model_runner import ModelRunner
 from envex.runtime.engine.scheduler import ScheduledChunk, Scheduler
@@ -55,7 +55,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         loaded = load_model_info((config or EngineConfig()).model)
         # The one place where defaults become settings: everything below reads self.config only.
-        self.config = config = (config or EngineConfig()).resolved(loaded.config,
+        self.config = config = (config or EngineConfig()).resolved(window=model_window(loaded.config),
                                                                    cuda_available=torch.cuda.is_available())
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
