@@ -27,9 +27,10 @@ LOG2E = 1.4426950408889634
 def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
                  k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr, UPCAST_DOT: tl.constexpr,
-                 MASKED: tl.constexpr):  # fmt: skip
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
     """One BLOCK_N tile of keys [start, start + BLOCK_N) through the online softmax. MASKED: apply the causal
-    mask and the end of the range (the tiles on the diagonal and the last one); else every key is visible."""
+    mask and the end of the range (the tiles on the diagonal and the last one); else every key is visible.
+    WINDOW > 0 (with MASKED): a row at position p also hides keys ≤ p - WINDOW (sliding-window attention)."""
     kpos = start + tl.arange(0, BLOCK_N)
     k_ok = kpos < hi
     blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
@@ -43,6 +44,8 @@ def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (kpos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
@@ -56,13 +59,14 @@ def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
 @triton.jit
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
-    cu_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, SPLIT_CAUSAL: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     if USE_PDL:  # everything below reads what earlier kernels of the step wrote (q, the new K/V, seq_lens)
         tl.extra.cuda.gdc_launch_dependents()
@@ -92,15 +96,23 @@ def _attn_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # Keys this tile may see: up to the last row's position (causal), split NUM_SPLITS ways in BLOCK_N multiples.
+    # Keys this tile may see: up to the last row's position (causal), from the first row's window start (sliding
+    # window; else from 0), split NUM_SPLITS ways in BLOCK_N multiples.
     last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
     kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok + 1)
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    kv_start = 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(seq_len - q_len + (pid_m * BLOCK_M) // GROUP - WINDOW + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * chunk
     hi = tl.minimum(kv_end, lo + chunk)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink joins split 0's softmax as one more logit (log2 domain, unscaled) with no value
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     mid = lo
     if SPLIT_CAUSAL:
@@ -111,11 +123,11 @@ def _attn_kernel(
         for start in range(lo, mid, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
                                          k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
-                                         stride_kh, stride_bt, BLOCK_N, PAGE, UPCAST_DOT, False)  # fmt: skip
+                                         stride_kh, stride_bt, BLOCK_N, PAGE, UPCAST_DOT, False, 0)  # fmt: skip
     for start in range(mid, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
                                      k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True)  # fmt: skip
+                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
 
     l_div = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_div[:, None]
@@ -186,6 +198,8 @@ def paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed varlen queries q [T,Hq,D] over paged caches [num_blocks, block_size, Hkv, D].
 
@@ -193,6 +207,8 @@ def paged_attention(
     seq_lens[b] cached tokens (already written). max_q_len / max_seq_len bound the batch (host ints, so no sync).
     num_splits: key-range splits (None: chosen from the batch; fixed by a CUDA graph that must not re-plan).
     pdl: programmatic dependent launch, only inside a chain of kernels that all wait on their predecessor.
+    sinks: [Hq] per-head sink logits (gpt-oss); window: sliding window (a query at p sees keys p-window+1 .. p;
+    blocks before the window are never read), as reference.paged_attention takes them.
     """
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, n_q, head_dim = q.shape
@@ -211,14 +227,19 @@ def paged_attention(
     check(cu_seqlens_q.shape[0] == batch + 1, f"cu_seqlens_q: {cu_seqlens_q.shape[0]} entries for batch {batch}")
     check(block_tables.shape[0] == batch, f"block_tables: {block_tables.shape[0]} rows for batch {batch}")
     check(max_q_len >= 1 and max_seq_len >= max_q_len, f"max_q_len {max_q_len} / max_seq_len {max_seq_len} invalid")
+    check(window is None or window >= 1, f"window: {window} must be a positive number of tokens or None")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=FLOAT_DTYPES, device=q.device)
+        check(sinks.shape[0] == n_q, f"sinks: {sinks.shape[0]} entries for {n_q} query heads")
 
     group = n_q // n_kv
     out = torch.empty_like(q)
     if num_tokens == 0 or batch == 0:
         return out
     if num_splits is None:
-        # Prefill tiles already fill the GPU; splitting pays only for short query chunks.
-        num_splits = choose_num_splits(batch, n_kv, max_seq_len, q.device) if max_q_len <= 4 else 1
+        # Prefill tiles already fill the GPU; splitting pays only for short query chunks. A window bounds the keys.
+        keys = max_seq_len if window is None else min(max_seq_len, window + max_q_len)
+        num_splits = choose_num_splits(batch, n_kv, keys, q.device) if max_q_len <= 4 else 1
     if block_m is None:
         block_m = max(16, min(128, next_pow2(max_q_len * group)))
     if max_q_len > 4 and block_m == 128:
@@ -240,12 +261,15 @@ def paged_attention(
         part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(max_q_len * group, block_m), batch, n_kv * num_splits)
     _attn_kernel[grid](
-        q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, block_tables, float(scale) * LOG2E,
+        q, k_cache, v_cache, out, part_o, part_lse, cu_seqlens_q, seq_lens, block_tables,
+        sinks if sinks is not None else q, float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
-        NUM_SPLITS=num_splits, UPCAST_DOT=INTERPRETING, USE_PDL=pdl, SPLIT_CAUSAL=max_q_len > 4, num_warps=num_warps,
+        NUM_SPLITS=num_splits, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
+        SPLIT_CAUSAL=max_q_len > 4 and window is None,  # a window's keys all need the mask
+        HAS_SINKS=sinks is not None, WINDOW=window or 0, num_warps=num_warps,
         **({"num_stages": num_stages} if num_stages else {}), **pdl_launch(pdl),
     )  # fmt: skip
     if num_splits > 1:

@@ -86,7 +86,7 @@ def _merge_partials(part_o_ptr, part_lse_ptr, t, head0, stride_ps, stride_pt, st
 @triton.jit
 def _decode_fused_kernel(
     qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, q_norm_ptr, k_norm_ptr, qk_scale, norm_eps,
+    out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, q_norm_ptr, k_norm_ptr, sinks_ptr, qk_scale, norm_eps,
     stride_qkv, stride_cos, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
@@ -94,6 +94,7 @@ def _decode_fused_kernel(
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
     UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, QK_NORM: tl.constexpr,
+    HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):  # fmt: skip
     if USE_PDL:  # qkv, positions and slots come from earlier kernels of the step; the counters from this kernel's
         tl.extra.cuda.gdc_launch_dependents()  # previous launch (complete once gdc_wait returns, transitively)
@@ -128,22 +129,30 @@ def _decode_fused_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # 2. This split's share of the cached keys, in BLOCK_N multiples as attention._attn_kernel splits them.
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    # 2. This split's share of the cached keys, in BLOCK_N multiples as attention._attn_kernel splits them; with
+    # a sliding window only keys pos-WINDOW+1 .. pos are split (and read).
+    kv_start = 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(pos - WINDOW + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * chunk
     hi = tl.minimum(seq_len - 1, lo + chunk)  # position pos (the new key) comes from registers, below
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink joins split 0's softmax as one more logit (log2 domain, unscaled) with no value
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # LOG2E
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
                                      k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True)  # fmt: skip
+                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
 
     # 3. The new token's k (rotated) and v. Every split computes them (two L2-resident rows); only the owner of
     # position pos writes them to the cache and lets the new key into its softmax.
-    owner = split == pos // chunk
+    owner = split == (pos - kv_start) // chunk
     k_row = row_ptr + (N_KV * GROUP + kvh) * HEAD_DIM
     k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
     k_par = tl.load(k_row + partner, mask=d_ok, other=0.0)
@@ -245,6 +254,8 @@ def decode_attention_fused(
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One decode token per sequence: (q/k RMSNorm,) rotary on q/k, k/v written to the cache at slot_mapping,
     attention -> [B,Hq,D].
@@ -257,6 +268,8 @@ def decode_attention_fused(
     from new_split_counters, left at zero after every launch; allocated here if None) instead of a second launch.
     out / partials ([S, B, Hq, D] and [S, B, Hq] float32): preallocated buffers, else allocated here.
     q_norm, k_norm: [D] RMSNorm weights applied to each q and k head before the rotation (Qwen3), both or neither.
+    sinks: [Hq] per-head sink logits; window: sliding window (keys position-window+1 .. position), as
+    reference.paged_attention takes them (gpt-oss). max_seq_len is then also bounded by window for the split count.
     """
     check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
     batch = qkv.shape[0]
@@ -289,6 +302,10 @@ def decode_attention_fused(
         if w is not None:
             check_tensor(name, w, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
             check(w.shape[0] == head_dim, f"{name}: length {w.shape[0]} != head_dim {head_dim}")
+    check(window is None or window >= 1, f"window: {window} must be a positive number of tokens or None")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=FLOAT_DTYPES, device=dev)
+        check(sinks.shape[0] == num_heads, f"sinks: {sinks.shape[0]} entries for {num_heads} query heads")
 
     if out is None:
         out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=dev)
@@ -297,7 +314,8 @@ def decode_attention_fused(
     if batch == 0:
         return out
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, dev)
+        keys = max_seq_len if window is None else min(max_seq_len, window)
+        num_splits = choose_num_splits(batch, num_kv_heads, keys, dev)
     merge_in_kernel = merge_in_kernel and num_splits > 1
     if num_splits > 1:
         if partials is None:
@@ -327,14 +345,15 @@ def decode_attention_fused(
     _decode_fused_kernel[(batch, num_kv_heads * num_splits)](
         qkv, positions, slot_mapping, cos, sin, k_cache, v_cache, block_tables,
         out, part_o, part_lse, counters, q_norm if q_norm is not None else cos,
-        k_norm if k_norm is not None else cos, float(scale) * LOG2E, float(norm_eps),
+        k_norm if k_norm is not None else cos, sinks if sinks is not None else cos, float(scale) * LOG2E,
+        float(norm_eps),
         qkv.stride(0), cos.stride(0), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         N_KV=num_kv_heads, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
         MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        QK_NORM=q_norm is not None,
+        QK_NORM=q_norm is not None, HAS_SINKS=sinks is not None, WINDOW=window or 0,
         num_warps=num_warps or 4, num_stages=num_stages or 2, **pdl_launch(pdl),
     )  # fmt: skip
     if num_splits > 1 and not merge_in_kernel:

@@ -6,7 +6,11 @@ Each entry point picks its kernel from the rows it is given:
   launch on Hopper, so each kernel's weight stream starts under its predecessor's tail;
 - more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it;
 - attention: for a pure decode step, decode_attention_fused (q/k norm + rotary + KV write + attention + split
-  merge in one or two launches); else rotary_and_store_kv and the varlen paged_attention kernel.
+  merge in one or two launches); else rotary_and_store_kv and the varlen paged_attention kernel. Sinks and a
+  sliding window are constexpr variants of both; a window layer picks its key splits from the window, not from
+  the graph's max_model_len;
+- moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
+  expert projections, MXFP4 dequantized in registers).
 The model file never sees these choices; the gates prove the result equals TorchOps.
 """
 
@@ -15,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import activation, attention, decode_attention, gemv, norm, rotary
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, split_qkv
+from envex.kernels import activation, attention, decode_attention, gemv, moe_mxfp4, norm, rotary
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, MoEWeights, split_qkv
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -62,13 +66,18 @@ class TritonOps:
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
         tokens = qkv.shape[0]
+        window = layer.sliding_window
+        # A window layer reads at most `window` keys: its split count comes from that, not from the (graph's)
+        # max_seq_len; it depends only on the batch, so a captured graph stays valid.
+        num_splits = meta.num_splits if window is None else None
         if meta.is_decode:
             pdl = self.pdl and tokens == 1
             return decode_attention.decode_attention_fused(
                 qkv, meta.positions, meta.slot_mapping, meta.cos, meta.sin, k_cache, v_cache, meta.block_tables,
                 layer.scale, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
-                max_seq_len=meta.max_seq_len, num_splits=meta.num_splits, merge_in_kernel=False,
+                max_seq_len=meta.max_seq_len, num_splits=num_splits, merge_in_kernel=False,
                 q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=layer.norm_eps, pdl=pdl,
+                sinks=layer.sinks, window=window,
             ).view(tokens, layer.q_size)  # fmt: skip
         q, k, v = split_qkv(qkv, layer)
         if layer.q_norm is not None and layer.k_norm is not None:
@@ -79,5 +88,18 @@ class TritonOps:
         assert meta.seq_lens is not None, "a step with prefill chunks carries seq_lens"
         out = attention.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                         layer.scale, max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len,
-                                        num_splits=meta.num_splits)  # fmt: skip
+                                        num_splits=num_splits, sinks=layer.sinks, window=window)  # fmt: skip
         return out.view(tokens, layer.q_size)
+
+    def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if residual is None:
+            h, residual = norm.rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
+        logits = self.linear(h, router_weight, router_bias)  # [T, E]
+        out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
+                                  gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
+                                  down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit)
+        return out, residual

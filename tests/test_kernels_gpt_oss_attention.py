@@ -1,0 +1,105 @@
+"""gpt-oss attention: per-head sinks and a sliding window in the paged attention kernels (prefill, chunked prefill,
+decode, key splits) and in the fused decode kernel, against the float64 reference; the reference itself against
+HF's eager definition (a dense mask plus a concatenated sink column)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels import attention, decode_attention  # noqa: E402
+from envex.kernels import reference as ref  # noqa: E402
+from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+from envex.tests.test_kernels_attention import _decode_step_inputs, _paged_batch, _slots  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+CASES = {  # (seq_lens, q_lens): decode, prefill, a chunk after cached keys, a prefill beside decodes
+    "decode": ([1, 17, 40, 64], [1, 1, 1, 1]),
+    "prefill": ([9, 33], [9, 33]),
+    "chunk_after_prefix": ([50, 21], [13, 5]),
+    "mixed": ([30, 1, 45], [30, 1, 1]),
+}
+
+
+def _sinks(n_q: int, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(n_q, generator=torch.Generator().manual_seed(seed)) * 2).to(DEV)
+
+
+def test_reference_equals_hf_eager_definition() -> None:
+    """HF GptOssAttention (eager): scores + mask (causal, and kv > q - window), a sink column concatenated per head,
+    softmax, the sink dropped. One dense sequence of 11 tokens whose cache spans three blocks of 4."""
+    n_q, n_kv, d, window = 4, 2, 16, 5
+    q, kc, vc, cu, sl, bt = _paged_batch([11], [11], n_q, n_kv, d, 4, torch.float64, seed=2)
+    sinks = _sinks(n_q).double()
+    got = ref.paged_attention(q, kc, vc, cu, sl, bt, 0.25, sinks=sinks, window=window)
+    keys = kc[bt[0, :3].long()].reshape(-1, n_kv, d)[:11].repeat_interleave(n_q // n_kv, 1)  # [11, Hq, D]
+    vals = vc[bt[0, :3].long()].reshape(-1, n_kv, d)[:11].repeat_interleave(n_q // n_kv, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
+    qi, ki = torch.arange(11)[:, None], torch.arange(11)[None, :]
+    scores = scores.masked_fill((ki > qi) | (ki <= qi - window), float("-inf"))
+    combined = torch.cat([scores, sinks[:, None, None].expand(n_q, 11, 1)], dim=-1)
+    probs = torch.softmax(combined - combined.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    want = torch.einsum("hqk,khd->qhd", probs, vals)
+    assert torch.allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window,sinks", [(None, True), (6, False), (6, True), (20, True)])
+def test_paged_attention_sinks_window(case: str, window: int | None, sinks: bool) -> None:
+    seq_lens, q_lens = CASES[case]
+    n_q, n_kv = 8, 2
+    q, kc, vc, cu, sl, bt = _paged_batch(seq_lens, q_lens, n_q, n_kv, 64, 8, torch.bfloat16)
+    s = _sinks(n_q) if sinks else None
+    want = ref.paged_attention(*f64(q, kc, vc), cu, sl, bt, 0.125, sinks=None if s is None else s.double(),
+                               window=window)  # fmt: skip
+    out = attention.paged_attention(q, kc, vc, cu, sl, bt, 0.125, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
+                                    sinks=s, window=window)  # fmt: skip
+    assert_close(f"attention[{case}, window {window}, sinks {sinks}]", out, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_paged_attention_sinks_window_split(num_splits: int) -> None:
+    """Key splits: the sink joins split 0 only; with a window the splits share the window's keys, not the whole
+    sequence's (a split may then hold no visible key)."""
+    seq_lens, q_lens = [3, 70, 129], [1, 1, 2]
+    q, kc, vc, cu, sl, bt = _paged_batch(seq_lens, q_lens, 8, 2, 64, 16, torch.float32, seed=num_splits)
+    s = _sinks(8, seed=1)
+    for window in (None, 24):
+        want = ref.paged_attention(*f64(q, kc, vc), cu, sl, bt, 0.125, sinks=s.double(), window=window)
+        out = attention.paged_attention(q, kc, vc, cu, sl, bt, 0.125, max_q_len=2, max_seq_len=129,
+                                        num_splits=num_splits, sinks=s, window=window)  # fmt: skip
+        assert_close(f"split attention window {window}", out, want, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 4, 16])
+@pytest.mark.parametrize("num_splits,merge_in_kernel", [(1, False), (3, True)])
+def test_decode_attention_fused_sinks_window(window: int | None, num_splits: int, merge_in_kernel: bool) -> None:
+    n_q, n_kv, head_dim, page = 8, 2, 32, 8
+    positions = [0, 15, 9, 22, 40]
+    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=4)
+    kc_ref, vc_ref = kc.double(), vc.double()
+    pos = torch.tensor(positions, device=DEV)
+    slots = _slots(tables, pos, page, [])
+    qkv = torch.randn(len(positions), (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(5))
+    qkv = qkv.to(torch.bfloat16).to(DEV)
+    s = _sinks(n_q, seed=3)
+    got = decode_attention.decode_attention_fused(
+        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
+        max_seq_len=41, num_splits=num_splits, merge_in_kernel=merge_in_kernel, sinks=s, window=window,
+    )  # fmt: skip
+    want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
+                                      n_q, n_kv, sinks=s.double(), window=window)  # fmt: skip
+    assert_close(f"decode fused window {window}", got, want, torch.bfloat16)
+    assert_close("k_cache", kc, kc_ref, torch.bfloat16)
+
+
+def test_attention_rejects_bad_sinks_and_window() -> None:
+    q, kc, vc, cu, sl, bt = _paged_batch([5], [5], 4, 2, 64, 8, torch.float32)
+    with pytest.raises(ValueError, match="sinks: 3 entries for 4 query heads"):
+        attention.paged_attention(q, kc, vc, cu, sl, bt, 0.1, max_q_len=5, max_seq_len=5,
+                                  sinks=torch.zeros(3, device=DEV))  # fmt: skip
+    with pytest.raises(ValueError, match="window: 0 must be a positive number"):
+        attention.paged_attention(q, kc, vc, cu, sl, bt, 0.1, max_q_len=5, max_seq_len=5, window=0)
