@@ -7,7 +7,8 @@ Layout (an uncompressed POSIX/pax tar; weights do not compress, and a plain tar 
     signatures.json                     {"signatures": [{"keyid": ..., "sig": ...}]}
     manifest.json.sigstore.json         optional sigstore bundle over manifest.json's bytes
 
-Signing replaces only the trailing metadata members, so signing a bundle of many GB rewrites a few KB.
+Signing replaces only the trailing metadata members; the new bundle is written beside the old one (the payload
+copied by the kernel, as a reflink where the filesystem can) and renamed over it.
 
 Reading scans headers first (with the strict reader in tarscan.py, not tarfile) and refuses, before any data is
 read: links, devices, directories and other non-regular members, absolute paths, `..` and odd names, duplicate
@@ -17,6 +18,8 @@ then read by offset only for regular members, through one fixed buffer, so memor
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import stat
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from envex.bundles.errors import Check, VerificationError
+from envex.bundles.files import commit_file, kind_of, os_reason, show, temp_beside
 from envex.bundles.manifest import MAX_FILES, unsafe_path_reason
 from envex.bundles.tarscan import BLOCK, Header, TarFormatError, scan_headers
 
@@ -52,7 +56,7 @@ class Member:
 
 
 def _malformed(path: Path, detail: str) -> VerificationError:
-    return VerificationError(f"{path}: {detail}", check=Check.MALFORMED_ARCHIVE)
+    return VerificationError(f"{show(path)}: {detail}", check=Check.MALFORMED_ARCHIVE)
 
 
 _KINDS = {
@@ -107,13 +111,18 @@ class BundleArchive:
         """Open and scan `path`; raises VerificationError naming the first unsafe or malformed thing."""
         path = Path(path)
         try:
-            # O_NONBLOCK: opening a fifo someone named as a bundle must fail, not hang.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            # stat first: a device is refused before it is opened (opening some has side effects).
+            info = os.stat(path)
+            if not stat.S_ISREG(info.st_mode):
+                raise _malformed(path, f"is {kind_of(info.st_mode)}, not a regular file")
+            # O_NONBLOCK: a fifo swapped in since the stat must fail the check below, not hang the open.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
         except OSError as exc:
-            raise _malformed(path, f"cannot open: {exc.strerror}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _malformed(path, f"cannot open: {os_reason(exc)}") from None
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
             os.close(fd)
-            raise _malformed(path, "not a regular file")
+            raise _malformed(path, f"is {kind_of(mode)}, not a regular file")
         handle = os.fdopen(fd, "rb")
         try:
             members = _scan(path, handle)
@@ -223,22 +232,76 @@ def end_of_archive() -> bytes:
 
 
 def rewrite_trailing(path: Path, members: dict[str, bytes], mtime: int) -> None:
-    """Replace the trailing metadata members (signatures, sigstore) in place; the payload is not touched."""
-    with BundleArchive.open(path) as archive:
+    """Replace the trailing metadata members (signatures, sigstore); the payload bytes are kept as they are.
+
+    The new bundle is written beside the old one and renamed over it, so a crash leaves the old bundle whole,
+    with every signature it had. The payload is copied by the kernel: a reflink where the filesystem has them
+    (btrfs, XFS: instant), else copy_file_range, which needs the bundle's size free for a moment.
+    """
+    real = Path(os.path.realpath(path))  # a link to the bundle keeps pointing at the signed file
+    with BundleArchive.open(real) as archive:
         names = list(archive.members)
         if MANIFEST not in archive.members:
-            raise VerificationError(f"{path}: no manifest.json", check=Check.MISSING_FILE)
+            raise VerificationError(f"{show(path)}: no manifest.json", check=Check.MISSING_FILE)
         after_manifest = names[names.index(MANIFEST) + 1 :]
         if any(n not in TRAILING for n in after_manifest):
             raise _malformed(path, "members after manifest.json other than signatures; not a bundle we built")
         manifest = archive.members[MANIFEST]
         cut = manifest.data_offset + manifest.size + len(padding(manifest.size))
-    with open(path, "r+b") as out:
-        out.truncate(cut)
-        out.seek(cut)
-        for name in TRAILING:
-            if name in members:
-                write_member(out, name, members[name], mtime)
-        out.write(end_of_archive())
-        out.flush()
-        os.fsync(out.fileno())
+        src_fd = archive._handle.fileno()
+        before = os.fstat(src_fd)
+        fd, tmp = temp_beside(real, what="bundle")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                _copy_prefix(src_fd, out.fileno(), cut)
+                for name in TRAILING:
+                    if name in members:
+                        write_member(out, name, members[name], mtime)
+                out.write(end_of_archive())
+                out.flush()
+                os.fchmod(out.fileno(), stat.S_IMODE(before.st_mode))
+                os.fsync(out.fileno())
+            now = os.stat(real, follow_symlinks=False)
+            if (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != (
+                before.st_dev,
+                before.st_ino,
+                before.st_size,
+                before.st_mtime_ns,
+            ):
+                raise _malformed(path, "changed while it was being signed; sign it again")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    commit_file(tmp, real, what="bundle", replace=True)
+
+
+_FICLONE = 0x40049409  # linux/fs.h: _IOW(0x94, 9, int)
+
+
+def _copy_prefix(src_fd: int, dst_fd: int, length: int) -> None:
+    """Copy the first `length` bytes of `src_fd` into the empty `dst_fd`, leaving its position at `length`."""
+    try:
+        fcntl.ioctl(dst_fd, _FICLONE, src_fd)  # a reflink of the whole file, then cut to the payload
+    except OSError:
+        pass
+    else:
+        os.ftruncate(dst_fd, length)
+        os.lseek(dst_fd, length, os.SEEK_SET)
+        return
+    offset = 0
+    while offset < length:
+        try:
+            copied = os.copy_file_range(src_fd, dst_fd, length - offset, offset_src=offset)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
+                raise
+            break  # no in-kernel copy here: read and write
+        if copied <= 0:
+            raise VerificationError("bundle: truncated while it was being copied", check=Check.MALFORMED_ARCHIVE)
+        offset += copied
+    while offset < length:
+        chunk = os.pread(src_fd, min(CHUNK, length - offset), offset)
+        if not chunk:
+            raise VerificationError("bundle: truncated while it was being copied", check=Check.MALFORMED_ARCHIVE)
+        os.write(dst_fd, chunk)  # a regular file: a short write only on a full disk, which raises
+        offset += len(chunk)

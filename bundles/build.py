@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import tempfile
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -36,6 +35,18 @@ from envex.bundles.archive import (
 )
 from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 from envex.bundles.errors import Check, VerificationError
+from envex.bundles.files import (
+    FileProblem,
+    check_target,
+    commit_file,
+    from_os_error,
+    kind_of,
+    one_line,
+    require_directory,
+    show,
+    stat_or_none,
+    temp_beside,
+)
 from envex.bundles.keys import key_id, sign
 from envex.bundles.manifest import (
     MAX_FILES,
@@ -85,26 +96,35 @@ def bundle_file_name(name: str, version: str) -> str:
 
 def _source_files(src: Path) -> list[tuple[str, Path]]:
     """Every regular file under `src` as (posix relative path, path), sorted; anything else is refused."""
-    if not src.is_dir():
-        raise BuildError(f"{src} is not a directory")
+    try:
+        require_directory(src, what="source directory")
+    except FileProblem as exc:
+        raise BuildError(str(exc)) from None
+
+    def unreadable(exc: OSError) -> None:  # os.walk would skip an unreadable directory silently
+        raise BuildError(str(from_os_error("source directory", exc.filename or src, exc)))
+
     found: list[tuple[str, Path]] = []
-    for directory, dirnames, filenames in os.walk(src, followlinks=False):
+    for directory, dirnames, filenames in os.walk(src, onerror=unreadable, followlinks=False):
         for entry in [*dirnames, *filenames]:
             path = Path(directory) / entry
             rel = path.relative_to(src).as_posix()
-            mode = os.lstat(path).st_mode
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError as exc:
+                raise BuildError(str(from_os_error("source file", path, exc))) from None
             if stat.S_ISLNK(mode):
-                raise BuildError(f"{path} is a symlink; bundles hold regular files only (copy the target instead)")
+                raise BuildError(f"{show(path)} is a symlink; bundles hold regular files only (copy its target in)")
             if stat.S_ISDIR(mode):
                 continue
             if not stat.S_ISREG(mode):
-                raise BuildError(f"{path} is not a regular file (device, fifo or socket)")
+                raise BuildError(f"{show(path)} is {kind_of(mode)}, not a regular file; bundles hold only those")
             reason = unsafe_path_reason(rel)
             if reason is not None:
-                raise BuildError(f"{path}: cannot be a bundle path: {reason}")
+                raise BuildError(f"{show(path)}: cannot be a bundle path: {one_line(reason)}")
             found.append((rel, path))
     if len(found) > MAX_FILES:
-        raise BuildError(f"{src} holds {len(found)} files, more than the {MAX_FILES} a bundle may")
+        raise BuildError(f"{show(src)} holds {len(found)} files, more than the {MAX_FILES} a bundle may")
     return sorted(found)
 
 
@@ -112,7 +132,12 @@ def _copy_hashing(source: Path, out: BinaryIO, buffer: bytearray) -> tuple[int, 
     digest = hashlib.sha256()
     view = memoryview(buffer)
     total = 0
-    with open(source, "rb", buffering=0) as handle:
+    # O_NONBLOCK | O_NOFOLLOW and a fresh fstat: a file swapped for a FIFO or a link since the walk is refused.
+    fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise BuildError(f"{show(source)} stopped being a regular file while it was being bundled")
+    with os.fdopen(fd, "rb", buffering=0) as handle:
         while True:
             got = handle.readinto(buffer)
             if not got:
@@ -135,12 +160,14 @@ def build_bundle(
     requires: Iterable[Requirement | dict[str, Any]] = (),
     created: datetime | None = None,
     expires: datetime | None = None,
+    force: bool = False,
 ) -> Path:
     """Build an unsigned bundle of every file under `src`; returns the bundle's path.
 
     `out` is the bundle file, or a directory to hold `<name>-<version>.envex`. The file appears only when
-    complete (written beside it, then renamed). Raises `BuildError` for sources that cannot be bundled and
-    `pydantic.ValidationError` for invalid metadata (name, version, targets, requirements).
+    complete (written beside it, then renamed). An existing bundle is replaced only with `force`; a device, FIFO,
+    socket or symlink at `out` never is. Raises `BuildError` for sources that cannot be bundled and targets that
+    cannot be written, and `pydantic.ValidationError` for invalid metadata (name, version, targets, requirements).
     """
     src = Path(src)
     created = (created or datetime.now(UTC)).replace(microsecond=0)
@@ -167,14 +194,18 @@ def build_bundle(
     # Validate the metadata before reading gigabytes: a manifest with no files yet must already be valid.
     manifest_of([])
     out = Path(out)
-    if out.is_dir():
-        out = out / bundle_file_name(name, version)
-    files = _source_files(src)
+    try:
+        info = stat_or_none(out, what="--out")
+        if info is not None and stat.S_ISDIR(info.st_mode):
+            out = out / bundle_file_name(name, version)
+        check_target(out, what="bundle", replace=force)  # before reading gigabytes
+        files = _source_files(src)
+        fd, tmp = temp_beside(out, what="bundle")
+    except FileProblem as exc:
+        raise BuildError(str(exc)) from None
     mtime = int(created.timestamp())
     entries: list[FileEntry] = []
     buffer = bytearray(CHUNK)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
-    tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as handle:
             for rel, path in files:
@@ -182,7 +213,9 @@ def build_bundle(
                 handle.write(header_bytes(member_info(PAYLOAD_PREFIX + rel, size, mtime)))
                 written, sha = _copy_hashing(path, handle, buffer)
                 if written != size:
-                    raise BuildError(f"{path} changed size while it was being bundled ({size} then {written} bytes)")
+                    raise BuildError(
+                        f"{show(path)} changed size while it was being bundled ({size} then {written} bytes)"
+                    )
                 handle.write(padding(size))
                 entries.append(FileEntry(path=rel, size=size, sha256=sha))
             manifest = manifest_of(entries)
@@ -190,12 +223,15 @@ def build_bundle(
             write_member(handle, SIGNATURES, SignaturesDocument(signatures=[]).to_bytes(), mtime)
             handle.write(end_of_archive())
             handle.flush()
+            os.fchmod(handle.fileno(), 0o644)
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, out)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    try:
+        commit_file(tmp, out, what="bundle", replace=force)
+    except FileProblem as exc:
+        raise BuildError(str(exc)) from None
     return out
 
 

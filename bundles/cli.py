@@ -16,11 +16,22 @@ from typing import Annotated, Any, NoReturn, cast
 import typer
 from pydantic import ValidationError
 
+from envex.bundles.archive import MAX_METADATA_BYTES, SIGSTORE
 from envex.bundles.build import BuildError, build_bundle, sign_bundle
 from envex.bundles.errors import VerificationError
+from envex.bundles.files import (
+    FileProblem,
+    from_os_error,
+    one_line,
+    read_regular_file,
+    require_directory,
+    require_exists,
+    show,
+    write_file,
+)
 from envex.bundles.keys import generate_key, key_id, load_private_key, load_public_key, write_key_files
 from envex.bundles.manifest import Kind, Requirement, Targets, first_error
-from envex.bundles.trust import load_root, make_root, sign_root
+from envex.bundles.trust import MAX_KEYS, load_root, make_root, sign_root
 from envex.bundles.verify import verify_bundle
 
 EXIT_FAILED = 1
@@ -36,20 +47,26 @@ class KindChoice(StrEnum):
     kernels = "kernels"
 
 
+# The longest lifetime a bundle or a root may be given: far beyond any sane expiry, far below datetime's range.
+MAX_EXPIRES_DAYS = 36500
+
+
 def _usage(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {one_line(message)}", err=True)
     raise typer.Exit(EXIT_USAGE)
 
 
 def _failed(exc: VerificationError) -> NoReturn:
-    typer.echo(f"verification failed [{exc.check.value}]: {exc.message}", err=True)
+    typer.echo(f"verification failed [{exc.check.value}]: {one_line(exc.message)}", err=True)
     raise typer.Exit(EXIT_FAILED)
 
 
 def _existing(path: Path, what: str) -> Path:
-    if not path.exists():
-        _usage(f"{what} {path} does not exist")
-    return path
+    """`path` when something is there; else one line (missing, a symlink loop, a path too long, ...), exit 2."""
+    try:
+        return require_exists(path, what=what)
+    except FileProblem as exc:
+        _usage(str(exc))
 
 
 @bundle_app.command("keygen")
@@ -61,11 +78,11 @@ def keygen(
     key = generate_key()
     try:
         private_path, public_path = write_key_files(key, out, name)
-    except (FileExistsError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # ValueError: a name that is not a plain file name stem
         _usage(str(exc))
     typer.echo(f"key id:  {key_id(key)}")
-    typer.echo(f"private: {private_path}  (mode 0600: keep it offline)")
-    typer.echo(f"public:  {public_path}")
+    typer.echo(f"private: {show(private_path)}  (mode 0600: keep it offline)")
+    typer.echo(f"public:  {show(public_path)}")
 
 
 def _parse_requirement(text: str) -> Requirement:
@@ -109,7 +126,10 @@ def build(
     requires: Annotated[
         list[str] | None, typer.Option("--requires", help="Needed bundle NAME:KIND:CONSTRAINTS (repeatable).")
     ] = None,
-    expires_days: Annotated[int, typer.Option("--expires-days", min=1, help="Lifetime in days.")] = 365,
+    expires_days: Annotated[
+        int, typer.Option("--expires-days", min=1, max=MAX_EXPIRES_DAYS, help="Lifetime in days.")
+    ] = 365,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing bundle file at --out.")] = False,
 ) -> None:
     """Build an unsigned bundle from a directory, or a kernels bundle from a model's warm-up (sign it next with
     `envex bundle sign`)."""
@@ -122,7 +142,7 @@ def build(
             src, keyed = _kernels_from_model(ctx, kind, model, Path(tmp) / "payload", min_driver)
             given = {**keyed, **{k: v for k, v in given.items() if v not in (None, [])}}  # the options win
         assert src is not None
-        _build(src, kind, name, version, out, given, requires, expires_days)
+        _build(src, kind, name, version, out, given, requires, expires_days, force)
 
 
 KERNELS_FROM_MODEL = "kernels_from_model"  # key of the typer context object: (model, dest, min_driver) -> targets
@@ -154,8 +174,12 @@ def _build(
     given: dict[str, Any],
     requires: list[str] | None,
     expires_days: int,
+    force: bool,
 ) -> None:
-    _existing(src, "source directory")
+    try:
+        require_directory(src, what="--src")
+    except FileProblem as exc:
+        _usage(str(exc))
     reqs = [_parse_requirement(r) for r in requires or []]
     created = datetime.now(UTC)
     try:
@@ -170,12 +194,13 @@ def _build(
             requires=reqs,
             created=created,
             expires=created + timedelta(days=expires_days),
+            force=force,
         )
     except ValidationError as exc:
         _usage(first_error(exc))
     except (BuildError, OSError) as exc:
         _usage(str(exc))
-    typer.echo(f"built {path} (unsigned)")
+    typer.echo(f"built {show(path)} (unsigned)")
 
 
 @bundle_app.command("sign")
@@ -190,17 +215,21 @@ def sign(
     _existing(file, "bundle")
     try:
         keys = [load_private_key(_existing(k, "key")) for k in key]
-        sigstore = sigstore_bundle.read_bytes() if sigstore_bundle else None
-    except (ValueError, TypeError, OSError) as exc:  # TypeError: an encrypted key, which we do not write
+        sigstore = (
+            read_regular_file(sigstore_bundle, max_bytes=MAX_METADATA_BYTES[SIGSTORE], what="sigstore bundle")
+            if sigstore_bundle
+            else None
+        )
+    except (ValueError, OSError) as exc:
         _usage(str(exc))
     try:
         keyids = sign_bundle(file, keys, sigstore_bundle=sigstore)
     except VerificationError as exc:
         _failed(exc)
     except OSError as exc:
-        _usage(f"{file}: {exc.strerror}")
+        _usage(str(from_os_error("bundle", file, exc)))
     for k in keyids:
-        typer.echo(f"signed {file} with key {k}")
+        typer.echo(f"signed {show(file)} with key {k}")
 
 
 @bundle_app.command("make-root")
@@ -209,10 +238,11 @@ def make_root_command(
     root_key: Annotated[list[Path], typer.Option("--root-key", help="Public (or private) key of the root role.")],
     bundle_key: Annotated[list[Path], typer.Option("--bundle-key", help="Public key of the bundles role.")],
     sign_key: Annotated[list[Path], typer.Option("--sign", help="Private key to sign the root with (repeatable).")],
-    root_threshold: Annotated[int, typer.Option("--root-threshold", min=1)] = 1,
-    bundle_threshold: Annotated[int, typer.Option("--bundle-threshold", min=1)] = 1,
-    version: Annotated[int, typer.Option("--version", min=1)] = 1,
-    expires_days: Annotated[int, typer.Option("--expires-days", min=1)] = 365,
+    root_threshold: Annotated[int, typer.Option("--root-threshold", min=1, max=MAX_KEYS)] = 1,
+    bundle_threshold: Annotated[int, typer.Option("--bundle-threshold", min=1, max=MAX_KEYS)] = 1,
+    version: Annotated[int, typer.Option("--version", min=1, max=2**53)] = 1,
+    expires_days: Annotated[int, typer.Option("--expires-days", min=1, max=MAX_EXPIRES_DAYS)] = 365,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing file at --out.")] = False,
 ) -> None:
     """Write a signed trust root (no sigstore policy; use the Python API for that); print its fingerprint."""
     try:
@@ -229,11 +259,14 @@ def make_root_command(
         )
     except ValidationError as exc:
         _usage(first_error(exc))
-    except (ValueError, TypeError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         _usage(str(exc))
     root = sign_root(signed, signers)
-    out.write_bytes(root.to_bytes())
-    typer.echo(f"wrote {out}: root version {version}, fingerprint {root.fingerprint}")
+    try:
+        write_file(out, root.to_bytes(), what="trust root", replace=force)
+    except OSError as exc:
+        _usage(str(from_os_error("trust root", out, exc)))
+    typer.echo(f"wrote {show(out)}: root version {version}, fingerprint {root.fingerprint}")
     try:
         load_root(root)
     except VerificationError as exc:  # allowed: other holders sign next (sign_root in Python)
@@ -272,7 +305,7 @@ def verify_bundle_command(
         _failed(exc)
     if trust is None and fingerprint is None:  # after success, so that a failure stays one line on stderr
         typer.echo(
-            f"warning: trust root {root_path} comes from beside the bundle and is not pinned; compare its "
+            f"warning: trust root {show(root_path)} comes from beside the bundle and is not pinned; compare its "
             f"fingerprint {root.fingerprint} with the published one, or pass --trust / --fingerprint",
             err=True,
         )

