@@ -16,6 +16,7 @@ from typing import Literal
 from envex.installer.fsutil import PrefixLock, atomic_write, switch_symlink
 from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV, LaunchManifest, read_launch, recorded_probe
 from envex.installer.media import InstallError
+from envex.installer.prefix import check_prefix
 from envex.installer.release import RELEASES_DIR, release_dir
 from envex.installer.state import InstalledBundle, Release, State, load_state, now_ts, save_state
 
@@ -123,8 +124,10 @@ def change_release(prefix: Path, change: Literal["activate", "rollback"], releas
 
     For "activate", `release_id` is the release to make active. For "rollback", `release_id` (when given) is the
     target the operator confirmed: if the releases changed since and the rollback would now go elsewhere, nothing
-    changes. Raises LockHeldError, InstallError or StateError with a one-line message.
+    changes. Raises PrefixError (before anything is created: a prefix with nothing installed is not touched),
+    LockHeldError, InstallError or StateError with a one-line message.
     """
+    prefix = check_prefix(prefix, must_exist=True)
     with PrefixLock(prefix):
         state = reconcile(prefix, load_state(prefix))
         if change == "rollback":

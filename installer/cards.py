@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from envex.bundles import VerifiedBundle
 from envex.bundles.archive import BundleArchive
+from envex.bundles.files import read_regular_file, show
 from envex.installer.state import validate_json
 
 MODEL_CARD = "envex-model.json"
@@ -111,6 +112,7 @@ def runtime_card(bundle: VerifiedBundle) -> RuntimeCard:
 
 
 def load_model_card(path: Path) -> ModelCard:
-    card = _parse(ModelCard, path.read_bytes(), str(path))
+    data = read_regular_file(path, max_bytes=MAX_CARD_BYTES, what="model card")
+    card = _parse(ModelCard, data, show(path))
     assert isinstance(card, ModelCard)
     return card

@@ -10,17 +10,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
+from envex.bundles.files import one_line, read_regular_file
 from envex.installer.cards import ModelCard
+from envex.installer.children import run_tied
 from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV
 from envex.installer.media import InstallError
 from envex.installer.release import release_dir, venv_python
 from envex.installer.state import CheckSummary, now_ts
 
 REPORTS_DIR = "reports"
+# gates.json holds every gate's evidence (texts, a traceback on failure): megabytes at most.
+MAX_REPORT_BYTES = 64 * 1024 * 1024
 
 
 def report_dir(prefix: Path, release_id: str) -> Path:
@@ -67,13 +70,14 @@ def run_checks(
             cmd += ["--smoke-prompt", card.smoke.prompt, "--smoke-expect", card.smoke.expect]
         env = {**os.environ, **OFFLINE_ENV}
         with open(out / "gate_runner.log", "wb") as log:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, check=False)
+            # Tied to the installer: killed with it, and cleared by the next run if it left anything behind.
+            code, _, _ = run_tied(cmd, what="gate runner", env=env, prefix=prefix, log=log)
         if not report_file.is_file():
             raise InstallError(
-                f"gates: the gate runner exited {proc.returncode} without a report; see {out / 'gate_runner.log'}"
+                f"gates: the gate runner exited {code} without a report; see {out / 'gate_runner.log'}"
             )
     try:
-        report = json.loads(report_file.read_text())
+        report = json.loads(read_regular_file(report_file, max_bytes=MAX_REPORT_BYTES, what="gate report"))
         gates = {
             str(k): v if v in ("pass", "fail", "skip") else "fail" for k, v in dict(report.get("gates", {})).items()
         }
@@ -87,6 +91,6 @@ def run_checks(
             bench={str(k): float(v) for k, v in dict(report.get("bench", {})).items()},
             finished_at=now_ts(),
         )
-    except (ValueError, TypeError, AttributeError) as exc:
-        raise InstallError(f"gates: {report_file} is not a gate report ({exc})") from None
+    except (ValueError, TypeError, AttributeError, OSError) as exc:
+        raise InstallError(f"gates: {report_file} is not a gate report ({one_line(str(exc))})") from None
     return summary, report

@@ -1,7 +1,8 @@
 """`envex-install` and the installer's `envex` commands (status, activate, rollback, demo): thin typer wrappers.
 
 Exit codes: 0 success; 1 the install (or rollback/activation) failed and the previous release stays active;
-2 bad usage or input; 3 another installer holds the prefix's lock.
+2 bad usage or input; 3 another installer holds the prefix's lock. Every failure is one line on stderr, usage
+errors included (`run_app`), never a traceback.
 
 Test hooks (read here only, documented in offline_docs/install.md): ENVEX_TEST_PAUSE_AT=<step> stops the
 installer with SIGSTOP before that step; ENVEX_TEST_GATES_REPORT=<gates.json> replaces running the gates.
@@ -16,8 +17,10 @@ from typing import Annotated, Literal, NoReturn
 
 import typer
 
+from envex.bundles.files import one_line
 from envex.installer.fsutil import LockHeldError
 from envex.installer.media import InstallError
+from envex.installer.prefix import PrefixError, check_prefix, describe_os_error
 from envex.installer.state import StateError, load_state
 
 EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 1, 2, 3
@@ -27,8 +30,54 @@ PrefixOpt = Annotated[Path, typer.Option("--prefix", help="the appliance prefix 
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {one_line(message)}", err=True)
     raise typer.Exit(code)
+
+
+def run_app(app: typer.Typer, prog_name: str, argv: list[str] | None = None) -> int:
+    """Run a typer app so that every failure is one `error: ...` line on stderr; returns the exit code.
+
+    Usage errors (an unknown option, `--port 99999`, a missing argument) are one line and exit 2, in place of
+    typer's multi-line boxes; an OSError that escaped a command (a path too long, a read-only filesystem) is one
+    line naming the file and exit 1; anything else is one line too, exit 1, with the traceback only when
+    ENVEX_TRACEBACK=1 is set (for a bug report).
+    """
+    try:  # typer >= 0.20 carries its own copy of click; older ones use click itself
+        from typer._click import exceptions as click_errors  # type: ignore[import-not-found,unused-ignore]
+    except ImportError:  # pragma: no cover
+        from click import exceptions as click_errors  # type: ignore[no-redef,unused-ignore]
+
+    try:
+        result = app(args=argv, prog_name=prog_name, standalone_mode=False)
+    except click_errors.NoArgsIsHelpError as exc:  # a bare group or command: its help, as usual
+        exc.show()
+        return EXIT_USAGE
+    except click_errors.UsageError as exc:
+        hint = f" (see {exc.ctx.command_path} --help)" if exc.ctx is not None else ""
+        typer.echo(f"error: {one_line(exc.format_message())}{hint}", err=True)
+        return EXIT_USAGE
+    except click_errors.ClickException as exc:
+        typer.echo(f"error: {one_line(exc.format_message())}", err=True)
+        return exc.exit_code
+    except typer.Abort:  # end of input at a prompt
+        typer.echo("error: aborted", err=True)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        typer.echo("error: interrupted", err=True)
+        return 130
+    except OSError as exc:
+        typer.echo(f"error: {one_line(describe_os_error(exc))}", err=True)
+        return EXIT_FAILED
+    except Exception as exc:
+        if os.environ.get("ENVEX_TRACEBACK") == "1":
+            raise
+        typer.echo(
+            f"error: internal error: {type(exc).__name__}: {one_line(str(exc))} (a bug: please report it with the "
+            "output of the same command under ENVEX_TRACEBACK=1)",
+            err=True,
+        )
+        return EXIT_FAILED
+    return result if isinstance(result, int) else 0
 
 
 def _test_hooks() -> tuple[str | None, Path | None]:
@@ -89,10 +138,12 @@ def run_install(
         outcome = install(options, ui, confirm)
     except LockHeldError as exc:
         _fail(str(exc), EXIT_LOCKED)
-    except StateError as exc:
+    except (StateError, PrefixError) as exc:
         _fail(str(exc), EXIT_USAGE)
+    except OSError as exc:  # the lock or the prefix itself cannot be written (a read-only filesystem)
+        _fail(describe_os_error(exc))
     if not outcome.ok:
-        typer.echo(f"error: {outcome.message}", err=True)
+        typer.echo(f"error: {one_line(outcome.message)}", err=True)
         return EXIT_FAILED
     return 0
 
@@ -132,11 +183,11 @@ def install_command(
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     """Console script `envex-install`."""
     app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
     app.command(name="envex-install")(install_command)
-    app(prog_name="envex-install")
+    return run_app(app, "envex-install", argv)
 
 
 # ---- `envex` commands, registered by installer/commands.py ----------------------------------------------------
@@ -147,13 +198,12 @@ def status(prefix: PrefixOpt = Path("/opt/envex")) -> None:
     from envex.installer.activate import status_lines
 
     try:
+        prefix = check_prefix(prefix, must_exist=True)
         state = load_state(prefix)
-    except StateError as exc:
+    except (StateError, PrefixError) as exc:
         _fail(str(exc), EXIT_USAGE)
-    if not (prefix / "state.json").is_file():
-        _fail(f"{prefix}: no state.json; nothing is installed there (run envex-install --prefix {prefix})", EXIT_USAGE)
     for line in status_lines(prefix, state):
-        typer.echo(line)
+        typer.echo(one_line(line))
 
 
 def _locked_change(prefix: Path, change: Literal["activate", "rollback"], release: str | None = None) -> None:
@@ -163,8 +213,12 @@ def _locked_change(prefix: Path, change: Literal["activate", "rollback"], releas
         state = change_release(prefix, change, release)
     except LockHeldError as exc:
         _fail(str(exc), EXIT_LOCKED)
+    except PrefixError as exc:
+        _fail(str(exc), EXIT_USAGE)
     except (InstallError, StateError) as exc:
         _fail(str(exc))
+    except OSError as exc:  # the lock cannot be taken (a read-only filesystem)
+        _fail(describe_os_error(exc))
     typer.echo(
         f"{state.active} is active ({prefix / 'current'}); restart the server to serve it "
         f"(systemctl restart envex, or envex serve --launch {prefix / 'current' / 'launch.json'})"
@@ -213,7 +267,10 @@ def demo(
     kernels = gpu and (device == "cuda" or cuda_available())
     if device == "cuda" and not cuda_available():
         _fail("--device cuda: torch sees no CUDA device here; use --device cpu", EXIT_USAGE)
-    prefix = prefix.absolute()
+    try:
+        prefix = check_prefix(prefix, must_exist=False)
+    except PrefixError as exc:
+        _fail(str(exc), EXIT_USAGE)
     work = prefix / ".demo"
     media = work / "media"
     if rebuild:
@@ -248,4 +305,4 @@ def demo(
 
 
 if __name__ == "__main__":  # pragma: no cover
-    main()
+    sys.exit(main())

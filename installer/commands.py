@@ -13,8 +13,9 @@ from typing import Annotated
 import typer
 
 from envex.bundles.cli import KERNELS_FROM_MODEL, bundle_app, verify_app
+from envex.bundles.files import one_line
 from envex.installer.admin.cli import admin
-from envex.installer.cli import activate, demo, rollback, status
+from envex.installer.cli import activate, demo, rollback, run_app, status
 from envex.runtime.loader import EMBEDDED_MODEL
 from envex.verify.cli import bench, gates_app
 
@@ -46,7 +47,7 @@ BackendOpt = Annotated[str, typer.Option(help="auto | torch | triton")]
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one line for people on stderr and return the Exit to raise."""
-    typer.echo(f"error: {message}", err=True)
+    typer.echo(f"error: {one_line(message)}", err=True)
     return typer.Exit(code)
 
 
@@ -120,8 +121,9 @@ for _name, _command in (("bench", bench), ("status", status), ("activate", activ
     app.command(_name)(_command)
 
 
-def main() -> None:
-    app(prog_name="envex")
+def main(argv: list[str] | None = None) -> int:
+    """Console script `envex`: every failure one line on stderr (installer.cli.run_app)."""
+    return run_app(app, "envex", argv)
 
 
 if __name__ == "__main__":  # pragma: no cover

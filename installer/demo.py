@@ -23,7 +23,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from envex.bundles import build_bundle, load_private_key, load_root, make_demo_trust, sign_bundle
+from envex.bundles import (
+    TrustRoot,
+    VerificationError,
+    build_bundle,
+    load_private_key,
+    load_root,
+    make_demo_trust,
+    sign_bundle,
+    verify_bundle,
+)
 from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, ModelCard, ModelDefaults, RuntimeCard, SmokeTest
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR, InstallError
 
@@ -128,9 +137,11 @@ def build_demo_media(
     model_path: Path | None = None,
     kernels: bool = False,
 ) -> DemoMedia:
-    """Write signed demo media into `media` (created; bundles already there are kept, so a second run of
-    `envex demo` finds the release it installed and does not install it again). `kernels`: also a kernel bundle,
-    compiled by the engine's warm-up on this machine's GPU (CUDA only)."""
+    """Write signed demo media into `media` (created). A runtime or model bundle already there that still verifies
+    is kept, each on its own: a second run of `envex demo` finds the release it installed and does not install it
+    again, and a run with a new --model-version reuses the runtime bundle instead of rebuilding it with other bytes
+    under the same name and version. `kernels`: also a kernel bundle, compiled by the engine's warm-up on this
+    machine's GPU (CUDA only)."""
     from envex.runtime.loader import EMBEDDED_MODEL, embedded_model_path
 
     root_path, key_path, fingerprint = demo_trust(keys_dir)
@@ -149,7 +160,9 @@ def build_demo_media(
     runtime_file = media / BUNDLES_DIR / f"{RUNTIME_BUNDLE}-{runtime_version}.envex"
     model_file = media / BUNDLES_DIR / f"{EMBEDDED_MODEL}-{model_version}.envex"
     kernels_file = media / BUNDLES_DIR / f"{EMBEDDED_MODEL}{KERNELS_SUFFIX}-{model_version}.envex"
-    have_base = runtime_file.is_file() and model_file.is_file()  # built by an earlier run: the same release
+    root = load_root(root_path)
+    runtime_ok, model_ok = _reusable(runtime_file, root), _reusable(model_file, root)  # built by an earlier run
+    have_base = runtime_ok and model_ok
     if have_base and (not kernels or kernels_file.is_file()):
         return DemoMedia(media, fingerprint, key_path, runtime_version, model_version, _existing(kernels_file))
     with tempfile.TemporaryDirectory(prefix="envex-demo-") as tmp:
@@ -159,7 +172,9 @@ def build_demo_media(
         mcard = model_card_for(gguf, EMBEDDED_MODEL)
         (model_src / MODEL_CARD).write_text(json.dumps(mcard.model_dump(), indent=2) + "\n")
         if not have_base:
-            _build_runtime_and_model(media, key, model_src, runtime_version, model_version, wheel)
+            _build_runtime_and_model(
+                media, key, model_src, runtime_version, model_version, wheel, runtime=not runtime_ok, model=not model_ok
+            )
         if kernels and not kernels_file.is_file():
             # Compiled by the engine's warm-up on this GPU, for the model bundle above and the kernel sources of
             # the runtime above (built from this same source tree).
@@ -180,11 +195,46 @@ def _existing(path: Path) -> Path | None:
     return path if path.is_file() else None
 
 
+def _reusable(path: Path, root: TrustRoot) -> bool:
+    """Whether an earlier run's bundle is there and still verifies (else it is rebuilt in its place)."""
+    if not path.is_file():
+        return False
+    try:
+        verify_bundle(path, root=root)
+    except VerificationError:
+        return False
+    return True
+
+
 def _build_runtime_and_model(
-    media: Path, key: Any, model_src: Path, runtime_version: str, model_version: str, wheel: Path | None
+    media: Path,
+    key: Any,
+    model_src: Path,
+    runtime_version: str,
+    model_version: str,
+    wheel: Path | None,
+    *,
+    runtime: bool,
+    model: bool,
 ) -> None:
     from envex.runtime.loader import EMBEDDED_MODEL
 
+    if runtime:
+        _build_runtime(media, key, runtime_version, wheel)
+    if model:
+        built = build_bundle(
+            model_src,
+            kind="model",
+            name=EMBEDDED_MODEL,
+            version=model_version,
+            out=media / BUNDLES_DIR,
+            requires=[{"name": RUNTIME_BUNDLE, "kind": "runtime", "version": ">=0.1.0"}],
+            force=True,  # replaces only a bundle that no longer verifies (_reusable)
+        )
+        sign_bundle(built, [key])
+
+
+def _build_runtime(media: Path, key: Any, runtime_version: str, wheel: Path | None) -> None:
     with tempfile.TemporaryDirectory(prefix="envex-demo-") as tmp:
         runtime_src = Path(tmp) / "runtime"
         wheelhouse = runtime_src / WHEELHOUSE
@@ -204,14 +254,6 @@ def _build_runtime_and_model(
             version=runtime_version,
             out=media / BUNDLES_DIR,
             targets={"accelerators": [], "min_driver": None, "python": ">=3.11", "torch": None, "triton": None},
+            force=True,  # replaces only a bundle that no longer verifies (_reusable)
         )
         sign_bundle(runtime, [key])
-    model = build_bundle(
-        model_src,
-        kind="model",
-        name=EMBEDDED_MODEL,
-        version=model_version,
-        out=media / BUNDLES_DIR,
-        requires=[{"name": RUNTIME_BUNDLE, "kind": "runtime", "version": ">=0.1.0"}],
-    )
-    sign_bundle(model, [key])

@@ -9,7 +9,7 @@ import secrets
 from pathlib import Path
 from types import TracebackType
 
-from envex.bundles.verify import fsync_dir
+from envex.bundles.files import fsync_dir
 
 
 def atomic_write(path: Path, data: bytes, *, mode: int = 0o644) -> None:
@@ -56,8 +56,8 @@ class PrefixLock:
         self._fd: int | None = None
 
     def __enter__(self) -> PrefixLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        # The prefix must exist already: it is created only once every input has been checked (prefix.py).
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

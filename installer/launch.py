@@ -13,9 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from envex.bundles.files import one_line, read_regular_file, show
 from envex.installer.state import BundleRef, CheckSummary, validate_json
 
 LAUNCH_FILE = "launch.json"
+# launch.json is a few KB (settings, bundle refs, gate verdicts, at most 40 headline numbers).
+MAX_LAUNCH_BYTES = 4 * 1024 * 1024
 KERNEL_CACHE = "kernels"
 
 # Set before anything that could look for a hub or phone home is imported (transformers, huggingface_hub, pip).
@@ -122,13 +125,15 @@ def read_launch(path: Path | str) -> tuple[LaunchManifest, Path]:
     path = Path(path)
     try:
         real = Path(os.path.realpath(path))
-        data = real.read_bytes()
+        data = read_regular_file(real, max_bytes=MAX_LAUNCH_BYTES, what="launch manifest")
     except OSError as exc:
-        raise LaunchError(f"{path}: cannot read: {exc.strerror}; is the prefix installed (envex status)?") from None
+        # Name the path as given, not the resolved one: `current/launch.json` is what the operator typed.
+        detail = str(exc).replace(show(real), show(path), 1)
+        raise LaunchError(f"{detail}; is the prefix installed (envex status)?") from None
     try:
         manifest = validate_json(LaunchManifest, data)
     except ValueError as exc:
-        raise LaunchError(f"{path}: invalid launch manifest ({exc})") from None
+        raise LaunchError(f"{show(path)}: invalid launch manifest ({one_line(str(exc))})") from None
     return manifest, real.parent
 
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from envex.bundles import Check, TrustRoot, VerificationError, VerifiedBundle, load_root, rotate_root, verify_bundle
+from envex.bundles.archive import MANIFEST, BundleArchive
+from envex.bundles.files import FileProblem, from_os_error, require_directory, show, stat_or_none
+from envex.bundles.manifest import Manifest
 from envex.installer.fsutil import atomic_write
 from envex.installer.state import PinnedTrust, State, now_ts
 
@@ -20,6 +23,9 @@ BUNDLES_DIR = "bundles"
 TRUST_DIR = "trust"
 ROOT_FILE = "root.json"
 _ROTATION_FILE = re.compile(r"root-(\d{1,9})\.json")
+# Bundles read from one media: far more than any release needs (runtime, models, kernels per accelerator), few
+# enough that a directory of junk cannot keep the installer verifying for hours.
+MAX_MEDIA_BUNDLES = 1024
 
 
 class InstallError(RuntimeError):
@@ -42,23 +48,67 @@ class MediaScan:
 
 
 @dataclass(frozen=True)
+class Downgrade:
+    """A bundle on the media refused because it is older than the prefix's high-water mark for its name."""
+
+    path: Path
+    kind: str
+    name: str
+    version: str
+    high_water: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.path.name}: {self.kind} bundle {self.name} {self.version} is older than version "
+            f"{self.high_water}, the highest already accepted; downgrades are refused"
+        )
+
+
+@dataclass(frozen=True)
 class Verified:
     bundles: tuple[VerifiedBundle, ...]
-    skipped: tuple[str, ...] = field(default=())  # bundles refused as downgrades below the high-water mark
+    refused: tuple[Downgrade, ...] = field(default=())  # downgrades below the high-water mark, skipped
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(str(d) for d in self.refused)
 
 
 def scan_media(media: Path) -> MediaScan:
+    """The media's trust root and bundle files, after checking they are there; reads no bundle yet."""
     media = Path(media)
-    if not media.is_dir():
-        raise InstallError(f"--media {media}: not a directory; mount the install media and give its path")
+    try:
+        require_directory(media, what="--media")
+    except FileProblem as exc:
+        raise InstallError(f"{exc}; mount the install media and give its path") from None
     root_path = media / TRUST_DIR / ROOT_FILE
-    if not root_path.is_file():
-        raise InstallError(f"{root_path}: missing; the media must carry the trust root (see offline_docs/install.md)")
+    try:
+        info = stat_or_none(root_path, what="trust root")
+    except FileProblem as exc:
+        raise InstallError(str(exc)) from None
+    if info is None:
+        raise InstallError(
+            f"{show(root_path)}: missing; the media must carry the trust root (see offline_docs/install.md)"
+        )
     bundle_dir = media / BUNDLES_DIR
-    paths = sorted(bundle_dir.glob("*.envex")) if bundle_dir.is_dir() else []
+    paths: list[Path] = []
+    try:
+        if stat_or_none(bundle_dir, what="bundle directory") is not None:
+            require_directory(bundle_dir, what="bundle directory")
+            with os.scandir(bundle_dir) as entries:
+                for entry in entries:
+                    if entry.name.endswith(".envex") and not entry.name.startswith("."):
+                        paths.append(Path(entry.path))
+                        if len(paths) > MAX_MEDIA_BUNDLES:
+                            raise InstallError(
+                                f"{show(bundle_dir)}: more than {MAX_MEDIA_BUNDLES} *.envex files; is this the "
+                                "right media?"
+                            )
+    except OSError as exc:
+        raise InstallError(str(from_os_error("bundle directory", bundle_dir, exc))) from None
     if not paths:
-        raise InstallError(f"{bundle_dir}: no *.envex bundles; is this the right media?")
-    return MediaScan(media=media, bundle_paths=tuple(paths), root_path=root_path)
+        raise InstallError(f"{show(bundle_dir)}: no *.envex bundles; is this the right media?")
+    return MediaScan(media=media, bundle_paths=tuple(sorted(paths)), root_path=root_path)
 
 
 def pinned_root_path(prefix: Path) -> Path:
@@ -156,36 +206,32 @@ def verify_all(
     """Verify every bundle on the media. Any failure stops the install, except a downgrade below the high-water
     mark, which is refused and skipped (media may carry older versions beside the new)."""
     verified: list[VerifiedBundle] = []
-    skipped: list[str] = []
+    refused: list[Downgrade] = []
     for path in scan.bundle_paths:
         if on_bundle is not None:
             on_bundle(path)
-        name = _name_from_file(path)
         try:
-            bundle = verify_bundle(path, root=root, high_water=state.high_water.get(name) if name else None)
+            # The high-water mark is looked up by the signed manifest's name, never the file's.
+            bundle = verify_bundle(path, root=root, high_water=state.high_water)
         except VerificationError as exc:
             if exc.check is Check.ROLLBACK:
-                skipped.append(f"{path.name}: {exc.message}")
+                refused.append(_downgrade(path, state))
                 continue
             raise InstallError(
-                f"bundle {path} failed verification [{exc.check.value}]: {exc.message}; nothing was installed"
+                f"bundle {show(path)} failed verification [{exc.check.value}]: {exc.message}; nothing was installed"
             ) from None
-        mark = state.high_water.get(bundle.name)
-        if mark is not None and name != bundle.name:
-            try:  # the file name lied about the bundle name: check against the real name's mark
-                bundle = verify_bundle(path, root=root, high_water=mark)
-            except VerificationError as exc:
-                if exc.check is not Check.ROLLBACK:
-                    raise InstallError(
-                        f"bundle {path} failed verification [{exc.check.value}]: {exc.message}"
-                    ) from None
-                skipped.append(f"{path.name}: {exc.message}")
-                continue
         verified.append(bundle)
-    return Verified(bundles=tuple(verified), skipped=tuple(skipped))
+    return Verified(bundles=tuple(verified), refused=tuple(refused))
 
 
-def _name_from_file(path: Path) -> str | None:
-    # `<name>-<version>.envex`; the name may contain dashes, the version starts with a digit.
-    match = re.fullmatch(r"(.+?)-(\d+\.\d+\.\d+.*)\.envex", os.path.basename(path))
-    return match.group(1) if match else None
+def _downgrade(path: Path, state: State) -> Downgrade:
+    """What a bundle refused as a downgrade is. verify_bundle checked its signatures before the version, so its
+    manifest is the signed one (read again here for the message only)."""
+    try:
+        with BundleArchive.open(path) as archive:
+            data = archive.read_metadata(MANIFEST)
+        manifest = Manifest.from_bytes(data or b"")
+        mark = state.high_water[manifest.name]
+    except (VerificationError, ValueError, KeyError):
+        raise InstallError(f"bundle {show(path)} changed while it was being verified; check the media") from None
+    return Downgrade(path, manifest.kind, manifest.name, manifest.version, mark)

@@ -8,18 +8,29 @@ stays under reports/); a slot left by a killed installer is removed by the next 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from envex.bundles import VerifiedBundle
+from envex.bundles import SemVer, VerifiedBundle
 from envex.installer.activate import finish_activation, reconcile
 from envex.installer.admin.auth import create_admin_token, has_admin_token
 from envex.installer.checks import report_dir, run_checks
+from envex.installer.children import LeftoverError, kill_leftovers
 from envex.installer.fsutil import PrefixLock
-from envex.installer.media import InstallError, pin_trust, scan_media, settle_trust, verify_all
+from envex.installer.media import (
+    InstallError,
+    TrustDecision,
+    Verified,
+    pin_trust,
+    scan_media,
+    settle_trust,
+    verify_all,
+)
 from envex.installer.plan import bundle_ref, make_plan
+from envex.installer.prefix import check_prefix, create_prefix, describe_os_error, is_envex_prefix
 from envex.installer.probe import probe
 from envex.installer.release import build_release, remove_release
 from envex.installer.state import Release, State, load_state, now_ts, save_state
@@ -52,45 +63,95 @@ class InstallOutcome:
 BUNDLES_DIR = "bundles"
 
 
-def keep_bundle_files(prefix: Path, bundles: tuple[VerifiedBundle, ...]) -> None:
+def kept_bundle_name(manifest_sha256: str) -> str:
+    """The file name of an installed bundle's copy in <prefix>/bundles/: its manifest's digest."""
+    return f"{manifest_sha256}.envex"
+
+
+def keep_bundle_files(prefix: Path, bundles: tuple[VerifiedBundle, ...] | list[VerifiedBundle]) -> None:
     """Keep the installed bundle files in <prefix>/bundles/, so the admin page can re-verify them later without
-    the media. Each is copied under a temporary name and renamed into place: a crash leaves no half file."""
+    the media.
+
+    Each is kept under its manifest's digest, not its name and version: a bundle rebuilt with the same name and
+    version but other bytes is another file, and never replaces the one an earlier release installed (that made
+    Re-verify of the earlier release fail as "not the installed manifest"). A copy already there is kept. Each is
+    copied under a temporary name and renamed into place: a crash leaves no half file.
+    """
     keep = prefix / BUNDLES_DIR
     keep.mkdir(exist_ok=True)
     for bundle in bundles:
-        target = keep / bundle.path.name
-        tmp = keep / f".{bundle.path.name}.tmp"
-        shutil.copyfile(bundle.path, tmp)
-        with open(tmp, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
+        target = keep / kept_bundle_name(bundle.manifest_sha256)
+        if target.is_file():
+            continue
+        tmp = keep / f".{target.name}.tmp-{secrets.token_hex(6)}"
+        try:
+            shutil.copyfile(bundle.path, tmp)
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(tmp, target)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _describe(bundles: tuple[VerifiedBundle, ...]) -> str:
     return ", ".join(f"{b.name} {b.version}" for b in bundles)
 
 
+@dataclass(frozen=True)
+class _Checked:
+    """The outcome of step 1: the trust root to use and the verified bundles."""
+
+    decision: TrustDecision
+    verified: Verified
+
+
 def install(opts: InstallOptions, ui: InstallUI, confirm: Callable[[str], bool] | None = None) -> InstallOutcome:
-    prefix = Path(opts.prefix).absolute()
-    prefix.mkdir(parents=True, exist_ok=True)
-    with PrefixLock(prefix):
-        holder: list[State] = [reconcile(prefix, load_state(prefix))]
+    """Run the install chain into `opts.prefix`; a failure is an InstallOutcome with ok False and one-line message.
+
+    Raises PrefixError (a prefix that cannot be one), LockHeldError and StateError, before anything is changed.
+    Nothing is created until the inputs are checked: into a prefix that is not yet an Envex prefix, the media is
+    verified and the trust root confirmed first, and only then are the prefix and its lock created.
+    """
+    prefix = check_prefix(opts.prefix, must_exist=False)
+    early: _Checked | None = None
+    if not is_envex_prefix(prefix):
         try:
-            return _install_locked(opts, ui, confirm, prefix, holder)
-        except InstallError as exc:
-            message = str(exc)
-        except OSError as exc:
-            message = f"{exc.strerror or exc} ({exc.filename or 'no file'}); check the disk and the media"
-        state = holder[0]
-        last_ok = next((name for name, ok, _ in reversed(ui.results) if ok), None)
-        release_id = _unfinished(state)
-        if release_id is not None:
-            state = _mark_failed(prefix, state, release_id, message)
-        ui.fail(_next_step(last_ok), message)
-        if state.active:
-            ui.note(f"release {state.active} is still active")
-        report = report_dir(prefix, release_id) / "gates.json" if release_id else None
-        return InstallOutcome(False, message, release_id, state.active, report)
+            early = _verify(opts, ui, confirm, prefix, State())
+        except (InstallError, OSError) as exc:
+            return _failed(prefix, ui, State(), _message(exc))
+        create_prefix(prefix)
+    with PrefixLock(prefix):
+        state = load_state(prefix)
+        if early is not None and state != State():
+            return _failed(prefix, ui, state, f"another install into {prefix} finished meanwhile; run again")
+        holder: list[State] = [state]
+        try:
+            # Whatever a killed earlier install left running (its gate runner) goes before anything starts.
+            for note in kill_leftovers(prefix):
+                ui.note(note)
+            state = holder[0] = reconcile(prefix, state)
+            return _install_locked(opts, ui, confirm, prefix, holder, early)
+        except (InstallError, LeftoverError, OSError) as exc:
+            return _failed(prefix, ui, holder[0], _message(exc))
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, OSError):
+        return f"{describe_os_error(exc)}; check the disk and the media"
+    return str(exc)
+
+
+def _failed(prefix: Path, ui: InstallUI, state: State, message: str) -> InstallOutcome:
+    """Record and show a failed install: the unfinished release is marked failed and its slot removed."""
+    last_ok = next((name for name, ok, _ in reversed(ui.results) if ok), None)
+    release_id = _unfinished(state)
+    if release_id is not None:
+        state = _mark_failed(prefix, state, release_id, message)
+    ui.fail(_next_step(last_ok), message)
+    if state.active:
+        ui.note(f"release {state.active} is still active")
+    report = report_dir(prefix, release_id) / "gates.json" if release_id else None
+    return InstallOutcome(False, message, release_id, state.active, report)
 
 
 def _next_step(done: str | None) -> str:
@@ -113,11 +174,11 @@ def _mark_failed(prefix: Path, state: State, release_id: str, message: str) -> S
     return state
 
 
-def _install_locked(
-    opts: InstallOptions, ui: InstallUI, confirm: Callable[[str], bool] | None, prefix: Path, holder: list[State]
-) -> InstallOutcome:
-    state = holder[0]
-    # 1. verify every bundle on the media against the pinned (or newly confirmed) trust root
+def _verify(
+    opts: InstallOptions, ui: InstallUI, confirm: Callable[[str], bool] | None, prefix: Path, state: State
+) -> _Checked:
+    """Step 1: every bundle on the media verified against the pinned (or newly confirmed) trust root. Writes
+    nothing."""
     scan = scan_media(opts.media)
     with ui.step("verify", total=len(scan.bundle_paths) + 1) as bar:
         decision = settle_trust(scan, state, prefix, trust_fingerprint=opts.trust_fingerprint, confirm=confirm)
@@ -128,7 +189,43 @@ def _install_locked(
     for note in (*decision.notes, *verified.skipped):
         ui.note(note)
     if not verified.bundles:
-        raise InstallError("verify: every bundle on the media is older than what this prefix already accepted")
+        raise InstallError(
+            f"verify: downgrade refused: every bundle on the media is older than what this prefix already accepted "
+            f"({verified.refused[0] if verified.refused else 'none verified'}); envex rollback goes back to an "
+            "installed release"
+        )
+    return _Checked(decision, verified)
+
+
+def refuse_downgrades(verified: Verified, model_name: str | None) -> None:
+    """Say that a downgrade is refused, and why, when the media's only runtime or (named) model bundle is below
+    the prefix's high-water mark; otherwise planning would report it as missing from the media."""
+    for kind, name in (("runtime", None), ("model", model_name)):
+        if any(b.kind == kind and name in (None, b.name) for b in verified.bundles):
+            continue
+        refused = [d for d in verified.refused if d.kind == kind and name in (None, d.name)]
+        if refused:
+            d = max(refused, key=lambda r: SemVer.parse(r.version))
+            raise InstallError(
+                f"plan: downgrade refused: the media's {kind} bundle {d.name} {d.version} is older than "
+                f"{d.high_water}, the highest version this prefix has accepted (rollback protection); to go back, "
+                f"run envex rollback or envex activate on an installed release, or bring media with {d.name} "
+                f"{d.high_water} or newer"
+            )
+
+
+def _install_locked(
+    opts: InstallOptions,
+    ui: InstallUI,
+    confirm: Callable[[str], bool] | None,
+    prefix: Path,
+    holder: list[State],
+    checked: _Checked | None,
+) -> InstallOutcome:
+    state = holder[0]
+    # 1. verify every bundle on the media against the pinned (or newly confirmed) trust root
+    checked = checked or _verify(opts, ui, confirm, prefix, state)
+    decision, verified = checked.decision, checked.verified
     state = holder[0] = pin_trust(prefix, state, decision)
     rotated = f", rotated from v{decision.rotated_from}" if decision.rotated_from else ""
     ui.ok(
@@ -144,6 +241,7 @@ def _install_locked(
     ui.ok("probe", found.summary())
     # 3. plan
     with ui.step("plan"):
+        refuse_downgrades(verified, opts.model)
         plan = make_plan(verified.bundles, found, model_name=opts.model, max_model_len=opts.max_model_len)
     for note in plan.notes:
         ui.note(note)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import sysconfig
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import Any
 
 from envex.bundles import VerificationError
 from envex.installer.cards import WHEELHOUSE
+from envex.installer.children import run_tied
 from envex.installer.fsutil import atomic_write
 from envex.installer.launch import (
     KERNEL_CACHE,
@@ -47,12 +47,13 @@ def venv_python(venv: Path) -> Path:
     return venv / "bin" / "python"
 
 
-def _run(cmd: list[str], what: str, env: dict[str, str]) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise InstallError(f"install: {what} failed (exit {proc.returncode}): {tail[0]}")
-    return proc.stdout
+def _run(cmd: list[str], what: str, env: dict[str, str], prefix: Path | None = None) -> str:
+    # Tied to the installer (children.py): pip does not go on writing into a slot after the installer died.
+    code, out, err = run_tied(cmd, what=what, env=env, prefix=prefix)
+    if code != 0:
+        tail = (err or out).strip().splitlines()[-1:] or ["(no output)"]
+        raise InstallError(f"install: {what} failed (exit {code}): {tail[0]}")
+    return out
 
 
 def _child_env() -> dict[str, str]:
@@ -72,7 +73,9 @@ def installer_site_dirs() -> list[str]:
     return [d for i, d in enumerate(dirs) if d not in dirs[:i] and Path(d).is_dir()]
 
 
-def create_venv(venv: Path, wheelhouse: Path, *, complete: bool, install: list[str]) -> None:
+def create_venv(
+    venv: Path, wheelhouse: Path, *, complete: bool, install: list[str], prefix: Path | None = None
+) -> None:
     """A venv holding the wheelhouse, installed with pip --no-index: nothing is fetched from anywhere.
 
     `complete` (production): a plain venv and `pip install --find-links wheelhouse <install>`; every dependency
@@ -80,7 +83,7 @@ def create_venv(venv: Path, wheelhouse: Path, *, complete: bool, install: list[s
     from the installing environment through a .pth line (its site-packages appended to sys.path, after the venv's).
     """
     env = _child_env()
-    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], "creating the venv", env)
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], "creating the venv", env, prefix)
     python = venv_python(venv)
     if not complete:
         site = Path(
@@ -88,6 +91,7 @@ def create_venv(venv: Path, wheelhouse: Path, *, complete: bool, install: list[s
                 [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                 "reading the venv's site-packages",
                 env,
+                prefix,
             ).strip()
         )
         (site / DEMO_DEPS_PTH).write_text("".join(f"{p}\n" for p in installer_site_dirs()))
@@ -111,7 +115,7 @@ def create_venv(venv: Path, wheelhouse: Path, *, complete: bool, install: list[s
         if not wheels:
             raise InstallError(f"install: the runtime bundle's wheelhouse {wheelhouse} holds no wheels")
         cmd = [*pip, "--no-deps", "--ignore-installed", *wheels]
-    _run(cmd, "pip install --no-index from the wheelhouse", env)
+    _run(cmd, "pip install --no-index from the wheelhouse", env, prefix)
 
 
 def venv_versions(venv: Path) -> dict[str, str | None]:
@@ -145,7 +149,11 @@ def build_release(
         step("venv", 0)
         card = plan.runtime_card
         create_venv(
-            slot / "venv", slot / "runtime" / WHEELHOUSE, complete=card.wheelhouse == "complete", install=card.install
+            slot / "venv",
+            slot / "runtime" / WHEELHOUSE,
+            complete=card.wheelhouse == "complete",
+            install=card.install,
+            prefix=prefix,
         )
     except VerificationError as exc:
         raise InstallError(f"install: copying from the media failed [{exc.check.value}]: {exc.message}") from None

@@ -9,6 +9,7 @@ record or the new one, never a mix. `current` follows it (see activate.reconcile
 from __future__ import annotations
 
 import json
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -16,9 +17,12 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from envex.bundles import SemVer
+from envex.bundles.files import one_line, read_regular_file, show
 from envex.installer.fsutil import atomic_write
 
 STATE_FILE = "state.json"
+# state.json keeps 500 events, but every release and bundle ever installed: years of weekly installs are a few MB.
+MAX_STATE_BYTES = 64 * 1024 * 1024
 
 ReleaseStatus = Literal["installing", "gating", "passed", "failed", "abandoned", "removed"]
 
@@ -137,15 +141,17 @@ def load_state(prefix: Path) -> State:
     """The prefix's state, or an empty one when no install has happened there yet."""
     path = Path(prefix) / STATE_FILE
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return State()
+        if not os.path.lexists(path):
+            return State()
+        data = read_regular_file(path, max_bytes=MAX_STATE_BYTES, what="state file")
     except OSError as exc:
-        raise StateError(f"{path}: cannot read: {exc.strerror}") from None
+        raise StateError(str(exc)) from None
     try:
         return validate_json(State, data)
     except ValueError as exc:
-        raise StateError(f"{path}: invalid ({exc}); restore it from a backup or reinstall the prefix") from None
+        raise StateError(
+            f"{show(path)}: invalid ({one_line(str(exc))}); restore it from a backup or reinstall the prefix"
+        ) from None
 
 
 def save_state(prefix: Path, state: State) -> None:

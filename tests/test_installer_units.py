@@ -192,7 +192,7 @@ def test_launch_refuses_unknown_settings_and_ungated_releases(tmp_path):
     config = load_launch(tmp_path / "launch.json")
     assert config.model == str(tmp_path / "model" / "m.gguf") and config.max_model_len == 512
     assert os.environ["HF_HUB_OFFLINE"] == "1"
-    with pytest.raises(LaunchError, match="cannot read"):
+    with pytest.raises(LaunchError, match="missing.json: does not exist"):
         load_launch(tmp_path / "missing.json")
 
 

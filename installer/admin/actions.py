@@ -69,7 +69,10 @@ class Verification:
 
 
 def _candidates(ref: BundleRef, bundle_dirs: tuple[Path, ...]) -> list[Path]:
-    named = [d / f"{ref.name}-{ref.version}.envex" for d in bundle_dirs]
+    # <prefix>/bundles keeps each installed bundle under its manifest digest (pipeline.keep_bundle_files): the
+    # very file installed, first; then the media's <name>-<version>.envex; then anything else.
+    named = [d / f"{ref.manifest_sha256}.envex" for d in bundle_dirs]
+    named += [d / f"{ref.name}-{ref.version}.envex" for d in bundle_dirs]
     others = [p for d in bundle_dirs if d.is_dir() for p in sorted(d.glob("*.envex")) if p not in named]
     return [p for p in named if p.is_file()] + others
 
@@ -134,15 +137,16 @@ def reverify_bundle(prefix: Path, ref: BundleRef, bundle_dirs: tuple[Path, ...])
             "page with --bundles DIR pointing at the install media's bundles/",
         )
     last_error = None
+    own = {f"{ref.manifest_sha256}.envex", f"{ref.name}-{ref.version}.envex"}  # the names this bundle is kept under
     for path in candidates:
         try:
             verified = verify_bundle(path, root=root)
         except VerificationError as exc:
-            if path.name == f"{ref.name}-{ref.version}.envex":
+            if path.name in own:
                 last_error = f"{path}: [{exc.check.value}] {exc.message}"
             continue
         if verified.manifest_sha256 != ref.manifest_sha256:
-            if path.name == f"{ref.name}-{ref.version}.envex":
+            if path.name in own:
                 last_error = (
                     f"{path}: verifies, but is not the installed manifest (sha256 {verified.manifest_sha256[:16]}…)"
                 )

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from envex.bundles.files import read_regular_file
 from envex.installer.fsutil import atomic_write
 
 ADMIN_DIR = "admin"
@@ -28,6 +29,7 @@ _SCRYPT = {"n": 1 << 14, "r": 8, "p": 1}
 SESSION_IDLE_S = 60 * 60
 SESSION_MAX_S = 12 * 60 * 60
 MAX_SESSIONS = 64
+MAX_TOKEN_FILE_BYTES = 64 * 1024  # the record is about 250 bytes
 
 
 class AdminTokenError(RuntimeError):
@@ -75,7 +77,9 @@ def verify_admin_token(prefix: Path, token: str) -> bool:
     """True when `token` is the prefix's admin token (constant-time comparison of the scrypt hashes)."""
     path = token_path(prefix)
     try:
-        record = json.loads(path.read_text())
+        if not os.path.lexists(path):
+            raise FileNotFoundError(path)
+        record = json.loads(read_regular_file(path, max_bytes=MAX_TOKEN_FILE_BYTES, what="admin token file"))
         salt = bytes.fromhex(record["salt"])
         expected = bytes.fromhex(record["hash"])
         n, r, p = int(record["n"]), int(record["r"]), int(record["p"])
