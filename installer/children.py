@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
+from envex.bundles.files import read_regular_file
 from envex.installer.fsutil import atomic_write
 
 CHILDREN_FILE = ".children.json"
@@ -91,11 +92,12 @@ def _record_path(prefix: Path) -> Path:
 
 
 def _load(prefix: Path) -> list[ChildGroup]:
-    try:
-        data = json.loads(_record_path(prefix).read_bytes()[: 1 << 20])
-        return [ChildGroup(**item) for item in data["groups"]]
-    except FileNotFoundError:
+    path = _record_path(prefix)
+    if not os.path.lexists(path):
         return []
+    try:
+        data = json.loads(read_regular_file(path, max_bytes=1 << 20, what="children record"))
+        return [ChildGroup(**item) for item in data["groups"]]
     except (OSError, ValueError, TypeError, KeyError):
         return []  # unreadable: nothing can be proven ours, so nothing is killed
 

@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from envex.bundles.files import read_regular_file
 from envex.installer.activate import activatable, current_target, rollback_target
-from envex.installer.checks import report_dir
+from envex.installer.checks import MAX_REPORT_BYTES, report_dir
 from envex.installer.launch import LAUNCH_FILE, LaunchError, LaunchManifest, read_launch
 from envex.installer.media import InstallError
 from envex.installer.release import release_dir
 from envex.installer.state import Release, State
 
 MAX_EVIDENCE_CHARS = 20_000
+MAX_BENCH_TABLE_BYTES = 4 * 1024 * 1024  # the benchmark's Markdown table: a few KB
 
 
 def _number(release: Release) -> int:
@@ -86,7 +88,7 @@ def load_report(prefix: Path, release: Release) -> dict[str, Any] | None:
         return None
     path = Path(prefix) / release.checks.report
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_regular_file(path, max_bytes=MAX_REPORT_BYTES, what="gate report"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
@@ -135,7 +137,8 @@ class BenchView:
 def bench_view(prefix: Path, release: Release) -> BenchView:
     folder = bench_dir(prefix, release.id)
     try:
-        table = (folder / "bench.md").read_text()
+        data = read_regular_file(folder / "bench.md", max_bytes=MAX_BENCH_TABLE_BYTES, what="bench table")
+        table = data.decode(errors="replace")
     except OSError:
         table = None
     headline = dict(release.checks.bench) if release.checks else {}
