@@ -10,9 +10,13 @@ along K), and computes its input on the fly from the previous layer's outputs, w
   PROLOGUE_RMS      rms_norm(a) · w_norm
   PROLOGUE_SILU_MUL silu(g) · u from a fused gate-up row [g | u]
 
-The RMS scale is a scalar per row, so it is applied after the dot: y = rstd · Σ_k W[n,k]·h[k]·w_norm[k], with the
-sum of squares accumulated in the same pass over K. Norm and activation are computed in fp32 without the
-intermediate bf16 roundings HF performs (closer to the float64 reference than HF is).
+Rounding follows HF transformers, the reference every answer is checked against: the residual sum, the SwiGLU
+(silu's output and the product) and, in the persistent kernel, which holds the whole row, the normalised row and
+its product with the norm weight are rounded to the activation dtype where HF rounds them. A near-tie in bf16
+logits (SmolLM2 answers "The" or "L'" to "What is the capital of France?" 0.125 apart, one bf16 step at 25) then
+falls the way HF's does (H200, 2026-11-30: the fp32 prologue answered "L'Étoile"). The chunked kernel streams K
+once, so it applies the RMS scale after the dot, y = rstd · Σ_k W[n,k]·h[k]·w_norm[k], with the sum of squares
+accumulated in the same pass, and cannot round the normalised row first.
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@triton.jit
+def _silu_mul_as_hf(g, u):
+    """silu(g) * u rounded where HF's MLP rounds it (silu's output, then the product, in the activation dtype),
+    computed in fp32 in between; the result in fp32 for the dot."""
+    gf = g.to(tl.float32)
+    act = (gf * tl.sigmoid(gf)).to(g.dtype).to(tl.float32)
+    return (act * u.to(tl.float32)).to(g.dtype).to(tl.float32)
 
 
 @triton.jit
@@ -63,9 +76,9 @@ def _gemv_kernel(
         w_next = tl.load(w_rows + ahead[None, :], mask=row_ok[:, None] & (ahead < K)[None, :], other=0.0,
                          eviction_policy="evict_first")  # fmt: skip
         if PROLOGUE == 3:  # silu(g) * u, the fused gate-up row is [g | u] of length 2K
-            g = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(a_ptr + m * stride_am + K + cols, mask=k_ok, other=0.0).to(tl.float32)
-            x = g * tl.sigmoid(g) * u
+            g = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
+            u = tl.load(a_ptr + m * stride_am + K + cols, mask=k_ok, other=0.0)
+            x = _silu_mul_as_hf(g, u)
         else:
             a = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
             if PROLOGUE == 1:
@@ -109,9 +122,9 @@ def _gemv_persistent_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     if PROLOGUE == 3:
-        g = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0).to(tl.float32)
-        u = tl.load(a_ptr + m * stride_am + K + kk, mask=k_ok, other=0.0).to(tl.float32)
-        x = g * tl.sigmoid(g) * u
+        g = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
+        u = tl.load(a_ptr + m * stride_am + K + kk, mask=k_ok, other=0.0)
+        x = _silu_mul_as_hf(g, u)
     else:
         a = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
         if PROLOGUE == 1:
@@ -120,8 +133,11 @@ def _gemv_persistent_kernel(
             tl.store(h_ptr + m * stride_hm + kk, a, mask=kk < tl.where(pid == 0, K, 0))
         x = a.to(tl.float32)
         if PROLOGUE == 1 or PROLOGUE == 2:
+            # The whole row is in registers, so the norm is applied before the dot and rounded where HF rounds
+            # it: the normalised row to the activation dtype, then times the weight, rounded again.
             rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-            x = x * rstd * tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            w_norm = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x = (w_norm * (x * rstd).to(a.dtype).to(tl.float32)).to(a.dtype).to(tl.float32)
     n_blocks = tl.cdiv(N, BLOCK_N)
     for rb in range(pid, n_blocks, nprog):
         w = w_next
