@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 
+from envex.bundles.files import one_line
+
 STEPS = ("verify", "probe", "plan", "install", "gates", "activate")
 PAUSE_MARKER = "ENVEX_TEST_PAUSED"
 
@@ -57,11 +59,11 @@ class InstallUI:
 
     def ok(self, name: str, message: str) -> None:
         self.results.append((name, True, message))
-        self.console.print(f"[green]✓[/green] {name:<8} {escape(message)}", markup=True)
+        self.console.print(f"[green]✓[/green] {name:<8} {escape(one_line(message))}", markup=True)
 
     def fail(self, name: str, message: str) -> None:
         self.results.append((name, False, message))
-        self.console.print(f"[red]✗[/red] {name:<8} {escape(message)}", markup=True)
+        self.console.print(f"[red]✗[/red] {name:<8} {escape(one_line(message))}", markup=True)
 
     def note(self, message: str) -> None:
-        self.console.print(f"  {message}", markup=False)
+        self.console.print(f"  {one_line(message)}", markup=False)

@@ -232,6 +232,17 @@ def test_a_failed_install_creates_nothing(world, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def test_admin_never_creates_a_token_outside_an_installed_prefix(tmp_path):
+    for prefix in (tmp_path / "empty", tmp_path / "missing"):
+        if prefix.name == "empty":
+            prefix.mkdir()
+        done = subprocess.run([sys.executable, "-m", "envex.installer.commands", "admin", "--prefix", str(prefix),
+                               "--no-serve", "--cpu"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2
+        one_line(done, "nothing is installed there")
+    assert list((tmp_path / "empty").iterdir()) == [] and not (tmp_path / "missing").exists()
+
+
 # ---- children die with the installer; a re-run clears what a dead one left ------------------------------------
 
 

@@ -30,9 +30,12 @@ def admin(
 
     from envex.installer.admin.app import build_admin_app
     from envex.installer.admin.auth import AdminTokenError, create_admin_token, has_admin_token
+    from envex.installer.prefix import PrefixError, check_prefix
     from envex.runtime.server.serve import ServeError, bind_socket
 
     try:
+        # An installed prefix only: `--prefix /` must not get an admin/token.json.
+        prefix = check_prefix(prefix, must_exist=True)
         app = build_admin_app(prefix, bundle_dirs=tuple(bundles or ()), probe_gpu=gpu)
         if reset_token or not has_admin_token(prefix):
             token = create_admin_token(prefix, replace=reset_token)
@@ -42,7 +45,7 @@ def admin(
         if not serve:
             return
         sock = bind_socket(host, port)
-    except (ValueError, AdminTokenError, ServeError, OSError) as exc:
+    except (ValueError, AdminTokenError, ServeError, OSError, PrefixError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     shown = sock.getsockname()[1]
