@@ -181,3 +181,22 @@ def test_write_sets_the_mode_exactly_whatever_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "pub").st_mode) == 0o644
+
+
+@FUZZ
+@given(name=st.one_of(st.text(max_size=80), st.sampled_from(["../x", "..", ".", "a/../../b", "/etc/x", "k\n", "k"])))
+def test_key_names_never_leave_the_key_directory(name):
+    from envex.bundles.keys import generate_key, write_key_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "keys"
+        try:
+            private, public = write_key_files(generate_key(), out, name)
+        except ValueError as exc:
+            assert str(exc).startswith("key name ") and str(exc).isprintable()
+            assert not out.exists() or list(out.iterdir()) == []
+        else:
+            assert private.parent == out and public.parent == out
+            assert sorted(p.name for p in out.iterdir()) == sorted([f"{name}.key", f"{name}.pub.json"])
+            assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
+        assert sorted(p.name for p in Path(tmp).iterdir()) in ([], ["keys"])  # nothing beside --out
