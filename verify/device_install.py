@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import traceback
@@ -340,9 +341,23 @@ def metric(server: Server, name: str) -> float | None:
     return None
 
 
+COMPILERS = re.compile(r"^(cc|c89|c99|gcc|g\+\+|c\+\+|cpp|clang|clang\+\+|tcc|ld|ld\..*|.*-gcc|.*-gcc-.*|gcc-.*|"
+                       r"clang-.*|cpp-.*|.*-g\+\+.*|.*-cpp.*)$")
+
+
 def no_compiler_env(base: dict[str, str], venv_bin: Path) -> dict[str, str]:
-    """The environment of a host without a C compiler: PATH holds only the release's venv (checked with `which`)."""
-    env = {**base, "PATH": str(venv_bin)}
+    """The environment of a host without a C compiler: the release's venv, then every other tool on PATH except
+    the compilers (checked with `which`). Only the compilers go: Triton keys its C modules by
+    platform.architecture(), which runs `file`, so a PATH without `file` is another host, not one without cc."""
+    tools = Path(tempfile.mkdtemp(prefix="envex-nocc-"))
+    for folder in base.get("PATH", os.defpath).split(os.pathsep):
+        if not folder or not os.path.isdir(folder):
+            continue
+        for entry in sorted(os.listdir(folder)):
+            target = Path(folder) / entry
+            if not COMPILERS.match(entry) and not (tools / entry).exists() and os.access(target, os.X_OK):
+                (tools / entry).symlink_to(target)
+    env = {**base, "PATH": f"{venv_bin}{os.pathsep}{tools}"}
     env.pop("CC", None)
     found = [c for c in ("cc", "gcc", "clang", "c99") if shutil.which(c, path=env["PATH"])]
     if found:
