@@ -133,7 +133,7 @@ def test_every_accepted_setting_samples_a_valid_token(fields: dict[str, object],
         if params.top_k == 1 and int((penalized == penalized.max()).sum()) == 1:
             assert ids[0] == penalized.argmax()
     if not params.greedy:
-        probs = sampling_probs(row, params.temperature, params.top_k, params.top_p)
+        probs = sampling_probs(row[None], [params])[0]
         assert torch.isfinite(probs).all() and (probs >= 0).all()
         assert abs(float(probs.sum()) - 1.0) < 1e-4
         if not row.isnan().any():
@@ -167,6 +167,28 @@ def test_a_row_that_fails_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
         alone = sample_on_device(logits[row:row + 1].clone(), [make_seq(SamplingParams(temperature=1.0, seed=seed),
                                                                         [])])[0]
         assert ids[row] == alone[0]
+
+
+def test_a_failure_in_the_batched_distribution_is_found_row_by_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    from envex.runtime.engine import sampler
+
+    real = sampler.sampling_probs
+
+    def failing(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        if any(p.seed == 666 for p in params):
+            raise RuntimeError("injected")
+        return real(logits, params)
+
+    monkeypatch.setattr(sampler, "sampling_probs", failing)
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(6))
+    params = [SamplingParams(temperature=1.0, seed=1, top_p=0.9), SamplingParams(temperature=1.0, seed=666),
+              SamplingParams(temperature=0.5, top_k=5), SamplingParams(temperature=0.0)]
+    ids, _, errors = sample_on_device(logits.clone(), [make_seq(p, []) for p in params],
+                                      torch.Generator().manual_seed(0))
+    assert list(errors) == [1] and "injected" in errors[1]
+    alone = sample_on_device(logits[:1].clone(), [make_seq(params[0], [])])[0]
+    assert ids[0] == alone[0] and ids[3] == logits[3].argmax()
+    assert ids[2] in torch.topk(logits[2], 5).indices
 
 
 def test_the_engine_ends_only_the_failed_request(embedded_engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
