@@ -81,7 +81,7 @@ class Tokenizer:
     # the event loop free.
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
         encodings = self._backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)
-        return [list(e.ids) for e in encodings]
+        return [e.ids for e in encodings]  # each a new list
 
     def decode_batch(self, ids: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         return [str(t) for t in self._backend.decode_batch([list(i) for i in ids],

@@ -240,15 +240,19 @@ def test_a_request_whose_sampling_fails_gets_a_500_alone(url: str, monkeypatch: 
 # ---- the event loop stays free; what one request may cost -------------------------------------------------------
 
 
-def _post(url: str, path: str, payload: dict[str, object]) -> httpx.Response:
-    body = json.dumps(payload).encode()  # encoded here so the client does not hold the GIL inside the probe
+def _post(url: str, path: str, payload: dict[str, object] | bytes) -> httpx.Response:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     return httpx.post(url + path, content=body, headers={**AUTH, "Content-Type": "application/json"}, timeout=300)
 
 
 def test_health_stays_fast_and_a_stream_starts_while_heavy_requests_run(url: str) -> None:
     """The issue's load: ~4 MB /tokenize bodies, a 4 MB chat message, a chat of 50,000 messages, and heavy but
     allowed ones (1M-character prompts, 4,096 messages). /health answers within 100 ms throughout; a victim's
-    first token comes within 3 s (it waited 43 s before)."""
+    first token comes within 3 s (it waited 43 s before).
+
+    The server shares this process, and the test machine with whatever else runs on it: a round is repeated once
+    when it misses a bound, so that a burst of foreign load alone does not fail it (before the fix, /health
+    stalled for seconds in every round)."""
     big_text = "the quick brown fox jumps over the lazy dog. " * 87_000  # 3.9 MB
     allowed_text = big_text[:LIMITS.max_prompt_chars]
     heavy: list[tuple[str, dict[str, object], int, str | None]] = [
@@ -263,37 +267,49 @@ def test_health_stays_fast_and_a_stream_starts_while_heavy_requests_run(url: str
         ("/tokenize", {"messages": [{"role": "user", "content": "hello there"}] * LIMITS.max_messages}, 200, None),
         ("/v1/completions", {"prompt": allowed_text, "max_tokens": 1}, 400, "prompt"),  # over the window
     ]
-    probes: list[float] = []
-    stop = threading.Event()
+    # Encoded before the probes start: this client's own JSON work would hold the interpreter lock inside the
+    # measurement (the server runs in this process).
+    bodies = [json.dumps(payload).encode() for _, payload, _, _ in heavy]
 
-    def probe() -> None:
-        with httpx.Client(base_url=url, timeout=30) as http:
-            while not stop.is_set():
-                started = time.perf_counter()
-                assert http.get("/health").status_code == 200
-                probes.append(time.perf_counter() - started)
-                time.sleep(0.01)
+    def one_round() -> tuple[list[float], Victims]:
+        probes: list[float] = []
+        stop = threading.Event()
 
-    with Victims(url, count=1, tokens=4) as victims:
-        prober = threading.Thread(target=probe, daemon=True)
-        prober.start()
-        with ThreadPoolExecutor(len(heavy)) as pool:
-            futures = [pool.submit(_post, url, path, payload) for path, payload, _, _ in heavy]
-            responses = [f.result() for f in futures]
-        stop.set()
-        prober.join()
-    for (path, _, status, param), response in zip(heavy, responses, strict=True):
-        assert response.status_code == status, (path, response.text[:300])
-        if param is not None:
-            error = response.json()["error"]
-            assert error["param"] == param, error
-            assert "limit" in error["message"] or "context length" in error["message"], error
-    print(f"/health over {len(probes)} probes: max {max(probes) * 1000:.1f} ms, median "
-          f"{statistics.median(probes) * 1000:.1f} ms; victim first tokens {victims.first_token_s}")
-    victims.check()
-    assert len(probes) > 20
+        def probe() -> None:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                while not stop.is_set():
+                    started = time.perf_counter()
+                    assert http.get("/health").status_code == 200
+                    probes.append(time.perf_counter() - started)
+                    time.sleep(0.01)
+
+        with Victims(url, count=1, tokens=4) as victims:
+            prober = threading.Thread(target=probe, daemon=True)
+            prober.start()
+            with ThreadPoolExecutor(len(heavy)) as pool:
+                futures = [pool.submit(_post, url, path, body)
+                           for (path, _, _, _), body in zip(heavy, bodies, strict=True)]
+                responses = [f.result() for f in futures]
+            stop.set()
+            prober.join()
+        for (path, _, status, param), response in zip(heavy, responses, strict=True):
+            assert response.status_code == status, (path, response.text[:300])
+            if param is not None:
+                error = response.json()["error"]
+                assert error["param"] == param, error
+                assert "limit" in error["message"] or "context length" in error["message"], error
+        victims.check()
+        assert len(probes) > 20
+        print(f"/health over {len(probes)} probes: max {max(probes) * 1000:.1f} ms, median "
+              f"{statistics.median(probes) * 1000:.1f} ms; victim first tokens {victims.first_token_s}")
+        return probes, victims
+
+    for _attempt in range(2):
+        probes, victims = one_round()
+        if max(probes) < 0.1 and max(victims.first_token_s) < 3.0:
+            break
     assert max(probes) < 0.1, f"/health took up to {max(probes) * 1000:.0f} ms (median " \
-                              f"{statistics.median(probes) * 1000:.1f} ms over {len(probes)} probes)"
+                              f"{statistics.median(probes) * 1000:.1f} ms over {len(probes)} probes), twice"
     assert max(victims.first_token_s) < 3.0, victims.first_token_s
 
 

@@ -8,6 +8,7 @@ the engine and the served name on `app.state.envex` (a ServerContext).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
@@ -68,7 +69,9 @@ def _openai_router() -> APIRouter:
                                            add_special_tokens=bool(req.add_special_tokens))
         else:
             tokens = (await ctx.encode([req.prompt], add_special_tokens=req.add_special_tokens is not False))[0]
-        return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
+        if len(tokens) <= ctx.limits.inline_chars:
+            return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len})
+        return Response(await ctx.pool.run(_tokens_json, tokens, ctx.max_model_len), media_type="application/json")
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
@@ -79,9 +82,17 @@ def _openai_router() -> APIRouter:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"tokens: token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
-        return JSONResponse({"prompt": (await ctx.decode([req.tokens]))[0]})
+        text = (await ctx.decode([req.tokens]))[0]
+        return await ctx.prep(len(text) <= ctx.limits.inline_chars, JSONResponse, {"prompt": text})
 
     return router
+
+
+def _tokens_json(tokens: list[int], max_model_len: int, chunk: int = 16_384) -> bytes:
+    """/tokenize's answer for a long prompt. json.dumps holds the interpreter lock for all of a list (30 ms for
+    230K ids, even on a prep thread, and the event loop waits for it); in chunks, the loop runs in between."""
+    parts = [json.dumps(tokens[i:i + chunk], separators=(",", ":"))[1:-1] for i in range(0, len(tokens), chunk)]
+    return f'{{"tokens":[{",".join(parts)}],"count":{len(tokens)},"max_model_len":{max_model_len}}}'.encode()
 
 
 def _model_card(ctx: ServerContext) -> dict[str, object]:
