@@ -71,11 +71,20 @@ def serve(
     backend: BackendOpt = "auto",
     max_model_len: Annotated[int | None, typer.Option(help="context window to serve (default: the model's)")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="ENVEX_API_KEY", help="require this Bearer key")] = None,
+    draft_model: Annotated[str | None, typer.Option(
+        "--draft-model", help="speculative decoding: a smaller model of the same tokenizer drafts tokens")] = None,
+    speculative_tokens: Annotated[int, typer.Option(
+        "--speculative-tokens", min=0, max=16,
+        help="speculative decoding: the most drafts verified per step (0: off; n-gram lookup without a draft model)",
+    )] = 0,
 ) -> None:
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
     from envex.runtime.server.serve import serve as run_server
 
     extra_routers: list = []
+    if launch is not None and (draft_model is not None or speculative_tokens):
+        raise fail("--draft-model/--speculative-tokens: a release serves the settings of its launch.json "
+                   "(engine.draft_model, engine.num_speculative_tokens); drop the flags or install with them")
     if launch is not None:
         from envex.installer.admin import admin_routers_for_launch
         from envex.installer.launch import LaunchError, load_launch
@@ -86,7 +95,8 @@ def serve(
             raise fail(str(exc)) from None
         extra_routers = admin_routers_for_launch(launch)  # /admin for the release's prefix
     else:
-        config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len)
+        config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,
+                               draft_model=draft_model, num_speculative_tokens=speculative_tokens)
     try:
         run_server(config, host=host, port=port, api_key=api_key, extra_routers=extra_routers)
     except (ValueError, OSError) as exc:

@@ -165,7 +165,7 @@ def test_speculation_is_off_by_default():
 
 def test_speculative_decoding_is_exact_and_accepts_drafts(embedded_engine):
     spec_engine = LLMEngine(EngineConfig(device="cpu", num_speculative_tokens=4, max_model_len=1024))
-    assert spec_engine.scheduler.num_speculative_tokens == 4
+    assert spec_engine.spec is not None and spec_engine.spec.max_k == 4
     plain = embedded_engine
     prompts = PROMPTS[:6] + ["Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat"]
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

@@ -55,3 +55,23 @@ def needle_data() -> NeedleData:
     d = _load("needle")
     return NeedleData(tuple(d["filler"]), tuple(Needle(**n) for n in d["needles"]), d["instruction"],
                       d["question_suffix"])
+
+
+@dataclass(frozen=True)
+class CodeEditTask:
+    """A file to hand back whole with one small edit (speculative decoding's code-editing workload)."""
+
+    id: str
+    language: str
+    filename: str
+    instruction: str
+    file: str
+
+    @property
+    def prompt(self) -> str:
+        return (f"Here is `{self.filename}`:\n\n```{self.language}\n{self.file}```\n\n{self.instruction} Reply with "
+                "the whole updated file in one code block and nothing else.")
+
+
+def code_edit_tasks() -> list[CodeEditTask]:
+    return [CodeEditTask(**t) for t in _load("code_edit")["tasks"]]

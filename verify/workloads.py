@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from envex.verify.bench_engines import BenchRequest
-from envex.verify.data import chat_prompts, needle_data
+from envex.verify.data import chat_prompts, code_edit_tasks, needle_data
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,12 +20,17 @@ class Workload:
     output_tokens: int
     num_requests: int
     concurrency: int
+    # Where prompts come from when prompt_tokens is 0: "chat" (verify/data_prompts.json, little repetition) or
+    # "code-edit" (verify/data_code_edit.json: a file to hand back with one small edit; the answer repeats it).
+    source: str = "chat"
 
     def __post_init__(self) -> None:
         if self.output_tokens < 1 or self.num_requests < 1 or not 1 <= self.concurrency <= 256:
             raise ValueError(f"workload {self.name!r}: need output_tokens >= 1, num_requests >= 1 and "
                              f"concurrency in 1..256, got {self.output_tokens}, {self.num_requests}, "
                              f"{self.concurrency}")
+        if self.source not in ("chat", "code-edit"):
+            raise ValueError(f"workload {self.name!r}: source {self.source!r} is not one of chat, code-edit")
 
     @property
     def mixed(self) -> bool:
@@ -38,6 +43,11 @@ WORKLOADS: dict[str, Workload] = {
     "1k-256": Workload(name="1k-256", prompt_tokens=1024, output_tokens=256, num_requests=16, concurrency=1),
     "10k-512": Workload(name="10k-512", prompt_tokens=10240, output_tokens=512, num_requests=8, concurrency=1),
     "chat": Workload(name="chat", prompt_tokens=0, output_tokens=256, num_requests=32, concurrency=8),
+    # Speculative decoding's pair (issue 16), single stream: code edits (the answer copies the prompt's file)
+    # and chat (little repetition: drafts rarely match).
+    "code-edit": Workload(name="code-edit", prompt_tokens=0, output_tokens=1024, num_requests=16, concurrency=1,
+                          source="code-edit"),
+    "chat-1": Workload(name="chat-1", prompt_tokens=0, output_tokens=256, num_requests=16, concurrency=1),
 }
 _CHAT_OUTPUT_LENGTHS = (32, 64, 128, 256, 96, 48)
 
@@ -52,7 +62,7 @@ def named_workload(name: str, *, concurrency: int | None = None, num_requests: i
     return Workload(name=name if concurrency is None else f"{name}@c{c}",
                     prompt_tokens=w.prompt_tokens if prompt_tokens is None else prompt_tokens,
                     output_tokens=output_tokens or w.output_tokens,
-                    num_requests=num_requests or max(w.num_requests, c), concurrency=c)
+                    num_requests=num_requests or max(w.num_requests, c), concurrency=c, source=w.source)
 
 
 _BODY_CACHE: dict[tuple[int, int], list[str]] = {}
@@ -96,14 +106,15 @@ def exact_prompt(tokenizer: Any, n_tokens: int, head: str) -> tuple[str, list[in
 def build_requests(tokenizer: Any, w: Workload, *, repeat: int | str) -> list[BenchRequest]:
     """The requests of one run of `w` (the repeat index makes each run's prompts distinct)."""
     out = []
-    chats = chat_prompts()
+    chats = [t.prompt for t in code_edit_tasks()] if w.source == "code-edit" else chat_prompts()
     for i in range(w.num_requests):
         head = f"Request {repeat}-{i}."
         if w.mixed:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": f"{head} {chats[i % len(chats)]}"}], add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
-            n_out = min(w.output_tokens, _CHAT_OUTPUT_LENGTHS[i % len(_CHAT_OUTPUT_LENGTHS)])
+            n_out = w.output_tokens if w.source == "code-edit" else min(
+                w.output_tokens, _CHAT_OUTPUT_LENGTHS[i % len(_CHAT_OUTPUT_LENGTHS)])
         else:
             text, ids = exact_prompt(tokenizer, w.prompt_tokens, head)
             n_out = w.output_tokens

@@ -36,10 +36,17 @@ class EngineConfig:
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 429)
     seed: int = 0
     use_cuda_graphs: bool = True
-    # Prompt-lookup speculative decoding for greedy requests: up to this many drafted tokens verified per step.
-    # Exact: a draft token is kept only where it equals the model's own argmax. Off by default: on chat prompts
-    # only ~11% of drafts were accepted on the CPU, which halved single-stream speed (offline_docs/engine.md).
+    # Speculative decoding: at most this many drafted tokens verified per sequence and step (0: off). Exact:
+    # greedy keeps a draft only where it equals the model's argmax, sampling uses rejection sampling. The depth
+    # adapts per request to its acceptance and turns itself off where it does not pay (offline_docs/engine.md).
+    # Off by default until the H200 figures (benchmarks.md) show chat traffic within 3% of off.
     num_speculative_tokens: int = 0
+    # A smaller model with the same tokenizer that drafts (None: n-gram prompt lookup, no model). Setting it
+    # turns speculation on (a num_speculative_tokens of 0 then resolves to 4).
+    draft_model: str | None = None
+    # Speculate only in steps of at most this many sequences (None: 32 on CUDA, 8 on CPU); above it a step's extra
+    # rows cost more than the drafts save. Verify graphs are captured up to it.
+    speculative_max_batch: int | None = None
     # Overlapped scheduling: schedule and launch step N+1 before reading step N's sampled tokens (None: on for
     # CUDA, where host work then hides behind device work; on CPU it only delays outputs by a step).
     async_scheduling: bool | None = None
@@ -53,7 +60,9 @@ class EngineConfig:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not 0 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens: must be in 0..16, got {self.num_speculative_tokens}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue"):
+        if self.draft_model is not None and not self.draft_model.strip():
+            raise ValueError("draft_model: must name a model (a directory, a .gguf file or the embedded name)")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_queue", "speculative_max_batch"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -85,9 +94,10 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if cuda else 2048),
             use_cuda_graphs=self.use_cuda_graphs and backend == "triton",
             # Overlap hides host work behind device work; on the CPU it would only delay outputs by a step.
-            # Speculation verifies drafts against read tokens, so the two do not run together.
-            async_scheduling=(cuda if self.async_scheduling is None else self.async_scheduling)
-            and self.num_speculative_tokens == 0,
+            # Verify steps keep their accepted counts on the device, so they overlap too (speculative.py).
+            async_scheduling=cuda if self.async_scheduling is None else self.async_scheduling,
+            num_speculative_tokens=self.num_speculative_tokens or (4 if self.draft_model else 0),
+            speculative_max_batch=self.speculative_max_batch or (32 if cuda else 8),
             warm_up=cuda if self.warm_up is None else self.warm_up,
         )
 
@@ -106,4 +116,4 @@ def model_window(model: ModelConfig) -> int:
     if model.sliding_window:
         return min(model.max_position_embeddings, model.sliding_window)
     return model.max_position_embeddings
-_RESOLVED = ("max_model_len", "max_num_batched_tokens", "async_scheduling", "warm_up")
+_RESOLVED = ("max_model_len", "max_num_batched_tokens", "async_scheduling", "warm_up", "speculative_max_batch")

@@ -10,9 +10,9 @@ import torch
 from envex.runtime.engine.block_manager import BlockManager
 from envex.runtime.engine.config import EngineConfig, model_window
 from envex.runtime.engine.detokenizer import IncrementalDetokenizer
-from envex.runtime.engine.model_runner import ModelRunner
 from envex.runtime.engine.scheduler import ScheduledChunk, Scheduler
 from envex.runtime.engine.sequence import Sequence, Status
+from envex.runtime.engine.speculative import build_runner
 from envex.runtime.engine.step import LaunchedStep, StepRunner
 from envex.runtime.engine.types import (
     EngineError,
@@ -49,6 +49,14 @@ class EngineStats:
     preemptions_total: int
     accepted_draft_tokens_total: int = 0
     overlapped_steps_total: int = 0
+    # Speculative decoding: the drafter ("" when off), its largest depth, verify steps read, the tokens they
+    # appended per sequence and step (1 + accepted drafts), drafts proposed, the depth of the last verify step.
+    speculative_drafter: str = ""
+    speculative_max_k: int = 0
+    spec_verify_steps_total: int = 0
+    spec_tokens_per_step: float = 0.0
+    spec_draft_tokens_total: int = 0
+    spec_depth: int = 0
 
 
 class LLMEngine:
@@ -63,16 +71,16 @@ class LLMEngine:
         self.source = loaded.source
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len = config.max_model_len
-        self.runner = ModelRunner(config, loaded)
+        self.runner, self.spec = build_runner(config, loaded)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching)  # fmt: skip
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   num_speculative_tokens=config.num_speculative_tokens,
                                    max_model_len=self.max_model_len)  # fmt: skip
         self.steps = StepRunner(self.runner, self.scheduler, self.blocks, eos_token_ids=self.tokenizer.eos_token_ids,
                                 max_model_len=self.max_model_len,
-                                generator=torch.Generator(device=self.runner.device).manual_seed(config.seed))
+                                generator=torch.Generator(device=self.runner.device).manual_seed(config.seed),
+                                spec=self.spec)
         self._in_flight: LaunchedStep | None = None  # a pure decode step launched and not yet read (overlap)
         if config.warm_up:
             self.warm_up()
@@ -163,22 +171,38 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; returns the outputs of the tokens read in it. With overlapped scheduling
-        the tokens of a pure decode step are read during the next call, after that call has launched its own
-        step, so outputs trail the device by one step."""
+        the tokens of a decode or verify step are read during the next call, after that call has launched its
+        own step, so outputs trail the device by one step."""
         previous, self._in_flight = self._in_flight, None
-        if previous is not None and not self._may_overlap():
+        outputs: list[RequestOutput] = []
+        if previous is not None and previous.spec is not None:
+            # A verify step in flight: its successor can be launched from the device's state while the batch is
+            # steady; otherwise it is read first and the scheduler plans from known tokens (step.py).
+            chained = self.steps.chain(previous)
+            outputs = self.steps.finish(previous)
+            if chained is not None:
+                return outputs + self._hold_or_finish(chained)
+            previous = None
+        elif previous is not None and not self._may_overlap():
             return self.steps.finish(previous)  # read it first: the next step needs every token on the host
+        elif previous is not None and self.steps.wants_spec():
+            outputs, previous = self.steps.finish(previous), None  # drafting needs every token on the device
         chunks = self.scheduler.schedule()
         launched = self.steps.launch(chunks, previous) if chunks else None
-        outputs = self.steps.finish(previous) if previous is not None else []
+        if previous is not None:
+            outputs += self.steps.finish(previous)
         if launched is None:
             return outputs
-        if (self.config.async_scheduling and launched.pure_decode
-                and not all(c.seq.is_finished for c in launched.completing)):  # fmt: skip
-            self._in_flight = launched  # read its tokens next time
+        return outputs + self._hold_or_finish(launched)
+
+    def _hold_or_finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Keep a decode or verify step in flight (read next time) under overlapped scheduling, else read it."""
+        if (self.config.async_scheduling and launched.may_overlap
+                and not all(seq.is_finished for seq in launched.sequences)):  # fmt: skip
+            self._in_flight = launched
             self.steps.counters.overlapped_steps += 1
-            return outputs
-        return outputs + self.steps.finish(launched)
+            return []
+        return self.steps.finish(launched)
 
     def _may_overlap(self) -> bool:
         """False while any request needs the host to see every token before the next step: penalties count the
@@ -204,6 +228,12 @@ class LLMEngine:
             preemptions_total=self.scheduler.num_preemptions,
             accepted_draft_tokens_total=c.accepted_drafts,
             overlapped_steps_total=c.overlapped_steps,
+            speculative_drafter=self.spec.drafter.name if self.spec is not None else "",
+            speculative_max_k=self.config.num_speculative_tokens,
+            spec_verify_steps_total=c.spec_steps,
+            spec_tokens_per_step=c.spec_tokens / c.spec_sequence_steps if c.spec_sequence_steps else 0.0,
+            spec_draft_tokens_total=c.draft_tokens,
+            spec_depth=c.spec_depth,
         )
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:

@@ -74,7 +74,7 @@ def fill_pending(input_ids: torch.Tensor, rows: list[int], src_rows: list[int], 
 
 @dataclass
 class StepResult:
-    # [N, V] float32: per chunk that completes its sequence, in chunk order, 1 + num_draft rows
+    # [N, V] float32: the last row of each chunk that completes its sequence, in chunk order
     logits: torch.Tensor
     prompt_logits: dict[int, torch.Tensor]  # chunk index -> [num_tokens, V] float32 (prompt logprobs only)
 
@@ -156,8 +156,7 @@ class ModelRunner:
         fill_from: list[int] = []
         bs = self.block_size
         for c in chunks:
-            known = c.seq.all_token_ids + c.seq.draft_token_ids if c.num_draft else c.seq.all_token_ids
-            tokens = known[c.start:c.start + c.num_tokens]
+            tokens = c.seq.all_token_ids[c.start:c.start + c.num_tokens]
             if len(tokens) < c.num_tokens:  # the chunk ends on the sequence's pending token
                 assert pending_tokens is not None and len(tokens) == c.num_tokens - 1, "pending token without source"
                 fill_at.append(len(ids) + len(tokens))
@@ -193,8 +192,8 @@ class ModelRunner:
             if c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids):
                 prompt_rows[i] = (offset, offset + c.num_tokens)
             offset += c.num_tokens
-            if c.completes:  # the last row, or with drafts the last 1 + num_draft rows (each verifies one)
-                ends.extend(range(offset - 1 - c.num_draft, offset))
+            if c.completes:
+                ends.append(offset - 1)
         logits = hidden.new_zeros((0, 0))
         if ends:
             rows = upload(ends, torch.int64, self.device)

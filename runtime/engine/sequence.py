@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from envex.runtime.engine.detokenizer import IncrementalDetokenizer
 from envex.runtime.engine.types import SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from envex.runtime.engine.speculative import SpecState
 
 
 class Status(enum.Enum):
@@ -38,12 +42,12 @@ class Sequence:
     stop_reason: str | int | None = None
     # Output bookkeeping: how many tokens / logprobs were already handed to the caller.
     num_emitted_tokens: int = 0
-    # Speculative tokens proposed for this step only (verified by the same forward pass, then cleared).
-    draft_token_ids: list[int] = field(default_factory=list)
     # Overlapped scheduling: tokens sampled on the device whose values the host has not read yet. They count in
     # num_tokens (the scheduler plans the next step around them) but join output_token_ids only when read.
     num_pending_tokens: int = 0
     pending_row: int = -1  # the newest pending token's row in the in-flight step's sampled-token tensor
+    # Speculative decoding: its device row, acceptance and depth (speculative.SpecState); None until considered.
+    spec: SpecState | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -88,6 +88,13 @@ class Metrics:
              stats.preemptions_total),
             ("envex_accepted_draft_tokens_total", "counter", "Speculative draft tokens accepted.",
              stats.accepted_draft_tokens_total),
+            ("envex_spec_draft_tokens_total", "counter", "Speculative draft tokens proposed to verify steps.",
+             stats.spec_draft_tokens_total),
+            ("envex_spec_verify_steps_total", "counter", "Speculative verify steps.", stats.spec_verify_steps_total),
+            ("envex_spec_tokens_per_step", "gauge",
+             "Tokens a sequence gained per verify step (1 + accepted drafts), since start.",
+             stats.spec_tokens_per_step),
+            ("envex_spec_depth", "gauge", "Draft depth k of the last verify step.", stats.spec_depth),
             ("envex_num_requests_running", "gauge", "Sequences in the running batch.", stats.num_running),
             ("envex_num_requests_waiting", "gauge", "Sequences waiting to be scheduled.", stats.num_waiting),
             ("envex_requests_in_flight", "gauge", "Engine requests admitted by the server and not finished.",
@@ -97,6 +104,9 @@ class Metrics:
             ("envex_engine_up", "gauge", "1 while the engine thread is alive.", int(async_engine.is_running)),
         ):
             metric(name, kind, help_text, [f"{name} {value}"])
+        metric("envex_speculative_info", "gauge", "Speculative decoding: the drafter and the most drafts per step.",
+               [f'envex_speculative_info{{drafter="{_escape(stats.speculative_drafter or "off")}",'
+                f'max_k="{stats.speculative_max_k}"}} 1'])
         metric("envex_time_to_first_token_seconds", "histogram",
                "Time from request arrival to each choice's first token.", self.ttft.lines(
                    "envex_time_to_first_token_seconds"))
