@@ -72,6 +72,10 @@ class AttentionMetadata:
     # The same lengths on the host, for backends that loop over sequences (the torch reference); None in graphs.
     q_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
+    # The same step for layers with a sliding window, where the engine keeps their K/V in a pool of their own
+    # (runtime/engine/window_kv.py): other block tables and slots, everything else equal. None: those layers use
+    # this metadata's blocks.
+    window: AttentionMetadata | None = None
 
     @property
     def is_decode(self) -> bool:

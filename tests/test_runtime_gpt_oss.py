@@ -90,10 +90,11 @@ def checkpoints(tmp_path_factory):
     return model, float_dir, packed_dir, packed_hf
 
 
-def _greedy_equals_hf(path: Path, hf_model) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", kv_cache_memory_gb=0.02, block_size=4))
-    ours = engine.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
-    for prompt, got in zip(PROMPTS, ours, strict=True):
+def _greedy_equals_hf(path: Path, hf_model, prompts: list[list[int]] = PROMPTS, **settings) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=4,
+                                    **(settings or {"kv_cache_memory_gb": 0.02})))  # fmt: skip
+    ours = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    for prompt, got in zip(prompts, ours, strict=True):
         with torch.no_grad():
             want = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                      pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
@@ -129,6 +130,24 @@ def test_float_checkpoint_matches_transformers(checkpoints) -> None:
     with torch.no_grad():
         want = hf_model(torch.tensor([PROMPTS[2]])).logits[0]
     assert rel_err(_prefill_logits(model, TorchOps(), PROMPTS[2]), want) < 1e-5
+
+
+def test_window_layers_keep_only_their_window(checkpoints) -> None:
+    """The window layers' K/V live in their own pool (runtime/engine/window_kv.py): a sequence holds only the
+    blocks its 4-token window can still see, freed ones are reused, and a preempted sequence (the 13-token
+    prompt needs a 5th of the 12 blocks the 31-token one shares with it) recomputes into new blocks: the tokens
+    stay HF's."""
+    hf_model, float_dir, _, _ = checkpoints
+    engine = _greedy_equals_hf(float_dir, hf_model, [PROMPTS[2], PROMPTS[0]], num_kv_blocks=12, max_model_len=48,
+                               max_num_seqs=3)  # fmt: skip
+    windows = engine.runner.windows
+    assert engine.scheduler.num_preemptions > 0 and not engine.blocks.enable_prefix_caching
+    assert windows is not None and windows.layers == [0, 2]
+    assert engine.runner.kv_caches[0][0].shape[0] == windows.num_blocks  # 3 · (0 + 3) + 512 (a 2048 budget)
+    assert engine.runner.kv_caches[1][0].shape[0] == 12
+    engine.generate([[7] * 30], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    # after its last step a sequence holds ceil(3 / 4) + 1 blocks at most: 31 tokens -> blocks 6 and 7
+    assert windows.num_used_blocks <= 2
 
 
 def test_mxfp4_checkpoint_stays_packed_and_matches_transformers(checkpoints) -> None:

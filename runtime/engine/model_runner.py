@@ -15,6 +15,7 @@ from envex.kernels.ops import AttentionMetadata, make_ops
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.scheduler import ScheduledChunk
+from envex.runtime.engine.window_kv import WindowBlocks
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import model_class
 from envex.runtime.models.rope import rope_cos_sin
@@ -103,11 +104,15 @@ class ModelRunner:
         self.cos, self.sin = rope_cos_sin(mc, self.max_model_len, self.device)
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
+        # Sliding-window layers (gpt-oss) keep their K/V in a pool sized for their windows (window_kv.py).
+        self.windows = (WindowBlocks(config, mc, self.device, self.dtype, self.num_blocks)
+                        if any(w is not None for w in mc.layer_windows) else None)  # fmt: skip
         shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
         self.kv_caches = [
+            self.windows.caches[i] if self.windows is not None and i in self.windows.caches else
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
-            for _ in range(mc.num_hidden_layers)
+            for i in range(mc.num_hidden_layers)
         ]
         self.decode_graphs = None
         if config.use_cuda_graphs and self.device.type == "cuda":
@@ -117,16 +122,18 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         mc = self.model_config
-        bytes_per_block = (2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim
-                           * torch.finfo(self.dtype).bits // 8) + self.extra_kv_bytes_per_block
+        windowed = sum(w is not None for w in mc.layer_windows)  # in their own pool, reserved first
+        reserved = WindowBlocks.bytes_for(self.config, mc, self.dtype) if windowed else 0
+        bytes_per_block = (2 * (mc.num_hidden_layers - windowed) * self.block_size * mc.num_key_value_heads
+                           * mc.head_dim * torch.finfo(self.dtype).bits // 8) + self.extra_kv_bytes_per_block
         if self.config.num_kv_blocks is not None:
             blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - self.config.gpu_memory_utilization) * total
+            budget = free - (1 - self.config.gpu_memory_utilization) * total - reserved
             blocks = int(budget // bytes_per_block)
         else:
-            blocks = int(self.config.kv_cache_memory_gb * 2**30 // bytes_per_block)
+            blocks = int((self.config.kv_cache_memory_gb * 2**30 - reserved) // bytes_per_block)
         needed = -(-self.max_model_len // self.block_size)
         if blocks < needed:
             raise ValueError(
@@ -138,6 +145,8 @@ class ModelRunner:
     def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The whole model on a step whose every token needs logits (a decode step) -> [T, V] in the model dtype.
         What a CUDA graph captures."""
+        if self.windows is not None:
+            meta = self.windows.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
         return self.model.compute_logits(self.ops, hidden, residual)
 
@@ -145,6 +154,8 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], pending_tokens: torch.Tensor | None = None) -> StepResult:
         """pending_tokens: the previous step's sampled ids, still on the device; a sequence whose newest token is
         pending (seq.num_pending_tokens) reads it from row seq.pending_row there."""
+        if self.windows is not None:
+            self.windows.before_step(chunks)
         if self.decode_graphs is not None:  # a pure decode step replays a captured graph
             graph_logits = self.decode_graphs.run_chunks(chunks, pending_tokens)
             if graph_logits is not None:
@@ -185,6 +196,8 @@ class ModelRunner:
             cos=self.cos, sin=self.sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
             seq_lens=upload(seq_lens, torch.int32, self.device), q_lens_host=q_lens, seq_lens_host=seq_lens,
         )  # fmt: skip
+        if self.windows is not None:
+            meta = self.windows.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
         ends, prompt_rows = [], {}
         offset = 0
