@@ -87,6 +87,10 @@ class Tokenizer:
         return [str(t) for t in self._backend.decode_batch([list(i) for i in ids],
                                                            skip_special_tokens=skip_special_tokens)]
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary (special tokens included), or None."""
+        return self._backend.token_to_id(token)
+
     def id_to_token(self, token_id: int) -> str:
         """The text of one token as it would be decoded alone (for logprob entries)."""
         return self.decode([token_id], skip_special_tokens=False)

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from envex.runtime.engine import RequestOutput
+from envex.runtime.harmony import HarmonyStream, HarmonyTokens, split_output
 from envex.runtime.server.context import ServerContext, clamp, sampling_params
 from envex.runtime.server.errors import bad_request
 from envex.runtime.server.generation import (
@@ -72,8 +73,16 @@ async def create_chat_completion(ctx: ServerContext, request: Request) -> Respon
 
     if not await run_to_completion(request, generation, collect):
         return Response(status_code=499)
+    harmony = HarmonyTokens.of(ctx.tokenizer)  # gpt-oss: reasoning and answer parsed apart (harmony.py)
+
+    def message(i: int, text: str, token_ids: list[int]) -> dict[str, Any]:
+        if harmony is None:
+            return {"role": "assistant", "content": text}
+        reasoning, content = split_output(ctx.tokenizer, harmony, token_ids, jobs[i].params.stop)
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning or None}
+
     choices = [
-        {"index": i, "message": {"role": "assistant", "content": s.text},
+        {"index": i, "message": message(i, s.text, s.token_ids),
          "logprobs": {"content": logprobs[i], "refusal": None} if top_n is not None else None,
          "finish_reason": s.finish_reason, "stop_reason": s.stop_reason}
         for i, s in enumerate(generation.states)
@@ -85,18 +94,28 @@ async def _events(ctx: ServerContext, req: ChatCompletionRequest, generation: Ge
                   top_n: int | None) -> AsyncIterator[dict[str, Any]]:
     head = {**head, "object": "chat.completion.chunk"}
     usage_field = {"usage": None} if req.include_usage else {}
+    harmony = HarmonyTokens.of(ctx.tokenizer)  # gpt-oss: reasoning deltas apart from content (harmony.py)
+    streams = ([HarmonyStream(ctx.tokenizer, harmony, job.params.stop) for job in generation.jobs]
+               if harmony is not None else [])  # fmt: skip
     # OpenAI's first chunk of each choice announces the role with empty content.
     for index in range(len(generation.jobs)):
         choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                   "finish_reason": None}
         yield {**head, "choices": [choice], **usage_field}
     async for index, out in generation.outputs():
-        if not out.text and not out.finished and (top_n is None or not out.token_ids):
+        delta: dict[str, str] = {"content": out.text} if out.text else {}
+        if streams:
+            reasoning, content = streams[index].feed(out.token_ids)
+            if out.finished:
+                r, c = streams[index].finish()
+                reasoning, content = reasoning + r, content + c
+            delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        if not delta and not out.finished and (top_n is None or not out.token_ids):
             continue
         state = generation.states[index]
         choice = {
             "index": index,
-            "delta": {"content": out.text} if out.text else {},
+            "delta": delta,
             "logprobs": {"content": chat_logprobs(ctx, out, top_n), "refusal": None} if top_n is not None else None,
             "finish_reason": state.finish_reason if out.finished else None,
         }

@@ -163,6 +163,9 @@ class ChatMessage(_Strict):
     content: Any = None
     name: str | None = None
     refusal: str | None = None  # accepted on assistant messages sent back, ignored
+    # An assistant message's reasoning sent back (gpt-oss answers carry it): given to the chat template as
+    # `reasoning_content` and as `thinking` (the names templates read; gpt-oss's drops it from later turns).
+    reasoning_content: str | None = None
     tool_calls: list[Any] | None = None
     tool_call_id: str | None = None
 
@@ -197,6 +200,8 @@ class ChatMessage(_Strict):
                                    "content": self.content}
         if self.name is not None:
             message["name"] = self.name
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = message["thinking"] = self.reasoning_content
         return message
 
 
