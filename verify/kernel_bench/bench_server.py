@@ -41,6 +41,18 @@ SHAPES = {
                      head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_position_embeddings=40960, tie_word_embeddings=False, torch_dtype="bfloat16",
                      eos_token_id=151645),
+    # The published openai/gpt-oss-120b config.json: MXFP4 experts (dummy weights build them packed on the GPU).
+    "gpt-oss-120b": dict(
+        architectures=["GptOssForCausalLM"], model_type="gpt_oss", attention_bias=True, eos_token_id=200002,
+        experts_per_token=4, head_dim=64, hidden_size=2880, initial_context_length=4096, intermediate_size=2880,
+        layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072,
+        num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=36, num_key_value_heads=8,
+        num_local_experts=128, pad_token_id=199999, rms_norm_eps=1e-05, rope_theta=150000, sliding_window=128,
+        quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+        rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                      "rope_type": "yarn", "truncate": False},
+        swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088, torch_dtype="bfloat16"),
 }  # fmt: skip
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2)}
 
@@ -48,6 +60,10 @@ CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64
 def step_bytes(shape: dict, context: int) -> float:
     """Bytes one batch-1 decode step reads: every weight but the embedding table (one row of it), bf16, plus the
     K and V of `context` cached tokens in every layer."""
+    if shape["model_type"] == "gpt_oss":  # MoE, MXFP4 experts, window layers
+        from envex.verify.kernel_bench.bench_gpt_oss import step_bytes as gpt_oss_step_bytes
+
+        return gpt_oss_step_bytes(shape, context)
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     d = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d

@@ -1,0 +1,40 @@
+"""The gpt-oss GPU bench's CPU-runnable parts: the byte counts behind its rooflines, and its correctness section
+on a tiny model (the published layout written from Envex's weights, read back by Envex and by HF transformers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from envex.verify.kernel_bench import bench_gpt_oss as bench
+from envex.verify.kernel_bench.bench_server import SHAPES
+from envex.verify.kernel_bench.bench_server import step_bytes as server_step_bytes
+
+TINY = {**SHAPES["gpt-oss-120b"], "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "vocab_size": 300,
+        "sliding_window": 4, "max_position_embeddings": 256, "pad_token_id": None, "eos_token_id": 299}  # fmt: skip
+
+
+def test_gpt_oss_120b_bytes() -> None:
+    """The issue's figures: ~61 GB of packed experts, ~5.0 GB read per short-context decode step, and ~234 GB
+    for the bf16 weights HF transformers would load; the KV of the 18 full layers at 131K is 4.8 GB."""
+    shape = SHAPES["gpt-oss-120b"]
+    mb = bench.model_bytes(shape)
+    assert 60e9 < mb["experts_packed"] < 62e9 and 64e9 < mb["total"] < 67e9
+    assert 116e9 < mb["params"] < 118e9 and 232e9 < mb["bf16_total"] < 236e9
+    short = bench.step_bytes(shape, 1024)
+    assert 4.9e9 < short < 5.2e9
+    assert bench.step_bytes(shape, 131072) - bench.step_bytes(shape, 128) == pytest.approx(
+        18 * (131072 - 128) * 2 * 8 * 64 * 2)  # only the full layers grow past the window
+    assert server_step_bytes(shape, 1024) == short  # bench_server's roofline knows the MoE shape
+    assert bench.step_bytes(shape, 2048, batch=32) < 32 * bench.step_bytes(shape, 2048)  # experts are shared
+
+
+def test_check_section_on_a_tiny_model(tmp_path) -> None:
+    path = tmp_path / "gpt-oss-tiny"
+    bench.write_reduced_checkpoint(path, TINY, 2, device="cpu")
+    engine = bench.reduced_engine(path, device="cpu", dtype="float32")
+    result = bench.check(engine, path, prompts=2, max_tokens=6, texts=1, text_len=24)
+    equality, semantic = result["reference_equality"], result["semantic"]
+    assert equality["verdict"] == "pass" and equality["thresholds"]["mode"] == "exact"  # float32 on a CPU
+    assert equality["evidence"]["identical"] == 2
+    assert semantic["verdict"] == "pass" and semantic["evidence"]["top1"] == 1.0
