@@ -321,7 +321,9 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     dev = ids.device
     max_tiles = -(-p // block_m) + num_experts
     order = torch.argsort(flat, stable=True)  # pair ids by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E] pairs per expert (not torch.bincount: on CUDA it reads the maximum back to the host, which a graph
+    # capture forbids)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     starts = torch.cumsum(counts, 0) - counts
