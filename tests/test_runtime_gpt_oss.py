@@ -198,6 +198,21 @@ def test_yarn_tables_equal_transformers() -> None:
     assert torch.equal(cos[positions], want_cos[0]) and torch.equal(sin[positions], want_sin[0])
 
 
+def test_yarn_for_the_llama_family_too() -> None:
+    """YaRN is read for any architecture (models/rope.py is shared): Qwen2's tables with HF's default truncation."""
+    config = transformers.Qwen2Config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                                      max_position_embeddings=32768, rope_parameters={
+                                          "rope_type": "yarn", "factor": 4.0, "rope_theta": 1000000.0,
+                                          "original_max_position_embeddings": 8192})  # fmt: skip
+    rotary = transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding(config)
+    positions = torch.arange(0, 20000, 13)
+    want_cos, _ = rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    c = ModelConfig.from_hf({**config.to_dict(), "architectures": ["Qwen2ForCausalLM"]})
+    assert c.rope_yarn is not None and c.rope_yarn.truncate
+    cos, _ = rope_cos_sin(c, 20000, torch.device("cpu"))
+    assert torch.equal(cos[positions], want_cos[0, :, :32])  # HF repeats the half-table
+
+
 def test_dummy_weights_build_packed_experts_from_the_config() -> None:
     cfg = ModelConfig.from_hf({**GPT_OSS_120B, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                                "layer_types": None, "vocab_size": 128, "num_local_experts": 8,
