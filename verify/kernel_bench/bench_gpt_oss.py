@@ -147,14 +147,18 @@ def write_reduced_checkpoint(path: Path, cfg: dict[str, Any], layers: int, *, de
 def hf_reference(path: Path, *, device: str, dtype: str) -> Any:
     """verify.reference.HFReference on transformers' GptOssForCausalLM of `path`, the MXFP4 experts dequantized
     (an explicit Mxfp4Config: otherwise transformers looks for its hub kernels)."""
+    import importlib.util
+
     import transformers
 
     from envex.verify.reference import HFReference
 
+    # Dequantized where it will run when accelerate is there to place it (device_map), else on the CPU.
+    placed = device != "cpu" and importlib.util.find_spec("accelerate") is not None
     model = transformers.GptOssForCausalLM.from_pretrained(
         str(path), quantization_config=transformers.Mxfp4Config(dequantize=True),
         dtype={"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype], local_files_only=True,
-        **({"device_map": device} if device != "cpu" else {}))  # dequantized where it will run  # fmt: skip
+        **({"device_map": device} if placed else {}))  # fmt: skip
     ref = HFReference.__new__(HFReference)  # its constructor loads with AutoModel's defaults
     eos = model.generation_config.eos_token_id
     ref.source, ref.device, ref.dtype, ref.model, ref._memo = None, torch.device(device), dtype, model.to(device), {}
