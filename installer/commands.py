@@ -43,6 +43,8 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help=f"HF model dir, .gg
 DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")]
 BackendOpt = Annotated[str, typer.Option(help="auto | torch | triton")]
+DeterministicOpt = Annotated[bool, typer.Option(
+    "--deterministic", help="batch-invariant kernels: a prompt's tokens do not depend on the rest of the batch")]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -77,11 +79,15 @@ def serve(
         "--speculative-tokens", min=0, max=16,
         help="speculative decoding: the most drafts verified per step (0: off; n-gram lookup without a draft model)",
     )] = 0,
+    deterministic: DeterministicOpt = False,
 ) -> None:
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
     from envex.runtime.server.serve import serve as run_server
 
     extra_routers: list = []
+    if launch is not None and deterministic:
+        raise fail("--deterministic: a release serves the settings its gates passed with (launch.json's "
+                   "`deterministic`); drop the flag or install with it")
     if launch is not None and (draft_model is not None or speculative_tokens):
         raise fail("--draft-model/--speculative-tokens: a release serves the settings of its launch.json "
                    "(engine.draft_model, engine.num_speculative_tokens); drop the flags or install with them")
@@ -96,6 +102,7 @@ def serve(
         extra_routers = admin_routers_for_launch(launch)  # /admin for the release's prefix
     else:
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,
+                               deterministic=deterministic,
                                draft_model=draft_model, num_speculative_tokens=speculative_tokens)
     try:
         run_server(config, host=host, port=port, api_key=api_key, extra_routers=extra_routers)
@@ -113,11 +120,12 @@ def generate(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     backend: BackendOpt = "auto",
+    deterministic: DeterministicOpt = False,
 ) -> None:
     """Generate from one prompt, streaming tokens to the terminal."""
     from envex.runtime.server.generate_cli import run_generate
 
-    config = engine_config(model=model, device=device, dtype=dtype, backend=backend)
+    config = engine_config(model=model, device=device, dtype=dtype, backend=backend, deterministic=deterministic)
     try:
         code = run_generate(config, prompt, max_tokens=max_tokens, temperature=temperature, chat=chat)
     except ValueError as exc:

@@ -155,6 +155,11 @@ class Ops(Protocol):
         ...
 
 
+# The expert projections group tokens by expert, so a token's rows meet BLAS in batch-dependent shapes.
+NO_INVARIANT_MOE = ("deterministic: mixture-of-experts layers have no batch-invariant kernels yet; serve this model "
+                    "without --deterministic")
+
+
 def split_qkv(qkv: torch.Tensor, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views q [T, Hq, D], k and v [T, Hkv, D] of the fused QKV output."""
     q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
@@ -163,9 +168,16 @@ def split_qkv(qkv: torch.Tensor, layer: AttentionLayer) -> tuple[torch.Tensor, t
 
 
 class TorchOps:
-    """kernels/reference.py as a backend: any device, any dtype; the definition the fast paths must equal."""
+    """kernels/reference.py as a backend: any device, any dtype; the definition the fast paths must equal.
+
+    deterministic: the batch-invariant forms (reference.linear_invariant, paged_attention_invariant), which give a
+    row the same bits whatever its batch on the CPU; norms and activations are row-wise already."""
 
     name = "torch"
+
+    def __init__(self, *, deterministic: bool = False) -> None:
+        self.deterministic = deterministic
+        self._linear = reference.linear_invariant if deterministic else F.linear
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -174,13 +186,13 @@ class TorchOps:
             normed, residual = reference.rms_norm(x, norm_weight, eps), x
         else:
             normed, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
-        return F.linear(normed, weight, bias), residual
+        return self._linear(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+        return self._linear(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.linear(reference.silu_and_mul(gate_up), weight)
+        return self._linear(reference.silu_and_mul(gate_up), weight)
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
@@ -191,14 +203,17 @@ class TorchOps:
         q, _ = reference.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
                                              meta.slot_mapping)  # fmt: skip
         seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
-        out = reference.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, meta.block_tables,
-                                        layer.scale, q_lens=meta.q_lens_host, seq_lens_host=meta.seq_lens_host,
-                                        sinks=layer.sinks, window=layer.sliding_window)  # fmt: skip
+        attend = reference.paged_attention_invariant if self.deterministic else reference.paged_attention
+        out = attend(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, meta.block_tables, layer.scale,
+                     q_lens=meta.q_lens_host, seq_lens_host=meta.seq_lens_host, sinks=layer.sinks,
+                     window=layer.sliding_window)  # fmt: skip
         return out.reshape(-1, layer.q_size)
 
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
             router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self.deterministic:
+            raise ValueError(NO_INVARIANT_MOE)
         if residual is None:
             h, residual = reference.rms_norm(x, norm_weight, eps), x
         else:
@@ -209,14 +224,15 @@ class TorchOps:
         return out, residual
 
 
-def make_ops(backend: str, device: torch.device) -> Ops:
-    """The backend's Ops: "torch" anywhere, "triton" on a CUDA device."""
+def make_ops(backend: str, device: torch.device, *, deterministic: bool = False) -> Ops:
+    """The backend's Ops: "torch" anywhere, "triton" on a CUDA device. deterministic: batch-invariant kernels
+    (EngineConfig.deterministic; offline_docs/engine.md)."""
     if backend == "torch":
-        return TorchOps()
+        return TorchOps(deterministic=deterministic)
     if backend == "triton":
         if device.type != "cuda":
             raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
         from envex.kernels.triton_ops import TritonOps  # imports Triton: only where the fast path runs
 
-        return TritonOps(pdl=torch.cuda.get_device_capability(device) >= (9, 0))
+        return TritonOps(pdl=torch.cuda.get_device_capability(device) >= (9, 0), deterministic=deterministic)
     raise ValueError(f"backend: {backend!r} is not one of torch, triton")

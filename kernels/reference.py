@@ -246,3 +246,78 @@ def moe_experts(
         y = swiglu_oai(gu, alpha, limit) @ expert_matrix(down, e, x.dtype).t() + down_bias[e].to(x.dtype)
         out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
     return out
+
+
+# ---- batch-invariant forms (the deterministic mode's torch path) --------------------------------------------
+# CPU BLAS rounds a row by the shape of the call it sits in: MKL's M = 1 path is a GEMV, and its GEMM handles rows
+# in micro-tiles whose tail rows take another kernel (measured: a row's bits differ between M = 1, 2 and >= 4, and
+# by slot at M = 6, 7, 9). These forms only ever hand BLAS shapes that do not depend on the batch.
+
+INVARIANT_ROW_BLOCK = 8  # rows are padded to a multiple of this: every row then sits in a full micro-tile
+
+
+def linear_invariant(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear with x [M, K] copied into fresh rows padded to a multiple of INVARIANT_ROW_BLOCK: on MKL (AVX-512,
+    measured for M = 8 .. 2064, at every slot, on 1 and 2 threads) a row's result then depends on that row alone.
+    A fresh buffer also fixes the alignment, which MKL's results may depend on. The batch-invariance gate checks
+    the property on the machine it runs on."""
+    m = x.shape[0]
+    padded = x.new_zeros((-(-m // INVARIANT_ROW_BLOCK) * INVARIANT_ROW_BLOCK, x.shape[1]))
+    padded[:m] = x
+    return torch.nn.functional.linear(padded, weight, bias)[:m]
+
+
+def paged_attention_invariant(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    q_lens: list[int] | None = None,
+    seq_lens_host: list[int] | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """paged_attention (same arguments) with every query computed alone against exactly the keys it sees: the
+    same torch calls on the same shapes, from buffers aligned the same way, whether the query is a decode step or
+    a row of a prefill chunk, whatever the batch. Slower than paged_attention for long chunks (a call per query)."""
+    num_tokens, hq, d = q.shape
+    block_size, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv
+    if q_lens is None:
+        cu = cu_seqlens_q.tolist()
+        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+    tables = block_tables.long()
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    q0 = 0
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
+        if q_len == 0:
+            continue
+        # Keys from the block of the chunk's first query's first visible key (0 without a window).
+        first = 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
+        blocks = tables[b, first:-(-seq_len // block_size)]
+        keys = k_cache.index_select(0, blocks).reshape(-1, hkv, d).to(q.dtype)  # [L, Hkv, D], a fresh buffer
+        vals = v_cache.index_select(0, blocks).reshape(-1, hkv, d).to(q.dtype)
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            own = 0 if window is None else max(0, pos - window + 1) // block_size  # this query's first block
+            lo, hi = (own - first) * block_size, pos + 1 - first * block_size  # its keys within the gather
+            k_pos = torch.arange(own * block_size, pos + 1, device=q.device)
+            qg = q[q0 + i].reshape(1, hkv, group, d).clone()  # a fresh row: alignment independent of the batch
+            scores = torch.einsum("qhgd,khd->hgqk", qg, keys[lo:hi]) * scale  # [Hkv, G, 1, keys]
+            if window is not None:
+                scores = scores.masked_fill(k_pos <= pos - window, float("-inf"))
+            scores = scores.to(acc)
+            if sinks is not None:
+                sink = sinks.to(acc).reshape(hkv, group, 1, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+            else:
+                probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            out[q0 + i] = torch.einsum("hgqk,khd->qhgd", probs, vals[lo:hi]).reshape(hq, d)
+        q0 += q_len
+    return out

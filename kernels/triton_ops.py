@@ -11,6 +11,9 @@ Each entry point picks its kernel from the rows it is given:
   the graph's max_model_len;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 dequantized in registers).
+deterministic (EngineConfig.deterministic): one path for every batch instead, so a row's bits never depend on its
+batch: the row-wise norm kernels, invariant_matmul for every projection (SwiGLU folded in), rotary_and_store_kv
+and invariant_attention for decode and prefill alike (the `_det_*` methods).
 The model file never sees these choices; the gates prove the result equals TorchOps.
 """
 
@@ -19,8 +22,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import activation, attention, decode_attention, gemv, moe_mxfp4, norm, rotary
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, MoEWeights, split_qkv
+from envex.kernels import (
+    activation,
+    attention,
+    decode_attention,
+    gemv,
+    invariant_attention,
+    invariant_matmul,
+    moe_mxfp4,
+    norm,
+    rotary,
+)
+from envex.kernels.ops import NO_INVARIANT_MOE, AttentionLayer, AttentionMetadata, MoEWeights, split_qkv
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -30,10 +43,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 class TritonOps:
     name = "triton"
 
-    def __init__(self, *, pdl: bool = False) -> None:
+    def __init__(self, *, pdl: bool = False, deterministic: bool = False) -> None:
         # pdl: launch the one-row kernels with programmatic dependent launch (Hopper and later). Every kernel so
         # launched waits on its predecessor before reading activations, so mixing with plain launches is safe.
         self.pdl = pdl
+        self.deterministic = deterministic
 
     @staticmethod
     def _gemv(x: torch.Tensor) -> bool:
@@ -42,6 +56,8 @@ class TritonOps:
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self.deterministic:
+            return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
         if self._gemv(x):
             prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
@@ -54,17 +70,24 @@ class TritonOps:
         return F.linear(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.deterministic:
+            return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x))
         if self._gemv(x):
             return gemv.gemv(x, weight, bias=bias, pdl=self.pdl)[0]
         return F.linear(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.deterministic:
+            return invariant_matmul.matmul(gate_up, weight, prologue=invariant_matmul.PROLOGUE_SILU_MUL,
+                                           pdl=self._det_pdl(gate_up))  # fmt: skip
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         return F.linear(activation.silu_and_mul(gate_up), weight)
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+        if self.deterministic:
+            return self._det_attention(qkv, k_cache, v_cache, meta, layer)
         tokens = qkv.shape[0]
         window = layer.sliding_window
         # A window layer reads at most `window` keys: its split count comes from that, not from the (graph's)
@@ -94,6 +117,8 @@ class TritonOps:
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
             router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if self.deterministic:
+            raise ValueError(NO_INVARIANT_MOE)
         if residual is None:
             h, residual = norm.rms_norm(x, norm_weight, eps), x
         else:
@@ -103,3 +128,39 @@ class TritonOps:
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
                                   down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit)
         return out, residual
+
+    # ---- deterministic mode: the same kernels and launch shapes for every batch ----------------------------
+
+    def _det_pdl(self, x: torch.Tensor) -> bool:
+        return self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
+
+    def _det_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                         eps: float, weight: torch.Tensor, bias: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if residual is None:  # one program per row: a row's norm never sees another row
+            normed, residual = norm.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
+        return invariant_matmul.matmul(normed, weight, bias, pdl=self._det_pdl(x)), residual
+
+    def _det_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+        """Decode and prefill alike: q/k norm, rotary + K/V write (one program per token), then the invariant
+        attention reading every key, the new one included, from the cache."""
+        if layer.sinks is not None or layer.sliding_window is not None:
+            raise ValueError("deterministic: attention sinks and sliding windows have no batch-invariant kernel "
+                             "yet; serve this model without --deterministic")  # fmt: skip
+        tokens = qkv.shape[0]
+        pdl = self._det_pdl(qkv)
+        q, k, v = split_qkv(qkv, layer)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = norm.rms_norm(_rows(q), layer.q_norm, layer.norm_eps).view(q.shape)
+            k = norm.rms_norm(_rows(k), layer.k_norm, layer.norm_eps).view(k.shape)
+        q, _ = rotary.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
+                                          meta.slot_mapping, pdl=pdl)  # fmt: skip
+        out = invariant_attention.paged_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, layer.scale,
+            max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len, positions=meta.positions,
+            num_programs=meta.num_splits, pdl=pdl,
+        )  # fmt: skip
+        return out.view(tokens, layer.q_size)

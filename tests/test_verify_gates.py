@@ -21,7 +21,7 @@ from envex.verify.gate_needle import build_prompt, check_needle
 from envex.verify.gate_reference import check_reference_equality
 from envex.verify.gate_semantic import check_semantic
 from envex.verify.gate_stopping import check_stopping
-from envex.verify.gates import Suite, run_gates
+from envex.verify.gates import GATE_NAMES, Suite, run_gates
 from envex.verify.reference import HFReference
 
 pytestmark = pytest.mark.slow
@@ -217,11 +217,12 @@ def test_run_gates_report_is_json_with_every_gate(verify_engine: LLMEngine, refe
     # The same questions as the gate tests above, so the memoized reference answers most of them for free.
     tiny = Suite(name="tiny", reference_prompts=1, reference_max_tokens=8, needle_lengths=(200,),
                  needle_depths=(0.5,), needle_max_tokens=14, stopping_prompts=1, stopping_max_tokens=6,
-                 coding_tasks=("add",), coding_max_tokens=24, semantic_texts=1, semantic_max_len=48)
+                 coding_tasks=("add",), coding_max_tokens=24, semantic_texts=1, semantic_max_len=48,
+                 invariance_prompts=1, invariance_others=2, invariance_max_tokens=4)
     seen: list[str] = []
     report = run_gates(verify_engine, reference=reference, suite=tiny, out_dir=tmp_path, progress=seen.append)
     assert report.verdict == "pass", [(g.name, g.summary) for g in report.gates]
-    assert seen == [g.name for g in report.gates] and len(report.gates) == 5
+    assert seen == [g.name for g in report.gates] and len(report.gates) == len(GATE_NAMES)
     saved = json.loads((tmp_path / "gates.json").read_text())
     assert saved["verdict"] == "pass" and {g["name"] for g in saved["gates"]} == set(seen)
     assert all({"verdict", "thresholds", "evidence", "summary"} <= set(g) for g in saved["gates"])

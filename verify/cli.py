@@ -61,7 +61,8 @@ def gates_list() -> None:
         typer.echo(f"suite {name}: {s.reference_prompts} reference prompts x {s.reference_max_tokens} tokens; needle "
                    f"lengths {list(s.needle_lengths)} x depths {list(s.needle_depths)}; "
                    f"{'all' if s.coding_tasks is None else len(s.coding_tasks)} coding tasks; "
-                   f"{s.semantic_texts} corpus texts x {s.semantic_max_len} tokens")
+                   f"{s.semantic_texts} corpus texts x {s.semantic_max_len} tokens; batch invariance "
+                   f"{s.invariance_prompts} prompts x {s.invariance_max_tokens} tokens among {s.invariance_others}")
 
 
 def bench(

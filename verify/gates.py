@@ -15,6 +15,7 @@ from typing import Any, TypeAlias, cast
 
 from envex.verify import data
 from envex.verify.common import Timer
+from envex.verify.gate_batch_invariance import check_batch_invariance
 from envex.verify.gate_coding import check_coding
 from envex.verify.gate_needle import check_needle
 from envex.verify.gate_reference import check_reference_equality
@@ -23,7 +24,8 @@ from envex.verify.gate_stopping import check_stopping
 from envex.verify.reference import HFReference
 from envex.verify.types import GateEngine, GateReport, GateResult, NumericPolicy
 
-GATE_NAMES = ("reference_equality", "needle_retrieval", "stopping", "coding", "semantic_regression")
+GATE_NAMES = ("reference_equality", "needle_retrieval", "stopping", "coding", "semantic_regression", "batch_invariance")
+_NO_REFERENCE = ("stopping", "batch_invariance")  # gates that run on the engine alone
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,6 +42,9 @@ class Suite:
     coding_max_tokens: int
     semantic_texts: int
     semantic_max_len: int
+    invariance_prompts: int = 2  # probes, each alone, among `invariance_others` fillers, chunked, cached
+    invariance_others: int = 8
+    invariance_max_tokens: int = 16
     gates: tuple[str, ...] = field(default=GATE_NAMES)
 
     def __post_init__(self) -> None:
@@ -52,11 +57,12 @@ SUITES: dict[str, Suite] = {
     "quick": Suite(name="quick", reference_prompts=2, reference_max_tokens=12, needle_lengths=(256, 768),
                    needle_depths=(0.5,), needle_max_tokens=14, stopping_prompts=1, stopping_max_tokens=16,
                    coding_tasks=("add", "is_even", "square"), coding_max_tokens=32, semantic_texts=2,
-                   semantic_max_len=96),
+                   semantic_max_len=96, invariance_prompts=2, invariance_others=8, invariance_max_tokens=16),
     "full": Suite(name="full", reference_prompts=10, reference_max_tokens=128,
                   needle_lengths=(1024, 2048, 4096, 8192), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
                   needle_max_tokens=24, stopping_prompts=3, stopping_max_tokens=48, coding_tasks=None,
-                  coding_max_tokens=160, semantic_texts=8, semantic_max_len=512),
+                  coding_max_tokens=160, semantic_texts=8, semantic_max_len=512, invariance_prompts=4,
+                  invariance_others=32, invariance_max_tokens=256),
 }
 
 EngineLike: TypeAlias = GateEngine | Callable[[], Any]
@@ -89,7 +95,7 @@ def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite
     unknown = set(selected) - set(GATE_NAMES)
     if unknown:
         raise ValueError(f"gates: unknown {sorted(unknown)}; known: {', '.join(GATE_NAMES)}")
-    if reference is None and set(selected) - {"stopping"}:  # only the stopping gate runs without a reference
+    if reference is None and set(selected) - set(_NO_REFERENCE):
         source = getattr(eng, "source", None)
         if source is None:
             raise ValueError("reference: the engine has no `source` to load the reference from; pass reference=")
@@ -110,6 +116,10 @@ def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite
         "coding": lambda: check_coding(eng, ref, tasks=tasks, max_tokens=s.coding_max_tokens),
         "semantic_regression": lambda: check_semantic(eng, ref, texts=data.corpus_texts()[:s.semantic_texts],
                                                       max_len=s.semantic_max_len),
+        # The last prompts: the ones the other gates least use, so the cold conditions start cold.
+        "batch_invariance": lambda: check_batch_invariance(
+            eng, prompts=prompts[len(prompts) - s.invariance_prompts:], texts=data.corpus_texts(),
+            others=s.invariance_others, max_tokens=s.invariance_max_tokens),
     }
     results = []
     for name in selected:

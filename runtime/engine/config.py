@@ -52,6 +52,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     # Compile the kernels' variants at start with a few throwaway requests (None: on for CUDA; see warm_up).
     warm_up: bool | None = None
+    # Batch-invariant kernels: a sequence's tokens do not depend on its batch, its place in it, prefix-cache hits,
+    # chunk boundaries, preemption or overlap (offline_docs/engine.md). Off by default: its cost is in benchmarks.md.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS),
@@ -83,6 +86,9 @@ class EngineConfig:
         backend = ("triton" if cuda else "torch") if self.backend == "auto" else self.backend
         if backend == "triton" and not cuda:
             raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
+        if self.deterministic and backend == "torch" and cuda:  # cuBLAS picks kernels by shape
+            raise ValueError("deterministic: the torch backend is batch-invariant on the CPU only; use --backend "
+                             "triton on cuda")
         return replace(
             self,
             device=device,

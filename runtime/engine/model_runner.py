@@ -90,7 +90,7 @@ class ModelRunner:
         self.model_config: ModelConfig = loaded.config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.ops = make_ops(config.backend, self.device)
+        self.ops = make_ops(config.backend, self.device, deterministic=config.deterministic)
         mc = self.model_config
         with torch.no_grad():
             self.model = model_class(mc)(mc, dtype=self.dtype, device=self.device)

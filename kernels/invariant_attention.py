@@ -1,0 +1,320 @@
+"""Batch-invariant paged attention for the deterministic mode: a query's output bits depend only on its own q and
+the keys and values at positions 0 .. its position, never on the batch, the key-split count, whether it is a
+decode step or a row of a prefill chunk, or whether the keys before it came from the prefix cache.
+
+After "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025): split the key axis at a fixed SIZE
+(SPLIT_KEYS), not into a fixed NUMBER of splits, so the splits of a query depend on its position alone, and
+combine the splits in one fixed order. The arithmetic of one query row:
+
+  for each split s = 0, 1, ... of keys [s·SPLIT_KEYS, min((s+1)·SPLIT_KEYS, position+1)):
+      an online softmax over BLOCK_N-key tiles from a fresh state -> (m_s, l_s, acc_s)
+      (max raw logit, sum of exp, unnormalised output; causal keys masked to -inf, contributing exact zeros)
+  fold the splits in order into (M, L, ACC) with _fold; out = ACC / L.
+
+Two schedules compute exactly that:
+- decode (one token per sequence): `_split_kernel`, one program per (sequence, KV head, split program); program
+  p computes splits p, p + P, p + 2P, ... (P from the batch or fixed by a CUDA graph: any P gives the same bits,
+  it only spreads the work) and writes each split's state; `_merge_kernel` folds them in split order;
+- everything else (prefill chunks, mixed steps, speculative verify): `_full_kernel`, one program per (query tile,
+  sequence, KV head), walking the splits and folding in registers. A tile's rows sit at different positions; for
+  a row, keys past its position are masked, so the extra keys and whole splits a longer row makes it visit fold
+  in as exact no-ops (p = 0, alpha = 1).
+Both use the same tile (BLOCK_M query rows x BLOCK_N keys, NUM_WARPS), so every dot is the same instruction;
+every multiply-add that a compiler could contract differently is an explicit tl.fma. The new token's K/V is read
+from the cache (written before, by rotary.rotary_and_store_kv), never from registers, in both schedules.
+
+Rows are (token, query head of the KV head's group) pairs, so K/V tiles are read once per GQA group; at decode a
+64-row tile holds one group (4 rows for Llama-3-8B): tensor-core work is wasted, memory traffic is not.
+
+Floor (decode): the K and V of every cached token read once, 2·seq_len·Hkv·D·bytes per sequence per layer, plus
+the split states (~(D + 2)·4 bytes per split and query head). Floor (prefill): tensor-core FLOPs, as attention.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
+
+LOG2E = 1.4426950408889634
+SPLIT_KEYS = 256  # keys per split: part of the arithmetic (changing it changes bits, never invariance)
+BLOCK_M = 64  # query rows per program, decode and prefill alike
+BLOCK_N = 64  # keys per tile
+NUM_WARPS = 4
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST_DOT: tl.constexpr):
+    """acc + a @ b. The interpreter (UPCAST_DOT) computes it in float64 rounded once: numpy's float32 matmul rounds
+    a row by its place in the tile, tensor cores do not (see invariant_matmul)."""
+    if UPCAST_DOT:
+        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64).to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _split_state(q, q_pos, lo, hi, b, kvh, d, d_ok, qk_scale, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+                 stride_kb, stride_ks, stride_kh, stride_bt, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, PAGE: tl.constexpr, UPCAST_DOT: tl.constexpr):  # fmt: skip
+    """Keys [lo, hi) of one split through an online softmax from a fresh state -> (m, l, acc): the largest raw
+    logit seen, the sum of exp2((s - m)·qk_scale) and the unnormalised output, per row."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < hi
+        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        kv_off = blk * stride_kb + (kpos % PAGE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT)  # raw logits
+        s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
+        # The scale multiplies a difference (s - m): no multiply-add for a compiler to contract either way.
+        p = tl.exp2((s - m_safe[:, None]) * qk_scale)
+        alpha = tl.exp2((m - m_safe) * qk_scale)
+        l_i = tl.fma(l_i, alpha, tl.sum(p, axis=1))
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST_DOT)
+        m = m_new
+    return m, l_i, acc
+
+
+@triton.jit
+def _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale):
+    """Fold split state (m_s, l_s, acc_s) into the running (m, l, acc); the same operations in both schedules."""
+    m_new = tl.maximum(m, m_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2((m - m_safe) * qk_scale)
+    c = tl.exp2((m_s - m_safe) * qk_scale)
+    acc = tl.fma(acc, tl.broadcast_to(a[:, None], acc.shape), acc_s * tl.broadcast_to(c[:, None], acc.shape))
+    l_i = tl.fma(l_i, a, l_s * c)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _full_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    if pid_m * BLOCK_M >= q_len * GROUP:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    q_pos = seq_len - q_len + tok
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :], mask=mask, other=0.0)
+    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
+    kv_end = seq_len - q_len + last_tok + 1  # the tile's last row sees keys 0 .. kv_end - 1
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for lo in range(0, kv_end, SPLIT):
+        m_s, l_s, acc_s = _split_state(q, q_pos, lo, tl.minimum(lo + SPLIT, kv_end), b, kvh, d, d_ok, qk_scale,
+                                       k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
+                                       stride_kh, stride_bt, BLOCK_M, BLOCK_N, BLOCK_D, PAGE, UPCAST_DOT)  # fmt: skip
+        m, l_i, acc = _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
+
+
+@triton.jit
+def _seq_len(b, seq_lens_ptr, pos_ptr, FROM_POSITIONS: tl.constexpr):
+    if FROM_POSITIONS:  # a decode step without seq_lens (a CUDA graph): the token's position + 1
+        return tl.load(pos_ptr + b).to(tl.int32) + 1
+    return tl.load(seq_lens_ptr + b)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, pos_ptr, block_tables_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_as, stride_at, stride_ah,
+    stride_ms, stride_mt, stride_mh, num_progs,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, FROM_POSITIONS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // num_progs
+    prog = tl.program_id(1) % num_progs
+    seq_len = _seq_len(b, seq_lens_ptr, pos_ptr, FROM_POSITIONS)
+    rows = tl.arange(0, BLOCK_M)  # one token: the rows are its GQA group's heads
+    head = kvh * GROUP + rows
+    row_ok = rows < GROUP
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    mask = row_ok[:, None] & d_ok[None, :]
+    t = b.to(tl.int64)  # one query token per sequence: token index = sequence index
+    q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + d[None, :], mask=mask, other=0.0)
+    for s in range(prog, tl.cdiv(seq_len, SPLIT), num_progs):
+        lo = s * SPLIT
+        m_s, l_s, acc_s = _split_state(q, q_pos, lo, tl.minimum(lo + SPLIT, seq_len), b, kvh, d, d_ok, qk_scale,
+                                       k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
+                                       stride_kh, stride_bt, BLOCK_M, BLOCK_N, BLOCK_D, PAGE, UPCAST_DOT)  # fmt: skip
+        tl.store(part_acc_ptr + s * stride_as + t * stride_at + head[:, None] * stride_ah + d[None, :], acc_s,
+                 mask=mask)  # fmt: skip
+        ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
+        tl.store(ml, m_s, mask=row_ok)
+        tl.store(ml + 1, l_s, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, pos_ptr, qk_scale,
+    stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, FROM_POSITIONS: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    t = b.to(tl.int64)
+    seq_len = _seq_len(b, seq_lens_ptr, pos_ptr, FROM_POSITIONS)
+    g = tl.arange(0, GROUP_P2)
+    head = kvh * GROUP + g
+    g_ok = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    mask = g_ok[:, None] & (d < HEAD_DIM)[None, :]
+    m = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_P2], dtype=tl.float32)
+    acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
+    for s in range(0, tl.cdiv(seq_len, SPLIT)):  # split order, as _full_kernel folds them
+        acc_s = tl.load(part_acc_ptr + s * stride_as + t * stride_at + head[:, None] * stride_ah + d[None, :],
+                        mask=mask, other=0.0)  # fmt: skip
+        ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
+        m_s = tl.load(ml, mask=g_ok, other=float("-inf"))
+        l_s = tl.load(ml + 1, mask=g_ok, other=0.0)
+        m, l_i, acc = _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int,
+    max_seq_len: int,
+    positions: torch.Tensor | None = None,
+    num_programs: int | None = None,
+    split_keys: int = SPLIT_KEYS,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """Causal attention of packed varlen queries q [T, Hq, D] over paged caches [num_blocks, block_size, Hkv, D],
+    every row batch-invariant (module docstring). The layout contract is attention.paged_attention's.
+
+    seq_lens: [B] keys per sequence after this step's writes; may be None for a decode step (max_q_len 1), whose
+    lengths are then positions + 1 (positions: [B], one token per sequence). num_programs: split programs per
+    sequence and KV head at decode (None: enough to fill the GPU; a CUDA graph fixes it); it never changes the
+    result. max_seq_len bounds every sequence (a CUDA graph passes max_model_len): it sizes the split buffers.
+    split_keys: the split size, a multiple of BLOCK_N (tests use a small one to cross splits on short sequences).
+    """
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, n_q, head_dim = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, ndim=4, dtypes=(q.dtype,), device=q.device)
+        check(c.shape[3] == head_dim, f"{name}: head_dim {c.shape[3]} != q head_dim {head_dim}")
+    check(k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
+          "v_cache: must have k_cache's shape and strides")  # fmt: skip
+    page, n_kv = k_cache.shape[1], k_cache.shape[2]
+    check(page >= 1 and page & (page - 1) == 0, f"k_cache: block_size {page} must be a power of two")
+    check(n_q % n_kv == 0, f"q: {n_q} query heads is not a multiple of {n_kv} KV heads")
+    check(n_q // n_kv <= BLOCK_M, f"q: a GQA group of {n_q // n_kv} heads exceeds the {BLOCK_M}-row tile")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=q.device)
+    batch = block_tables.shape[0]
+    check(cu_seqlens_q.shape[0] == batch + 1, f"cu_seqlens_q: {cu_seqlens_q.shape[0]} entries for batch {batch}")
+    check(max_q_len >= 1 and max_seq_len >= max_q_len, f"max_q_len {max_q_len} / max_seq_len {max_seq_len} invalid")
+    check(split_keys >= BLOCK_N and split_keys % BLOCK_N == 0,
+          f"split_keys: {split_keys} is not a positive multiple of {BLOCK_N}")
+    if seq_lens is None:
+        check(max_q_len == 1 and positions is not None,
+              "seq_lens: required unless a decode step (max_q_len 1) passes positions")  # fmt: skip
+    else:
+        check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+        check(seq_lens.shape[0] == batch, f"seq_lens: {seq_lens.shape[0]} entries for batch {batch}")
+    if positions is not None:
+        check_tensor("positions", positions, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+    out = torch.empty_like(q)
+    if num_tokens == 0 or batch == 0:
+        return out
+    group = n_q // n_kv
+    block_d = next_pow2(head_dim)
+    qk_scale = float(scale) * LOG2E
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    if max_q_len > 1:
+        assert seq_lens is not None
+        grid = (triton.cdiv(max_q_len * group, BLOCK_M), batch, n_kv)
+        _full_kernel[grid](
+            q, k_cache, v_cache, out, cu_seqlens_q, seq_lens, block_tables, qk_scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_strides,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=page,
+            SPLIT=split_keys, UPCAST_DOT=INTERPRETING, USE_PDL=pdl, num_warps=NUM_WARPS, num_stages=3,
+            **pdl_launch(pdl),
+        )  # fmt: skip
+        return out
+    check(num_tokens == batch, f"q: a decode step has one token per sequence, got {num_tokens} for batch {batch}")
+    splits = triton.cdiv(max_seq_len, split_keys)
+    if num_programs is None:
+        num_programs = triton.cdiv(2 * _sm_count(q.device), batch * n_kv)
+    num_programs = max(1, min(num_programs, splits))
+    part_acc = torch.empty((splits, batch, n_q, block_d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((splits, batch, n_q, 2), dtype=torch.float32, device=q.device)
+    from_positions = seq_lens is None
+    lens = positions if seq_lens is None else seq_lens  # the unused one is never read
+    pos = positions if positions is not None else lens
+    _split_kernel[(batch, n_kv * num_programs)](
+        q, k_cache, v_cache, part_acc, part_ml, lens, pos, block_tables, qk_scale,
+        q.stride(0), q.stride(1), *kv_strides,
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), num_programs,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=page,
+        SPLIT=split_keys, FROM_POSITIONS=from_positions, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
+        num_warps=NUM_WARPS, num_stages=2, **pdl_launch(pdl),
+    )  # fmt: skip
+    _merge_kernel[(batch, n_kv)](
+        part_acc, part_ml, out, lens, pos, qk_scale,
+        part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+        part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split_keys,
+        FROM_POSITIONS=from_positions, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+    )  # fmt: skip
+    return out

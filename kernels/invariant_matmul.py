@@ -1,0 +1,227 @@
+"""Batch-invariant projection for the deterministic mode: y = prologue(x) @ W^T (+ bias), each row's bits a
+function of that row alone, whatever the batch, its size or the row's place in it.
+
+After "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025): a matmul is batch-invariant when
+the reduction order of every output element does not depend on M. cuBLAS picks its kernel, tiles and split-K by
+shape, and the fast path switches from the batch-1 GEMV (CUDA-core FMAs) to cuBLAS (tensor cores) at M = 2, so
+the same row rounds differently at batch 1, batch 35 and inside a prefill chunk. Here every row is computed by
+one fixed arithmetic:
+
+  K is cut into `chunk` -long pieces (chunk_size(N, K): a property of the weight, never of M);
+  each piece is reduced from zero by tensor-core dots in 16-wide k steps, k ascending;
+  the pieces' fp32 sums are added in order, starting from 0.0; then the bias in fp32; one rounding.
+
+How that arithmetic is scheduled may depend on M without changing a bit:
+- SPLIT (decode batches, M <= 64, more than one piece): one program per (row tile, column tile, piece) writes
+  its piece's fp32 sum; `_reduce_kernel` adds the pieces in order. This gives a batch-1 step enough programs to
+  stream the weight at bandwidth (O and down projections have only 64 column tiles of 64 rows);
+- FULL (larger M): one program per (row tile, column tile) walks the pieces itself, with a fresh accumulator
+  per piece added to a running total: the same additions, no partial buffer.
+
+Tiles: DECODE_TILE for M <= 64 (a 64-row tile: the smallest wgmma takes 64 rows, and a single row then wastes
+tensor-core work, not memory traffic), PREFILL_TILE above. Both issue the same m64·k16 wgmma steps in k order;
+that their per-element result does not depend on the instruction's N (64 vs 128 columns) or on how many 64-row
+slabs a program holds is the one assumption not proven by construction. verify/kernel_bench/bench_invariance.py
+checks it on the device, row against row across the switch (kernels/NOTES.md). Setting PREFILL_TILE =
+DECODE_TILE removes the assumption at a prefill cost.
+
+Prologues: PROLOGUE_SILU_MUL folds SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) into the
+operand load: elementwise, so it cannot depend on the batch. RMSNorm stays in norm.py's kernels (one program
+per row, row-independent by construction).
+
+Floor: decode, the weight read once (N·K·2 bytes), as the GEMV; prefill, tensor-core FLOPs (2·M·N·K).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, pdl_launch
+
+PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Decode: 64 x 64 output tiles, 128-wide k steps, one warpgroup; 3 stages of 32 KB (x and weight tiles) let two
+# programs share an SM, so ~6 weight tiles are in flight per SM (Little's law needs ~25 KB at 4.6 TB/s).
+DECODE_TILE = Tile(64, 64, 128, 4, 3)
+# Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma; a second 128 x 128 fp32 accumulator (the running total
+# of the pieces) still fits 8 warps' registers, where 128 x 256 would spill.
+PREFILL_TILE = Tile(128, 128, 64, 8, 3)
+DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
+
+# The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A decode step
+# wants >= TARGET_PROGRAMS (column tile, piece) programs for the 132 SMs of an H200; pieces are whole multiples of
+# K_ALIGN (every tile's block_k divides it) and at least MIN_CHUNK long.
+TARGET_PROGRAMS = 256
+COLUMN_UNIT = 64
+MIN_CHUNK = 1024
+K_ALIGN = 128
+
+
+def chunk_size(n: int, k: int) -> int:
+    """The length of the K pieces each output element sums separately, from the weight's shape alone."""
+    pieces = max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, COLUMN_UNIT)), k // MIN_CHUNK))
+    return min(k, triton.cdiv(triton.cdiv(k, pieces), K_ALIGN) * K_ALIGN)
+
+
+def tile_for(m: int) -> Tile:
+    return DECODE_TILE if m <= DECODE_MAX_M else PREFILL_TILE
+
+
+@triton.jit
+def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr, PROLOGUE: tl.constexpr):
+    """The x tile [BLOCK_M, len(ks)] (after the prologue) and weight tile [BLOCK_N, len(ks)] of k columns ks."""
+    k_ok = ks < K
+    xm = row_ok[:, None] & k_ok[None, :]
+    if PROLOGUE == 3:  # silu(g) * u from the fused gate-up row [g | u] of length 2K, rounded once
+        g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+        x = (g * tl.sigmoid(g) * u).to(w_rows.dtype.element_ty)
+    else:
+        x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+    M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
+    K: tl.constexpr, CHUNK: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:  # x comes from the previous kernel of the step
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    if SPLIT:  # this program's piece only; its fp32 sum goes to the partial buffer
+        first = tl.program_id(2)
+        last = first + 1
+    else:
+        first = 0
+        last = tl.cdiv(K, CHUNK)
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for piece in range(first, last):
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # every piece starts from zero
+        lo = piece * CHUNK
+        for k0 in range(lo, tl.minimum(lo + CHUNK, K), BLOCK_K):
+            if UPCAST_DOT:
+                # The interpreter: numpy's float32 matmul rounds a row differently by its place in the tile (its
+                # micro-kernel handles rows in groups), the tensor cores do not. So each 16-wide k step (one
+                # wgmma k step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is.
+                for a in tl.static_range(0, BLOCK_K, 16):
+                    x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K, PROLOGUE)
+                    part += tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
+            else:
+                x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K, PROLOGUE)
+                part = tl.dot(x, tl.trans(w), part)
+        total += part
+    if SPLIT:
+        p_ptrs = part_ptr + first * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+        tl.store(p_ptrs, total, mask=row_ok[:, None] & col_ok[None, :])
+    else:
+        if HAS_BIAS:  # in fp32 before the one rounding, as the reduce kernel does
+            total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
+    PIECES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    offs = rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for piece in range(PIECES):  # in piece order from 0.0: the additions the FULL kernel makes
+        total += tl.load(part_ptr + piece * stride_ps + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
+             mask=mask)  # fmt: skip
+
+
+def matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: int = PROLOGUE_NONE,
+    tile: Tile | None = None,
+    split: bool | None = None,
+    chunk: int | None = None,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """y [M, N] = prologue(x) @ weight[N, K]^T (+ bias [N]), in x's dtype, batch-invariant row by row.
+
+    x: [M, K], or [M, 2K] (gate | up) for PROLOGUE_SILU_MUL. tile / split: override the launch (tests and the
+    device check use them to compute the same rows through every schedule); None: chosen from M, which changes
+    the schedule only, never the result. chunk: the K piece length (None: chunk_size(N, K); tests pass a small
+    one to get several pieces from a small K). pdl: programmatic dependent launch (Hopper), inside a chain of
+    kernels that each wait on their predecessor.
+    """
+    check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
+    n, k = weight.shape
+    check_tensor("x", x, ndim=2, dtypes=(weight.dtype,), device=weight.device)
+    check(prologue in (PROLOGUE_NONE, PROLOGUE_SILU_MUL), f"prologue: {prologue} is not NONE or SILU_MUL")
+    want_k = 2 * k if prologue == PROLOGUE_SILU_MUL else k
+    check(x.shape[1] == want_k, f"x: last dim {x.shape[1]} != {want_k} expected for weight [{n}, {k}]")
+    if bias is not None:
+        check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=weight.device)
+        check(bias.shape[0] == n, f"bias: length {bias.shape[0]} != N = {n}")
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    t = tile or tile_for(m)
+    chunk = chunk or chunk_size(n, k)
+    check(chunk % K_ALIGN == 0 or chunk >= k, f"chunk: {chunk} must be a multiple of {K_ALIGN} (or cover K = {k})")
+    pieces = triton.cdiv(k, chunk)
+    if split is None:
+        split = pieces > 1 and m <= DECODE_MAX_M
+    split = split and pieces > 1
+    bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
+    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), pieces if split else 1)
+    part = torch.empty((pieces, m, n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
+    _matmul_kernel[grid](
+        x, weight, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        part.stride(0), part.stride(1),
+        K=k, CHUNK=chunk, PROLOGUE=prologue, HAS_BIAS=bias is not None and not split, SPLIT=split,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+    )  # fmt: skip
+    if split:
+        _reduce_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 128))](
+            part, bias_arg, out, m, n, part.stride(0), part.stride(1), out.stride(0),
+            PIECES=pieces, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=128, USE_PDL=pdl, num_warps=4,
+            **pdl_launch(pdl),
+        )  # fmt: skip
+    return out

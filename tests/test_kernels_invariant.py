@@ -1,0 +1,171 @@
+"""The deterministic mode's kernels (invariant_matmul, invariant_attention): within tolerance of float64, and every
+row bit-identical however it is batched: M = 1 against M = 7, 33 and a prefill-sized M at any slot, split pieces
+against one program, a query computed as a decode step against the same query in a prefill chunk, after a
+cached prefix, in other batches and with any number of split programs.
+
+On the CPU the kernels run under the Triton interpreter, whose dots are float64 rounded once per 16-wide k step
+(the tensor cores' k step), so the schedules are checked here and the hardware's side on a GPU.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels import invariant_attention as ia  # noqa: E402
+from envex.kernels import invariant_matmul as im  # noqa: E402
+from envex.kernels import reference as ref  # noqa: E402
+from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+
+# ---- matmul -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,n,k,chunk", [(1, 96, 200, None), (7, 130, 72, None), (5, 64, 300, 128),
+                                         (70, 64, 300, 128)])  # odd sizes; split pieces (5) and walked (70)
+def test_matmul_matches_float64(dtype: torch.dtype, m: int, n: int, k: int, chunk: int | None) -> None:
+    x, w, b = _randn(m, k, dtype=dtype, seed=1), _randn(n, k, dtype=dtype, seed=2), _randn(n, dtype=dtype, seed=3)
+    assert_close("matmul", im.matmul(x, w, chunk=chunk), ref.linear(*f64(x, w)), dtype)
+    assert_close("matmul + bias", im.matmul(x, w, b, chunk=chunk), ref.linear(*f64(x, w, b)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_silu_prologue_matches_float64(dtype: torch.dtype) -> None:
+    gate_up, w = _randn(5, 2 * 80, dtype=dtype, seed=4), _randn(48, 80, dtype=dtype, seed=5)
+    out = im.matmul(gate_up, w, prologue=im.PROLOGUE_SILU_MUL)
+    assert_close("silu matmul", out, ref.silu_and_mul_linear(*f64(gate_up, w)), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
+    n, k, chunk = 72, 272, 128  # three K pieces: split programs for decode batches, one program walking them above
+    x, w, b = _randn(70, k, dtype=dtype, seed=6), _randn(n, k, dtype=dtype, seed=7), _randn(n, dtype=dtype, seed=8)
+    rows = [0, 5, 6, 32, 63, 64, 69]  # tile edges and the ends of the 64-row decode tile
+    alone = torch.cat([im.matmul(x[i : i + 1], w, b, chunk=chunk) for i in rows])  # M = 1: every row at slot 0
+    for m in (7, 33, 70):  # decode tile with split pieces, and (70) the prefill tile walking them
+        got = im.matmul(x[:m], w, b, chunk=chunk)
+        seen = [i for i in rows if i < m]
+        assert torch.equal(got[seen], alone[: len(seen)]), f"M={m}: a row differs from the same row computed alone"
+    one_program = im.matmul(x[:33], w, b, chunk=chunk, split=False)
+    assert torch.equal(one_program[rows[:4]], alone[:4]), "split pieces and one program walking them differ"
+    # The batch shifted by 3 puts every row at another place in its tile.
+    shifted = im.matmul(torch.cat([_randn(3, k, dtype=dtype, seed=9), x[:67]]), w, b, chunk=chunk)[3:]
+    assert torch.equal(shifted[rows[:5]], alone[:5])
+
+
+def test_chunk_size_is_a_property_of_the_weight() -> None:
+    # The Llama-3.1-8B projections at decode: enough (column tile, piece) programs for 132 SMs.
+    for n, k, pieces in ((6144, 4096, 3), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (128256, 4096, 1)):
+        chunk = im.chunk_size(n, k)
+        assert chunk % im.K_ALIGN == 0 and -(-k // chunk) == pieces, (n, k, chunk)
+    assert im.chunk_size(960, 576) == 576  # the embedded model: one piece
+
+
+def test_matmul_rejects_bad_shapes() -> None:
+    w = _randn(8, 16, dtype=torch.float32, seed=0)
+    with pytest.raises(ValueError, match="last dim 15 != 16"):
+        im.matmul(_randn(2, 15, dtype=torch.float32, seed=0), w)
+    with pytest.raises(ValueError, match="last dim 16 != 32"):
+        im.matmul(_randn(2, 16, dtype=torch.float32, seed=0), w, prologue=im.PROLOGUE_SILU_MUL)
+
+
+# ---- attention ----------------------------------------------------------------------------------------------
+
+PAGE, SPLIT = 8, 128  # a split of two key tiles, so a 300-token sequence has three splits
+
+
+def _cache(lengths: list[int], n_kv: int, d: int, dtype: torch.dtype, seed: int):
+    """Random paged caches and each sequence's shuffled block table [B, width] (unused entries arbitrary)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // PAGE) for n in lengths]
+    num = sum(blocks) + 2
+    kc = torch.randn(num, PAGE, n_kv, d, generator=g).to(dtype).to(DEV)
+    vc = torch.randn(num, PAGE, n_kv, d, generator=g).to(dtype).to(DEV)
+    perm = torch.randperm(num, generator=g)
+    tables, used = [], 0
+    for nb in blocks:
+        tables.append(perm[used : used + nb].tolist())
+        used += nb
+    return kc, vc, tables
+
+
+def _attend(q_rows: list[torch.Tensor], starts: list[int], tables: list[list[int]], kc, vc, *, programs=None,
+            positions_only: bool = False) -> list[torch.Tensor]:  # fmt: skip
+    """One step: sequence b's queries q_rows[b] [q_len, Hq, D] at positions starts[b].. -> outputs per sequence."""
+    q = torch.cat(q_rows)
+    q_lens = [len(r) for r in q_rows]
+    seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+    width = max(len(t) for t in tables)
+    cu = torch.tensor([0] + q_lens, device=DEV).cumsum(0).to(torch.int32)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    positions = torch.tensor([s for s, n in zip(starts, q_lens, strict=True) for s in range(s, s + n)], device=DEV)
+    out = ia.paged_attention(q, kc, vc, cu, None if positions_only else lens, bt, 0.125, max_q_len=max(q_lens),
+                             max_seq_len=max(seq_lens) + 37, positions=positions, num_programs=programs,
+                             split_keys=SPLIT)  # fmt: skip
+    return list(out.split(q_lens))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n_q,n_kv", [(4, 4), (6, 2), (8, 1)])  # GQA 1, 3, 8
+def test_attention_matches_float64(dtype: torch.dtype, n_q: int, n_kv: int) -> None:
+    lengths = [40, 300, 7]
+    kc, vc, tables = _cache(lengths, n_kv, 32, dtype, seed=n_q)
+    q = [_randn(n, n_q, 32, dtype=dtype, seed=10 + i) for i, n in enumerate((40, 9, 1))]  # prefill, chunk, decode
+    got = torch.cat(_attend(q, [0, 291, 6], tables, kc, vc))
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, 40, 49, 50], dtype=torch.int32, device=DEV)
+    expect = ref.paged_attention(*f64(torch.cat(q), kc, vc), cu, torch.tensor(lengths, device=DEV), bt, 0.125)
+    assert_close("invariant attention", got, expect, dtype)
+    decode = [_randn(1, n_q, 32, dtype=dtype, seed=20 + i) for i in range(3)]
+    got = torch.cat(_attend(decode, [39, 299, 6], tables, kc, vc))
+    expect = ref.paged_attention(*f64(torch.cat(decode), kc, vc), torch.arange(4, dtype=torch.int32, device=DEV),
+                                 torch.tensor(lengths, device=DEV), bt, 0.125)  # fmt: skip
+    assert_close("invariant decode attention", got, expect, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_row_is_the_same_in_prefill_chunks_and_decode(dtype: torch.dtype) -> None:
+    n_q, n_kv, d, length = 4, 2, 32, 260  # three splits, the last of 4 keys
+    kc, vc, tables = _cache([length, 150, 20], n_kv, d, dtype, seed=3)
+    seq, other, short = tables
+    q = _randn(length, n_q, d, dtype=dtype, seed=4)  # the sequence's queries; its keys are in the cache already
+    full = _attend([q], [0], [seq], kc, vc)[0]  # one prefill chunk of the whole prompt
+    # After a cached prefix ending on a split boundary (128) and inside a split (77, next to another sequence's
+    # chunk), and in chunks of 65.
+    assert torch.equal(_attend([q[128:]], [128], [seq], kc, vc)[0], full[128:]), "chunk after 128 cached keys"
+    chunk = _attend([_randn(5, n_q, d, dtype=dtype, seed=5), q[77:]], [10, 77], [other, seq], kc, vc)[1]
+    assert torch.equal(chunk, full[77:]), "chunk after 77 cached keys next to another sequence"
+    pieces = torch.cat([_attend([q[s : s + 65]], [s], [seq], kc, vc)[0] for s in range(0, length, 65)])
+    assert torch.equal(pieces, full), "65-token chunks differ from one chunk"
+    # Decode steps inside and at the edges of splits, alone and in batches, with 1, 2, 5 or chosen split programs.
+    for pos, programs in ((0, 1), (127, 2), (128, 5), (259, None)):
+        alone = _attend([q[pos : pos + 1]], [pos], [seq], kc, vc, programs=1)[0]
+        assert torch.equal(alone, full[pos : pos + 1]), f"decode at {pos} differs from its prefill row"
+        batch = [_randn(1, n_q, d, dtype=dtype, seed=6), q[pos : pos + 1], _randn(1, n_q, d, dtype=dtype, seed=7)]
+        got = _attend(batch, [149, pos, 19], [other, seq, short], kc, vc, programs=programs,
+                      positions_only=programs == 5)[1]  # fmt: skip
+        assert torch.equal(got, alone), f"decode at {pos} in a batch with {programs} split programs differs"
+    # A decode row next to a prefill chunk (a mixed step) takes the prefill schedule: still the same bits.
+    mixed = _attend([_randn(7, n_q, d, dtype=dtype, seed=8), q[259:260]], [0, 259], [short, seq], kc, vc)[1]
+    assert torch.equal(mixed, full[259:260])
+
+
+def test_attention_rejects_a_decode_step_without_lengths() -> None:
+    kc, vc, tables = _cache([4], 1, 16, torch.float32, seed=0)
+    q = _randn(2, 1, 16, dtype=torch.float32, seed=0)
+    cu = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="seq_lens: required"):
+        ia.paged_attention(q, kc, vc, cu, None, torch.tensor([tables[0]], dtype=torch.int32, device=DEV), 0.25,
+                           max_q_len=2, max_seq_len=4)  # fmt: skip

@@ -1,0 +1,100 @@
+"""TritonOps(deterministic=True) through the model file: within tolerance of the torch reference, and a sequence's
+logits bit-identical whether it is prefilled in one chunk or in pieces next to another sequence, decoded alone
+through the batch-1 step or in a padded graph batch, or recomputed by a prefill over its generated tokens (what
+preemption does). On the CPU the kernels run under the Triton interpreter and the graphs run their step eagerly.
+"""
+
+import os
+from types import SimpleNamespace
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels.accuracy import rel_err  # noqa: E402
+from envex.kernels.ops import AttentionMetadata, TorchOps  # noqa: E402
+from envex.kernels.triton_ops import TritonOps  # noqa: E402
+from envex.runtime.config import ModelConfig  # noqa: E402
+from envex.runtime.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from envex.runtime.engine.model_runner import dummy_weights  # noqa: E402
+from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PAGE, MAX_LEN, VOCAB = 8, 64, 40
+CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 64,
+          "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "head_dim": 32, "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "tie_word_embeddings": False}  # fmt: skip  (q/k norms: every attention input path)
+
+
+class _Runner(SimpleNamespace):
+    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
+        return self.model.compute_logits(self.ops, hidden, residual)
+
+
+def _runner(ops) -> _Runner:
+    config = ModelConfig.from_hf(CONFIG)
+    model = LlamaForCausalLM(config, dtype=torch.float32, device=DEV)
+    dummy_weights(model, seed=1)
+    cos, sin = rope_cos_sin(config, MAX_LEN, DEV)
+    caches = [(torch.zeros(12, PAGE, 2, 32, device=DEV), torch.zeros(12, PAGE, 2, 32, device=DEV)) for _ in range(2)]
+    return _Runner(model=model, ops=ops, kv_caches=caches, cos=cos, sin=sin, device=DEV, block_size=PAGE,
+                   max_model_len=MAX_LEN, model_config=config)  # fmt: skip
+
+
+def _step(runner: _Runner, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
+    """One eager step: sequence b feeds ids[b] at positions starts[b]..; logits of every token [T, V]."""
+    flat, pos, slots, cu = [], [], [], [0]
+    for toks, start, table in zip(ids, starts, tables, strict=True):
+        flat += toks
+        for p in range(start, start + len(toks)):
+            pos.append(p)
+            slots.append(table[p // PAGE] * PAGE + p % PAGE)
+        cu.append(cu[-1] + len(toks))
+    q_lens = [len(t) for t in ids]
+    seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        positions=torch.tensor(pos, device=DEV), slot_mapping=torch.tensor(slots, device=DEV),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEV),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV),
+        cos=runner.cos, sin=runner.sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), q_lens_host=q_lens, seq_lens_host=seq_lens,
+    )  # fmt: skip
+    with torch.inference_mode():
+        return runner.forward_logits(torch.tensor(flat, device=DEV), meta)
+
+
+PROMPT = [4, 11, 29, 3, 8, 1, 2, 3, 5, 8, 13, 21, 34, 7, 11, 18, 9, 30, 2]  # 19 tokens
+OTHER = [5, 6, 7, 8, 9, 10, 11]
+
+
+def test_deterministic_triton_ops_equal_the_reference_within_tolerance() -> None:
+    fast, slow = _runner(TritonOps(deterministic=True)), _runner(TorchOps())
+    for name, ids, starts in (("prefill", [PROMPT], [0]), ("decode", [[12]], [19])):
+        want, got = _step(slow, ids, starts, [[3, 7, 1]]), _step(fast, ids, starts, [[3, 7, 1]])
+        assert rel_err(got, want) < (2e-3 if DEV.type == "cpu" else 5e-3), f"{name}: {rel_err(got, want):.2e}"
+
+
+def test_a_sequence_s_logits_do_not_depend_on_its_batch() -> None:
+    runner = _runner(TritonOps(deterministic=True))
+    table, other_table = [3, 7, 1], [5, 9]
+    full = _step(runner, [PROMPT], [0], [table])  # [19, V]: the whole prompt in one chunk
+    decoded = [_step(runner, [[t]], [19 + i], [table])[0] for i, t in enumerate((12, 30))]  # batch-1 steps
+    # The same prompt in two chunks, the second beside another sequence's prefill; then decoded in a padded graph
+    # batch (3 sequences in the graph of 4) at row 1.
+    first = _step(runner, [PROMPT[:6]], [0], [table])
+    second = _step(runner, [OTHER, PROMPT[6:]], [0, 6], [other_table, table])[len(OTHER):]
+    assert torch.equal(torch.cat([first, second]), full), "chunked prefill differs from one chunk"
+    graphs = DecodeGraphs(runner, max_batch=4, capture=DEV.type == "cuda")
+    for i, t in enumerate((12, 30)):
+        got = graphs.run([1, t, 3], [7 + i, 19 + i, 2 + i], [other_table, table, [11]])[1]
+        assert torch.equal(got, decoded[i]), f"decode step {i} in a graph batch differs from batch 1"
+    # Recompute after preemption: the prompt and the generated tokens in one prefill, into other blocks.
+    again = _step(runner, [PROMPT + [12, 30]], [0], [[2, 4, 6]])
+    assert torch.equal(again[:19], full) and torch.equal(again[19:], torch.stack(decoded))
+    # The KV the decode steps wrote equals the recomputed KV (blocks 1 and 6 hold positions 16-20).
+    for k, v in runner.kv_caches:
+        assert torch.equal(k[1, :5], k[6, :5]) and torch.equal(v[1, :5], v[6, :5])
