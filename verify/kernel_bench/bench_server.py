@@ -1,7 +1,8 @@
 """End to end through the OpenAI server on one GPU: several envex trees and model shapes, side by side in one run.
 
     python3 -m envex.verify.kernel_bench.bench_server --out $OUT --commit C \
-        --runs new:llama8b=/tmp/ns,old:llama8b=/tmp/ns_old,new:qwen3-8b=/tmp/ns [--cases b1_1k,b1_10k,c64_1k]
+        --runs new:llama8b=/tmp/ns,old:llama8b=/tmp/ns_old,new:qwen3-8b=/tmp/ns [--cases b1_1k,b1_10k,c64_1k] \
+        [--engine det:deterministic=true,enable_prefix_caching=true]
 
 Each run starts `envex.runtime.server.serve` in a child process whose PYTHONPATH is that tree (a folder holding
 the namespace package envex, so an older commit can be measured beside this one), on 127.0.0.1, and drives it
@@ -12,6 +13,12 @@ dummy weights (the Llama shape only), `load_format=dummy` otherwise. Cases:
     b1_1k   batch 1, 1K-token prompt, 256 out: decode tok/s (after the first token) and TTFT; 1 warm-up + 3 runs
     b1_10k  batch 1, 10K prompt, 512 out; 1 warm-up + 2 runs
     c64_1k  64 concurrent 1K/256 streams: output tok/s over the whole wave; 1 warm-up + 2 runs
+    inv     batch invariance (bench_invariance.run_invariance): 64 prompts x 256 greedy tokens, each first seen
+            cold at concurrency 1, 24 or 32, then with prefix hits at 64, 5 and 1; differing tokens (target 0).
+            Needs the run's prefix cache on (--engine LABEL:enable_prefix_caching=true)
+
+--engine LABEL:key=value,... adds EngineConfig settings to every run with that label (values are JSON: true,
+8192, "x"; anything else is a string), e.g. det:deterministic=true for the deterministic mode.
 
 The roofline is the bytes one decode step reads (weights except the embedding table, plus the KV cache at the
 mean context) over the read bandwidth measured in the same run. Writes server.json and prints a table.
@@ -174,6 +181,20 @@ async def run_case(base: str, model: str, batch: int, prompt_len: int, out_len: 
             "decode_tok_s": (usage - 1) / decode if decode == decode and decode > 0 else float("nan")}  # fmt: skip
 
 
+def engine_settings(specs: list[str]) -> dict[str, dict]:
+    """--engine LABEL:key=value,... -> {label: {key: value}}; a value is JSON where it parses, else a string."""
+    out: dict[str, dict] = {}
+    for spec in specs:
+        label, _, pairs = spec.partition(":")
+        for pair in filter(None, pairs.split(",")):
+            key, _, value = pair.partition("=")
+            try:
+                out.setdefault(label, {})[key] = json.loads(value)
+            except json.JSONDecodeError:
+                out.setdefault(label, {})[key] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
@@ -182,7 +203,9 @@ def main() -> None:
     ap.add_argument("--cases", default="b1_1k,b1_10k,c64_1k")
     ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
     ap.add_argument("--checkpoint", default="old", help="labels whose tree needs weights on disk")
+    ap.add_argument("--engine", action="append", default=[], help="LABEL:key=value,... EngineConfig settings")
     args = ap.parse_args()
+    engine = engine_settings(args.engine)
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
@@ -206,7 +229,9 @@ def main() -> None:
         settings = {"model": str(model_dir), "max_model_len": 12288, "enable_prefix_caching": False}
         if not weights:
             settings["load_format"] = "dummy"
-        run = {"label": label, "shape": shape_name, "tree": tree, "write_s": time.monotonic() - t0, "cases": {}}
+        settings.update(engine.get(label, {}))
+        run = {"label": label, "shape": shape_name, "tree": tree, "write_s": time.monotonic() - t0, "cases": {},
+               "settings": settings}
         port = 18000 + i
         base = f"http://127.0.0.1:{port}"
         proc = start_server(tree, settings, port, args.out / f"server-{label}-{shape_name}.log")
@@ -216,6 +241,14 @@ def main() -> None:
 
             served = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
             for case in args.cases.split(","):
+                if case == "inv":
+                    from envex.verify.kernel_bench.bench_invariance import run_invariance
+
+                    run["invariance"] = asyncio.run(run_invariance(base, served))
+                    inv = run["invariance"]
+                    print(f"{label:>5} {shape_name:>9}     inv: {inv['differing_tokens']} of {inv['compared_tokens']} "
+                          "tokens differ", flush=True)
+                    continue
                 batch, prompt_len, out_len, reps = CASES[case]
                 rows = [asyncio.run(run_case(base, served, batch, prompt_len, out_len, seed=r))
                         for r in range(reps + 1)][1:]  # the first is the warm-up
@@ -241,6 +274,10 @@ def main() -> None:
         (args.out / "server.json").write_text(json.dumps(report, indent=1))
     print(f"\nread bandwidth {bw['read_TBps']:.3f} TB/s (best of a Triton read sweep and torch sum)")
     for run in report["runs"]:
+        if "invariance" in run:
+            inv = run["invariance"]
+            print(f"{run['label']:>5} {run['shape']:>9}     inv {inv['differing_tokens']:>6} of "
+                  f"{inv['compared_tokens']} tokens differ from each prompt's first answer")
         for case, c in run["cases"].items():
             share = f"{100 * c['share_of_roofline']:.1f}%" if c["share_of_roofline"] else "-"
             print(f"{run['label']:>5} {run['shape']:>9} {case:>7} {c['metric']:>13} {c['median']:9.1f} "

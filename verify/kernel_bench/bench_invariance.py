@@ -1,0 +1,309 @@
+"""Batch invariance on the GPU (issue 17): the deterministic mode's kernels row against row, and served tokens.
+
+    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT [--sweep]
+
+The kernel section (this module's main) checks and times, at the Llama-3.1-8B shapes in bf16:
+- invariant_matmul for each projection: a row computed at M = 1, 3, 64 (decode tile, split pieces), inside a
+  2048-row prefill (prefill tile walking the pieces), at shifted slots and with split off must be bit-identical
+  (`mismatched_rows`, target 0; this is where the one assumption, tensor-core k steps rounding alike in both
+  tiles, is tested); error against fp32; graph-timed against the default path's kernel (the GEMV at M = 1, cuBLAS
+  above) at M = 1, 64 and 4096; with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
+- invariant_attention: a 1,500-token sequence's rows from one prefill chunk, from chunks after cached prefixes,
+  and as decode steps in batches with 1-33 split programs, bit-identical (target 0); decode timed with rotary
+  against the fused decode kernel at B = 1 (1K, 10K) and B = 64 (1K), prefill against attention.paged_attention.
+Weights and KV sets rotate so timings read HBM, not L2. Writes invariance.json and prints one line per row.
+
+The served check, `run_invariance`, is bench_server's `inv` case: 64 token-id prompts (100-1,500 tokens) x 256
+greedy tokens through the OpenAI server, each first seen cold at concurrency 1, 24 or 32 (staggered arrivals),
+then again with prefix hits at concurrency 64, 5 and 1; every later answer is compared token by token with the
+prompt's first (`differing_tokens`, target 0), with the prefix-cache hits and preemptions of each round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+ROUNDS = (  # name, prompt indices, concurrency, seconds between arrivals
+    ("cold c=1", range(0, 8), 1, 0.0), ("cold c=24", range(8, 32), 24, 0.0),
+    ("cold c=32 staggered", range(32, 64), 32, 0.05), ("hits c=64", range(0, 64), 64, 0.0),
+    ("hits c=5", range(0, 64), 5, 0.0), ("hits c=1", range(32, 40), 1, 0.0),
+)  # fmt: skip
+
+
+def _metric(base: str, name: str) -> float:
+    import httpx
+
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return float("nan")
+
+
+async def _complete(client, base: str, model: str, prompt: list[int], max_tokens: int) -> list[str]:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    r = await client.post(f"{base}/v1/completions", json=body, timeout=900)
+    r.raise_for_status()
+    return r.json()["choices"][0]["text"].split()  # the word-level tokenizer: one word per token
+
+
+async def run_invariance(base: str, model: str, *, prompts: int = 64, max_tokens: int = 256, seed: int = 17) -> dict:
+    """Serve every round of ROUNDS and count the tokens that differ from each prompt's first answer."""
+    import httpx
+
+    rng = random.Random(seed)
+    texts = [[rng.randrange(1, 30000) for _ in range(rng.randrange(100, 1500))] for _ in range(prompts)]
+    first: dict[int, list[str]] = {}
+    rounds = []
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=prompts + 4)) as client:
+        for name, idx, concurrency, stagger in ROUNDS:
+            idx = [i for i in idx if i < prompts]
+            gate = asyncio.Semaphore(concurrency)
+            hits0, pre0, t0 = _metric(base, "envex_prefix_cache_hit_tokens_total"), \
+                _metric(base, "envex_preemptions_total"), time.perf_counter()  # fmt: skip
+
+            async def one(j: int, i: int, gate=gate, stagger=stagger) -> list[str]:
+                await asyncio.sleep(j * stagger)
+                async with gate:
+                    return await _complete(client, base, model, texts[i], max_tokens)
+
+            answers = await asyncio.gather(*(one(j, i) for j, i in enumerate(idx)))
+            diff, compared, worst = 0, 0, []
+            for i, got in zip(idx, answers, strict=True):
+                if i not in first:
+                    first[i] = got
+                    continue
+                want = first[i]
+                compared += len(want)
+                bad = sum(a != b for a, b in zip(want, got, strict=False)) + abs(len(want) - len(got))
+                if bad:
+                    where = next((j for j, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+                    worst.append({"prompt": i, "differing": bad, "first_difference": where})
+                diff += bad
+            rounds.append({"round": name, "prompts": len(idx), "concurrency": concurrency,
+                           "seconds": time.perf_counter() - t0, "compared_tokens": compared,
+                           "differing_tokens": diff, "prompts_differing": len(worst), "examples": worst[:5],
+                           "prefix_hit_tokens": _metric(base, "envex_prefix_cache_hit_tokens_total") - hits0,
+                           "preemptions": _metric(base, "envex_preemptions_total") - pre0})  # fmt: skip
+            print(f"  inv {name:>20}: {diff} differing tokens in {len(worst)} prompts, "
+                  f"{rounds[-1]['prefix_hit_tokens']:.0f} prefix-hit tokens, {rounds[-1]['seconds']:.1f} s", flush=True)
+    total = sum(r["differing_tokens"] for r in rounds)
+    return {"prompts": prompts, "max_tokens": max_tokens, "rounds": rounds, "differing_tokens": total,
+            "compared_tokens": sum(r["compared_tokens"] for r in rounds), "identical": total == 0}  # fmt: skip
+
+
+# ---- kernels ------------------------------------------------------------------------------------------------
+
+SHAPES = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (28672, 4096, False),
+          "down": (4096, 14336, True), "lm_head": (128256, 4096, False)}  # (N, K, SwiGLU prologue)
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+
+
+class _Rows:
+    """The report's rows: printed as they come and saved after each."""
+
+    def __init__(self, report: dict, out: Path) -> None:
+        self.report, self.out, self.t0 = report, out, time.perf_counter()
+        report.setdefault("rows", [])
+
+    def __call__(self, section: str, name: str, **fields) -> None:
+        fields = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in fields.items()}
+        self.report["rows"].append({"section": section, "name": name, **fields})
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {section:9s} {name:26s} {fields}", flush=True)
+        (self.out / "invariance.json").write_text(json.dumps(self.report, indent=1))
+
+
+def _mismatched(a, b) -> int:
+    """Rows of a that are not bit-identical to b's."""
+    return int((a != b).reshape(a.shape[0], -1).any(dim=1).sum())
+
+
+def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    from envex.kernels import gemv
+    from envex.kernels import invariant_matmul as im
+    from envex.kernels.accuracy import rel_err
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    n, k, silu = SHAPES[name]
+    prologue = im.PROLOGUE_SILU_MUL if silu else im.PROLOGUE_NONE
+    copies = max(1, math.ceil(400e6 / (n * k * 2)))  # rotate weights past the 50 MB L2
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
+    x = torch.randn(4096, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
+
+    def mm(a, i: int = 0, **kw):
+        return im.matmul(a, ws[i % copies], prologue=prologue, **kw)
+
+    big = mm(x[:2048])  # the prefill tile, one program walking the pieces
+    checks = {f"M={m}": _mismatched(mm(x[:m]), big[:m]) for m in (1, 3, 64)}
+    checks["M=65 at slot 7"] = _mismatched(mm(x[7:72]), big[7:72])
+    checks["M=64 one program"] = _mismatched(mm(x[:64], split=False), big[:64])
+    checks["M=64 prefill tile"] = _mismatched(mm(x[:64], tile=im.PREFILL_TILE), big[:64])
+    act = x[:64].float()
+    act = F.silu(act[:, :k]) * act[:, k:] if silu else act
+    pieces = -(-k // im.chunk_size(n, k))
+    row("matmul", f"{name} equality", mismatched_rows=sum(checks.values()), checks=checks,
+        rel_err=rel_err(big[:64], act @ ws[0].float().t()), pieces=pieces)  # fmt: skip
+    floor_us = n * k * 2 / (read_tbps * 1e6)
+    for m in (1, 64, 4096):
+        a = x[:m]
+        inv = B.graph_time_ms(lambda i, a=a: mm(a, i), copies * 2) * 1e3
+        if m == 1:
+            gp = gemv.PROLOGUE_SILU_MUL if silu else gemv.PROLOGUE_NONE
+            base = B.graph_time_ms(lambda i, a=a, gp=gp: gemv.gemv(a, ws[i % copies], prologue=gp), copies * 2)
+        else:
+            act_m = F.silu(a[:, :k]) * a[:, k:] if silu else a
+            base = B.graph_time_ms(lambda i, act_m=act_m: act_m @ ws[i % copies].t(), copies * 2)
+        extra = {"tflops": 2 * m * n * k / (inv * 1e6)} if m > 64 else {"of_floor": floor_us / inv}
+        row("matmul", f"{name} M={m}", invariant_us=inv, default_us=base * 1e3, cost=inv / (base * 1e3) - 1,
+            **extra)  # fmt: skip
+    if not sweep:
+        return
+    # A small sweep for the decode side: tiles and piece counts (the pieces change bits, never invariance).
+    for tile in (im.DECODE_TILE, im.Tile(64, 32, 128, 4, 3), im.Tile(64, 128, 64, 4, 3)):
+        for count in sorted({pieces, 2 * pieces if pieces > 1 else 2}):
+            chunk = min(k, math.ceil(math.ceil(k / count) / im.K_ALIGN) * im.K_ALIGN)
+            for m in (1, 64):
+                us = B.graph_time_ms(lambda i, a=x[:m], t=tile, c=chunk: mm(a, i, tile=t, chunk=c), copies * 2) * 1e3
+                row("sweep", f"{name} M={m}", tile=list(vars(tile).values()), pieces=count, us=us,
+                    of_floor=floor_us / us)  # fmt: skip
+
+
+def _attention_equality(row: _Rows) -> None:
+    import torch
+
+    from envex.kernels import invariant_attention as ia
+    from envex.kernels import reference as ref
+    from envex.kernels.accuracy import rel_err
+
+    length, blocks = 1500, 400
+    kc = torch.randn(blocks, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(blocks, device="cuda")[: -(-length // PAGE)].to(torch.int32)
+    others = [torch.randperm(blocks, device="cuda")[:40].to(torch.int32) for _ in range(2)]
+    q = torch.randn(length, HQ, D, device="cuda", dtype=torch.bfloat16)
+
+    def attend(parts, programs=None):  # parts: (queries, first position, block table) per sequence
+        lens = [len(p[0]) for p in parts]
+        width = max(len(p[2]) for p in parts)
+        out = ia.paged_attention(
+            torch.cat([p[0] for p in parts]), kc, vc,
+            torch.tensor([0] + lens, device="cuda").cumsum(0).to(torch.int32),
+            torch.tensor([p[1] + n for p, n in zip(parts, lens, strict=True)], device="cuda", dtype=torch.int32),
+            torch.stack([torch.cat([p[2], p[2].new_zeros(width - len(p[2]))]) for p in parts]), D**-0.5,
+            max_q_len=max(lens), max_seq_len=4096, num_programs=programs)  # fmt: skip
+        return list(out.split(lens))
+
+    full = attend([(q, 0, table)])[0]
+    checks = {f"chunk after {c}": _mismatched(attend([(q[c:], c, table)])[0], full[c:]) for c in (256, 700, 1499)}
+    for pos in (0, 255, 256, 1000, 1499):
+        for programs in (1, 4, 33):
+            got = attend([(q[:1], 300, others[0]), (q[pos:pos + 1], pos, table), (q[1:2], 20, others[1])],
+                         programs)[1]  # fmt: skip
+            checks[f"decode {pos} P={programs}"] = _mismatched(got, full[pos:pos + 1])
+    want = ref.paged_attention(q.double(), kc.double(), vc.double(), torch.tensor([0, length], device="cuda"),
+                               torch.tensor([length], device="cuda"), table[None], D**-0.5)  # fmt: skip
+    row("attention", "equality", mismatched_rows=sum(checks.values()), checks=checks, rel_err=rel_err(full, want))
+
+
+def _attention_decode_time(row: _Rows, batch: int, seq: int, read_tbps: float) -> None:
+    import torch
+
+    from envex.kernels import attention, decode_attention, rotary
+    from envex.kernels import invariant_attention as ia
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    sets = max(2, math.ceil(200e6 / (batch * seq * HKV * D * 4)))
+    per = -(-seq // PAGE)
+    kc = torch.randn(batch * per * sets + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(batch * per * sets, device="cuda").to(torch.int32).view(sets, batch, per)
+    cos, sin = torch.randn(16384, D // 2, device="cuda"), torch.randn(16384, D // 2, device="cuda")
+    qkv = torch.randn(batch, (HQ + 2 * HKV) * D, device="cuda", dtype=torch.bfloat16)
+    pos = torch.full((batch,), seq - 1, device="cuda", dtype=torch.int64)
+    slots = torch.full((batch,), -1, device="cuda", dtype=torch.int64)  # time the reads; write nothing
+    cu = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
+    splits = attention.choose_num_splits(batch, HKV, seq, torch.device("cuda"))
+
+    def det(i: int) -> None:  # the deterministic decode layer: rotary + KV write, split programs, merge
+        qv, kv, vv = qkv.view(batch, HQ + 2 * HKV, D).split([HQ, HKV, HKV], dim=1)
+        qr, _ = rotary.rotary_and_store_kv(qv, kv, vv, pos, cos, sin, kc, vc, slots)
+        ia.paged_attention(qr, kc, vc, cu, None, tables[i % sets], D**-0.5, max_q_len=1, max_seq_len=seq,
+                           positions=pos, num_programs=splits)  # fmt: skip
+
+    def fused(i: int) -> None:  # the default path: one fused decode kernel + the split merge
+        decode_attention.decode_attention_fused(qkv, pos, slots, cos, sin, kc, vc, tables[i % sets], D**-0.5,
+                                                num_heads=HQ, num_kv_heads=HKV, max_seq_len=seq, num_splits=splits,
+                                                merge_in_kernel=False)  # fmt: skip
+
+    us, base = B.graph_time_ms(det, sets * 2) * 1e3, B.graph_time_ms(fused, sets * 2) * 1e3
+    row("attention", f"decode B={batch} L={seq}", invariant_us=us, default_us=base, cost=us / base - 1,
+        floor_us=batch * seq * HKV * D * 4 / (read_tbps * 1e6))  # fmt: skip
+
+
+def _attention_prefill_time(row: _Rows, batch: int, q_len: int) -> None:
+    import torch
+
+    from envex.kernels import attention
+    from envex.kernels import invariant_attention as ia
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    kc = torch.randn(batch * -(-q_len // PAGE) + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    args = (torch.randn(batch * q_len, HQ, D, device="cuda", dtype=torch.bfloat16), kc, vc,
+            torch.arange(0, batch * q_len + 1, q_len, device="cuda", dtype=torch.int32),
+            torch.full((batch,), q_len, device="cuda", dtype=torch.int32),
+            torch.arange(batch * -(-q_len // PAGE), device="cuda", dtype=torch.int32).view(batch, -1), D**-0.5)
+    kw = dict(max_q_len=q_len, max_seq_len=q_len)
+    us = B.graph_time_ms(lambda _i: ia.paged_attention(*args, **kw), 3) * 1e3
+    base = B.graph_time_ms(lambda _i: attention.paged_attention(*args, **kw), 3) * 1e3
+    row("attention", f"prefill {batch}x{q_len}", invariant_us=us, default_us=base, cost=us / base - 1)
+
+
+def _kernels(report: dict, out: Path, sweep: bool) -> None:
+    import torch
+
+    row = _Rows(report, out)
+    read = report["bandwidth"]["read_TBps"]
+    for name in SHAPES:
+        _matmul(row, name, read, sweep)
+        torch.cuda.empty_cache()
+    _attention_equality(row)
+    for batch, seq in ((1, 1024), (1, 10240), (64, 1024)):
+        _attention_decode_time(row, batch, seq, read)
+    for batch, q_len in ((8, 1024), (1, 10240)):
+        _attention_prefill_time(row, batch, q_len)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--sweep", action="store_true", help="also time decode tiles and piece counts (tuning)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    report: dict = {"env": {"device": torch.cuda.get_device_name(), "commit": args.commit, "torch": torch.__version__,
+                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                    "bandwidth": B.measure_bandwidth(gib=2.0)}  # fmt: skip
+    print(json.dumps(report), flush=True)
+    try:
+        _kernels(report, args.out, args.sweep)
+    finally:
+        (args.out / "invariance.json").write_text(json.dumps(report, indent=1))
+    bad = [r for r in report.get("rows", []) if r.get("mismatched_rows")]
+    print(f"\n{'IDENTICAL' if not bad else 'MISMATCHES: ' + ', '.join(r['name'] for r in bad)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
