@@ -50,8 +50,10 @@ def _dot(a, b, acc, UPCAST_DOT: tl.constexpr):
     """acc + a @ b. The interpreter (UPCAST_DOT) computes it in float64 rounded once: numpy's float32 matmul rounds
     a row by its place in the tile, tensor cores do not (see invariant_matmul)."""
     if UPCAST_DOT:
-        return acc + tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64).to(tl.float32)
-    return tl.dot(a, b, acc)
+        out = acc + tl.dot(a.to(tl.float64), b.to(tl.float64), out_dtype=tl.float64).to(tl.float32)
+    else:
+        out = tl.dot(a, b, acc)
+    return out
 
 
 @triton.jit
@@ -143,8 +145,10 @@ def _full_kernel(
 @triton.jit
 def _seq_len(b, seq_lens_ptr, pos_ptr, FROM_POSITIONS: tl.constexpr):
     if FROM_POSITIONS:  # a decode step without seq_lens (a CUDA graph): the token's position + 1
-        return tl.load(pos_ptr + b).to(tl.int32) + 1
-    return tl.load(seq_lens_ptr + b)
+        n = tl.load(pos_ptr + b).to(tl.int32) + 1
+    else:
+        n = tl.load(seq_lens_ptr + b).to(tl.int32)
+    return n
 
 
 @triton.jit

@@ -43,8 +43,8 @@ class Suite:
     semantic_texts: int
     semantic_max_len: int
     invariance_prompts: int = 2  # probes, each alone, among `invariance_others` fillers, chunked, cached
-    invariance_others: int = 8
-    invariance_max_tokens: int = 16
+    invariance_others: int = 4
+    invariance_max_tokens: int = 8
     gates: tuple[str, ...] = field(default=GATE_NAMES)
 
     def __post_init__(self) -> None:
@@ -57,7 +57,7 @@ SUITES: dict[str, Suite] = {
     "quick": Suite(name="quick", reference_prompts=2, reference_max_tokens=12, needle_lengths=(256, 768),
                    needle_depths=(0.5,), needle_max_tokens=14, stopping_prompts=1, stopping_max_tokens=16,
                    coding_tasks=("add", "is_even", "square"), coding_max_tokens=32, semantic_texts=2,
-                   semantic_max_len=96, invariance_prompts=2, invariance_others=8, invariance_max_tokens=16),
+                   semantic_max_len=96, invariance_prompts=2, invariance_others=4, invariance_max_tokens=8),
     "full": Suite(name="full", reference_prompts=10, reference_max_tokens=128,
                   needle_lengths=(1024, 2048, 4096, 8192), needle_depths=(0.0, 0.25, 0.5, 0.75, 1.0),
                   needle_max_tokens=24, stopping_prompts=3, stopping_max_tokens=48, coding_tasks=None,
