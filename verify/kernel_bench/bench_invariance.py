@@ -166,14 +166,17 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
             **extra)  # fmt: skip
     if not sweep:
         return
-    # A small sweep for the decode side: tiles and piece counts (the pieces change bits, never invariance).
-    for tile in (im.DECODE_TILE, im.Tile(64, 32, 128, 4, 3), im.Tile(64, 128, 64, 4, 3)):
-        for count in sorted({pieces, 2 * pieces if pieces > 1 else 2}):
+    # The decode side's tiles and piece counts. Another piece count is another arithmetic (other bits, still
+    # invariant); another tile at the default count must give the default's bits (`identical`), or it is unusable.
+    tiles = (im.DECODE_TILE, im.Tile(64, 16, 64, 4, 4), im.Tile(64, 32, 128, 4, 3), im.Tile(64, 128, 64, 4, 3))
+    for tile in tiles:
+        for count in sorted({1, pieces, 2 * pieces}):
             chunk = min(k, math.ceil(math.ceil(k / count) / im.K_ALIGN) * im.K_ALIGN)
+            same = _mismatched(mm(x[:64], tile=tile, chunk=chunk), big[:64]) == 0 if count == pieces else None
             for m in (1, 64):
                 us = B.graph_time_ms(lambda i, a=x[:m], t=tile, c=chunk: mm(a, i, tile=t, chunk=c), copies * 2) * 1e3
                 row("sweep", f"{name} M={m}", tile=list(vars(tile).values()), pieces=count, us=us,
-                    of_floor=floor_us / us)  # fmt: skip
+                    of_floor=floor_us / us, identical=same)  # fmt: skip
 
 
 def _attention_equality(row: _Rows) -> None:
