@@ -4,10 +4,16 @@ through the batch-1 step or in a padded graph batch, or recomputed by a prefill 
 preemption does). On the CPU the kernels run under the Triton interpreter and the graphs run their step eagerly.
 """
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
+import triton
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
@@ -98,3 +104,56 @@ def test_a_sequence_s_logits_do_not_depend_on_its_batch() -> None:
     # The KV the decode steps wrote equals the recomputed KV (blocks 1 and 6 hold positions 16-20).
     for k, v in runner.kv_caches:
         assert torch.equal(k[1, :5], k[6, :5]) and torch.equal(v[1, :5], v[6, :5])
+
+
+# Compiles the deterministic kernels for Hopper (sm_90) with Triton's own ptxas, no GPU needed, in a process without
+# the interpreter: the CPU tests run the kernels interpreted, which says nothing of what the GPU compiler makes of
+# them. Prints the wgmma instruction shapes each kernel uses.
+_AOT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from envex.kernels import invariant_attention as ia, invariant_matmul as im
+
+def shapes(fn, args, consts, warps, stages):
+    sig = {**args, **{k: "constexpr" for k in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("stride")}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    return sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
+
+mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32",
+          stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
+out = {}
+for name, t, split in (("decode", im.DECODE_TILE, True), ("prefill", im.PREFILL_TILE, False)):
+    c = dict(K=4096, CHUNK=1024, PROLOGUE=3, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split)
+    out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
+attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
+kv = dict(stride_kb="i32", stride_ks="i32", stride_kh="i32", stride_bt="i32")
+common = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=ia.BLOCK_M, BLOCK_N=ia.BLOCK_N, PAGE=16, SPLIT=256,
+              UPCAST_DOT=False)
+out["full"] = shapes(ia._full_kernel, {**attn, "out_ptr": "*bf16", "cu_q_ptr": "*i32", "seq_lens_ptr": "*i32",
+                     "block_tables_ptr": "*i32", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
+                     "stride_ot": "i32", "stride_oh": "i32", **kv}, {**common, "USE_PDL": False}, ia.NUM_WARPS, 3)
+out["split"] = shapes(ia._split_kernel, {**attn, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+                      "seq_lens_ptr": "*i64", "pos_ptr": "*i64", "block_tables_ptr": "*i32", "qk_scale": "fp32",
+                      "stride_qt": "i32", "stride_qh": "i32", **kv, "stride_as": "i32", "stride_at": "i32",
+                      "stride_ah": "i32", "stride_ms": "i32", "stride_mt": "i32", "stride_mh": "i32",
+                      "num_progs": "i32"}, {**common, "FROM_POSITIONS": True, "USE_PDL": True}, ia.NUM_WARPS, 2)
+print(json.dumps(out))
+"""
+
+
+def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_schedule() -> None:
+    if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shapes = json.loads(run.stdout.strip().splitlines()[-1])
+    # Attention: the decode and prefill schedules issue the same tensor-core instructions (QK and PV).
+    assert shapes["split"] == shapes["full"] == ["m64n128k16", "m64n64k16"], shapes
+    # Matmul: both tiles are m64 x k16 steps; only the instruction's N differs (the assumption the H200 run checks).
+    assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
