@@ -198,12 +198,12 @@ def test_a_request_whose_sampling_fails_gets_a_500_alone(url: str, monkeypatch: 
     token, one seeded 666 at its third. The first gets a one-line 500; the second too when not streaming, and
     when streaming an error event then [DONE]. The victims finish normally."""
     real = torch.multinomial
-    draws: dict[int, int] = {}
+    draws: dict[torch.Generator, int] = {}  # keeps each generator alive, so no id is reused by a later request
 
     def failing(probs: torch.Tensor, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         if generator is not None and generator.initial_seed() in (666, 667):
-            draws[id(generator)] = draws.get(id(generator), 0) + 1
-            if generator.initial_seed() == 667 or draws[id(generator)] == 3:
+            draws[generator] = draws.get(generator, 0) + 1
+            if generator.initial_seed() == 667 or draws[generator] == 3:
                 raise RuntimeError("injected sampler failure")
         return real(probs, n, generator=generator)
 
