@@ -267,8 +267,8 @@ def test_embedded_model_code_edit_is_exact_and_accepts_drafts(embedded_engine) -
 
     task = code_edit_tasks()[0]
     tok = embedded_engine.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": task.prompt}],
-                                                add_generation_prompt=True), add_special_tokens=False)  # fmt: skip
+    text = tok.apply_chat_template([{"role": "user", "content": task.prompt}], add_generation_prompt=True)
+    prompt = tok.encode(text + task.answer_prefix, add_special_tokens=False)
     params = SamplingParams(max_tokens=48, temperature=0.0)
     want = embedded_engine.generate([prompt], params)[0].token_ids
     spec = LLMEngine(EngineConfig(device="cpu", num_speculative_tokens=8, async_scheduling=True,

@@ -97,11 +97,13 @@ def test_verify_step_equals_the_eager_reference(k: int, splits: int | None) -> N
     drafts = torch.randint(0, VOCAB, (4, 8), generator=g, device=DEV)
     fast = _runner(model, TritonOps(), caches)
     graphs = SpecGraphs(fast, spec, _FixedDrafts(drafts), sizes=(1, 4), ks=(2, 5), capture=DEV.type == "cuda")
+    graphs.pad = True  # as on a GPU: two sequences in the graph of four, two padding rows
     if splits is not None and DEV.type == "cpu":
+        graphs._make_inputs(4, k)
         graphs._splits[(4, k)] = splits
     ks = [k, k - 1]  # the second sequence proposes one draft fewer: its last row must write nothing
     before = [(c.clone(), v.clone()) for c, v in caches]
-    x, logits = graphs.run([0, 1], ks, tables, k)  # two sequences in the graph of four: two padding rows
+    x, logits = graphs.run([0, 1], ks, tables, k)
     logits = logits.view(2, k + 1, VOCAB)
     assert x.seq_lens[:2].tolist() == lens and x.num_drafts[:2].tolist() == ks
     ref = _runner(model, TorchOps(), ref_caches)

@@ -69,8 +69,15 @@ class CodeEditTask:
 
     @property
     def prompt(self) -> str:
-        return (f"Here is `{self.filename}`:\n\n```{self.language}\n{self.file}```\n\n{self.instruction} Reply with "
-                "the whole updated file in one code block and nothing else.")
+        """The user's message: the edit, the file, and the request to hand all of it back."""
+        return (f"{self.instruction} (`{self.filename}`)\n\n```{self.language}\n{self.file}```\n\n"
+                "Rewrite the whole file with this change. Keep every other line exactly as it is.")
+
+    @property
+    def answer_prefix(self) -> str:
+        """The start of the assistant's turn (after the chat template's generation prompt): the opened code block.
+        SmolLM2-135M then copies the file (75% of its lines in a 150-token sample) instead of describing it."""
+        return f"```{self.language}\n"
 
 
 def code_edit_tasks() -> list[CodeEditTask]:

@@ -106,12 +106,15 @@ def exact_prompt(tokenizer: Any, n_tokens: int, head: str) -> tuple[str, list[in
 def build_requests(tokenizer: Any, w: Workload, *, repeat: int | str) -> list[BenchRequest]:
     """The requests of one run of `w` (the repeat index makes each run's prompts distinct)."""
     out = []
-    chats = [t.prompt for t in code_edit_tasks()] if w.source == "code-edit" else chat_prompts()
+    edits = code_edit_tasks() if w.source == "code-edit" else []
+    chats = [t.prompt for t in edits] or chat_prompts()
     for i in range(w.num_requests):
         head = f"Request {repeat}-{i}."
         if w.mixed:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": f"{head} {chats[i % len(chats)]}"}], add_generation_prompt=True)
+            if edits:  # the answer opens the code block: the model hands the file back
+                text += edits[i % len(edits)].answer_prefix
             ids = tokenizer.encode(text, add_special_tokens=False)
             n_out = w.output_tokens if w.source == "code-edit" else min(
                 w.output_tokens, _CHAT_OUTPUT_LENGTHS[i % len(_CHAT_OUTPUT_LENGTHS)])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from envex.kernels.ops import AttentionMetadata
+from envex.runtime.engine.drafters import SpecInputs
 from envex.runtime.engine.model_runner import fill_pending
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -170,8 +171,6 @@ class SpecGraphs:
 
     def __init__(self, runner, spec, drafter, *, sizes: tuple[int, ...], ks: tuple[int, ...],
                  capture: bool = True) -> None:  # fmt: skip
-        from envex.runtime.engine.drafters import SpecInputs
-
         self.runner, self.spec, self.drafter = runner, spec, drafter
         self.device = runner.device
         self.block_size = runner.block_size
@@ -185,20 +184,14 @@ class SpecGraphs:
         self._packed: dict[tuple[int, int], torch.Tensor] = {}
         self._cu: dict[tuple[int, int], torch.Tensor] = {}
         self._splits: dict[tuple[int, int], int | None] = {}
-        for b in sizes:
-            for k in ks:
-                packed = torch.zeros(2, b, dtype=torch.int64, device=self.device)  # rows, k_limit: one upload
-                packed[0].fill_(spec.spare)
-                packed[1].fill_(-1)
-                self._packed[(b, k)] = packed
-                self._inputs[(b, k)] = SpecInputs(
-                    hist=spec.hist, lens=spec.lens, rows=packed[0], k_limit=packed[1],
-                    block_tables=torch.zeros(b, self.width, dtype=torch.int32, device=self.device),
-                    drafts=torch.zeros(b, k, dtype=torch.int64, device=self.device),
-                    num_drafts=torch.zeros(b, dtype=torch.int64, device=self.device),
-                )  # fmt: skip
-                self._cu[(b, k)] = torch.arange(0, (b + 1) * (k + 1), k + 1, dtype=torch.int32, device=self.device)
-                self._splits[(b, k)] = num_splits_for(b, kv_heads, self.max_model_len + k + 1, self.device)
+        self._kv_heads = kv_heads
+        # Eager steps (no capture) run their exact batch (buffers made when first needed); pad=True pads them to
+        # the ladder as the graphs do, padding rows included.
+        self.pad = self.capture
+        if self.capture:
+            for b in sizes:
+                for k in ks:
+                    self._make_inputs(b, k)
         if not drafter.in_verify_graph:
             draft_heads = drafter.runner.model_config.num_key_value_heads
             for b in sizes:
@@ -210,6 +203,20 @@ class SpecGraphs:
         self._logits: dict[tuple[int, int], torch.Tensor] = {}
         if self.capture:
             self._capture_all()
+
+    def _make_inputs(self, b: int, k: int) -> None:
+        packed = torch.zeros(2, b, dtype=torch.int64, device=self.device)  # rows, k_limit: one upload
+        packed[0].fill_(self.spec.spare)
+        packed[1].fill_(-1)
+        self._packed[(b, k)] = packed
+        self._inputs[(b, k)] = SpecInputs(
+            hist=self.spec.hist, lens=self.spec.lens, rows=packed[0], k_limit=packed[1],
+            block_tables=torch.zeros(b, self.width, dtype=torch.int32, device=self.device),
+            drafts=torch.zeros(b, k, dtype=torch.int64, device=self.device),
+            num_drafts=torch.zeros(b, dtype=torch.int64, device=self.device),
+        )  # fmt: skip
+        self._cu[(b, k)] = torch.arange(0, (b + 1) * (k + 1), k + 1, dtype=torch.int32, device=self.device)
+        self._splits[(b, k)] = num_splits_for(b, self._kv_heads, self.max_model_len + k + 1, self.device)
 
     def _draft(self, key: tuple[int, int]) -> None:
         x = self._inputs[key]
@@ -274,8 +281,10 @@ class SpecGraphs:
         batch = len(rows)
         if not self.fits(batch) or k not in self.ks:
             raise ValueError(f"batch {batch}, k {k}: no verify graph (batches 1..{self.sizes[-1]}, k in {self.ks})")
-        b = next(s for s in self.sizes if s >= batch)
+        b = next(s for s in self.sizes if s >= batch) if self.pad else batch
         key = (b, k)
+        if key not in self._inputs:
+            self._make_inputs(b, k)
         x = self._inputs[key]
         width = max(len(t) for t in block_tables)
         if width > self.width:

@@ -19,7 +19,6 @@ cost of a (batch, k) step, the k that maximises tokens per unit of step time, or
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -31,16 +30,6 @@ from envex.runtime.engine.sequence import Sequence, Status
 from envex.runtime.engine.types import SamplingParams
 
 K_LADDER = (1, 2, 4, 8, 16)
-# sampler.sampling_probs takes rows and their params (the batched sampler) or one row's settings (before it).
-_BATCHED_PROBS = "params" in inspect.signature(sampling_probs).parameters
-
-
-def _sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """logits [M, V] -> the distribution each row samples from, [M, V] (sampler.sampling_probs: total)."""
-    if _BATCHED_PROBS:
-        return sampling_probs(logits, params)  # type: ignore[call-arg]
-    return torch.stack([sampling_probs(row, p.temperature, p.top_k, p.top_p)  # type: ignore[call-arg]
-                        for row, p in zip(logits.float(), params, strict=True)])  # fmt: skip
 
 
 def k_ladder(max_k: int) -> tuple[int, ...]:
@@ -405,7 +394,7 @@ class SpecDecoder:
         try:
             idx = upload(sampled, torch.int64, logits.device)
             params = [seqs[i].params for i in sampled for _ in range(k1)]
-            probs = _sampling_probs(logits[idx].reshape(len(sampled) * k1, -1), params).view(len(sampled), k1, -1)
+            probs = sampling_probs(logits[idx].reshape(len(sampled) * k1, -1), params).view(len(sampled), k1, -1)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the batch
             return tokens, accepted, {i: _failure(seqs[i].params, exc) for i in sampled}
         shared = [j for j, i in enumerate(sampled) if seqs[i].generator is None]
