@@ -137,7 +137,8 @@ def tiny(tmp_path_factory) -> str:
 
 def _engine(model: str, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 160)  # the six prompts and their answers with room to spare (1 GiB by default)
-    return LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", max_model_len=256, **kw))
+    kw.setdefault("max_model_len", 256)
+    return LLMEngine(EngineConfig(model=model, load_format="dummy", device="cpu", **kw))
 
 
 def _prompts() -> list[list[int]]:
@@ -218,6 +219,17 @@ def test_joins_aborts_and_preemption_with_verify_steps_in_flight(tiny, plain_ans
     assert [c.token_ids for c in small.generate(_prompts(), GREEDY)] == plain_answers
     assert small.stats().preemptions_total > 0 and small.stats().spec_verify_steps_total > 0
     assert small.stats().kv_blocks_used == 0
+
+
+def test_answers_that_reach_the_end_of_the_context(tiny) -> None:
+    """max_tokens up to the last position: verify steps near the end draft only what fits, chained or not."""
+    prompts = [p[:40] for p in _prompts()]
+    params = [SamplingParams(max_tokens=96 - len(p), temperature=0.0, ignore_eos=True) for p in prompts]
+    want = [c.token_ids for c in _engine(tiny, max_model_len=96).generate(prompts, params)]
+    for overlap in (False, True):
+        engine = _engine(tiny, max_model_len=96, draft_model=tiny, num_speculative_tokens=8, async_scheduling=overlap)
+        assert [c.token_ids for c in engine.generate(prompts, params)] == want
+        assert engine.stats().kv_blocks_used == 0 and engine.stats().spec_tokens_per_step > 4.0
 
 
 def test_sampled_speculation_is_reproducible_and_stops(tiny) -> None:

@@ -90,7 +90,7 @@ def test_verify_step_equals_the_eager_reference(k: int, splits: int | None) -> N
               for _ in range(config.num_hidden_layers)]  # fmt: skip
     ref_caches = [(c.clone(), v.clone()) for c, v in caches]
     lens, tables = [10, 21], [[3, 7], [1, 5, 2, 9]]
-    hist = torch.zeros(3, MAX_LEN + 8 + 1, dtype=torch.int64, device=DEV)
+    hist = torch.zeros(3, MAX_LEN + 8 + 2, dtype=torch.int64, device=DEV)
     for row, n in enumerate(lens):
         hist[row, :n] = torch.randint(0, VOCAB, (n,), generator=g, device=DEV)
     spec = SimpleNamespace(hist=hist, lens=torch.tensor(lens + [2], device=DEV), spare=2, width=hist.shape[1])

@@ -176,8 +176,8 @@ class SpecGraphs:
         self.block_size = runner.block_size
         self.max_model_len = runner.max_model_len
         self.sizes, self.ks = sizes, ks
-        # Block-table columns for every position a row may touch, the drafts past max_model_len included.
-        self.width = -(-(self.max_model_len + max(ks) + 1) // self.block_size)
+        # Block-table columns for every key a row may read (SpecDecoder.width: up to max_model_len + k + 1).
+        self.width = -(-(self.max_model_len + max(ks) + 2) // self.block_size)
         self.capture = capture and self.device.type == "cuda"
         kv_heads = runner.model_config.num_key_value_heads
         self._inputs: dict[tuple[int, int], SpecInputs] = {}

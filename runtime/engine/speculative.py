@@ -244,7 +244,9 @@ class SpecDecoder:
         self.ks = k_ladder(max_k)
         self.max_batch = min(max_batch, max_num_seqs)
         self.max_model_len = runner.max_model_len
-        self.width = self.max_model_len + max_k + 1  # a row holds every position a verify step may write
+        # A row holds every position a verify step may write: a sequence the host has not yet seen finish at
+        # max_model_len may have one more step chained (its length max_model_len + 2 at most), plus k + 1 tokens.
+        self.width = self.max_model_len + max_k + 2
         spare = max_num_seqs  # padding rows of a graph read this row
         self.hist = torch.zeros(max_num_seqs + 1, self.width, dtype=torch.int64, device=self.device)
         self.lens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -332,8 +334,6 @@ class SpecDecoder:
         """Before a verify step launched from host-known state: give each sequence a row of hist holding all its
         known tokens and lens = its length (uploads only what the device lacks); the drafter catches up.
         False (nothing launched) when rows run out."""
-        index: list[int] = []
-        values: list[int] = []
         for seq in seqs:
             state = self.state(seq)
             if state.row is None:
@@ -341,6 +341,11 @@ class SpecDecoder:
                 if row is None:
                     return False
                 state.row, state.synced = row, 0
+        index: list[int] = []
+        values: list[int] = []
+        for seq in seqs:
+            state = self.state(seq)
+            assert state.row is not None
             tokens = seq.all_token_ids
             base = state.row * self.width
             index.extend(range(base + state.synced, base + len(tokens)))
