@@ -110,10 +110,12 @@ class SpecState:
     draft_valid: int = 0  # leading positions whose draft-model K/V are valid
     pending_max: int = 0  # tokens the launched-but-unread verify steps may still append (1 + k each)
     on: bool = False  # speculating (hysteresis of DepthController)
-    hits: float = 1.0  # decayed sums: drafts accepted, drafts tried, steps with a proposal, steps (prior: 1, 2)
+    # Decayed sums: drafts accepted, drafts tried, steps with a proposal, steps; the prior is
+    # DepthController.start's.
+    hits: float = 1.0
     trials: float = 2.0
-    proposed: float = 1.0
-    steps: float = 1.0
+    proposed: float = 2.0
+    steps: float = 2.0
     plain_steps: int = 0  # steps since it last speculated (probing, for drafters without a shadow)
     shadow: NgramIndex | None = None  # the host's n-gram index over its known tokens
 
@@ -154,11 +156,12 @@ class StepCosts:
 class DepthController:
     """k per request: with per-draft acceptance a and proposal rate r (decayed averages), k drafts add
     r * (a + a^2 + ... + a^k) tokens per step at cost(batch, k); it picks the ladder k with the most tokens per
-    unit of time, and none unless that beats plain decoding by `enter` (staying on down to `stay`, so a request
-    does not flap between the two: each switch costs the overlap one step)."""
+    unit of time, and none unless that beats plain decoding by `enter` (10%; staying on down to `stay`, 2%, so a
+    request does not flap between the two: each switch costs the overlap one step, and an estimate near break-even
+    gains nothing anyway)."""
 
     def __init__(self, ks: tuple[int, ...], costs: StepCosts, *, max_batch: int, decay: float = 0.9,
-                 enter: float = 1.05, stay: float = 1.0, probe_every: int = 32, shadow: bool) -> None:  # fmt: skip
+                 enter: float = 1.1, stay: float = 1.02, probe_every: int = 32, shadow: bool) -> None:  # fmt: skip
         self.ks, self.costs, self.max_batch = ks, costs, max_batch
         self.decay, self.enter, self.stay, self.probe_every, self.shadow = decay, enter, stay, probe_every, shadow
 
@@ -187,6 +190,14 @@ class DepthController:
             return 0
         state.on = True
         return best_k
+
+    def start(self) -> SpecState:
+        """A new request's state. With a shadow (n-gram lookup), a request starts off and the host index turns it
+        on once the answer repeats its context (a few tokens: chat answers never pay the wider steps); without
+        one (a draft model, which usually agrees with the target), it starts on at a per-draft acceptance of 1/2."""
+        if self.shadow:
+            return SpecState(hits=0.8, trials=4.0, proposed=2.0, steps=4.0)  # a = 0.2, r = 0.5, as four steps
+        return SpecState()
 
     def observe_step(self, state: SpecState, proposed: int, accepted: int) -> None:
         d = self.decay
@@ -264,7 +275,7 @@ class SpecDecoder:
 
     def state(self, seq: Sequence) -> SpecState:
         if seq.spec is None:
-            seq.spec = SpecState()
+            seq.spec = self.controller.start()
         state = seq.spec
         if self.controller.shadow and state.shadow is None:  # built from the known tokens (a pending one joins later)
             state.shadow = NgramIndex()
