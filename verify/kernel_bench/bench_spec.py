@@ -134,6 +134,7 @@ def bench_graphs(context: int, shape: dict, device: str) -> dict:
     return {"context": context, "capture_s": capture_s, "rows": rows}
 
 
+@torch.inference_mode()
 def _ngram_ms(graphs, b: int) -> float:
     """The device n-gram drafter alone (k = 8, its 2048-token window), as captured inside the verify graph."""
     x = graphs._inputs[(b, max(DEPTHS))]
