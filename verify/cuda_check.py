@@ -75,6 +75,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=None,
                         help="cap every prompt set of the suite at N (prompts, texts, tasks, needle lengths)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens for the capital-of-France answer")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the engine in deterministic mode (batch-invariant kernels; offline_docs/engine.md)")
     parser.add_argument("--bench", action="store_true", help="also run the benchmark harness (envex vs HF)")
     parser.add_argument("--repeats", type=int, default=4, help="benchmark repeats (with --bench)")
     args = parser.parse_args(argv)
@@ -182,7 +184,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 summary["model_sha256"] = sha256_file(Path(model))
         cuda = args.device == "cuda"
         config = EngineConfig(model=model, device=args.device, dtype="bfloat16" if cuda else "float32",
-                              backend="triton" if cuda else "torch", use_cuda_graphs=True)
+                              backend="triton" if cuda else "torch", use_cuda_graphs=True,
+                              deterministic=args.deterministic)
         summary["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
         save("loading engine")
         t = time.perf_counter()
