@@ -25,6 +25,16 @@ def add_rms_norm(
     return rms_norm(h, weight, eps), h
 
 
+def all_reduce_add_rms_norm(parts: list[torch.Tensor], residual: torch.Tensor | None, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Tensor parallelism's reduce-then-norm: (rms_norm(sum(parts) + residual), sum(parts) + residual), the sum
+    over ranks in rank order; residual None: no add."""
+    total = torch.stack(parts).sum(0)
+    if residual is None:
+        return rms_norm(total, weight, eps), total
+    return add_rms_norm(total, residual, weight, eps)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """SwiGLU activation on a fused gate-up output: silu(x[:, :I]) * x[:, I:]."""
     inter = x.shape[-1] // 2

@@ -1,0 +1,104 @@
+"""The one-shot all-reduce kernels (kernels/allreduce.py) under the interpreter: one process plays every rank, with
+ordinary CPU tensors standing in for the peers' buffers and flag pads."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels import allreduce  # noqa: E402
+from envex.kernels import reference as ref  # noqa: E402
+from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+class FakePeers:
+    """What symmetric memory gives each rank: W buffers and W pads, and tables of their addresses."""
+
+    def __init__(self, world: int, elems: int, dtype: torch.dtype) -> None:
+        self.bufs = [torch.full((elems,), float("nan"), dtype=dtype, device=DEV) for _ in range(world)]
+        self.pads = [torch.zeros(2, allreduce.MAX_PROGRAMS, allreduce.MAX_WORLD, dtype=torch.int32, device=DEV)
+                     for _ in range(world)]  # fmt: skip
+        self.buf_ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64, device=DEV)
+        self.pad_ptrs = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64, device=DEV)
+        self.elems = elems
+
+    def stage(self, parts: list[torch.Tensor], skip: int) -> None:
+        """The peers' step 1 (their shares copied in), done for every rank but `skip`, the one the kernel plays."""
+        for r, part in enumerate(parts):
+            if r != skip:
+                self.bufs[r][: part.numel()].copy_(part.reshape(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world,n", [(2, 1), (2, 1000), (3, 4097), (4, 70000), (8, 300)])
+def test_one_shot_all_reduce_sums_every_rank(dtype: torch.dtype, world: int, n: int) -> None:
+    parts = [torch.randn(n, device=DEV).to(dtype) for _ in range(world)]
+    peers = FakePeers(world, n + 5, dtype)
+    want = torch.stack(f64(*parts)).sum(0)
+    outs = []
+    for rank in range(world):
+        peers.stage(parts, skip=rank)
+        outs.append(allreduce.one_shot_all_reduce(parts[rank], peers.buf_ptrs, peers.pad_ptrs, rank,
+                                                  buffer_elems=peers.elems, sync=False))  # fmt: skip
+        assert torch.equal(peers.bufs[rank][:n], parts[rank]), "a rank's share must be in its own buffer"
+    for out in outs:
+        assert out.dtype == dtype and out.shape == (n,)
+        assert_close("one_shot_all_reduce", out, want, dtype)
+        assert torch.equal(out, outs[0]), "every rank must get the same bits (rank-order sum)"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("world,tokens,hidden", [(2, 1, 64), (2, 5, 96), (4, 3, 1000), (2, 70, 32)])
+def test_fused_all_reduce_add_rms_norm(dtype: torch.dtype, residual: bool, world: int, tokens: int,
+                                       hidden: int) -> None:  # fmt: skip
+    parts = [torch.randn(tokens, hidden, device=DEV).to(dtype) for _ in range(world)]
+    res = torch.randn(tokens, hidden, device=DEV).to(dtype) if residual else None
+    w = torch.randn(hidden, device=DEV).to(dtype)
+    peers = FakePeers(world, tokens * hidden, dtype)
+    want_out, want_sum = ref.all_reduce_add_rms_norm(f64(*parts), *f64(res) if res is not None else [None],
+                                                     *f64(w), 1e-5)  # fmt: skip
+    for rank in range(world):
+        peers.stage(parts, skip=rank)
+        out, total = allreduce.one_shot_all_reduce_add_rms_norm(parts[rank], res, w, 1e-5, peers.buf_ptrs,
+                                                                peers.pad_ptrs, rank, buffer_elems=peers.elems,
+                                                                sync=False)  # fmt: skip
+        assert_close("fused.out", out, want_out, dtype)
+        assert_close("fused.sum", total, want_sum, dtype)
+
+
+def test_barrier_posts_to_peers_and_consumes_its_own_flags() -> None:
+    """Rank 1 of 3 with its peers' flags already posted (both barriers): the launch consumes each of them and posts
+    its own flag, per program, into both peers' pads. (Run alone it would otherwise spin: that is the protocol.)"""
+    world, n, rank = 3, 3000, 1
+    parts = [torch.randn(n, device=DEV) for _ in range(world)]
+    peers = FakePeers(world, n, torch.float32)
+    peers.stage(parts, skip=rank)
+    programs = 3  # tiles of 1024 elements
+    for q in (0, 2):
+        peers.pads[rank][:, :programs, q] = 1
+    out = allreduce.one_shot_all_reduce(parts[rank], peers.buf_ptrs, peers.pad_ptrs, rank, buffer_elems=n)
+    assert_close("synced all-reduce", out, torch.stack(f64(*parts)).sum(0), torch.float32)
+    assert int(peers.pads[rank].abs().sum()) == 0, "every flag posted to this rank must be consumed"
+    for q in (0, 2):
+        posted = peers.pads[q][:, :, rank]
+        assert posted[:, :programs].eq(1).all() and posted[:, programs:].eq(0).all()
+        assert int(peers.pads[q].sum()) == 2 * programs, "only this rank's flags, for its own programs"
+
+
+def test_rejects_bad_input() -> None:
+    peers = FakePeers(2, 16, torch.float32)
+    x = torch.randn(32, device=DEV)
+    with pytest.raises(ValueError, match="peer buffer"):
+        allreduce.one_shot_all_reduce(x, peers.buf_ptrs, peers.pad_ptrs, 0, buffer_elems=16)
+    with pytest.raises(ValueError, match="rank: 2"):
+        allreduce.one_shot_all_reduce(x[:8], peers.buf_ptrs, peers.pad_ptrs, 2, buffer_elems=16)
+    with pytest.raises(ValueError, match="weight: length"):
+        allreduce.one_shot_all_reduce_add_rms_norm(x[:16].view(2, 8), None, torch.randn(4, device=DEV), 1e-5,
+                                                   peers.buf_ptrs, peers.pad_ptrs, 0, buffer_elems=16)  # fmt: skip
