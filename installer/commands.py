@@ -80,6 +80,8 @@ def serve(
         help="speculative decoding: the most drafts verified per step (0: off; n-gram lookup without a draft model)",
     )] = 0,
     deterministic: DeterministicOpt = False,
+    tensor_parallel: Annotated[int, typer.Option(
+        "--tensor-parallel", min=1, help="split the model over this many GPUs of this host (one process each)")] = 1,
 ) -> None:
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
     from envex.runtime.server.serve import serve as run_server
@@ -88,6 +90,9 @@ def serve(
     if launch is not None and deterministic:
         raise fail("--deterministic: a release serves the settings its gates passed with (launch.json's "
                    "`deterministic`); drop the flag or install with it")
+    if launch is not None and tensor_parallel != 1:
+        raise fail("--tensor-parallel: a release serves the degree its plan chose and its gates passed with "
+                   "(launch.json's engine.tensor_parallel); drop the flag or install again")
     if launch is not None and (draft_model is not None or speculative_tokens):
         raise fail("--draft-model/--speculative-tokens: a release serves the settings of its launch.json "
                    "(engine.draft_model, engine.num_speculative_tokens); drop the flags or install with them")
@@ -102,7 +107,7 @@ def serve(
         extra_routers = admin_routers_for_launch(launch)  # /admin for the release's prefix
     else:
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,
-                               deterministic=deterministic,
+                               deterministic=deterministic, tensor_parallel=tensor_parallel,
                                draft_model=draft_model, num_speculative_tokens=speculative_tokens)
     try:
         run_server(config, host=host, port=port, api_key=api_key, extra_routers=extra_routers)

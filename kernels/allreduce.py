@@ -133,8 +133,16 @@ def _check_tables(buf_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, dev
     return world
 
 
-def one_shot_all_reduce(x: torch.Tensor, buf_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, *,
-                        buffer_elems: int, sync: bool = True, out: torch.Tensor | None = None) -> torch.Tensor:
+def one_shot_all_reduce(
+    x: torch.Tensor,
+    buf_ptrs: torch.Tensor,
+    pad_ptrs: torch.Tensor,
+    rank: int,
+    *,
+    buffer_elems: int,
+    sync: bool = True,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The sum over ranks of x (contiguous, any shape), as every rank's copy of it. buffer_elems: the capacity of
     each rank's buffer in x's dtype. sync=False skips the barriers (tests, where one process plays every rank)."""
     world = _check_tables(buf_ptrs, pad_ptrs, rank, x.device)

@@ -124,15 +124,37 @@ class MoEWeights:
         return self.down_blocks, self.down_scales
 
 
+class Communicator(Protocol):
+    """Tensor parallelism's collectives (envex.runtime.parallel.comm): every rank calls each one in the same order
+    with the same shapes, eagerly or inside the same captured graph."""
+
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x, as a new tensor (the same bits on every rank)."""
+        ...
+
+    def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+        """(rms_norm(all_reduce(x) + residual), all_reduce(x) + residual) in one pass, or None where this size
+        has no fused path (the caller then reduces and norms separately)."""
+        ...
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, D] on each rank -> [N, W * D], rank r's columns at r * D."""
+        ...
+
+
 class Ops(Protocol):
     """The fused entry points a model file calls. Shapes: x [T, H]; residual [T, H] or None (the first layer)."""
 
     name: str
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(linear(rms_norm(x + residual)), x + residual); with residual None, (linear(rms_norm(x)), x)."""
+        """(linear(rms_norm(x + residual)), x + residual); with residual None, (linear(rms_norm(x)), x).
+        comm: x is this rank's partial sum (a row-parallel projection's output): it is all-reduced first."""
         ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -180,8 +202,10 @@ class TorchOps:
         self._linear = reference.linear_invariant if deterministic else F.linear
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if comm is not None:
+            x = comm.all_reduce(x)
         if residual is None:
             normed, residual = reference.rms_norm(x, norm_weight, eps), x
         else:

@@ -33,7 +33,14 @@ from envex.kernels import (
     norm,
     rotary,
 )
-from envex.kernels.ops import NO_INVARIANT_MOE, AttentionLayer, AttentionMetadata, MoEWeights, split_qkv
+from envex.kernels.ops import (
+    NO_INVARIANT_MOE,
+    AttentionLayer,
+    AttentionMetadata,
+    Communicator,
+    MoEWeights,
+    split_qkv,
+)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -54,8 +61,16 @@ class TritonOps:
         return x.shape[0] == 1  # above one row, cuBLAS beats re-reading the weight per row
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if comm is not None:
+            # One row: reduce alone, the GEMV folds the add and the norm into its weight pass anyway. More rows:
+            # the reduce, the add and the norm in one pass over the peers' rows where the size allows.
+            fused = None if self._gemv(x) else comm.all_reduce_add_rms_norm(x, residual, norm_weight, eps)
+            if fused is not None:
+                normed, residual = fused
+                return self.linear(normed, weight, bias), residual
+            x = comm.all_reduce(x)
         if self.deterministic:
             return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
         if self._gemv(x):

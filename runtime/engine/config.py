@@ -55,6 +55,9 @@ class EngineConfig:
     # Batch-invariant kernels: a sequence's tokens do not depend on its batch, its place in it, prefix-cache hits,
     # chunk boundaries, preemption or overlap (offline_docs/engine.md). Off by default: its cost is in benchmarks.md.
     deterministic: bool = False
+    # Tensor parallelism: the model split over this many GPUs of one host, one process each (rank 0 is this
+    # process: scheduler, sampler, server; runtime/parallel/). 1: one GPU holds the whole model.
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS),
@@ -74,15 +77,28 @@ class EngineConfig:
             raise ValueError(f"max_model_len: must be >= 2, got {self.max_model_len}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.98:
             raise ValueError(f"gpu_memory_utilization: must be in [0.05, 0.98], got {self.gpu_memory_utilization}")
+        if not 1 <= self.tensor_parallel <= MAX_TENSOR_PARALLEL:
+            raise ValueError(f"tensor_parallel: must be in 1..{MAX_TENSOR_PARALLEL} (GPUs of one host), got "
+                             f"{self.tensor_parallel}")  # fmt: skip
+        if self.tensor_parallel > 1 and (self.num_speculative_tokens or self.draft_model):
+            raise ValueError("tensor_parallel: speculative decoding does not run under tensor parallelism yet; drop "
+                             "--speculative-tokens/--draft-model or use --tensor-parallel 1")  # fmt: skip
+        if self.tensor_parallel > 1 and self.deterministic:
+            raise ValueError("tensor_parallel: deterministic mode does not run under tensor parallelism yet; drop "
+                             "--deterministic or use --tensor-parallel 1")  # fmt: skip
 
-    def resolved(self, *, window: int, cuda_available: bool) -> EngineConfig:
+    def resolved(self, *, window: int, cuda_available: bool, gpus: int | None = None) -> EngineConfig:
         """Every setting made concrete for this device and a model whose servable context is `window` tokens
         (model_window): the one place where defaults are decided. The engine runs on the result, and the
-        installer records it in launch.json (from the model card, without loading the weights)."""
+        installer records it in launch.json (from the model card, without loading the weights). gpus: how many
+        CUDA devices this process sees (None: not checked)."""
         if self.device == "cuda" and not cuda_available:
             raise ValueError("device: cuda was asked for but no CUDA device is visible; use --device cpu")
         device = ("cuda" if cuda_available else "cpu") if self.device == "auto" else self.device
         cuda = device == "cuda"
+        if cuda and gpus is not None and self.tensor_parallel > gpus:
+            raise ValueError(f"tensor_parallel: {self.tensor_parallel} GPUs asked for but {gpus} visible; lower "
+                             "--tensor-parallel")  # fmt: skip
         backend = ("triton" if cuda else "torch") if self.backend == "auto" else self.backend
         if backend == "triton" and not cuda:
             raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
@@ -114,6 +130,7 @@ class EngineConfig:
 
 
 _MAX_DEFAULT_LEN = 32768
+MAX_TENSOR_PARALLEL = 8  # the GPUs of one NVLink host (and the one-shot all-reduce's limit)
 
 
 def model_window(model: ModelConfig) -> int:

@@ -8,6 +8,9 @@ key-split count of decode attention is fixed per graph. Host work per step is a 
 inputs; sampling stays with the engine.
 
 All graphs share one memory pool (captured largest first), so the ladder costs about one step's activations.
+
+Under tensor parallelism every rank captures the same ladder (its collectives inside), rank 0 sends each step's
+batch, positions and block tables before it replays, and the others replay the same graph from them (`follow`).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class DecodeGraphs:
         self.max_blocks = -(-self.max_model_len // self.block_size)
         self.sizes = graph_ladder(max_batch)
         self.capture = capture and self.device.type == "cuda"
-        kv_heads = runner.model_config.num_key_value_heads
+        kv_heads = getattr(runner, "num_kv_heads", runner.model_config.num_key_value_heads)  # this rank's
+        self.parallel = getattr(runner, "parallel", None)
         self._inputs = {b: _Inputs(b, self.max_blocks, self.device) for b in self.sizes}
         self._splits = {b: num_splits_for(b, kv_heads, self.max_model_len, self.device) for b in self.sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -116,6 +120,9 @@ class DecodeGraphs:
         flat = [0] * (b * width)  # one host tensor for all tables: per-row tensors cost ~5 us each
         for row, t in enumerate(block_tables):
             flat[row * width : row * width + len(t)] = t
+        par = self.parallel
+        if par is not None and par.is_driver:
+            par.channel.send_graph([batch, width, *positions, *flat[: batch * width]])
         # Only the first `width` columns matter: kernels read a sequence's table up to its own length.
         x.input_ids.copy_(torch.tensor(input_ids + [0] * pad, dtype=torch.int64), non_blocking=True)
         x.positions.copy_(torch.tensor(positions + [0] * pad, dtype=torch.int64), non_blocking=True)
@@ -123,12 +130,20 @@ class DecodeGraphs:
         x.block_tables[:, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(b, width), non_blocking=True)
         if fill is not None:
             fill_pending(x.input_ids, *fill)
+        if par is not None:  # rank 0's ids (sampled on its device) into every rank's graph input
+            par.comm.broadcast(x.input_ids)
         if self.capture:
             self._graphs[b].replay()
             logits = self._logits[b]
         else:
             logits = self._forward(b)
         return logits[:batch]
+
+    def follow(self, data: list[int]) -> None:
+        """A tensor-parallel worker's replay of rank 0's step (workers.follow): [batch, width, positions, tables]."""
+        batch, width = data[0], data[1]
+        positions, flat = data[2 : 2 + batch], data[2 + batch :]
+        self.run([0] * batch, positions, [flat[r * width : (r + 1) * width] for r in range(batch)])
 
     def run_chunks(self, chunks, pending_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] float32 for a step of scheduled chunks if it is a pure decode step that fits, else None.

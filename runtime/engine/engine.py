@@ -23,6 +23,8 @@ from envex.runtime.engine.types import (
     TokenLogprob,
 )
 from envex.runtime.loader import load_model_info
+from envex.runtime.parallel.state import check_tensor_parallel
+from envex.runtime.parallel.workers import Workers
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,21 @@ class LLMEngine:
         loaded = load_model_info((config or EngineConfig()).model)
         # The one place where defaults become settings: everything below reads self.config only.
         self.config = config = (config or EngineConfig()).resolved(window=model_window(loaded.config),
-                                                                   cuda_available=torch.cuda.is_available())
+                                                                   cuda_available=torch.cuda.is_available(),
+                                                                   gpus=torch.cuda.device_count())  # fmt: skip
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_name or loaded.source.name
         self.source = loaded.source
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.max_model_len = config.max_model_len
-        self.runner, self.spec = build_runner(config, loaded)
+        # Tensor parallelism: this process is rank 0 (schedules, samples); workers hold the other shards.
+        self.workers: Workers | None = None
+        if config.tensor_parallel > 1:
+            check_tensor_parallel(loaded.config, config.tensor_parallel)
+            self.workers = Workers(config, config.tensor_parallel)
+        parallel = self.workers.state if self.workers is not None else None
+        self.runner, self.spec = build_runner(config, loaded, parallel=parallel)
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching  # off: window_kv.py
                                    and (self.runner.windows is None or self.runner.windows.prefix_caching))  # fmt: skip
@@ -107,6 +116,11 @@ class LLMEngine:
         finally:
             self.blocks.enable_prefix_caching = caching
         self.steps.counters = type(self.steps.counters)()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (also done at exit); the engine cannot step afterwards."""
+        if self.workers is not None:
+            self.workers.stop()
 
     @property
     def capacity(self) -> int:

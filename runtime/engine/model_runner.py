@@ -2,11 +2,17 @@
 
 The model file's forward is the only forward: eager steps call it directly, and on the triton backend a pure
 decode step replays a CUDA graph that captured the same forward (cuda_graphs.py).
+
+Under tensor parallelism every rank holds a ModelRunner over its shard. Rank 0's sends each step's host metadata
+once (an `EagerPlan`, or a decode graph's positions and block tables) over the step channel and broadcasts the
+input ids from its device (they may be tokens sampled there and never read by its host); the other ranks run the
+same plan or replay the same graph from it (runtime/parallel/workers.py), so no layer waits on a host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -19,6 +25,7 @@ from envex.runtime.engine.window_kv import WindowBlocks
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import model_class
 from envex.runtime.models.rope import rope_cos_sin
+from envex.runtime.parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -74,6 +81,46 @@ def fill_pending(input_ids: torch.Tensor, rows: list[int], src_rows: list[int], 
 
 
 @dataclass
+class EagerPlan:
+    """One eager step's host metadata, as every rank runs it. ids: pending tokens are 0 here (filled on rank 0's
+    device, then broadcast); tables: every sequence's block table padded to one width."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    q_lens: list[int]
+    seq_lens: list[int]
+    tables: list[list[int]]
+    ends: list[int]  # rows whose logits are wanted: the last row of each chunk that completes its sequence
+    prompt_rows: dict[int, tuple[int, int]]  # chunk index -> its rows (prompt logprobs)
+
+    def pack(self) -> list[int]:
+        """What rank 0 sends: sizes, then the lists (not the ids: those go from its device)."""
+        chunks, width = len(self.q_lens), len(self.tables[0])
+        rows = list(chain.from_iterable((i, a, b) for i, (a, b) in self.prompt_rows.items()))
+        return [chunks, len(self.positions), width, len(self.ends), len(self.prompt_rows), *self.positions,
+                *self.slots, *self.q_lens, *self.seq_lens, *chain.from_iterable(self.tables), *self.ends,
+                *rows]  # fmt: skip
+
+    @classmethod
+    def unpack(cls, data: list[int]) -> EagerPlan:
+        chunks, tokens, width, ends, prompts = data[:5]
+        at = 5
+
+        def take(n: int) -> list[int]:
+            nonlocal at
+            at += n
+            return data[at - n : at]
+
+        positions, slots, q_lens, seq_lens = take(tokens), take(tokens), take(chunks), take(chunks)
+        flat = take(chunks * width)
+        tables = [flat[i * width : (i + 1) * width] for i in range(chunks)]
+        end_rows, rows = take(ends), take(3 * prompts)
+        prompt_rows = {rows[j]: (rows[j + 1], rows[j + 2]) for j in range(0, len(rows), 3)}
+        return cls([0] * tokens, positions, slots, q_lens, seq_lens, tables, end_rows, prompt_rows)
+
+
+@dataclass
 class StepResult:
     # [N, V] float32: the last row of each chunk that completes its sequence, in chunk order
     logits: torch.Tensor
@@ -81,19 +128,25 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, *, extra_kv_bytes_per_block: int = 0) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, *, extra_kv_bytes_per_block: int = 0,
+                 parallel: ParallelState | None = None) -> None:  # fmt: skip
         """config: resolved (EngineConfig.resolved) for this device and model. extra_kv_bytes_per_block: what
-        another cache indexed by the same blocks costs per block (a draft model's), out of the same budget."""
+        another cache indexed by the same blocks costs per block (a draft model's), out of the same budget.
+        parallel: this rank of a tensor-parallel group (None: one device holds the whole model)."""
         self.extra_kv_bytes_per_block = extra_kv_bytes_per_block
         assert config.is_resolved and config.max_model_len is not None, "the engine passes a resolved config"
         self.config = config
         self.model_config: ModelConfig = loaded.config
-        self.device = torch.device(config.device)
+        self.parallel = parallel if parallel is not None and parallel.world_size > 1 else None
+        self.device = self.parallel.device if self.parallel is not None else torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.ops = make_ops(config.backend, self.device, deterministic=config.deterministic)
         mc = self.model_config
+        shard = self.parallel or ParallelState()
+        self.num_kv_heads = shard.kv_heads(mc)  # this rank's KV heads: what its cache holds
         with torch.no_grad():
-            self.model = model_class(mc)(mc, dtype=self.dtype, device=self.device)
+            extra = {"parallel": self.parallel} if self.parallel is not None else {}
+            self.model = model_class(mc)(mc, dtype=self.dtype, device=self.device, **extra)
             if config.load_format == "dummy":
                 dummy_weights(self.model, config.seed)
             else:
@@ -107,7 +160,7 @@ class ModelRunner:
         # Sliding-window layers (gpt-oss) keep their K/V in a pool sized for their windows (window_kv.py).
         self.windows = (WindowBlocks(config, mc, self.device, self.dtype, self.num_blocks)
                         if any(w is not None for w in mc.layer_windows) else None)  # fmt: skip
-        shape = (self.num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
         self.kv_caches = [
             self.windows.caches[i] if self.windows is not None and i in self.windows.caches else
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -124,7 +177,7 @@ class ModelRunner:
         mc = self.model_config
         windowed = sum(w is not None for w in mc.layer_windows)  # in their own pool, reserved first
         reserved = WindowBlocks.bytes_for(self.config, mc, self.dtype) if windowed else 0
-        bytes_per_block = (2 * (mc.num_hidden_layers - windowed) * self.block_size * mc.num_key_value_heads
+        bytes_per_block = (2 * (mc.num_hidden_layers - windowed) * self.block_size * self.num_kv_heads
                            * mc.head_dim * torch.finfo(self.dtype).bits // 8) + self.extra_kv_bytes_per_block
         if self.config.num_kv_blocks is not None:
             blocks = self.config.num_kv_blocks
@@ -134,6 +187,8 @@ class ModelRunner:
             blocks = int(budget // bytes_per_block)
         else:
             blocks = int((self.config.kv_cache_memory_gb * 2**30 - reserved) // bytes_per_block)
+        if self.parallel is not None:  # rank 0's block manager hands out ids every rank must hold
+            blocks = self.parallel.min_across(blocks)
         needed = -(-self.max_model_len // self.block_size)
         if blocks < needed:
             raise ValueError(
@@ -165,54 +220,68 @@ class ModelRunner:
         slots: list[int] = []
         fill_at: list[int] = []  # rows of `ids` whose token is pending on the device
         fill_from: list[int] = []
+        ends: list[int] = []
+        prompt_rows: dict[int, tuple[int, int]] = {}
         bs = self.block_size
-        for c in chunks:
+        for i, c in enumerate(chunks):
             tokens = c.seq.all_token_ids[c.start:c.start + c.num_tokens]
             if len(tokens) < c.num_tokens:  # the chunk ends on the sequence's pending token
                 assert pending_tokens is not None and len(tokens) == c.num_tokens - 1, "pending token without source"
                 fill_at.append(len(ids) + len(tokens))
                 fill_from.append(c.seq.pending_row)
                 tokens = tokens + [0]
+            if c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids):
+                prompt_rows[i] = (len(ids), len(ids) + c.num_tokens)
             ids.extend(tokens)
+            if c.completes:
+                ends.append(len(ids) - 1)
             for p in range(c.start, c.start + c.num_tokens):
                 positions.append(p)
                 slots.append(c.seq.block_table[p // bs] * bs + p % bs)
+        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        tables = [c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks]
+        plan = EagerPlan(ids, positions, slots, [c.num_tokens for c in chunks],
+                         [c.start + c.num_tokens for c in chunks], tables, ends, prompt_rows)  # fmt: skip
         input_ids = upload(ids, torch.int64, self.device)
         if fill_at:
             assert pending_tokens is not None
             fill_pending(input_ids, fill_at, fill_from, pending_tokens)
-        q_lens = [c.num_tokens for c in chunks]
-        seq_lens = [c.start + c.num_tokens for c in chunks]
-        max_blocks = max(len(c.seq.block_table) for c in chunks)
+        return self.run_plan(plan, input_ids)
+
+    def run_plan(self, plan: EagerPlan, input_ids: torch.Tensor | None = None) -> StepResult:
+        """Run an eager step. Under tensor parallelism rank 0 (with input_ids) first sends the plan and its ids to
+        the other ranks, which call this without ids (workers.follow)."""
+        par = self.parallel
+        if par is not None:
+            assert par.comm is not None and par.channel is not None
+            if par.is_driver:
+                par.channel.send_eager(plan.pack())
+            else:
+                input_ids = torch.empty(len(plan.positions), dtype=torch.int64, device=self.device)
+            assert input_ids is not None
+            par.comm.broadcast(input_ids)
+        assert input_ids is not None
+        q_lens, seq_lens = plan.q_lens, plan.seq_lens
         cu = [0]
         for n in q_lens:
             cu.append(cu[-1] + n)
         meta = AttentionMetadata(
-            positions=upload(positions, torch.int64, self.device),
-            slot_mapping=upload(slots, torch.int64, self.device),
+            positions=upload(plan.positions, torch.int64, self.device),
+            slot_mapping=upload(plan.slots, torch.int64, self.device),
             cu_seqlens_q=upload(cu, torch.int32, self.device),
-            block_tables=upload([c.seq.block_table + [0] * (max_blocks - len(c.seq.block_table)) for c in chunks],
-                                torch.int32, self.device),
+            block_tables=upload(plan.tables, torch.int32, self.device),
             cos=self.cos, sin=self.sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
             seq_lens=upload(seq_lens, torch.int32, self.device), q_lens_host=q_lens, seq_lens_host=seq_lens,
         )  # fmt: skip
         if self.windows is not None:
             meta = self.windows.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
-        ends, prompt_rows = [], {}
-        offset = 0
-        for i, c in enumerate(chunks):
-            if c.seq.params.prompt_logprobs is not None and c.start < len(c.seq.prompt_token_ids):
-                prompt_rows[i] = (offset, offset + c.num_tokens)
-            offset += c.num_tokens
-            if c.completes:
-                ends.append(offset - 1)
         logits = hidden.new_zeros((0, 0))
-        if ends:
-            rows = upload(ends, torch.int64, self.device)
+        if plan.ends:
+            rows = upload(plan.ends, torch.int64, self.device)
             logits = self.model.compute_logits(self.ops, hidden[rows], residual[rows]).float()
         prompt_logits = {
             i: self.model.compute_logits(self.ops, hidden[a:b], residual[a:b]).float()
-            for i, (a, b) in prompt_rows.items()
+            for i, (a, b) in plan.prompt_rows.items()
         }
         return StepResult(logits=logits, prompt_logits=prompt_logits)

@@ -446,10 +446,11 @@ def _failure(params: SamplingParams, exc: Exception) -> str:
 _TOKENIZER_PROBE = "def f(x):\n    return [x, 'ü', 1.5e-3]  # Grüße, 世界"
 
 
-def build_runner(config, loaded):  # (EngineConfig, LoadedModel) -> (ModelRunner, SpecDecoder | None)
+def build_runner(config, loaded, parallel=None):  # (EngineConfig, LoadedModel, ParallelState | None) -> ...
     """The target's ModelRunner and, when speculation is on, its SpecDecoder with the configured drafter. A draft
     model's KV cache takes its share of the same memory budget (the target gets fewer blocks) and the same block
-    count, so both caches are addressed by the target's block tables."""
+    count, so both caches are addressed by the target's block tables. parallel: rank 0 of a tensor-parallel group
+    (EngineConfig refuses speculation with it)."""
     from dataclasses import replace
 
     from envex.runtime.engine.drafters import DraftModelDrafter
@@ -457,7 +458,7 @@ def build_runner(config, loaded):  # (EngineConfig, LoadedModel) -> (ModelRunner
     from envex.runtime.loader import load_model_info
 
     if not config.num_speculative_tokens:
-        return ModelRunner(config, loaded), None
+        return ModelRunner(config, loaded, parallel=parallel), None
     drafter: Drafter
     if config.draft_model is None:
         runner = ModelRunner(config, loaded)

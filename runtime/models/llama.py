@@ -3,6 +3,11 @@
 Parameters keep HF's names, except that q/k/v and gate/up are packed into one matrix each (one matmul instead
 of three or two); `packed_modules` maps the HF names onto their shard, so weights load by name with no
 conversion step.
+
+Under tensor parallelism (a ParallelState of W ranks) each rank holds its Megatron shard, cut from the HF tensors
+as they load (`_rank_slice`; the rules are in runtime/parallel/state.py): its query and KV heads, its part of the
+MLP, the matching input columns of O and down, and its range of the vocabulary. The forward is the same; the norms
+reduce the partial sums (`comm`) and the LM head's logits are gathered.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from torch import nn
 from envex.kernels.ops import AttentionLayer, AttentionMetadata, Ops
 from envex.runtime.config import ModelConfig
 from envex.runtime.models.rope import rope_cos_sin
+from envex.runtime.parallel.state import ParallelState
 
 __all__ = ["LlamaForCausalLM", "rope_cos_sin"]  # rope_cos_sin lives in models/rope.py, shared by every model
 
@@ -24,34 +30,38 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, parallel: ParallelState) -> None:
         super().__init__()
-        c = config
+        c, p = config, parallel
         self.eps = c.rms_norm_eps
-        qkv_out = c.q_size + 2 * c.kv_size
+        heads, kv_heads, inter = p.heads(c), p.kv_heads(c), p.intermediate(c)  # this rank's share
+        q_size, kv_size = heads * c.head_dim, kv_heads * c.head_dim
+        qkv_out = q_size + 2 * kv_size
         self.input_layernorm_weight = _param(c.hidden_size, dtype=dtype, device=device)
         self.post_attention_layernorm_weight = _param(c.hidden_size, dtype=dtype, device=device)
         self.qkv_proj_weight = _param(qkv_out, c.hidden_size, dtype=dtype, device=device)
         self.qkv_proj_bias = _param(qkv_out, dtype=dtype, device=device) if c.attention_bias else None
-        self.o_proj_weight = _param(c.hidden_size, c.q_size, dtype=dtype, device=device)
+        self.o_proj_weight = _param(c.hidden_size, q_size, dtype=dtype, device=device)
         self.q_norm_weight = _param(c.head_dim, dtype=dtype, device=device) if c.qk_norm else None
         self.k_norm_weight = _param(c.head_dim, dtype=dtype, device=device) if c.qk_norm else None
-        self.gate_up_proj_weight = _param(2 * c.intermediate_size, c.hidden_size, dtype=dtype, device=device)
-        self.down_proj_weight = _param(c.hidden_size, c.intermediate_size, dtype=dtype, device=device)
-        self.attn = AttentionLayer(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
-                                   head_dim=c.head_dim, scale=c.head_dim**-0.5, q_norm=self.q_norm_weight,
-                                   k_norm=self.k_norm_weight, norm_eps=c.rms_norm_eps)  # fmt: skip
+        self.gate_up_proj_weight = _param(2 * inter, c.hidden_size, dtype=dtype, device=device)
+        self.down_proj_weight = _param(c.hidden_size, inter, dtype=dtype, device=device)
+        self.attn = AttentionLayer(num_heads=heads, num_kv_heads=kv_heads, head_dim=c.head_dim,
+                                   scale=c.head_dim**-0.5, q_norm=self.q_norm_weight, k_norm=self.k_norm_weight,
+                                   norm_eps=c.rms_norm_eps)  # fmt: skip
+        # O and down give partial sums under tensor parallelism: the next norm reduces them.
+        self.comm = p.comm if p.world_size > 1 else None
 
     def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """hidden, residual [T, H] -> the MLP output and the residual stream before it (added by the next norm)."""
         qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
-                                        self.qkv_proj_weight, self.qkv_proj_bias)  # [T, q + 2kv]
+                                        self.qkv_proj_weight, self.qkv_proj_bias, comm=self.comm)  # [T, q + 2kv]
         attn = ops.attention(qkv, *kv_cache, meta, self.attn)  # [T, q]
         hidden = ops.linear(attn, self.o_proj_weight)
         gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
-                                            self.gate_up_proj_weight)  # [T, 2I]
+                                            self.gate_up_proj_weight, comm=self.comm)  # [T, 2I]
         return ops.act_linear(gate_up, self.down_proj_weight), residual
 
 
@@ -62,31 +72,50 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState | None = None) -> None:  # fmt: skip
         super().__init__()
         self.config = config
-        self.embed_tokens_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(LlamaLayer(config, dtype, device) for _ in range(config.num_hidden_layers))
+        self.parallel = p = parallel or ParallelState()
+        self.comm = p.comm if p.world_size > 1 else None
+        vocab = p.vocab_rows(config)  # this rank's vocabulary rows (all of them on one rank)
+        self.embed_tokens_weight = _param(vocab, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(LlamaLayer(config, dtype, device, p) for _ in range(config.num_hidden_layers))
         self.norm_weight = _param(config.hidden_size, dtype=dtype, device=device)
         self.lm_head_weight = (
             self.embed_tokens_weight if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else _param(vocab, config.hidden_size, dtype=dtype, device=device)
         )
 
     def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """input_ids [T] -> (hidden, residual) [T, H] after the last layer, before the final norm; compute_logits
         takes the rows that need logits."""
-        hidden = self.embed_tokens_weight[input_ids]
+        hidden = self._embed(input_ids)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(ops, hidden, residual, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
         return hidden, residual
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, H]; under tensor parallelism zeros for ids outside this rank's rows (a partial sum that the
+        first norm reduces)."""
+        if self.comm is None:
+            return self.embed_tokens_weight[input_ids]
+        rows = self.embed_tokens_weight.shape[0]
+        local = input_ids - self.parallel.vocab_start(self.config)
+        mine = (local >= 0) & (local < rows)
+        hidden = self.embed_tokens_weight[local.clamp(0, rows - 1)]
+        return torch.where(mine[:, None], hidden, torch.zeros((), dtype=hidden.dtype, device=hidden.device))
+
     def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the given rows -> logits [N, V] in the model's dtype."""
-        return ops.norm_linear(hidden, residual, self.norm_weight, self.config.rms_norm_eps, self.lm_head_weight)[0]
+        logits = ops.norm_linear(hidden, residual, self.norm_weight, self.config.rms_norm_eps, self.lm_head_weight,
+                                 comm=self.comm)[0]  # fmt: skip
+        if self.comm is None:
+            return logits
+        return self.comm.all_gather(logits)[:, : self.config.vocab_size]  # [N, W * V/W] less the padding rows
 
     # ---- loading -------------------------------------------------------------------------------------------
 
@@ -112,11 +141,12 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def shard_slice(self, module: str, shard: int) -> slice:
-        c = self.config
+        c, p = self.config, self.parallel
         if module == "qkv_proj":
-            sizes = [c.q_size, c.kv_size, c.kv_size]
+            kv = p.kv_heads(c) * c.head_dim
+            sizes = [p.heads(c) * c.head_dim, kv, kv]
         else:
-            sizes = [c.intermediate_size, c.intermediate_size]
+            sizes = [p.intermediate(c), p.intermediate(c)]
         start = sum(sizes[:shard])
         return slice(start, start + sizes[shard])
 
@@ -132,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"weights: unexpected tensor {name!r} for {self.config.architecture}")
             param, shard = target
+            tensor = self._rank_slice(name, tensor)
             if shard is not None:
                 module = "qkv_proj" if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") else "gate_up_proj"
                 param = param[self.shard_slice(module, shard)]
@@ -145,6 +176,31 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"weights: {len(missing)} tensors missing, e.g. {missing[:3]}; the checkpoint is incomplete"
             )
+
+    def _rank_slice(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of an HF tensor (the whole tensor on one rank)."""
+        c, p = self.config, self.parallel
+        if p.world_size == 1:
+            return tensor
+        d = c.head_dim
+        module = hf_name.split(".")[-2]
+        if hf_name in ("model.embed_tokens.weight", "lm_head.weight"):
+            rows, start = p.vocab_rows(c), p.vocab_start(c)
+            part = tensor[start : start + rows]
+            if part.shape[0] < rows:  # the last rank's padding rows: zero, their logits are cut off
+                part = torch.cat([part, part.new_zeros(rows - part.shape[0], *part.shape[1:])])
+            return part
+        if module == "q_proj":  # column-parallel by head (weight rows, and the bias)
+            return tensor.narrow(0, p.rank * p.heads(c) * d, p.heads(c) * d)
+        if module in ("k_proj", "v_proj"):
+            return tensor.narrow(0, p.kv_head_start(c) * d, p.kv_heads(c) * d)
+        if module in ("gate_proj", "up_proj"):
+            return tensor.narrow(0, p.rank * p.intermediate(c), p.intermediate(c))
+        if module == "o_proj":  # row-parallel: the input columns of this rank's heads
+            return tensor.narrow(1, p.rank * p.heads(c) * d, p.heads(c) * d)
+        if module == "down_proj":
+            return tensor.narrow(1, p.rank * p.intermediate(c), p.intermediate(c))
+        return tensor  # norms: replicated
 
     def expected_weight_names(self) -> set[str]:
         c = self.config

@@ -1,0 +1,144 @@
+"""Tensor parallelism on the CPU: the Megatron shards of a tiny random Llama (float32), and the engine over two
+processes (gloo) against one: the same greedy tokens, logits within float32 rounding."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from envex.runtime.config import ModelConfig
+from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from envex.runtime.models.llama import LlamaForCausalLM
+from envex.runtime.parallel import ParallelState, check_tensor_parallel
+from envex.verify.kernel_bench.bench_server import write_model_dir
+
+# vocab 101: two ranks get 51 rows each, the last one padded; kv heads 2 (split) or 1 (replicated on both ranks)
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=101, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=0,
+            torch_dtype="float32")  # fmt: skip
+
+
+def _hf_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    c, d = config, config.head_dim
+
+    def w(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+    out = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size),
+           "lm_head.weight": w(c.vocab_size, c.hidden_size),
+           "model.norm.weight": 1 + 0.2 * torch.randn(c.hidden_size, generator=g)}  # fmt: skip
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        out |= {p + "self_attn.q_proj.weight": w(c.num_attention_heads * d, c.hidden_size),
+                p + "self_attn.k_proj.weight": w(c.num_key_value_heads * d, c.hidden_size),
+                p + "self_attn.v_proj.weight": w(c.num_key_value_heads * d, c.hidden_size),
+                p + "self_attn.o_proj.weight": w(c.hidden_size, c.num_attention_heads * d),
+                p + "mlp.gate_proj.weight": w(c.intermediate_size, c.hidden_size),
+                p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
+                p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size),
+                p + "input_layernorm.weight": 1 + 0.2 * torch.randn(c.hidden_size, generator=g),
+                p + "post_attention_layernorm.weight": 1 + 0.2 * torch.randn(c.hidden_size, generator=g)}  # fmt: skip
+    return out
+
+
+def _model_dir(root: Path, **overrides: object) -> Path:
+    shape = {**TINY, **overrides}
+    path = root / "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    write_model_dir(path, shape, weights=False)
+    save_file(_hf_weights(ModelConfig.from_hf(shape), seed=3), str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _model_dir(tmp_path_factory.mktemp("tp"))
+
+
+def _load(config: ModelConfig, weights: dict[str, torch.Tensor], parallel: ParallelState | None) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, dtype=torch.float32, device=torch.device("cpu"), parallel=parallel)
+    model.load_weights(weights.items())
+    return model
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_shards_are_the_megatron_slices(kv_heads: int) -> None:
+    config = ModelConfig.from_hf({**TINY, "num_key_value_heads": kv_heads})
+    weights = _hf_weights(config, seed=5)
+    full = _load(config, weights, None)
+    shards = [_load(config, weights, ParallelState(rank=r, world_size=2)) for r in range(2)]
+    d, x = config.head_dim, torch.randn(3, config.hidden_size)
+    layer, parts = full.layers[0], [s.layers[0] for s in shards]
+    # column-parallel: each rank's Q heads and gate/up rows; together every head and row exactly once
+    q = [p.qkv_proj_weight[: 2 * d] for p in parts]
+    assert torch.equal(torch.cat(q), layer.qkv_proj_weight[: 4 * d])
+    k = [p.qkv_proj_weight[2 * d : 2 * d + d] for p in parts]
+    full_k = layer.qkv_proj_weight[4 * d : 4 * d + kv_heads * d]
+    assert torch.equal(k[0], full_k[:d]) and torch.equal(k[1], full_k[-d:]), "KV head split, or replicated"
+    assert parts[0].attn.num_heads == 2 and parts[0].attn.num_kv_heads == 1
+    inter = config.intermediate_size // 2
+    assert torch.equal(torch.cat([p.gate_up_proj_weight[:inter] for p in parts]), layer.gate_up_proj_weight[:96])
+    # row-parallel: the partial products of O and down sum to the full projection
+    attn_in, mlp_in = torch.randn(3, 4 * d), torch.randn(3, 96)
+    o = sum(attn_in[:, r * 2 * d : (r + 1) * 2 * d] @ parts[r].o_proj_weight.T for r in range(2))
+    down = sum(mlp_in[:, r * inter : (r + 1) * inter] @ parts[r].down_proj_weight.T for r in range(2))
+    torch.testing.assert_close(o, attn_in @ layer.o_proj_weight.T)
+    torch.testing.assert_close(down, mlp_in @ layer.down_proj_weight.T)
+    # vocabulary: 51 + 50 rows (+ 1 zero padding row); the embedding's partials sum to the full lookup
+    assert [s.embed_tokens_weight.shape[0] for s in shards] == [51, 51]
+    assert torch.equal(shards[1].lm_head_weight[-1], torch.zeros(config.hidden_size))
+    logits = torch.cat([x @ s.lm_head_weight.T for s in shards], dim=1)[:, :101]
+    torch.testing.assert_close(logits, x @ full.lm_head_weight.T)
+    ids = torch.tensor([0, 50, 51, 100])
+    full_emb = full.embed_tokens_weight[ids]
+
+    class Partial:  # what _embed needs of a communicator: only that there is one
+        world_size = 2
+
+    emb = []
+    for s in shards:
+        s.comm = Partial()  # type: ignore[assignment]
+        emb.append(s._embed(ids))
+    assert torch.equal(emb[0] + emb[1], full_emb)
+    assert (emb[0][2:] == 0).all() and (emb[1][:2] == 0).all()
+
+
+def test_tensor_parallel_bad_input_is_one_line() -> None:
+    config = ModelConfig.from_hf(TINY)
+    with pytest.raises(ValueError, match="does not divide the model's 4 attention heads"):
+        check_tensor_parallel(config, 3)
+    with pytest.raises(ValueError, match="one must divide the other"):
+        check_tensor_parallel(ModelConfig.from_hf({**TINY, "num_attention_heads": 6, "num_key_value_heads": 3,
+                                                   "head_dim": 16}), 2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"tensor_parallel: must be in 1\.\.8"):
+        EngineConfig(tensor_parallel=0)
+    with pytest.raises(ValueError, match="speculative decoding does not run under tensor parallelism"):
+        EngineConfig(tensor_parallel=2, num_speculative_tokens=4)
+    with pytest.raises(ValueError, match="4 GPUs asked for but 2 visible"):
+        EngineConfig(tensor_parallel=4).resolved(window=256, cuda_available=True, gpus=2)
+
+
+def test_engine_tp2_gives_tp1_greedy_tokens(tiny: Path) -> None:
+    """Two processes over gloo against one: prompts of several lengths in one batch, chunked prefill (16-token
+    budget), decode; the same greedy tokens, and logprobs within float32 rounding of the sharded sums."""
+    prompts = [[5, 17, 33, 2, 90, 41, 7], list(range(1, 40)), [99, 98, 3]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+    settings = dict(model=str(tiny), device="cpu", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128)
+    want = LLMEngine(EngineConfig(**settings)).generate(prompts, params)
+    engine = LLMEngine(EngineConfig(**settings, tensor_parallel=2))
+    try:
+        got = engine.generate(prompts, params)
+        again = engine.generate(prompts[:1], params)  # the workers keep following after a batch ends
+    finally:
+        engine.close()
+    for a, b in zip(got, want, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs is not None and b.logprobs is not None
+        for x, y in zip(a.logprobs, b.logprobs, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert again[0].token_ids == want[0].token_ids
+    assert all(p.poll() == 0 for p in engine.workers.procs), "the worker must exit cleanly on close"
