@@ -85,6 +85,8 @@ def init_rank(rank: int, world: int, init_method: str, device_type: str) -> Para
                                 timeout=_START_TIMEOUT, device_id=device)  # fmt: skip
     else:
         device = torch.device("cpu")
+        # W processes share the host's cores: more threads than cores makes every BLAS call and collective wait.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world, timeout=_START_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     group = dist.group.WORLD
