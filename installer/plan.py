@@ -3,8 +3,9 @@
 Choices: the newest runtime and model bundles (or the model named with --model), the newest kernel bundle whose
 keys all match (CUDA only: accelerator, driver floor, python, torch, triton, CUDA, the runtime's kernel-source
 digest, and the model it was compiled for; each one refused is noted with the key that differs, and without one
-the kernels compile at first start), engine settings that fit the memory, and a check that the disk has room
-for the release beside the active one.
+the kernels compile at first start), engine settings that fit the memory (on CUDA the fewest GPUs of this host
+whose memory holds the weights and one full-context sequence: the tensor-parallel degree, noted when above 1),
+and a check that the disk has room for the release beside the active one.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ class Plan:
 
     def summary(self) -> str:
         kernels = f", kernels {self.kernels.name} {self.kernels.version}" if self.kernels else ""
+        tp = int(self.engine.get("tensor_parallel", 1))
+        gpus = f" over {tp} GPUs (tensor parallel)" if tp > 1 else ""
         return (
             f"{self.mode}: {self.model.name} {self.model.version} on {self.runtime.name} {self.runtime.version}"
-            f"{kernels}; needs {(self.weights_bytes + self.kv_bytes) / GIB:.2f} of {self.memory_budget / GIB:.1f} "
-            f"GiB memory, {self.disk_needed / GIB:.2f} of {self.disk_free / GIB:.1f} GiB disk"
+            f"{kernels}{gpus}; needs {(self.weights_bytes + self.kv_bytes) / GIB:.2f} of "
+            f"{self.memory_budget / GIB:.1f} GiB memory, {self.disk_needed / GIB:.2f} of "
+            f"{self.disk_free / GIB:.1f} GiB disk"
         )
 
 
@@ -198,6 +202,22 @@ def make_plan(
         gpu = probe.gpus[0]
         budget = int(gpu.memory_total * GPU_MEMORY_UTILIZATION)
         kv = per_token * context  # at least one sequence at the full context; the pool takes what is left
+        tp = tensor_parallel_degree(probe, weights=weights, kv=kv, budget=budget, kv_heads=mcard.num_kv_heads)
+        if tp is None:
+            usable = len(usable_gpus(probe))
+            raise InstallError(
+                f"plan: {model.name} needs {(weights + kv) / GIB:.2f} GiB ({weights / GIB:.2f} weights in {dtype} + "
+                f"{kv / GIB:.2f} KV cache for {context} tokens) and {usable} x {gpu.name} allow "
+                f"{usable * budget / GIB:.2f} GiB split over up to {min(usable, TP_DEGREES[-1])} of them; use a "
+                "smaller model, a shorter --max-model-len or a host with more GPUs"
+            )
+        if tp > 1:
+            engine["tensor_parallel"] = tp
+            notes.append(
+                f"tensor parallel: {model.name} needs {(weights + kv) / GIB:.1f} GiB and one {gpu.name} allows "
+                f"{budget / GIB:.1f} GiB; split over {tp} GPUs ({(weights + kv) / tp / GIB:.1f} GiB each)"
+            )
+            budget *= tp
     else:
         budget = int(probe.ram_available * CPU_RAM_FRACTION)
         kv = per_token * context * min(seqs, 4)
@@ -234,6 +254,32 @@ def make_plan(
         notes=tuple(notes),
         probe=probe,
     )
+
+
+TP_DEGREES = (1, 2, 4, 8)  # the tensor-parallel degrees a host's NVLink GPUs are split into
+
+
+def usable_gpus(probe: Probe) -> list[Any]:
+    """The GPUs a tensor-parallel engine may span: the same model as GPU 0, not partitioned by MIG."""
+    first = probe.gpus[0]
+    return [g for g in probe.gpus if g.name == first.name and g.mig_mode != "enabled"]
+
+
+def tensor_parallel_degree(probe: Probe, *, weights: int, kv: int, budget: int, kv_heads: int) -> int | None:
+    """The fewest GPUs (1, 2, 4 or 8 of this host's usable ones) that hold `weights` bytes and `kv` bytes of KV cache
+    within `budget` bytes each, or None. Each GPU holds 1/t of the weights and of the KV heads (a KV head is
+    replicated where there are fewer of them than GPUs). The attention heads must also divide by t: the engine
+    checks that at start, and the gates run on the result before anything is activated."""
+    available = len(usable_gpus(probe)) if probe.gpus else 0
+    for t in TP_DEGREES:
+        if t > max(available, 1):
+            return None
+        if t > 1 and kv_heads % t and t % kv_heads:
+            continue
+        kv_share = kv // min(t, kv_heads) if t > 1 else kv
+        if weights // t + kv_share <= budget:
+            return t
+    return None
 
 
 def engine_choices(card: ModelCard, mode: str, max_model_len: int | None = None) -> dict[str, Any]:

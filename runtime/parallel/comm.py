@@ -9,6 +9,7 @@ gloo. Both are captured by the decode CUDA graphs like any other kernel. Logits 
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -34,11 +35,18 @@ class _PeerBuffers:
                 symm_mem.set_backend("CUDA")  # CUDA IPC handles; not NVSHMEM
             except Exception:  # already set by this process, or a build with one backend
                 pass
+        name = group.group_name
+        with warnings.catch_warnings():  # needed before torch 2.8 or so, deprecated (a no-op) after
+            warnings.simplefilter("ignore")
+            if hasattr(symm_mem, "enable_symm_mem_for_group"):
+                symm_mem.enable_symm_mem_for_group(name)
         self.storage = symm_mem.empty(data_bytes + pad_bytes, dtype=torch.uint8, device=device)
         self.storage[data_bytes:].zero_()
-        self.handle = symm_mem.rendezvous(self.storage, group)
+        self.handle = symm_mem.rendezvous(self.storage, name)
         ptrs = [int(p) for p in self.handle.buffer_ptrs]
-        self.buf_ptrs = torch.tensor(ptrs, dtype=torch.int64, device=device)
+        # Each rank's tensor starts at the same offset into its allocation (the allocations are symmetric).
+        offset = self.storage.data_ptr() - ptrs[group.rank()]
+        self.buf_ptrs = torch.tensor([p + offset for p in ptrs], dtype=torch.int64, device=device)
         self.pad_ptrs = self.buf_ptrs + data_bytes
         self.data_bytes = data_bytes
         torch.cuda.synchronize(device)
