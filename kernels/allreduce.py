@@ -4,23 +4,25 @@ and RMSNorm that follow it in a Llama layer.
 Every rank owns one buffer that all ranks can address (torch symmetric memory: the peers' buffers are mapped into
 each GPU's address space over NVLink; no multicast object is ever made) and a pad of int32 flags. A launch:
 
-1. each program copies its share of this rank's input into this rank's buffer;
-2. barrier in: it raises its flag in every peer's pad (release) and waits for every peer's matching flag in its
-   own pad (acquire), consuming it: the peers' shares are then written;
+1. each program copies its share of this rank's input into this rank's buffer, and takes its next epoch (a
+   per-program call counter kept in its own pad: the same on every rank, as every rank makes the same calls);
+2. barrier in: it writes the epoch into its flag in every peer's pad (a release store: nothing to wait for) and
+   waits until every peer's matching flag in its own pad holds the epoch (acquire): the peers' shares are written;
 3. it reads the same share from every rank's buffer, always in rank order 0..W-1, and sums in fp32: every rank
    gets the same bits (the replicated residual stream stays identical across ranks);
 4. barrier out, on a second set of flags: no peer may overwrite its buffer (the next all-reduce's step 1) before
-   every rank has read it.
+   every rank has read it. The next launch starts only when every program of this one has passed it, so this
+   holds whatever the next launch's partition into programs.
 
-A flag goes 0 -> 1 when its sender posts it and 1 -> 0 when its receiver consumes it, so nothing is reset between
-launches and a CUDA graph can replay them. Program p on rank r pairs with program p on every peer only, so the
-launch is limited to programs that are resident at once (MAX_PROGRAMS); each loops over its tiles. The pattern is
-the one-shot all-reduce of vLLM's custom_all_reduce.cuh and PyTorch's symmetric-memory one_shot_all_reduce (two
-blockwise barriers), written here in Triton.
+Flags are compared for equality with the epoch, which wraps: nothing is reset between launches, a CUDA graph can
+replay them, and no peer can get two epochs ahead (it would first need our barrier-out flag). Program p on rank r
+pairs with program p on every peer only, so the launch is limited to programs that are resident at once
+(MAX_PROGRAMS); each loops over its tiles. The pattern is the one-shot all-reduce of vLLM's custom_all_reduce.cuh
+(flags holding a counter, blockwise barriers) and PyTorch's symmetric-memory one_shot_all_reduce, in Triton.
 
 Pointer tables are int64 device tensors of addresses, [W] each: buf_ptrs (the ranks' buffers) and pad_ptrs (their
-pads, each [2, MAX_PROGRAMS, W] int32: barrier, program, sender). Under TRITON_INTERPRET=1 ordinary CPU tensors
-stand in for the peers (tests/test_kernels_allreduce.py).
+pads, each int32: [2, MAX_PROGRAMS, MAX_WORLD] flags (barrier, program, sender), then [MAX_PROGRAMS] epochs).
+Under TRITON_INTERPRET=1 ordinary CPU tensors stand in for the peers (tests/test_kernels_allreduce.py).
 """
 
 from __future__ import annotations
@@ -35,28 +37,36 @@ MAX_WORLD = 8
 # Programs of one launch that can all be resident on an H100/H200 (132 SMs) beside whatever else runs: a program
 # spins until its peers' matching programs arrive, so every program must be running, never queued.
 MAX_PROGRAMS = 64
-PAD_INTS_PER_RANK = 2 * MAX_PROGRAMS * MAX_WORLD
+FLAG_INTS = 2 * MAX_PROGRAMS * MAX_WORLD
+PAD_INTS_PER_RANK = FLAG_INTS + MAX_PROGRAMS  # the flags, then each program's epoch
 _PROGRAMS: tl.constexpr = tl.constexpr(MAX_PROGRAMS)
 _WORLD: tl.constexpr = tl.constexpr(MAX_WORLD)
 
 
 @triton.jit
-def _barrier(pad_ptrs, which, pid, rank, WORLD: tl.constexpr):
-    """Post this program's flag to every peer, then consume every peer's flag for this program (see above)."""
+def _next_epoch(pad_ptrs, pid, rank):
+    """This program's call count, kept in its own pad (read after the previous launch ended: no race)."""
+    counter = tl.load(pad_ptrs + rank).to(tl.pointer_type(tl.int32)) + 2 * _PROGRAMS * _WORLD + pid
+    epoch = tl.load(counter) + 1
+    tl.store(counter, epoch)
+    return epoch
+
+
+@triton.jit
+def _barrier(pad_ptrs, which, pid, rank, epoch, WORLD: tl.constexpr):
+    """Post this program's epoch to every peer, then wait for every peer's (see above)."""
     tl.debug_barrier()  # every thread's stores before the (one-thread) release
     slot = (which * _PROGRAMS + pid) * _WORLD  # [2, MAX_PROGRAMS, MAX_WORLD] flags per rank
     for q in tl.static_range(WORLD):
         if q != rank:
             peer = tl.load(pad_ptrs + q).to(tl.pointer_type(tl.int32))
-            old = tl.atomic_cas(peer + slot + rank, 0, 1, sem="release", scope="sys")
-            while old != 0:  # our previous flag is not consumed yet
-                old = tl.atomic_cas(peer + slot + rank, 0, 1, sem="release", scope="sys")
+            tl.atomic_xchg(peer + slot + rank, epoch, sem="release", scope="sys")  # result unused: no round trip
     own = tl.load(pad_ptrs + rank).to(tl.pointer_type(tl.int32))
     for q in tl.static_range(WORLD):
         if q != rank:
-            got = tl.atomic_cas(own + slot + q, 1, 0, sem="acquire", scope="sys")
-            while got != 1:
-                got = tl.atomic_cas(own + slot + q, 1, 0, sem="acquire", scope="sys")
+            seen = tl.atomic_add(own + slot + q, 0, sem="acquire", scope="sys")
+            while seen != epoch:
+                seen = tl.atomic_add(own + slot + q, 0, sem="acquire", scope="sys")
     tl.debug_barrier()  # the acquire before any thread's loads
 
 
@@ -71,8 +81,10 @@ def _all_reduce_kernel(inp_ptr, out_ptr, buf_ptrs, pad_ptrs, n, rank,
         offs = (pid + t * programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         tl.store(own + offs, tl.load(inp_ptr + offs, mask=mask), mask=mask)
+    epoch = 0
     if SYNC:
-        _barrier(pad_ptrs, 0, pid, rank, WORLD)
+        epoch = _next_epoch(pad_ptrs, pid, rank)
+        _barrier(pad_ptrs, 0, pid, rank, epoch, WORLD)
     for t in range(tiles):
         offs = (pid + t * programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -82,7 +94,7 @@ def _all_reduce_kernel(inp_ptr, out_ptr, buf_ptrs, pad_ptrs, n, rank,
             acc += tl.load(buf + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
     if SYNC:
-        _barrier(pad_ptrs, 1, pid, rank, WORLD)
+        _barrier(pad_ptrs, 1, pid, rank, epoch, WORLD)
 
 
 @triton.jit
@@ -100,8 +112,10 @@ def _all_reduce_add_rms_norm_kernel(
         row = (pid + i * programs).to(tl.int64)
         mask = cols < tl.where(row < rows, H, 0)  # a row past the last: nothing
         tl.store(own + row * H + cols, tl.load(inp_ptr + row * H + cols, mask=mask), mask=mask)
+    epoch = 0
     if SYNC:
-        _barrier(pad_ptrs, 0, pid, rank, WORLD)
+        epoch = _next_epoch(pad_ptrs, pid, rank)
+        _barrier(pad_ptrs, 0, pid, rank, epoch, WORLD)
     for i in range(rows_per_program):
         row = (pid + i * programs).to(tl.int64)
         mask = cols < tl.where(row < rows, H, 0)  # a row past the last: nothing
@@ -120,7 +134,7 @@ def _all_reduce_add_rms_norm_kernel(
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * H + cols, (normed * w).to(dtype), mask=mask)
     if SYNC:
-        _barrier(pad_ptrs, 1, pid, rank, WORLD)
+        _barrier(pad_ptrs, 1, pid, rank, epoch, WORLD)
 
 
 def _check_tables(buf_ptrs: torch.Tensor, pad_ptrs: torch.Tensor, rank: int, device: torch.device) -> int:

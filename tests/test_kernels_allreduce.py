@@ -22,8 +22,7 @@ class FakePeers:
 
     def __init__(self, world: int, elems: int, dtype: torch.dtype) -> None:
         self.bufs = [torch.full((elems,), float("nan"), dtype=dtype, device=DEV) for _ in range(world)]
-        self.pads = [torch.zeros(2, allreduce.MAX_PROGRAMS, allreduce.MAX_WORLD, dtype=torch.int32, device=DEV)
-                     for _ in range(world)]  # fmt: skip
+        self.pads = [torch.zeros(allreduce.PAD_INTS_PER_RANK, dtype=torch.int32, device=DEV) for _ in range(world)]
         self.buf_ptrs = torch.tensor([b.data_ptr() for b in self.bufs], dtype=torch.int64, device=DEV)
         self.pad_ptrs = torch.tensor([p.data_ptr() for p in self.pads], dtype=torch.int64, device=DEV)
         self.elems = elems
@@ -73,23 +72,31 @@ def test_fused_all_reduce_add_rms_norm(dtype: torch.dtype, residual: bool, world
         assert_close("fused.sum", total, want_sum, dtype)
 
 
-def test_barrier_posts_to_peers_and_consumes_its_own_flags() -> None:
-    """Rank 1 of 3 with its peers' flags already posted (both barriers): the launch consumes each of them and posts
-    its own flag, per program, into both peers' pads. (Run alone it would otherwise spin: that is the protocol.)"""
+def flags(pad: torch.Tensor) -> torch.Tensor:
+    """[barrier (in, out), program, sender] of one rank's pad."""
+    return pad[: allreduce.FLAG_INTS].view(2, allreduce.MAX_PROGRAMS, allreduce.MAX_WORLD)
+
+
+def test_barrier_posts_its_epoch_and_waits_for_the_peers() -> None:
+    """Rank 1 of 3, twice, with its peers' flags already posted for each call (both barriers): each launch takes
+    the next epoch per program, posts it into both peers' pads and returns once its own pad holds the peers' epoch
+    (run alone without them it would spin: that is the protocol)."""
     world, n, rank = 3, 3000, 1
     parts = [torch.randn(n, device=DEV) for _ in range(world)]
     peers = FakePeers(world, n, torch.float32)
     peers.stage(parts, skip=rank)
     programs = 3  # tiles of 1024 elements
-    for q in (0, 2):
-        peers.pads[rank][:, :programs, q] = 1
-    out = allreduce.one_shot_all_reduce(parts[rank], peers.buf_ptrs, peers.pad_ptrs, rank, buffer_elems=n)
-    assert_close("synced all-reduce", out, torch.stack(f64(*parts)).sum(0), torch.float32)
-    assert int(peers.pads[rank].abs().sum()) == 0, "every flag posted to this rank must be consumed"
-    for q in (0, 2):
-        posted = peers.pads[q][:, :, rank]
-        assert posted[:, :programs].eq(1).all() and posted[:, programs:].eq(0).all()
-        assert int(peers.pads[q].sum()) == 2 * programs, "only this rank's flags, for its own programs"
+    for epoch in (1, 2):
+        for q in (0, 2):
+            flags(peers.pads[rank])[:, :programs, q] = epoch
+        out = allreduce.one_shot_all_reduce(parts[rank], peers.buf_ptrs, peers.pad_ptrs, rank, buffer_elems=n)
+        assert_close("synced all-reduce", out, torch.stack(f64(*parts)).sum(0), torch.float32)
+        epochs = peers.pads[rank][allreduce.FLAG_INTS :]
+        assert epochs[:programs].eq(epoch).all() and epochs[programs:].eq(0).all(), "one epoch per program and call"
+        for q in (0, 2):
+            posted = flags(peers.pads[q])
+            assert posted[:, :programs, rank].eq(epoch).all(), "this rank's epoch in every peer's pad, both barriers"
+            assert int(posted.abs().sum()) == 2 * programs * epoch, "only its own flags, for its own programs"
 
 
 def test_rejects_bad_input() -> None:
