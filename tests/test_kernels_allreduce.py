@@ -109,3 +109,50 @@ def test_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="weight: length"):
         allreduce.one_shot_all_reduce_add_rms_norm(x[:16].view(2, 8), None, torch.randn(4, device=DEV), 1e-5,
                                                    peers.buf_ptrs, peers.pad_ptrs, 0, buffer_elems=16)  # fmt: skip
+
+
+class TwinRanks:
+    """A Communicator for two ranks holding the same partial sums: all_reduce is 2x. fused=False: no fused path
+    (what the communicator answers above its peer buffer's size)."""
+
+    world_size = 2
+
+    def __init__(self, fused: bool) -> None:
+        self.fused = fused
+        self.calls: list[str] = []
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append("all_reduce")
+        return x * 2
+
+    def all_reduce_add_rms_norm(self, x, residual, weight, eps):  # type: ignore[no-untyped-def]
+        self.calls.append("fused")
+        if not self.fused:
+            return None
+        return ref.all_reduce_add_rms_norm([x, x], residual, weight, eps)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x], dim=1)
+
+
+@pytest.mark.parametrize("tokens,fused,residual", [(1, True, True), (1, True, False), (3, True, True),
+                                                    (3, False, True), (4, True, False)])  # fmt: skip
+def test_norm_linear_reduces_partial_sums_on_both_backends(tokens: int, fused: bool, residual: bool) -> None:
+    """TritonOps and TorchOps give the same (linear(rms_norm(reduce(x) + residual)), reduce(x) + residual); one row
+    reduces alone (the GEMV folds the norm), more rows take the fused path where the communicator has one."""
+    from envex.kernels.ops import TorchOps
+    from envex.kernels.triton_ops import TritonOps
+
+    x = torch.randn(tokens, 64, device=DEV)
+    res = torch.randn(tokens, 64, device=DEV) if residual else None
+    nw, w = torch.randn(64, device=DEV), torch.randn(48, 64, device=DEV) / 8
+    fast_comm, ref_comm = TwinRanks(fused), TwinRanks(fused)
+    y, total = TritonOps().norm_linear(x, res, nw, 1e-5, w, comm=fast_comm)
+    y_ref, total_ref = TorchOps().norm_linear(x, res, nw, 1e-5, w, comm=ref_comm)
+    want_y, want_total = ref.all_reduce_add_rms_norm([x.double(), x.double()], None if res is None else res.double(),
+                                                     nw.double(), 1e-5)  # fmt: skip
+    assert_close("norm_linear total", total, want_total, torch.float32)
+    assert_close("norm_linear y", y, want_y @ w.double().T, torch.float32)
+    assert_close("torch ops y", y_ref, want_y @ w.double().T, torch.float32)
+    assert torch.equal(total_ref, x * 2 + (res if res is not None else 0))
+    assert fast_comm.calls == (["all_reduce"] if tokens == 1 else ["fused"] if fused else ["fused", "all_reduce"])
