@@ -48,3 +48,15 @@ def pdl_launch(pdl: bool) -> dict[str, bool]:
 
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def pow2_floor(n: int) -> int:
+    """The largest power of two ≤ n (n ≥ 1)."""
+    return 1 << (int(n).bit_length() - 1)
+
+
+def padded_rows(n: int) -> int:
+    """n rounded up to a multiple of 16, for the row count of a per-step scratch buffer: Triton specialises an
+    integer argument on divisibility by 16 (and on == 1), so a stride that is a multiple of a step's row count
+    would make each step shape its own compiled variant; a padded one is always in the same class."""
+    return -(-int(n) // 16) * 16

@@ -18,9 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels._common import (
+    FLOAT_DTYPES,
+    INTERPRETING,
+    check,
+    check_tensor,
+    next_pow2,
+    padded_rows,
+    pdl_launch,
+    pow2_floor,
+)
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # key splits of one (sequence, KV head)
 
 
 @triton.jit
@@ -56,7 +66,9 @@ def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
     return m_new, l_i, acc
 
 
-@triton.jit
+# stride_bt follows the step's longest block table: not specialised, so no step meets a variant the warm-up did not
+# compile (kernels/NOTES.md, "Compile keys").
+@triton.jit(do_not_specialize=["stride_bt"])
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, qk_scale,
@@ -175,10 +187,12 @@ def _sm_count(device: torch.device) -> int:
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, *,
                       min_keys: int = 64, programs_per_sm: int = 2) -> int:  # fmt: skip
     """Split the key range only as far as needed to give every SM `programs_per_sm` programs, each split
-    ≥ min_keys keys (below that the merge costs more than the parallelism gains)."""
+    ≥ min_keys keys (below that the merge costs more than the parallelism gains); rounded down to a power of two."""
     programs = max(1, batch * num_kv_heads)
     want = triton.cdiv(programs_per_sm * _sm_count(device), programs)
-    return int(max(1, min(want, triton.cdiv(max_seq_len, min_keys), 64)))
+    # A power of two: NUM_SPLITS is a constexpr, so each value is a compiled variant, and the warm-up compiles
+    # every one a step can meet (1, 2, 4 .. 64; runtime/engine/warm_up.py).
+    return pow2_floor(max(1, min(want, triton.cdiv(max_seq_len, min_keys), MAX_SPLITS)))
 
 
 def paged_attention(
@@ -254,8 +268,9 @@ def paged_attention(
     if num_stages is None and max_q_len <= 4:
         num_stages = 2  # decode: the H200 sweep's best at batch 64 (1K) and batch 1 (10K); 1 won at batch 1 (1K)
     if num_splits > 1:
-        part_o = torch.empty((num_splits, num_tokens, n_q, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, num_tokens, n_q), dtype=torch.float32, device=q.device)
+        rows = padded_rows(num_tokens)  # split strides divisible by 16 whatever the step's token count
+        part_o = torch.empty((num_splits, rows, n_q, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, rows, n_q), dtype=torch.float32, device=q.device)
     else:
         part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)

@@ -26,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels._common import (
+    FLOAT_DTYPES,
+    INTERPRETING,
+    check,
+    check_tensor,
+    next_pow2,
+    padded_rows,
+    pdl_launch,
+)
 from envex.kernels.attention import LOG2E, _attend_tile, _merge_splits_kernel, choose_num_splits
 
 # Elements of the [splits, GROUP, D] fp32 tile the merging program loads at once: 64 registers a thread at 4 warps.
@@ -83,7 +91,7 @@ def _merge_partials(part_o_ptr, part_lse_ptr, t, head0, stride_ps, stride_pt, st
     return acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # as attention._attn_kernel's
 def _decode_fused_kernel(
     qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
     out_ptr, part_o_ptr, part_lse_ptr, counter_ptr, q_norm_ptr, k_norm_ptr, sinks_ptr, qk_scale, norm_eps,
@@ -318,9 +326,11 @@ def decode_attention_fused(
         num_splits = choose_num_splits(batch, num_kv_heads, keys, dev)
     merge_in_kernel = merge_in_kernel and num_splits > 1
     if num_splits > 1:
-        if partials is None:
-            partials = (torch.empty((num_splits, batch, num_heads, head_dim), dtype=torch.float32, device=dev),
-                        torch.empty((num_splits, batch, num_heads), dtype=torch.float32, device=dev))  # fmt: skip
+        if partials is None:  # rows padded: split strides divisible by 16 for every batch (_common.padded_rows)
+            rows = padded_rows(batch)
+            o = torch.empty((num_splits, rows, num_heads, head_dim), dtype=torch.float32, device=dev)
+            lse = torch.empty((num_splits, rows, num_heads), dtype=torch.float32, device=dev)
+            partials = (o[:, :batch], lse[:, :batch])
         part_o, part_lse = partials
         for name, t, shape in (("o", part_o, (num_splits, batch, num_heads, head_dim)),
                                ("lse", part_lse, (num_splits, batch, num_heads))):  # fmt: skip

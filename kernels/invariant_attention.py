@@ -36,7 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels._common import (
+    FLOAT_DTYPES,
+    INTERPRETING,
+    check,
+    check_tensor,
+    next_pow2,
+    padded_rows,
+    pdl_launch,
+)
 
 LOG2E = 1.4426950408889634
 SPLIT_KEYS = 256  # keys per split: part of the arithmetic (changing it changes bits, never invariance)
@@ -98,7 +106,7 @@ def _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale):
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # per-step integers: kernels/NOTES.md, "Compile keys"
 def _full_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,
@@ -151,7 +159,7 @@ def _seq_len(b, seq_lens_ptr, pos_ptr, FROM_POSITIONS: tl.constexpr):
     return n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "num_progs"])
 def _split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, pos_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_as, stride_at, stride_ah,
@@ -300,8 +308,9 @@ def paged_attention(
     if num_programs is None:
         num_programs = triton.cdiv(2 * _sm_count(q.device), batch * n_kv)
     num_programs = max(1, min(num_programs, splits))
-    part_acc = torch.empty((splits, batch, n_q, block_d), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((splits, batch, n_q, 2), dtype=torch.float32, device=q.device)
+    rows = padded_rows(batch)  # split strides divisible by 16 for every batch
+    part_acc = torch.empty((splits, rows, n_q, block_d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((splits, rows, n_q, 2), dtype=torch.float32, device=q.device)
     from_positions = seq_lens is None
     lens = positions if seq_lens is None else seq_lens  # the unused one is never read
     pos = positions if positions is not None else lens

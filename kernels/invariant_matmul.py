@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, pdl_launch
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, padded_rows, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
 
@@ -96,7 +96,7 @@ def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr, PROLOGUE: tl.
     return x, w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
@@ -147,7 +147,7 @@ def _matmul_kernel(
         tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _reduce_kernel(
     part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
     PIECES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -210,7 +210,8 @@ def matmul(
     split = split and pieces > 1
     bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), pieces if split else 1)
-    part = torch.empty((pieces, m, n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
+    # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
+    part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
     _matmul_kernel[grid](
         x, weight, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),

@@ -22,6 +22,7 @@ from envex.runtime.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
+from envex.runtime.engine.warm_up import warm_up_steps
 from envex.runtime.loader import load_model_info
 from envex.runtime.parallel.state import check_tensor_parallel
 from envex.runtime.parallel.workers import Workers
@@ -96,10 +97,12 @@ class LLMEngine:
             self.warm_up()
 
     def warm_up(self) -> None:
-        """Run throwaway requests through every kind of step — a prefill chunk of the whole token budget, a step
-        mixing decodes with a short prefill chunk, decode steps; odd and even lengths — so that Triton compiles its
-        kernel variants now, not during the first real requests (seconds on a cold cache). Leaves the engine as
-        it found it: idle, no blocks in use, nothing published to the prefix cache, counters at zero."""
+        """Compile now every Triton kernel variant a served step can meet, not during the first real requests
+        (seconds on a cold cache; on a host without a C compiler, an error): throwaway requests through every kind
+        of step (a prefill chunk of the whole token budget, decodes mixed with a short chunk, decode steps), then,
+        on the Triton backend, the steps of warm_up.warm_up_steps, which take every per-step kernel choice
+        through each of its values. Leaves the engine as it found it: idle, no blocks in use, nothing published to
+        the prefix cache, counters at zero."""
         if self.has_unfinished():
             raise EngineError("warm_up needs an idle engine; wait for running requests to finish")
         vocab = self.model_config.vocab_size
@@ -113,9 +116,52 @@ class LLMEngine:
                     self.add_request(f"warm-up-{i}", [(j * 7919 + i) % vocab for j in range(n)], params)
             while self.has_unfinished():
                 self.step()
+            self._warm_up_variants()
         finally:
             self.blocks.enable_prefix_caching = caching
         self.steps.counters = type(self.steps.counters)()
+
+    def _warm_up_variants(self) -> None:
+        """Run the steps of warm_up.warm_up_steps straight through the model runners (the target's and a draft
+        model's), on throwaway sequences whose earlier keys are whatever the blocks hold: only the launches count."""
+        runners = [self.runner]
+        draft = getattr(self.spec.drafter, "runner", None) if self.spec is not None else None
+        if draft is not None:
+            runners.append(draft)
+        if not any(getattr(r.ops, "name", "") == "triton" for r in runners):
+            return  # the torch ops compile nothing
+        vocab = self.model_config.vocab_size
+        max_len = min(self.max_model_len, self.blocks.num_free_blocks * self.blocks.block_size)
+        split_counts = None
+        if all(w is None for r in runners for w in r.model_config.layer_windows):
+            from envex.kernels.attention import choose_num_splits  # Triton: the ops are Triton's
+
+            # The KV heads attention sees: the model's, or one tensor-parallel rank's share (split or replicated).
+            tp = self.config.tensor_parallel
+            heads = sorted({h for r in runners for kv in [r.model_config.num_key_value_heads]
+                            for h in (kv, max(1, kv // tp), -(-kv // tp))})  # fmt: skip
+
+            def split_counts(batch: int, n: int) -> tuple[int, ...]:  # what TritonOps.attention picks
+                return tuple(choose_num_splits(batch, h, n, self.device) for h in heads)
+
+        plan = warm_up_steps(max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+                             max_num_seqs=self.config.max_num_seqs, max_len=max_len,
+                             split_counts=split_counts)  # fmt: skip
+        for s, step in enumerate(plan):
+            params = SamplingParams(max_tokens=1, prompt_logprobs=0 if step.prompt_logits else None)
+            seqs = [Sequence(f"warm-up-{s}-{i}", [(j * 7919 + i) % vocab for j in range(n)], params, None)
+                    for i, (_, n) in enumerate(step.chunks)]  # fmt: skip
+            try:
+                if all(self.blocks.ensure(seq, n) for seq, (_, n) in zip(seqs, step.chunks, strict=True)):
+                    chunks = [ScheduledChunk(seq, n - q, q) for seq, (q, n) in zip(seqs, step.chunks, strict=True)]
+                    for runner in runners:
+                        runner.execute(chunks)
+            finally:
+                for seq in seqs:
+                    self.blocks.free(seq)
+        for runner in runners:
+            if runner.windows is not None:
+                runner.windows.before_step([])  # releases the window blocks of the freed sequences
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (also done at exit); the engine cannot step afterwards."""
