@@ -47,9 +47,16 @@ def test_the_device_script_dry_run_on_the_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     steps = {s["name"]: s for s in summary["steps"]}
-    assert [s["status"] for s in summary["steps"]] == ["ok"] * 5, table_of(summary)
+    assert [s["status"] for s in summary["steps"]] == ["ok"] * 7, table_of(summary)
     assert set(steps["install"]["data"]["step_seconds"]) == {"verify", "probe", "plan", "install", "gates", "activate"}
     assert steps["install"]["data"]["token"] is True
+    assert "hardware (recorded by the install" in (out / "status.txt").read_text()
+    # The serve step's requests on the CPU release: all answered, the repeat found its prefix in the cache.
+    served = steps["serve-workload"]["data"]
+    assert len(served["workload"]["concurrent"]) == 18 and served["workload"]["prefix_hit_tokens"] > 0
+    assert all(r["chars"] > 0 for r in served["workload"]["concurrent"])
+    assert served["admin"]["hardware_recorded"] and served["admin"]["benchmark_figures"]
+    assert (out / "admin-hardware.html").is_file() and (out / "admin-benchmarks.html").is_file()
     assert "dummy-llama-8b-shape-1.0.0.envex" in steps["dummy-media"]["detail"]
     assert (out / "install.txt").read_text().count("✓") == 6
 

@@ -318,6 +318,113 @@ def ask(server: Server, served: str) -> str:
     return reply.choices[0].message.content or ""
 
 
+WORDS = ("river", "stone", "garden", "window", "market", "silver", "winter", "music", "paper", "orange", "forest",
+         "engine", "castle", "bridge", "candle", "harbor", "meadow", "planet", "ticket", "valley", "yellow", "pocket")
+
+
+def filler(words: int, salt: int) -> str:
+    """`words` common words (about one token each), different for each salt: prompts of chosen lengths."""
+    return " ".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(words))
+
+
+def request(server: Server, served: str, *, words: int, salt: int, max_tokens: int, stream: bool,
+            temperature: float = 0.0, logprobs: bool = False) -> dict[str, Any]:
+    """One chat request through the official openai client: `words` words of filler, then the question. Raises
+    StepFailed when it fails or carries no text; returns its times (ttft_s for a stream) and sizes."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    content = (filler(words, salt) + "\n\n" if words else "") + PROMPT
+    args: dict[str, Any] = {"model": served, "messages": [{"role": "user", "content": content}],
+                            "max_tokens": max_tokens, "temperature": temperature, "seed": salt}
+    if logprobs:
+        args.update(logprobs=True, top_logprobs=2)
+    start = time.monotonic()
+    record: dict[str, Any] = {"words": words, "max_tokens": max_tokens, "stream": stream,
+                              "temperature": temperature, "logprobs": logprobs}
+    try:
+        if stream:
+            text, first = "", None
+            for chunk in client.chat.completions.create(**args, stream=True):
+                delta = chunk.choices[0].delta.content if chunk.choices else None
+                if delta:
+                    first = first if first is not None else time.monotonic() - start
+                    text += delta
+            record["ttft_s"] = None if first is None else round(first, 3)
+        else:
+            reply = client.chat.completions.create(**args)
+            text = reply.choices[0].message.content or ""
+            record["prompt_tokens"] = reply.usage.prompt_tokens if reply.usage else None
+    except Exception as exc:
+        raise StepFailed(f"a request of {words} words failed: {type(exc).__name__}: {exc}") from None
+    record.update(seconds=round(time.monotonic() - start, 3), chars=len(text))
+    if not text:
+        raise StepFailed(f"a request of {words} words got no text")
+    return record
+
+
+# Filler lengths of the concurrent requests: 1 to 1000 words, odd lengths, multiples of 16 and their neighbours
+# (each prompt adds the chat template and the question, ~30 tokens).
+CONCURRENT_WORDS = (0, 1, 2, 3, 7, 15, 16, 17, 31, 33, 64, 100, 127, 129, 255, 300, 513, 1000)
+
+
+def workload(server: Server, served: str, *, long_words: int) -> dict[str, Any]:
+    """What a served engine meets after its first question: concurrent requests of varied lengths and settings
+    (streamed or not, greedy or sampled, logprobs), a long prompt, then the same long prompt again (a prefix-cache
+    hit, whose first step computes only the prompt's tail). Every request must succeed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    specs = [dict(words=w, salt=i, max_tokens=(1, 4, 16, 33)[i % 4], stream=i % 2 == 0,
+                  temperature=0.0 if i % 3 else 0.8, logprobs=i % 5 == 4)
+             for i, w in enumerate(CONCURRENT_WORDS)]  # fmt: skip
+    start = time.monotonic()
+    with ThreadPoolExecutor(len(specs)) as pool:
+        concurrent = list(pool.map(lambda spec: request(server, served, **spec), specs))
+    concurrent_s = time.monotonic() - start
+    long = request(server, served, words=long_words, salt=99, max_tokens=8, stream=True)
+    hits = metric(server, "envex_prefix_cache_hit_tokens_total") or 0.0
+    repeat = request(server, served, words=long_words, salt=99, max_tokens=8, stream=True)
+    hit = (metric(server, "envex_prefix_cache_hit_tokens_total") or 0.0) - hits
+    if hit <= 0:
+        raise StepFailed("the repeated long prompt found nothing in the prefix cache")
+    ttfts = sorted(r["ttft_s"] for r in concurrent if r.get("ttft_s") is not None)
+    return {"concurrent": concurrent, "concurrent_s": round(concurrent_s, 2), "long": long, "repeat": repeat,
+            "prefix_hit_tokens": hit, "concurrent_ttft_max_s": ttfts[-1] if ttfts else None}
+
+
+def check_served(server: Server) -> None:
+    """The server still runs and its log names no kernel it had to compile (with the bundle, Triton's cache
+    unwritable and no C compiler, a kernel missing from the bundle fails its request: bundle_cache.KernelCacheMiss)."""
+    if server.proc.poll() is not None:
+        raise StepFailed(f"the server exited {server.proc.returncode} during the requests")
+    log = server.log.read_text(errors="replace")
+    missed = [x for x in log.splitlines() if "KernelCacheMiss" in x or "is not in the kernel bundle" in x]
+    if missed:
+        raise StepFailed(f"a kernel was missing from the bundle: {missed[0][:400]}")
+
+
+def gpu_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=False).stdout.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out[0].strip() if out else None
+
+
+HEADLINE_FIGURE = re.compile(r'<table class="kv headline">.*?<td>-?[0-9]', re.S)
+
+
+def check_admin(pages: dict[str, str], gpu: str | None) -> dict[str, Any]:
+    """The hardware page shows what the install recorded (and this GPU's name), the benchmarks page figures."""
+    hw, bench = pages.get("hardware", ""), pages.get("benchmarks", "")
+    seen = {"hardware_recorded": "recorded by the install" in hw, "gpu": gpu,
+            "hardware_names_gpu": gpu is None or gpu in hw, "benchmark_figures": bool(HEADLINE_FIGURE.search(bench))}
+    if not (seen["hardware_recorded"] and seen["hardware_names_gpu"] and seen["benchmark_figures"]):
+        raise StepFailed(f"admin pages: {seen}")
+    return seen
+
+
 def admin_pages(server: Server, token: str) -> dict[str, str]:
     import httpx
 
@@ -366,6 +473,15 @@ def no_compiler_env(base: dict[str, str], venv_bin: Path) -> dict[str, str]:
 
 
 # ---- the steps -----------------------------------------------------------------------------------------------------
+
+
+def envex_status(d: Driver) -> tuple[str, dict[str, Any]]:
+    """`envex status`, saved to status.txt; it must show the hardware the install recorded."""
+    code, text = d.sh([*ENVEX, "status", "--prefix", str(d.prefix)], timeout=60)
+    (d.out / "status.txt").write_text(text + "\n")
+    if code != 0 or "hardware (recorded by the install" not in text:
+        raise StepFailed(f"envex status exited {code} or shows no recorded hardware")
+    return next((x for x in text.splitlines() if "hardware (" in x), "")[9:], {}
 
 
 def prepare(d: Driver, *, dummy_bundle: bool = True) -> None:
@@ -460,13 +576,6 @@ def run_main(d: Driver) -> None:
         return (f"{sum(times.values()):.1f} s; kernels {'installed' if launch.get('kernels') else 'NOT installed'}; "
                 f"KV {kv}"), data
 
-    def status() -> tuple[str, dict[str, Any]]:
-        code, text = d.sh([*ENVEX, "status", "--prefix", str(d.prefix)], timeout=60)
-        (d.out / "status.txt").write_text(text + "\n")
-        if code != 0 or "hardware (recorded by the install" not in text:
-            raise StepFailed(f"envex status exited {code} or shows no recorded hardware")
-        return next((x for x in text.splitlines() if "hardware (" in x), "")[9:], {}
-
     launch = d.prefix / "current" / "launch.json"
 
     def serve_bundle() -> tuple[str, dict[str, Any]]:
@@ -474,27 +583,35 @@ def run_main(d: Driver) -> None:
         before = sorted((str(p), p.stat().st_mtime_ns) for p in bundle.rglob("*"))
         cenv = no_compiler_env({**env, "TRITON_CACHE_DIR": NO_CACHE}, launch.parent / "venv" / "bin")
         server = start_server(launch, cenv, d.work / "serve-bundle.log")
+        engine = json.loads(launch.read_text()).get("engine") or {}
         try:
             ready = wait_ready(server, d.left(240))
-            ttft, streamed = first_token(server, MODEL)
+            ttft, streamed = first_token(server, MODEL)  # the lone first question
             answer = ask(server, MODEL)
+            served = workload(server, MODEL, long_words=(engine.get("max_model_len") or 2048) // 2)
+            check_served(server)
             blocks = metric(server, "envex_kv_blocks_total")
             pages = admin_pages(server, fp["token"]) if "token" in fp else {}
         finally:
             server.stop()
+            shutil.copyfile(server.log, d.out / "serve-bundle.log")
         for page, html in pages.items():
             (d.out / f"admin-{page}.html").write_text(html)
         if "Paris" not in answer:
             raise StepFailed(f"answer without Paris: {answer!r}")
         unchanged = sorted((str(p), p.stat().st_mtime_ns) for p in bundle.rglob("*")) == before
-        hw = pages.get("hardware", "")
+        if not unchanged:
+            raise StepFailed("the kernel bundle changed while serving")
+        admin = check_admin(pages, gpu_name()) if pages else {}
         data = {"ready_s": round(ready, 2), "ttft_s": round(ttft, 2), "answer": answer, "streamed": streamed,
-                "kv_blocks_total": blocks, "bundle_unchanged": unchanged,
-                "admin_hardware_recorded": "recorded by the install" in hw, "admin_hardware_h200": "H200" in hw,
-                "admin_benchmarks_has_figures": "bench." in pages.get("benchmarks", "")}
+                "kv_blocks_total": blocks, "bundle_unchanged": unchanged, "admin": admin, "workload": served}
         d.facts["ttft_with_bundle_no_cc_s"] = data["ttft_s"]
-        return (f"TTFT {ttft:.2f} s from process start (ready {ready:.2f} s); {answer!r}; bundle unchanged "
-                f"{unchanged}"), data
+        d.facts["workload_with_bundle_no_cc"] = {k: served[k] for k in ("concurrent_s", "concurrent_ttft_max_s",
+                                                                        "prefix_hit_tokens")}  # fmt: skip
+        n = len(served["concurrent"]) + 2
+        return (f"TTFT {ttft:.2f} s from process start (ready {ready:.2f} s); {answer!r}; then {n} more requests "
+                f"(concurrent {served['concurrent_s']:.1f} s, a {served['long']['words']}-word prompt and its "
+                f"repeat), none compiled; bundle unchanged"), data
 
     def no_kernels_launch() -> Path:
         value = json.loads(launch.read_text())
@@ -538,7 +655,7 @@ def run_main(d: Driver) -> None:
     d.do("media", media)
     d.do("kernel-bundle", kernels, needs=("media",))
     d.do("install", install, needs=("media",))
-    d.do("status", status, needs=("install",))
+    d.do("status", lambda: envex_status(d), needs=("install",))
     d.do("serve-bundle-no-cc", serve_bundle, needs=("install",))
     d.do("serve-no-bundle-cold", serve_cold, needs=("install",))
     d.do("serve-no-bundle-no-cc", serve_no_cc, needs=("install",))
@@ -677,7 +794,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def dry_run(d: Driver) -> None:
-    """CPU: the media, the dummy media, and an install with injected gates (what the tests run before a GPU does)."""
+    """CPU: the media, the dummy media, an install with injected gates, `envex status`, and the serve step's
+    requests and admin pages on the CPU release (what the tests run before a GPU does)."""
     fp: dict[str, str] = {}
 
     def media() -> tuple[str, dict[str, Any]]:
@@ -696,10 +814,32 @@ def dry_run(d: Driver) -> None:
         times = install_step_times(text)
         if code != 0 or set(times) != {"verify", "probe", "plan", "install", "gates", "activate"}:
             raise StepFailed(f"exit {code}, steps {times}: {text.strip().splitlines()[-3:]}")
-        return f"steps {times}", {"step_seconds": times, "token": bool(TOKEN_LINE.search(text))}
+        token = TOKEN_LINE.search(text)
+        if token:
+            fp["token"] = token.group(1)
+        return f"steps {times}", {"step_seconds": times, "token": bool(token)}
+
+    def serve() -> tuple[str, dict[str, Any]]:
+        """The GPU step's requests and admin checks on the CPU release (the torch ops: nothing to compile)."""
+        server = start_server(d.prefix / "current" / "launch.json", dict(os.environ), d.work / "serve-cpu.log")
+        try:
+            ready = wait_ready(server, d.left(240))
+            ttft, answer = first_token(server, MODEL)
+            served = workload(server, MODEL, long_words=300)
+            check_served(server)
+            pages = admin_pages(server, fp["token"])
+        finally:
+            server.stop()
+        for page, html in pages.items():
+            (d.out / f"admin-{page}.html").write_text(html)
+        admin = check_admin(pages, None)
+        return (f"TTFT {ttft:.2f} s from process start (ready {ready:.2f} s); {answer!r}; "
+                f"{len(served['concurrent']) + 2} more requests"), {"workload": served, "admin": admin}
 
     d.do("media", media)
     d.do("install", install, needs=("media",))
+    d.do("status", lambda: envex_status(d), needs=("install",))
+    d.do("serve-workload", serve, needs=("install",))
     d.do("dummy-media", lambda: (str(sorted((d.work / "media2" / "bundles").glob("*.envex"))), {}),
          needs=("prepare-dummy-bundle",))
 
