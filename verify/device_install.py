@@ -5,13 +5,14 @@
 `envex-install --yes --trust-fingerprint FP` under the network guard with every line timed, `envex status`, the
 release served (`envex serve --launch`) and asked through the official openai client, the admin page's hardware
 and benchmark pages, the time from process start to first token with the kernel bundle (no C compiler on PATH,
-Triton's cache unwritable) and without it (a cold cache, compiler present; then no compiler: it must fail with
-one line naming what is missing); then a second model bundle of random bf16 weights in Llama-3.1-8B layer shapes
+Triton's cache unwritable; then a varied set of requests, none of which may need a kernel outside the bundle)
+and without it (a cold cache, compiler present; then no compiler: it must fail with one line naming what is
+missing); then a second model bundle of random bf16 weights in Llama-3.1-8B layer shapes
 (ENVEX_DUMMY_LAYERS layers, default 4; the SmolLM2 tokenizer's vocabulary), whose gates must refuse activation
 while the first release keeps serving (`dummy` alone: a third call on the same warm machine, when call 2 ran out
 of time before it). Each step has a time limit and the run stops taking new steps at --deadline; whatever ran is
 in $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-hardware.html,
-admin-benchmarks.html, kernels.json.
+admin-benchmarks.html, kernels.json, serve-bundle.log.
 
 Only the commands are used (no envex.installer import: this is verification, above the installer only as an
 operator is). verify/device_install.sh prepares the environment and runs this; offline_docs/install.md has the calls.

@@ -10,7 +10,8 @@
 #   call 3, only when call 2 stopped before the random-weight steps (no carry):
 #      sh verify/device_install.sh dummy
 # Everything is idempotent; a machine gone cold before call 2 has lost part-aa and the deps: run both again.
-# Writes $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-*.html, kernels.json.
+# Writes $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-*.html, kernels.json,
+# serve-bundle.log.
 # ENVEX_DEVICE_LIMIT (default 570 s) stops every step; no step starts after ENVEX_DEVICE_DEADLINE (default 480 s).
 set -u
 cd "$(dirname "$0")/.."
