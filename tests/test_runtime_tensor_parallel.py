@@ -130,9 +130,13 @@ def test_engine_tp2_gives_tp1_greedy_tokens(tiny: Path) -> None:
     settings = dict(model=str(tiny), device="cpu", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128)
     want = LLMEngine(EngineConfig(**settings)).generate(prompts, params)
     engine = LLMEngine(EngineConfig(**settings, tensor_parallel=2))
+    # prompt logprobs: rows of the plan that rank 0 sends (EagerPlan.prompt_rows) and logits gathered for them
+    scored = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    want_scored = LLMEngine(EngineConfig(**settings)).generate(prompts[1:2], scored)
     try:
         got = engine.generate(prompts, params)
         again = engine.generate(prompts[:1], params)  # the workers keep following after a batch ends
+        got_scored = engine.generate(prompts[1:2], scored)
     finally:
         engine.close()
     for a, b in zip(got, want, strict=True):
@@ -141,4 +145,77 @@ def test_engine_tp2_gives_tp1_greedy_tokens(tiny: Path) -> None:
         for x, y in zip(a.logprobs, b.logprobs, strict=True):
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
     assert again[0].token_ids == want[0].token_ids
+    assert got_scored[0].token_ids == want_scored[0].token_ids
     assert all(p.poll() == 0 for p in engine.workers.procs), "the worker must exit cleanly on close"
+
+
+class _Recorder:
+    """Rank 0's side of the step channel and of the input-id broadcast, recorded for a worker to replay."""
+
+    def __init__(self) -> None:
+        self.sent: list[list[int]] = []
+        self.ids: list[torch.Tensor] = []
+
+    def send_graph(self, data: list[int]) -> None:
+        self.sent.append(data)
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        self.ids.append(x.clone())
+
+
+class _Replayer:
+    def __init__(self, recorder: _Recorder) -> None:
+        self.recorder = recorder
+
+    def broadcast(self, x: torch.Tensor) -> None:
+        x.copy_(self.recorder.ids.pop(0))
+
+
+def test_decode_graph_steps_replay_from_rank_0s_message() -> None:
+    """DecodeGraphs under tensor parallelism: rank 0 sends each step's batch, positions and block tables and
+    broadcasts its ids; a worker that replays from them fills the same graph inputs and computes the same logits.
+    (Graphs run eagerly here; the collectives are stand-ins.)"""
+    from types import SimpleNamespace
+
+    from envex.kernels.ops import TorchOps
+    from envex.runtime.engine.cuda_graphs import DecodeGraphs
+    from envex.runtime.models.rope import rope_cos_sin
+
+    config = ModelConfig.from_hf(TINY)
+    model = _load(config, _hf_weights(config, seed=7), None)
+    recorder = _Recorder()
+
+    def runner(parallel: object) -> SimpleNamespace:
+        cos, sin = rope_cos_sin(config, 64, torch.device("cpu"))
+        caches = [(torch.zeros(16, 8, 2, config.head_dim), torch.zeros(16, 8, 2, config.head_dim)) for _ in range(2)]
+        r = SimpleNamespace(
+            model=model,
+            ops=TorchOps(),
+            kv_caches=caches,
+            cos=cos,
+            sin=sin,
+            device=torch.device("cpu"),
+            block_size=8,
+            max_model_len=64,
+            model_config=config,
+            num_kv_heads=2,
+            parallel=parallel,
+        )
+        r.forward_logits = lambda ids, meta: model.compute_logits(r.ops, *model(r.ops, ids, r.kv_caches, meta))
+        return r
+
+    driver = DecodeGraphs(
+        runner(SimpleNamespace(is_driver=True, channel=recorder, comm=recorder)), max_batch=4, capture=False
+    )
+    worker = DecodeGraphs(
+        runner(SimpleNamespace(is_driver=False, channel=None, comm=_Replayer(recorder))), max_batch=4, capture=False
+    )
+    for ids, positions, tables in (([7, 9, 11], [3, 12, 0], [[1], [2, 3], [4]]), ([5], [20], [[6, 7, 8]])):
+        want = driver.run(ids, positions, tables).clone()
+        (data,) = recorder.sent
+        recorder.sent.clear()
+        got = worker.follow(data)
+        b = next(s for s in driver.sizes if s >= len(ids))
+        for name in ("input_ids", "positions", "active", "block_tables"):
+            assert torch.equal(getattr(worker._inputs[b], name), getattr(driver._inputs[b], name)), name
+        torch.testing.assert_close(got, want)

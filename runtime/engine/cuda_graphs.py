@@ -139,11 +139,12 @@ class DecodeGraphs:
             logits = self._forward(b)
         return logits[:batch]
 
-    def follow(self, data: list[int]) -> None:
-        """A tensor-parallel worker's replay of rank 0's step (workers.follow): [batch, width, positions, tables]."""
+    def follow(self, data: list[int]) -> torch.Tensor:
+        """A tensor-parallel worker's replay of rank 0's step (workers.follow): [batch, width, positions, tables]
+        -> the same logits [B, V] as rank 0's (which a worker drops)."""
         batch, width = data[0], data[1]
         positions, flat = data[2 : 2 + batch], data[2 + batch :]
-        self.run([0] * batch, positions, [flat[r * width : (r + 1) * width] for r in range(batch)])
+        return self.run([0] * batch, positions, [flat[r * width : (r + 1) * width] for r in range(batch)])
 
     def run_chunks(self, chunks, pending_tokens: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits [B, V] float32 for a step of scheduled chunks if it is a pure decode step that fits, else None.
