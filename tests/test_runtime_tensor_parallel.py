@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file
 
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.runtime.models.llama import LlamaForCausalLM
 from envex.runtime.parallel import ParallelState, check_tensor_parallel
-from envex.verify.kernel_bench.bench_server import write_model_dir
+from envex.verify.gate_tensor_parallel import check_tensor_parallel_equality, write_random_checkpoint
 
 # vocab 101: two ranks get 51 rows each, the last one padded; kv heads 2 (split) or 1 (replicated on both ranks)
 TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=96,
@@ -22,36 +22,14 @@ TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=
             torch_dtype="float32")  # fmt: skip
 
 
-def _hf_weights(config: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    c, d = config, config.head_dim
-
-    def w(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
-
-    out = {"model.embed_tokens.weight": w(c.vocab_size, c.hidden_size),
-           "lm_head.weight": w(c.vocab_size, c.hidden_size),
-           "model.norm.weight": 1 + 0.2 * torch.randn(c.hidden_size, generator=g)}  # fmt: skip
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}."
-        out |= {p + "self_attn.q_proj.weight": w(c.num_attention_heads * d, c.hidden_size),
-                p + "self_attn.k_proj.weight": w(c.num_key_value_heads * d, c.hidden_size),
-                p + "self_attn.v_proj.weight": w(c.num_key_value_heads * d, c.hidden_size),
-                p + "self_attn.o_proj.weight": w(c.hidden_size, c.num_attention_heads * d),
-                p + "mlp.gate_proj.weight": w(c.intermediate_size, c.hidden_size),
-                p + "mlp.up_proj.weight": w(c.intermediate_size, c.hidden_size),
-                p + "mlp.down_proj.weight": w(c.hidden_size, c.intermediate_size),
-                p + "input_layernorm.weight": 1 + 0.2 * torch.randn(c.hidden_size, generator=g),
-                p + "post_attention_layernorm.weight": 1 + 0.2 * torch.randn(c.hidden_size, generator=g)}  # fmt: skip
-    return out
-
-
-def _model_dir(root: Path, **overrides: object) -> Path:
+def _model_dir(root: Path, seed: int = 3, **overrides: object) -> Path:
     shape = {**TINY, **overrides}
-    path = root / "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
-    write_model_dir(path, shape, weights=False)
-    save_file(_hf_weights(ModelConfig.from_hf(shape), seed=3), str(path / "model.safetensors"))
-    return path
+    name = f"tiny-{seed}-" + "-".join(f"{k}{v}" for k, v in sorted(overrides.items()))
+    return write_random_checkpoint(root / name, shape, seed=seed)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +44,9 @@ def _load(config: ModelConfig, weights: dict[str, torch.Tensor], parallel: Paral
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])
-def test_shards_are_the_megatron_slices(kv_heads: int) -> None:
+def test_shards_are_the_megatron_slices(kv_heads: int, tmp_path: Path) -> None:
     config = ModelConfig.from_hf({**TINY, "num_key_value_heads": kv_heads})
-    weights = _hf_weights(config, seed=5)
+    weights = _weights(_model_dir(tmp_path, seed=5, num_key_value_heads=kv_heads))
     full = _load(config, weights, None)
     shards = [_load(config, weights, ParallelState(rank=r, world_size=2)) for r in range(2)]
     d, x = config.head_dim, torch.randn(3, config.hidden_size)
@@ -128,15 +106,17 @@ def test_engine_tp2_gives_tp1_greedy_tokens(tiny: Path) -> None:
     prompts = [[5, 17, 33, 2, 90, 41, 7], list(range(1, 40)), [99, 98, 3]]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
     settings = dict(model=str(tiny), device="cpu", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128)
-    want = LLMEngine(EngineConfig(**settings)).generate(prompts, params)
+    single = LLMEngine(EngineConfig(**settings))
+    want = single.generate(prompts, params)
     engine = LLMEngine(EngineConfig(**settings, tensor_parallel=2))
     # prompt logprobs: rows of the plan that rank 0 sends (EagerPlan.prompt_rows) and logits gathered for them
     scored = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
-    want_scored = LLMEngine(EngineConfig(**settings)).generate(prompts[1:2], scored)
+    want_scored = single.generate(prompts[1:2], scored)
     try:
         got = engine.generate(prompts, params)
         again = engine.generate(prompts[:1], params)  # the workers keep following after a batch ends
         got_scored = engine.generate(prompts[1:2], scored)
+        gate = check_tensor_parallel_equality(engine, single, prompts=["t5 t17 t33 t2", "t90 t41 t7"], max_tokens=6)
     finally:
         engine.close()
     for a, b in zip(got, want, strict=True):
@@ -146,6 +126,7 @@ def test_engine_tp2_gives_tp1_greedy_tokens(tiny: Path) -> None:
             assert x.logprob == pytest.approx(y.logprob, abs=1e-4)
     assert again[0].token_ids == want[0].token_ids
     assert got_scored[0].token_ids == want_scored[0].token_ids
+    assert gate.verdict == "pass" and gate.name == "tensor_parallel_equality", gate.summary
     assert all(p.poll() == 0 for p in engine.workers.procs), "the worker must exit cleanly on close"
 
 
@@ -171,7 +152,7 @@ class _Replayer:
         x.copy_(self.recorder.ids.pop(0))
 
 
-def test_decode_graph_steps_replay_from_rank_0s_message() -> None:
+def test_decode_graph_steps_replay_from_rank_0s_message(tmp_path: Path) -> None:
     """DecodeGraphs under tensor parallelism: rank 0 sends each step's batch, positions and block tables and
     broadcasts its ids; a worker that replays from them fills the same graph inputs and computes the same logits.
     (Graphs run eagerly here; the collectives are stand-ins.)"""
@@ -182,7 +163,7 @@ def test_decode_graph_steps_replay_from_rank_0s_message() -> None:
     from envex.runtime.models.rope import rope_cos_sin
 
     config = ModelConfig.from_hf(TINY)
-    model = _load(config, _hf_weights(config, seed=7), None)
+    model = _load(config, _weights(_model_dir(tmp_path, seed=7)), None)
     recorder = _Recorder()
 
     def runner(parallel: object) -> SimpleNamespace:

@@ -97,6 +97,8 @@ def init_rank(rank: int, world: int, init_method: str, device_type: str) -> Para
 
 def follow(runner: Any, state: ParallelState) -> None:
     """A worker's loop: run every step rank 0 sends until it says stop. runner: this rank's ModelRunner."""
+    from envex.runtime.engine.model_runner import EagerPlan  # not at the top: the engine package imports this one
+
     assert state.channel is not None
     with torch.inference_mode():
         while True:
@@ -104,8 +106,6 @@ def follow(runner: Any, state: ParallelState) -> None:
             if op == STOP:
                 return
             if op == EAGER:
-                from envex.runtime.engine.model_runner import EagerPlan
-
                 runner.run_plan(EagerPlan.unpack(data))
             elif op == GRAPH:
                 runner.decode_graphs.follow(data)
@@ -133,7 +133,13 @@ class Workers:
         self.procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(1, world)]
         self._stopping = False
         threading.Thread(target=self._watch, name="envex-tp-watch", daemon=True).start()
-        self.state = init_rank(0, world, init_method, config.device)
+        try:
+            self.state = init_rank(0, world, init_method, config.device)
+        except BaseException:
+            self._stopping = True
+            for proc in self.procs:
+                proc.kill()
+            raise
         atexit.register(self.stop)
 
     def _watch(self) -> None:
