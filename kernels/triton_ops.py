@@ -58,7 +58,11 @@ class TritonOps:
 
     @staticmethod
     def _gemv(x: torch.Tensor) -> bool:
-        return x.shape[0] == 1  # above one row, cuBLAS beats re-reading the weight per row
+        """One row: the GEMV kernels; 2 to gemv.ROWS_MAX 16-bit rows (a verify step, a small batch): the multi-row
+        kernel, one pass over the weight for all rows; above that cuBLAS, for which the weight is no longer the
+        whole cost."""
+        rows = x.shape[0]
+        return rows == 1 or (rows <= gemv.ROWS_MAX and x.dtype != torch.float32)
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
@@ -76,7 +80,7 @@ class TritonOps:
         if self._gemv(x):
             prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
-                                 bias=bias, pdl=self.pdl)  # fmt: skip
+                                 bias=bias, pdl=self.pdl and x.shape[0] == 1)  # fmt: skip
             return y, (x if total is None else total)
         if residual is None:
             normed, residual = norm.rms_norm(x, norm_weight, eps), x
@@ -88,7 +92,7 @@ class TritonOps:
         if self.deterministic:
             return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x))
         if self._gemv(x):
-            return gemv.gemv(x, weight, bias=bias, pdl=self.pdl)[0]
+            return gemv.gemv(x, weight, bias=bias, pdl=self.pdl and x.shape[0] == 1)[0]
         return F.linear(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,8 @@ class TritonOps:
             return invariant_matmul.matmul(gate_up, weight, prologue=invariant_matmul.PROLOGUE_SILU_MUL,
                                            pdl=self._det_pdl(gate_up))  # fmt: skip
         if self._gemv(gate_up):
-            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
+            pdl = self.pdl and gate_up.shape[0] == 1
+            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=pdl)[0]
         return F.linear(activation.silu_and_mul(gate_up), weight)
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
