@@ -1,6 +1,6 @@
 """Tensor parallelism on a 2-GPU host (issue 15): the all-reduce, the share of a step it takes, and the server.
 
-    python3 -m envex.verify.kernel_bench.bench_tp --out $OUT --tree /tmp/ns [--sections ar,server70,share,server8]
+    python3 -m envex.verify.kernel_bench.bench_tp --out $OUT --tree /tmp/ns [--sections ar,gate,server70,share,server8]
     python3 -m envex.verify.kernel_bench.bench_tp --out /tmp/tp-dry --device cpu --shape tiny   # CPU dry run (gloo)
 
 Sections, run in the order given (each writes its part of $OUT/tp.json as soon as it ends; a section that fails
@@ -9,6 +9,8 @@ is recorded and the next one runs; --deadline stops starting new work, so the wh
   call, host launch included) and captured in a CUDA graph (50 calls per replay, per call); the fused all-reduce +
   add + RMSNorm at 1 and 64 rows of H = 8192 against NCCL + the Triton add_rms_norm; the custom result against NCCL's
   (relative error) and rank 0's bits against rank 1's.
+- gate: verify/gate_tensor_parallel.py in this process: TP=2 against TP=1 greedy on the same random weights (the
+  8B shape cut to 4 layers), gate_reference's top-5 rule at the first difference.
 - share: two ranks, the Llama-3.1-8B shape at TP=2 (dummy weights): the captured decode step (the model file's
   forward, as DecodeGraphs captures it) at batch 1 and 64, every sequence at 1K cached tokens, with the real
   all-reduce and with it replaced by a no-op (logits gathered in both): 1 - t_noop / t_real is the share of the
@@ -253,6 +255,44 @@ def run_ranks(device: str, sections: list[str], model_dir: Path, context: int, o
     return json.loads(result.read_text()) if result.is_file() else {"error": "rank 0 wrote no result"}
 
 
+# ---- the gate: TP=2 against TP=1 on the same weights ----------------------------------------------------------
+
+
+def _gate_section(args: argparse.Namespace, tiny: bool) -> dict:
+    """gate_tensor_parallel on a random checkpoint (the 8B shape cut to 4 layers and a 32K vocabulary: its dummy
+    weights would differ per rank), 8 prompts of 7..500 tokens, 32 greedy tokens each, in this process."""
+    from dataclasses import asdict
+
+    from envex.runtime.engine import EngineConfig, LLMEngine
+    from envex.verify.gate_tensor_parallel import check_tensor_parallel_equality, write_random_checkpoint
+
+    shape = TINY if tiny else {**S.SHAPES["llama8b"], "num_hidden_layers": 4, "vocab_size": 32000}
+    path = args.models / ("tp-gate-tiny" if tiny else "tp-gate-8b-4l")
+    if not (path / "model.safetensors").is_file():
+        write_random_checkpoint(path, shape, seed=0, device=args.device)
+    # Both engines share GPU 0: each gets a fixed cache (8 sequences of 1K tokens), not a share of free memory.
+    settings: dict[str, Any] = {"model": str(path), "max_model_len": 1024, "max_num_seqs": 8, "warm_up": False,
+                                "enable_prefix_caching": False, "num_kv_blocks": 8 * 64 + 8}  # fmt: skip
+    if args.device == "cpu":
+        settings["device"] = "cpu"
+    prompts = [" ".join(f"t{(i * 7919 + j * 104729) % 30000 + 2}" for j in range(n))
+               for i, n in enumerate((7, 12, 25, 40, 64, 100, 300, 500))]  # fmt: skip
+    single = LLMEngine(EngineConfig(**settings))
+    parallel = LLMEngine(EngineConfig(**settings, tensor_parallel=2))
+    try:
+        result = check_tensor_parallel_equality(parallel, single, prompts=prompts, max_tokens=32)
+    finally:
+        parallel.close()
+    del single, parallel
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    out = asdict(result)
+    for case in out["evidence"]["cases"]:  # the prompts are long id lists: keep what says what happened
+        case.pop("prompt"), case.pop("engine_text"), case.pop("reference_text")
+    print(f"gate: {result.verdict}: {result.summary}", flush=True)
+    return out
+
+
 # ---- the server section ------------------------------------------------------------------------------------------
 
 
@@ -324,6 +364,12 @@ def _server_run(
 
 def markdown(report: dict) -> str:
     lines = ["| what | setting | figure |", "|---|---|---|"]
+    gate = report.get("gate", {})
+    if "verdict" in gate:
+        lines.append(f"| gate: TP=2 vs TP=1 greedy, same weights | top-5 rule at the first difference | "
+                     f"{gate['verdict']}: {gate['summary']} |")  # fmt: skip
+    elif "error" in gate:
+        lines.append(f"| gate: TP=2 vs TP=1 | error | {gate['error']} |")
     ar = report.get("ranks", {}).get("ar", {})
     for row in ar.get("sizes", []):
         kb = row["bytes"] // 1024
@@ -374,7 +420,7 @@ def main() -> None:
     ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shape", choices=("full", "tiny"), default="full", help="tiny: the CPU dry run's shapes")
-    ap.add_argument("--sections", default="ar,server70,share,server8", help="run in this order")
+    ap.add_argument("--sections", default="ar,gate,server70,share,server8", help="run in this order")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds after which no new work starts")
     args = ap.parse_args()
@@ -424,6 +470,13 @@ def main() -> None:
             report["ranks"].update(got)
             report[f"{section}_s"] = time.monotonic() - t0
             print(json.dumps(got, indent=1)[:6000], flush=True)
+        elif section == "gate":
+            t0 = time.monotonic()
+            try:
+                report["gate"] = _gate_section(args, tiny)
+            except Exception as exc:
+                report["gate"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+            report["gate_s"] = time.monotonic() - t0
         elif section in servers:
             if bw is None and args.device == "cuda":
                 from envex.verify.kernel_bench import _bench_lib as B
@@ -438,7 +491,7 @@ def main() -> None:
                 read = bw["read_TBps"] if bw else None
                 report["server"].append(_server_run(label, name, shape, tp, run_cases, args, read, port, deadline))
         else:
-            raise SystemExit(f"--sections: unknown section {section!r}; use ar, share, server70, server8")
+            raise SystemExit(f"--sections: unknown section {section!r}; use ar, gate, server70, share, server8")
         save()
     save()
     print("\n" + report["markdown"], flush=True)
