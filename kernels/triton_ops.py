@@ -74,7 +74,7 @@ class TritonOps:
             if fused is not None:
                 normed, residual = fused
                 return self.linear(normed, weight, bias), residual
-            x = comm.all_reduce(x)
+            x = comm.all_reduce(x, pdl=self.pdl and x.shape[0] == 1)
         if self.deterministic:
             return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
         if self._gemv(x):

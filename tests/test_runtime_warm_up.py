@@ -106,16 +106,17 @@ def recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[CompileKeys]:
     yield keys
 
 
-def _triton_engine(model: Path, monkeypatch: pytest.MonkeyPatch) -> LLMEngine:
+def _triton_engine(model: Path, monkeypatch: pytest.MonkeyPatch, *, deterministic: bool = False) -> LLMEngine:
     """The engine with the Triton ops on CPU, as on CUDA: row-major weights, the decode-graph step (run eagerly:
     capture=False; on CUDA its kernels are compiled by the capture, before the warm-up). The one-row projections
     take the chunked GEMV: the persistent one (what the H200 tuning picks) takes ~150 ms a launch interpreted."""
     monkeypatch.setattr(gemv, "tuned_config", lambda n, k, prologue: gemv.DEFAULT_CONFIG)
     engine = LLMEngine(EngineConfig(model=str(model), device="cpu", load_format="dummy", warm_up=False,
                                     max_model_len=MAX_LEN, max_num_batched_tokens=BUDGET, max_num_seqs=SEQS,
-                                    num_kv_blocks=BLOCKS, async_scheduling=True))  # fmt: skip
+                                    num_kv_blocks=BLOCKS, async_scheduling=True,
+                                    deterministic=deterministic))  # fmt: skip
     runner = engine.runner
-    runner.ops = TritonOps()
+    runner.ops = TritonOps(deterministic=deterministic)
     for p in runner.model.parameters():
         p.data = p.data.contiguous()  # the CPU runner stores matrices column-major (for BLAS); CUDA does not
     runner.decode_graphs = DecodeGraphs(runner, max_batch=SEQS, capture=False)
@@ -134,9 +135,8 @@ def _ids(n: int, salt: int) -> list[int]:
     return [(j * 31 + salt * 7) % (VOCAB - 2) for j in range(n)]
 
 
-def test_the_warm_up_compiles_every_variant_a_varied_workload_meets(tiny_model: Path, recorder: CompileKeys,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = _triton_engine(tiny_model, monkeypatch)
+def _warm_then_serve(engine: LLMEngine, recorder: CompileKeys) -> tuple[set[Any], set[Any]]:
+    """(the keys of the start: graph captures and warm-up; the keys of a varied workload after it)."""
     assert engine.runner.decode_graphs is not None
     _capture(engine.runner.decode_graphs)
     engine.warm_up()
@@ -158,19 +158,39 @@ def test_the_warm_up_compiles_every_variant_a_varied_workload_meets(tiny_model: 
     hits = engine.stats().prefix_cache_hit_tokens_total
     engine.generate([_ids(100, 9)], greedy)
     engine.generate([_ids(100, 9)], SamplingParams(max_tokens=2, temperature=0.0, logprobs=2, ignore_eos=True))
-    stats = engine.stats()
-    assert stats.prefix_cache_hit_tokens_total > hits, "the repeated prompt did not hit the prefix cache"
+    assert engine.stats().prefix_cache_hit_tokens_total > hits, "the repeated prompt did not hit the prefix cache"
+    return warm, set(recorder.keys)
 
-    served = set(recorder.keys)
+
+def _assert_inside(served: set[Any], warm: set[Any]) -> set[str]:
     missing = served - warm
     assert not missing, "compiled during serving, not by the warm-up:\n" + "\n".join(map(str, sorted(missing)))
-    kernels = {CompileKeys.kernel(k) for k in served}
+    return {CompileKeys.kernel(k) for k in served}
+
+
+def test_the_warm_up_compiles_every_variant_a_varied_workload_meets(tiny_model: Path, recorder: CompileKeys,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    warm, served = _warm_then_serve(_triton_engine(tiny_model, monkeypatch), recorder)
+    kernels = _assert_inside(served, warm)
     assert {"_attn_kernel", "_decode_fused_kernel", "_merge_splits_kernel", "_rotary_store_kernel",
             "_rms_norm_kernel", "_silu_and_mul_kernel"} <= kernels, kernels  # fmt: skip
     assert any(k.startswith("_gemv") for k in kernels), kernels
     # The workload does meet what the markings are for: with every integer specialised, its attention launches
     # fall into several classes of the block table's stride (the H200's failure).
     assert len(recorder.all_specialised["_attn_kernel"]) > len({k for k in served if k[0] == "_attn_kernel"})
+
+
+@pytest.mark.slow
+def test_the_deterministic_warm_up_compiles_every_variant_too(tiny_model: Path, recorder: CompileKeys,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch-invariant kernels: the matmul's tiles and split by M, the attention's split and full kernels."""
+    warm, served = _warm_then_serve(_triton_engine(tiny_model, monkeypatch, deterministic=True), recorder)
+    kernels = _assert_inside(served, warm)
+    # (No _reduce_kernel: the tiny model's K of 64 is one piece, so no matmul splits it.)
+    assert {"_matmul_kernel", "_full_kernel", "_split_kernel", "_merge_kernel", "_rotary_store_kernel",
+            "_rms_norm_kernel"} <= kernels, kernels  # fmt: skip
+    # M is not specialised: with it specialised, the matmul would meet more variants than the warm-up compiled.
+    assert len(recorder.all_specialised["_matmul_kernel"]) > len({k for k in served if k[0] == "_matmul_kernel"})
 
 
 def test_the_warm_up_steps_take_every_choice_through_each_value() -> None:
