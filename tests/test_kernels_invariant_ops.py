@@ -24,6 +24,7 @@ from envex.runtime.config import ModelConfig  # noqa: E402
 from envex.runtime.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from envex.runtime.engine.model_runner import dummy_weights  # noqa: E402
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin  # noqa: E402
+from envex.tests.support.kernels import eager_step  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE, MAX_LEN, VOCAB = 8, 64, 40
@@ -51,25 +52,9 @@ def _runner(ops) -> _Runner:
 
 def _step(runner: _Runner, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
     """One eager step: sequence b feeds ids[b] at positions starts[b]..; logits of every token [T, V]."""
-    flat, pos, slots, cu = [], [], [], [0]
-    for toks, start, table in zip(ids, starts, tables, strict=True):
-        flat += toks
-        for p in range(start, start + len(toks)):
-            pos.append(p)
-            slots.append(table[p // PAGE] * PAGE + p % PAGE)
-        cu.append(cu[-1] + len(toks))
-    q_lens = [len(t) for t in ids]
-    seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        positions=torch.tensor(pos, device=DEV), slot_mapping=torch.tensor(slots, device=DEV),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEV),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV),
-        cos=runner.cos, sin=runner.sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), q_lens_host=q_lens, seq_lens_host=seq_lens,
-    )  # fmt: skip
+    tokens, meta, _ = eager_step(ids, starts, tables, runner.cos, runner.sin, PAGE, DEV)
     with torch.inference_mode():
-        return runner.forward_logits(torch.tensor(flat, device=DEV), meta)
+        return runner.forward_logits(tokens, meta)
 
 
 PROMPT = [4, 11, 29, 3, 8, 1, 2, 3, 5, 8, 13, 21, 34, 7, 11, 18, 9, 30, 2]  # 19 tokens

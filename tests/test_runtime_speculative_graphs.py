@@ -21,6 +21,7 @@ from envex.runtime.engine.cuda_graphs import SpecGraphs  # noqa: E402
 from envex.runtime.engine.drafters import SpecInputs  # noqa: E402
 from envex.runtime.engine.model_runner import dummy_weights  # noqa: E402
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin  # noqa: E402
+from envex.tests.support.kernels import eager_step  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE, MAX_LEN, VOCAB, BLOCKS = 8, 64, 40, 16
@@ -58,25 +59,9 @@ def _runner(model: LlamaForCausalLM, ops, caches) -> _Runner:
 
 def _eager(runner: _Runner, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
     """The plain eager step: sequence b feeds ids[b] at positions starts[b].. -> logits of every row."""
-    flat, pos, slots, cu = [], [], [], [0]
-    for toks, start, table in zip(ids, starts, tables, strict=True):
-        flat += toks
-        for p in range(start, start + len(toks)):
-            pos.append(p)
-            slots.append(table[p // PAGE] * PAGE + p % PAGE)
-        cu.append(cu[-1] + len(toks))
-    q_lens = [len(t) for t in ids]
-    seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
-    width = max(len(t) for t in tables)
-    meta = AttentionMetadata(
-        positions=torch.tensor(pos, device=DEV), slot_mapping=torch.tensor(slots, device=DEV),
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEV),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV),
-        cos=runner.cos, sin=runner.sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEV), q_lens_host=q_lens, seq_lens_host=seq_lens,
-    )  # fmt: skip
+    tokens, meta, _ = eager_step(ids, starts, tables, runner.cos, runner.sin, PAGE, DEV)
     with torch.inference_mode():
-        return runner.forward_logits(torch.tensor(flat, device=DEV), meta)
+        return runner.forward_logits(tokens, meta)
 
 
 @pytest.mark.parametrize(("k", "splits"), [(2, None), (5, 3)])  # q_len <= 4 (split decode tiles) and > 4

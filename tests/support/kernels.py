@@ -1,11 +1,12 @@
-"""What the kernel tests share: float64 upcasts for the reference and an assertion against the accuracy contract
-(kernels/accuracy.py, which the H200 benches use too)."""
+"""What the kernel tests share: float64 upcasts for the reference, an assertion against the accuracy contract
+(kernels/accuracy.py, which the H200 benches use too), and the inputs of one eager model step."""
 
 from __future__ import annotations
 
 import torch
 
 from envex.kernels.accuracy import TOLERANCE, rel_err
+from envex.kernels.ops import AttentionMetadata
 
 
 def f64(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -18,3 +19,28 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.d
     tol = TOLERANCE[dtype]
     assert err <= tol, f"{name}: relative error {err:.3g} > {tol:.3g} for {dtype}"
     return err
+
+
+def eager_step(ids: list[list[int]], starts: list[int], tables: list[list[int]], cos: torch.Tensor, sin: torch.Tensor,
+               page: int, device: torch.device) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:  # fmt: skip
+    """One eager step's inputs: sequence b feeds ids[b] at positions starts[b].. through its block table tables[b]
+    -> (the flat token ids, their AttentionMetadata, the row index of each sequence's last token)."""
+    flat, pos, slots, cu = [], [], [], [0]
+    for toks, start, table in zip(ids, starts, tables, strict=True):
+        flat += toks
+        for p in range(start, start + len(toks)):
+            pos.append(p)
+            slots.append(table[p // page] * page + p % page)
+        cu.append(cu[-1] + len(toks))
+    q_lens = [len(t) for t in ids]
+    seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+    width = max(len(t) for t in tables)
+    meta = AttentionMetadata(
+        positions=torch.tensor(pos, device=device), slot_mapping=torch.tensor(slots, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        cos=cos, sin=sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), q_lens_host=q_lens,
+        seq_lens_host=seq_lens,
+    )  # fmt: skip
+    return torch.tensor(flat, device=device), meta, torch.tensor(cu[1:], device=device) - 1
