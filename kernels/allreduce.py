@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_launch
 
 MAX_WORLD = 8
 # Programs of one launch that can all be resident on an H100/H200 (132 SMs) beside whatever else runs: a program
@@ -72,7 +72,11 @@ def _barrier(pad_ptrs, which, pid, rank, epoch, WORLD: tl.constexpr):
 
 @triton.jit
 def _all_reduce_kernel(inp_ptr, out_ptr, buf_ptrs, pad_ptrs, n, rank,
-                       tiles, WORLD: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                       tiles, WORLD: tl.constexpr, SYNC: tl.constexpr, BLOCK: tl.constexpr,
+                       USE_PDL: tl.constexpr):  # fmt: skip
+    if USE_PDL:  # the next kernel (a GEMV) may start streaming its weight now; our input is the previous kernel's
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = inp_ptr.dtype.element_ty
@@ -156,9 +160,12 @@ def one_shot_all_reduce(
     buffer_elems: int,
     sync: bool = True,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """The sum over ranks of x (contiguous, any shape), as every rank's copy of it. buffer_elems: the capacity of
-    each rank's buffer in x's dtype. sync=False skips the barriers (tests, where one process plays every rank)."""
+    each rank's buffer in x's dtype. sync=False skips the barriers (tests, where one process plays every rank).
+    pdl: launch with programmatic dependent launch (Hopper; after and before the batch-1 GEMVs, which use it too):
+    the kernel waits for its predecessor before reading x, and lets its successor start at once."""
     world = _check_tables(buf_ptrs, pad_ptrs, rank, x.device)
     check(x.dtype in FLOAT_DTYPES, f"x: dtype {x.dtype} not supported")
     check(x.is_contiguous(), "x: must be contiguous")
@@ -169,7 +176,8 @@ def one_shot_all_reduce(
     tiles = triton.cdiv(n, block)
     programs = min(tiles, MAX_PROGRAMS)
     _all_reduce_kernel[(programs,)](x, out, buf_ptrs, pad_ptrs, n, rank, triton.cdiv(tiles, programs),
-                                    WORLD=world, SYNC=sync, BLOCK=block, num_warps=4)  # fmt: skip
+                                    WORLD=world, SYNC=sync, BLOCK=block, USE_PDL=pdl, num_warps=4,
+                                    **pdl_launch(pdl))  # fmt: skip
     return out
 
 

@@ -121,7 +121,7 @@ class TwinRanks:
         self.fused = fused
         self.calls: list[str] = []
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
         self.calls.append("all_reduce")
         return x * 2
 
