@@ -1,6 +1,6 @@
 """Tensor parallelism on a 2-GPU host (issue 15): the all-reduce, the share of a step it takes, and the server.
 
-    python3 -m envex.verify.kernel_bench.bench_tp --out $OUT --tree /tmp/ns [--sections ar,gate,server70,share,server8]
+    python3 -m envex.verify.kernel_bench.bench_tp --out $OUT --tree /tmp/ns [--sections ar,gate,server70,server8,share]
     python3 -m envex.verify.kernel_bench.bench_tp --out /tmp/tp-dry --device cpu --shape tiny   # CPU dry run (gloo)
 
 Sections, run in the order given (each writes its part of $OUT/tp.json as soon as it ends; a section that fails
@@ -243,7 +243,9 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def run_ranks(device: str, sections: list[str], model_dir: Path, context: int, out: Path) -> dict:
+def run_ranks(device: str, sections: list[str], model_dir: Path, context: int, out: Path, timeout: float) -> dict:
+    """The two-rank sections in two processes; killed after `timeout` seconds (a hung collective must not take
+    the rest of the run with it)."""
     import torch.multiprocessing as mp
 
     from envex.runtime.parallel.workers import _free_port
@@ -251,8 +253,42 @@ def run_ranks(device: str, sections: list[str], model_dir: Path, context: int, o
     result = out / "ranks.json"
     result.unlink(missing_ok=True)
     init = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(_rank_main, args=(2, init, device, sections, str(model_dir), context, str(result)), nprocs=2)
+    args = (2, init, device, sections, str(model_dir), context, str(result))
+    ctx = mp.spawn(_rank_main, args=args, nprocs=2, join=False)
+    limit = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > limit:
+                for proc in ctx.processes:
+                    proc.kill()
+                return {name: {"error": f"killed after {timeout:.0f} s (hung?)"} for name in sections}
+    except Exception as exc:  # a rank died: its error, and whatever rank 0 wrote before
+        got = json.loads(result.read_text()) if result.is_file() else {}
+        return {name: got.get(name, {"error": f"{type(exc).__name__}: {exc}"[-2000:]}) for name in sections}
     return json.loads(result.read_text()) if result.is_file() else {"error": "rank 0 wrote no result"}
+
+
+def _gate_child(args: argparse.Namespace, tiny: bool, result: str) -> None:
+    try:
+        out = _gate_section(args, tiny)
+    except Exception as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+    Path(result).write_text(json.dumps(out, indent=1, default=str))
+
+
+def run_gate(args: argparse.Namespace, tiny: bool, timeout: float) -> dict:
+    """The gate in a child process (its engines, its process group), killed after `timeout` seconds."""
+    import multiprocessing
+
+    result = args.out / "gate.json"
+    result.unlink(missing_ok=True)
+    proc = multiprocessing.get_context("spawn").Process(target=_gate_child, args=(args, tiny, str(result)))
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()  # its worker follows (parent-death signal)
+        return {"error": f"killed after {timeout:.0f} s (hung?)"}
+    return json.loads(result.read_text()) if result.is_file() else {"error": f"exit code {proc.exitcode}"}
 
 
 # ---- the gate: TP=2 against TP=1 on the same weights ----------------------------------------------------------
@@ -334,9 +370,10 @@ def _server_run(
             if time.monotonic() > deadline:
                 run["cases"][case] = {"skipped": "deadline"}
                 continue
-            rows = [asyncio.run(S.run_case(base, served, batch, prompt_len, out_len, seed=r)) for r in range(reps + 1)][
-                1:
-            ]  # the first is the warm-up
+            # the first run is the warm-up; a run is cut off a minute past the deadline (a hung server)
+            wait = max(30.0, deadline + 60 - time.monotonic())
+            rows = [asyncio.run(asyncio.wait_for(S.run_case(base, served, batch, prompt_len, out_len, seed=r), wait))
+                    for r in range(reps + 1)][1:]  # fmt: skip
             ok = [r for r in rows if r["completion_tokens"] == out_len]
             key = "decode_tok_s" if batch == 1 else "output_tok_s"
             median = statistics.median(r[key] for r in ok) if ok else float("nan")
@@ -420,7 +457,7 @@ def main() -> None:
     ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--shape", choices=("full", "tiny"), default="full", help="tiny: the CPU dry run's shapes")
-    ap.add_argument("--sections", default="ar,gate,server70,share,server8", help="run in this order")
+    ap.add_argument("--sections", default="ar,gate,server70,server8,share", help="run in this order")
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--deadline", type=float, default=500.0, help="seconds after which no new work starts")
     args = ap.parse_args()
@@ -464,7 +501,9 @@ def main() -> None:
             S.write_model_dir(share_dir, small, weights=False)
             t0 = time.monotonic()
             try:
-                got = run_ranks(args.device, [section], share_dir, 64 if tiny else 1024, args.out)
+                got = run_ranks(
+                    args.device, [section], share_dir, 64 if tiny else 1024, args.out, max(60.0, deadline - t0)
+                )
             except Exception as exc:
                 got = {section: {"error": f"{type(exc).__name__}: {exc}"}}
             report["ranks"].update(got)
@@ -472,10 +511,7 @@ def main() -> None:
             print(json.dumps(got, indent=1)[:6000], flush=True)
         elif section == "gate":
             t0 = time.monotonic()
-            try:
-                report["gate"] = _gate_section(args, tiny)
-            except Exception as exc:
-                report["gate"] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+            report["gate"] = run_gate(args, tiny, max(60.0, deadline - t0))
             report["gate_s"] = time.monotonic() - t0
         elif section in servers:
             if bw is None and args.device == "cuda":
