@@ -80,7 +80,8 @@ def _all_reduce_kernel(inp_ptr, out_ptr, buf_ptrs, pad_ptrs, n, rank,
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     dtype = inp_ptr.dtype.element_ty
-    own = tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype))
+    # The buffers are allocations of their own (16-byte aligned at least): said so, the loads are 16-byte vectors.
+    own = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype)), 16)
     for t in range(tiles):  # tiles pid, pid + programs, ...
         offs = (pid + t * programs).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -94,8 +95,8 @@ def _all_reduce_kernel(inp_ptr, out_ptr, buf_ptrs, pad_ptrs, n, rank,
         mask = offs < n
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for q in tl.static_range(WORLD):  # rank order: the same sum on every rank
-            buf = tl.load(buf_ptrs + q).to(tl.pointer_type(dtype))
-            acc += tl.load(buf + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            buf = tl.multiple_of(tl.load(buf_ptrs + q).to(tl.pointer_type(dtype)), 16)
+            acc += tl.load(buf + offs, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + offs, acc.to(dtype), mask=mask)
     if SYNC:
         _barrier(pad_ptrs, 1, pid, rank, epoch, WORLD)
@@ -111,7 +112,7 @@ def _all_reduce_add_rms_norm_kernel(
     dtype = inp_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < H
-    own = tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype))
+    own = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype)), 16)
     for i in range(rows_per_program):  # rows pid, pid + programs, ... (x, residual, outputs contiguous [T, H])
         row = (pid + i * programs).to(tl.int64)
         mask = cols < tl.where(row < rows, H, 0)  # a row past the last: nothing
@@ -125,8 +126,8 @@ def _all_reduce_add_rms_norm_kernel(
         mask = cols < tl.where(row < rows, H, 0)  # a row past the last: nothing
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for q in tl.static_range(WORLD):
-            buf = tl.load(buf_ptrs + q).to(tl.pointer_type(dtype))
-            acc += tl.load(buf + row * H + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            buf = tl.multiple_of(tl.load(buf_ptrs + q).to(tl.pointer_type(dtype)), 16)
+            acc += tl.load(buf + row * H + cols, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         x = acc.to(dtype)  # what an all-reduce returns, rounded as NCCL's output is
         if HAS_RESIDUAL:  # then add_rms_norm exactly as kernels/norm.py: the sum rounded before the norm
             r = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0)

@@ -156,3 +156,48 @@ def test_norm_linear_reduces_partial_sums_on_both_backends(tokens: int, fused: b
     assert_close("torch ops y", y_ref, want_y @ w.double().T, torch.float32)
     assert torch.equal(total_ref, x * 2 + (res if res is not None else 0))
     assert fast_comm.calls == (["all_reduce"] if tokens == 1 else ["fused"] if fused else ["fused", "all_reduce"])
+
+
+COMPILE_FOR_HOPPER = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from envex.kernels import allreduce as A
+
+aligned = {(i,): [["tt.divisibility", 16]] for i in range(5)}
+sig = {"inp_ptr": "*bf16", "out_ptr": "*bf16", "buf_ptrs": "*i64", "pad_ptrs": "*i64", "n": "i32", "rank": "i32",
+       "tiles": "i32", "WORLD": "constexpr", "SYNC": "constexpr", "BLOCK": "constexpr", "USE_PDL": "constexpr"}
+src = ASTSource(A._all_reduce_kernel, sig, constexprs={"WORLD": 2, "SYNC": True, "BLOCK": 1024, "USE_PDL": True},
+                attrs=aligned)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+sig = {"inp_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "sum_ptr": "*bf16",
+       "buf_ptrs": "*i64", "pad_ptrs": "*i64", "rows": "i32", "H": "i32", "eps": "fp32", "rank": "i32",
+       "rows_per_program": "i32", "WORLD": "constexpr", "SYNC": "constexpr", "HAS_RESIDUAL": "constexpr",
+       "BLOCK_H": "constexpr"}
+src = ASTSource(A._all_reduce_add_rms_norm_kernel, sig,
+                constexprs={"WORLD": 4, "SYNC": True, "HAS_RESIDUAL": True, "BLOCK_H": 8192})
+fused = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+print(ptx + fused)
+"""
+
+
+def test_kernels_compile_for_hopper_with_the_intended_instructions() -> None:
+    """The device code (not what the interpreter runs): both kernels compile for sm_90 with Triton's own ptxas,
+    no GPU needed, and the PTX holds the protocol: release exchanges into the peers' pads, acquire loads of our
+    own, 16-byte L1-bypassing loads of the peers' data, the programmatic-dependent-launch wait."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").is_file():
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_HOPPER], env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    ptx = done.stdout
+    for needle in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "ld.global.cg.v4",
+                   "griddepcontrol.wait", "griddepcontrol.launch_dependents"):  # fmt: skip
+        assert needle in ptx, needle
