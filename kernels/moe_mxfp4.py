@@ -32,6 +32,13 @@ from envex.kernels import mxfp4
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
 
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
+# GEMV tiles (one warp a program; kernels/NOTES.md, "gpt-oss"): a step covers GEMV_GROUPS 32-value groups of a row,
+# one per thread (a 16-byte load each); gate-up programs own GEMV_PAIRS (gate, up) row pairs of one (token, slot),
+# down programs GEMV_DOWN_ROWS output rows of one token for all its top_k experts at once.
+GEMV_GROUPS = 32
+GEMV_PAIRS = 4
+GEMV_DOWN_ROWS = 8
+GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 
 
 @triton.jit
@@ -94,14 +101,78 @@ def _swiglu_oai(g, u, alpha, limit):
 
 
 @triton.jit
+def _e2m1_pair(words, i: tl.constexpr):
+    """int32 words of 8 e2m1 codes (code c in bits 4c..4c+3) -> the float32 values 2^-14 · e2m1 of codes i and
+    4 + i (i = 0..3), both halves of a word at once. Each code's magnitude bits go to bits 9-11 of its 16-bit half
+    and its sign to bit 15: that half is the fp16 2^-14 · e2m1 (e2m1's subnormal 0.5 lands on fp16's subnormal
+    2^-15, so no select), and widening fp16 to fp32 is exact. Two shifts and two logic ops per two codes."""
+    if 4 * i <= 9:
+        mag = words << (9 - 4 * i)
+    else:
+        mag = words >> (4 * i - 9)
+    halves = (mag & 0x0E000E00) | ((words << (12 - 4 * i)) & -2147450880)  # the sign mask 0x80008000 as int32
+    lo = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _x_lanes(x8, B: tl.constexpr, C: tl.constexpr):
+    """x8 [4, B, C, 8] float32: the 8 inputs of word q (dim 0) of each group -> its 8 columns, each [B, C, 4] (word
+    last, as the weight tiles hold it). Three splits in registers (input r = 4·b2 + 2·b1 + b0 of a word).
+    The word index is the outermost dimension of the load so that Triton's coalescing gives each thread all four
+    words of its group (threads along C), the layout of the weight tile: no shuffle through shared memory."""
+    b0_0, b0_1 = tl.split(tl.reshape(x8, [4, B, C, 2, 2, 2]))
+    b1_00, b1_01 = tl.split(b0_0)
+    b1_10, b1_11 = tl.split(b0_1)
+    x0, x4 = tl.split(b1_00)
+    x2, x6 = tl.split(b1_01)
+    x1, x5 = tl.split(b1_10)
+    x3, x7 = tl.split(b1_11)
+    return (tl.permute(x0, (1, 2, 0)), tl.permute(x1, (1, 2, 0)), tl.permute(x2, (1, 2, 0)),
+            tl.permute(x3, (1, 2, 0)), tl.permute(x4, (1, 2, 0)), tl.permute(x5, (1, 2, 0)),
+            tl.permute(x6, (1, 2, 0)), tl.permute(x7, (1, 2, 0)))  # fmt: skip
+
+
+@triton.jit
+def _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7):
+    """Σ over each group's 4 words of its 32 codes times their inputs -> [..., GB] float32, times 2^-14 (the
+    scale is applied per group by the caller). words [..., GB, 4] int32; x_r broadcast against it."""
+    # one FMA a code: each product is added on its own (`acc += a·b + c·d` would add a product pair first)
+    lo, hi = _e2m1_pair(words, 0)
+    acc = lo * x0
+    acc = acc + hi * x4
+    lo, hi = _e2m1_pair(words, 1)
+    acc = acc + lo * x1
+    acc = acc + hi * x5
+    lo, hi = _e2m1_pair(words, 2)
+    acc = acc + lo * x2
+    acc = acc + hi * x6
+    lo, hi = _e2m1_pair(words, 3)
+    acc = acc + lo * x3
+    acc = acc + hi * x7
+    return tl.sum(acc, axis=-1)
+
+
+@triton.jit
+def _group_scale(sc):
+    """e8m0 scale bytes -> 2^(s - 127) · 2^14 float32 (2^14 undoes _e2m1_pair's offset; s = 0 reads as 0)."""
+    return (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True) * 16384.0
+
+
+@triton.jit
 def _gate_up_gemv_kernel(
     x_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act, alpha, limit,
+    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
-    BLOCK_I output pairs j of this program (weight rows 2j and 2j + 1)."""
+    BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K.
+
+    PACKED: w is the expert blocks viewed as int32 words [E, 2I, K/8] (four words = one 32-value group, one
+    16-byte load per thread), s the scales [E, 2I, K/32]; each thread holds one group of every row of the tile,
+    so its 32 inputs (one 64-byte load, split in registers) serve all 2·BLOCK_I rows. Float: w [E, 2I, K]."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     t = pair // TOP_K
@@ -116,63 +187,108 @@ def _gate_up_gemv_kernel(
     tl.store(ids_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.int32) + e, mask=publish)
     tl.store(wts_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.float32) + w_slot, mask=publish)
 
-    j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
-    j_ok = j < INTER
-    jj = tl.arange(0, BLOCK_K // 2)
-    acc_g = tl.zeros([BLOCK_I, BLOCK_K // 2], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I, BLOCK_K // 2], dtype=tl.float32)
+    rows = pid_n * (2 * BLOCK_I) + tl.arange(0, 2 * BLOCK_I)  # gate and up rows interleaved, as stored
+    row_ok = rows < 2 * INTER
     x_row = x_ptr + t.to(tl.int64) * stride_x
-    for k0 in range(0, K, BLOCK_K):
-        kb = k0 // 2 + jj  # byte column: input elements 2·kb (low nibble) and 2·kb + 1 (high)
-        k_ok = kb < K // 2
-        x_even = tl.load(x_row + 2 * kb, mask=k_ok, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_row + 2 * kb + 1, mask=k_ok, other=0.0).to(tl.float32)
-        g_lo, g_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
-                                  stride_sn, PACKED)  # fmt: skip
-        acc_g += g_lo * x_even[None, :] + g_hi * x_odd[None, :]
-        u_lo, u_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
-                                  stride_sn, PACKED)  # fmt: skip
-        acc_u += u_lo * x_even[None, :] + u_hi * x_odd[None, :]
-    bias_row = b_ptr + e.to(tl.int64) * stride_be
-    dt = act_ptr.dtype.element_ty
+    e64 = e.to(tl.int64)
+    r64 = rows.to(tl.int64)
+    if PACKED:
+        gg = tl.arange(0, GB)
+        qq = tl.arange(0, 4)
+        # row starts in words; a group (4 words, 16 bytes) starts at a multiple of 4: one vector load
+        w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
+        s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
+        acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
+        for g0 in range(0, K // 32, GB):
+            g = g0 + gg  # [GB] groups of this step
+            g_ok = g < K // 32
+            words = tl.load(w_rows[:, None, None] + (4 * g)[None, :, None] + qq[None, None, :],
+                            mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # [2·BLOCK_I, GB, 4]
+            sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+            x8 = tl.load(x_row + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
+                         + tl.arange(0, 8)[None, None, None, :], mask=g_ok[None, None, :, None],
+                         other=0.0).to(tl.float32)  # [4 words, 1, GB, 8]
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8, 1, GB)  # each [1, GB, 4]
+            acc += _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
+        y = tl.sum(acc, axis=1)
+    else:
+        kk2 = tl.arange(0, GB)
+        acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
+        for k0 in range(0, K, GB):
+            k = k0 + kk2
+            k_ok = k < K
+            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + e64 * stride_we + r64[:, None] * stride_wn + k[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
+            acc += wv * xv[None, :]
+        y = tl.sum(acc, axis=1)
     # HF rounds the projection (bias included) to the activation dtype before the SwiGLU.
-    g = (tl.sum(acc_g, axis=1) + tl.load(bias_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)).to(dt)
-    u = (tl.sum(acc_u, axis=1) + tl.load(bias_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)).to(dt)
-    a = _swiglu_oai(g.to(tl.float32), u.to(tl.float32), alpha, limit)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(dt), mask=j_ok)
+    dt = act_ptr.dtype.element_ty
+    y = (y + tl.load(b_ptr + e64 * stride_be + rows, mask=row_ok, other=0.0).to(tl.float32)).to(dt)
+    g_val, u_val = tl.split(tl.reshape(y, [BLOCK_I, 2]))
+    a = _swiglu_oai(g_val.to(tl.float32), u_val.to(tl.float32), alpha, limit)
+    j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(dt), mask=j < INTER)
 
 
 @triton.jit
 def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
-    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
-    N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr,
+    stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
+    N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr,
+    GB: tl.constexpr, PACKED: tl.constexpr,
 ):  # fmt: skip
-    """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, in slot order."""
+    """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
+    n. All TOP_K experts are read at once, a [BLOCK_N, BLOCK_TK, GB, 4] word tile a step (with one warp a slot,
+    each thread holds BLOCK_N rows of one group of its slot's expert and that group's 32 inputs), so their loads
+    are in flight together; the slots are summed in registers in a fixed order: no atomics, no second pass."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    jj = tl.arange(0, BLOCK_K // 2)
+    kk = tl.arange(0, BLOCK_TK)
+    slot_ok = kk < TOP_K
+    pairs = t * TOP_K + kk
+    e64 = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)  # [BLOCK_TK]
+    wt = tl.load(wts_ptr + pairs, mask=slot_ok, other=0.0)
+    a_rows = act_ptr + pairs.to(tl.int64) * stride_act  # [BLOCK_TK]
+    n64 = n.to(tl.int64)
+    ok2 = n_ok[:, None] & slot_ok[None, :]  # [BLOCK_N, BLOCK_TK]
+    if PACKED:
+        gg = tl.arange(0, GB)
+        qq = tl.arange(0, 4)
+        w_rows = w_ptr + tl.multiple_of(n64[:, None] * (INTER // 8) + e64[None, :] * stride_we, [4, 4])  # [N, TK]
+        s_rows = s_ptr + n64[:, None] * (INTER // 32) + e64[None, :] * stride_se
+        acc = tl.zeros([BLOCK_N, BLOCK_TK, GB], dtype=tl.float32)
+        for g0 in range(0, INTER // 32, GB):
+            g = g0 + gg
+            g_ok = g < INTER // 32
+            words = tl.load(w_rows[:, :, None, None] + (4 * g)[None, None, :, None] + qq[None, None, None, :],
+                            mask=ok2[:, :, None, None] & g_ok[None, None, :, None], other=0)  # [N, TK, GB, 4]
+            sc = tl.load(s_rows[:, :, None] + g[None, None, :], mask=ok2[:, :, None] & g_ok[None, None, :],
+                         other=0)  # fmt: skip
+            x8 = tl.load(a_rows[None, :, None, None] + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
+                         + tl.arange(0, 8)[None, None, None, :],
+                         mask=slot_ok[None, :, None, None] & g_ok[None, None, :, None], other=0.0).to(tl.float32)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8, BLOCK_TK, GB)  # each [BLOCK_TK, GB, 4]
+            acc += _word_dots(words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None],
+                              x7[None]) * _group_scale(sc)  # fmt: skip
+        r = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_TK]
+    else:
+        kk2 = tl.arange(0, GB)
+        acc = tl.zeros([BLOCK_N, BLOCK_TK, GB], dtype=tl.float32)
+        for k0 in range(0, INTER, GB):
+            k = k0 + kk2
+            k_ok = k < INTER
+            xv = tl.load(a_rows[:, None] + k[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
+            wv = tl.load(w_ptr + n64[:, None, None] * stride_wn + e64[None, :, None] * stride_we + k[None, None, :],
+                         mask=ok2[:, :, None] & k_ok[None, None, :], other=0.0)  # fmt: skip
+            acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :, :]
+        r = tl.sum(acc, axis=2)
     dt = out_ptr.dtype.element_ty
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in range(TOP_K):
-        pair = t * TOP_K + slot
-        e = tl.load(ids_ptr + pair)
-        wt = tl.load(wts_ptr + pair)
-        a_row = act_ptr + pair.to(tl.int64) * stride_act
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 2], dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            kb = k0 // 2 + jj
-            k_ok = kb < INTER // 2
-            a_even = tl.load(a_row + 2 * kb, mask=k_ok, other=0.0).to(tl.float32)
-            a_odd = tl.load(a_row + 2 * kb + 1, mask=k_ok, other=0.0).to(tl.float32)
-            lo, hi = _weight_pair(w_ptr, s_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
-                                  PACKED)  # fmt: skip
-            acc += lo * a_even[None, :] + hi * a_odd[None, :]
-        r = tl.sum(acc, axis=1) + tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)
-        y += wt * r.to(dt).to(tl.float32)  # HF rounds each expert's output before weighting it
+    r += tl.load(b_ptr + e64[None, :] * stride_be + n64[:, None], mask=ok2, other=0.0).to(tl.float32)
+    # HF rounds each expert's output before weighting it; padding slots have weight 0
+    y = tl.sum(wt[None, :] * r.to(dt).to(tl.float32), axis=1)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
 
 
@@ -297,6 +413,15 @@ def _weight_args(name: str, w: Weights, n: int, k: int, device: torch.device
     return w, w, w.stride(0), w.stride(1), 0, 0, False
 
 
+def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Tensor, int]:
+    """The GEMV kernels read MXFP4 blocks as int32 words (8 codes each): the blocks viewed so, and the expert
+    stride in words. Every group then starts on 16 bytes, which the kernels assume for their vector loads."""
+    if not packed:
+        return w, stride_we
+    check(w.data_ptr() % 16 == 0 and stride_we % 16 == 0, "blocks: each expert must start on 16 bytes")
+    return w.view(torch.int32), stride_we // 4
+
+
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (expert ids [T, top_k] int32, weights [T, top_k] float32), as reference.moe_route."""
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
@@ -377,20 +502,20 @@ def fused_moe(
     if t <= gemv_max_rows:
         ids = torch.empty(pairs_n, dtype=torch.int32, device=x.device)
         wts = torch.empty(pairs_n, dtype=torch.float32, device=x.device)
-        block_i, block_k = 16, 256
-        _gate_up_gemv_kernel[(triton.cdiv(inter, block_i), pairs_n)](
-            x, logits, ids, wts, w1, s1, gate_up_bias, act,
-            x.stride(0), logits.stride(0), we1, wn1, se1, sn1, gate_up_bias.stride(0), act.stride(0),
+        gw1, gwe1 = _gemv_words(w1, we1, packed1)
+        gw2, gwe2 = _gemv_words(w2, we2, packed2)
+        gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
+        _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
+            x, logits, ids, wts, gw1, s1, gate_up_bias, act,
+            x.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act.stride(0),
             float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
-            BLOCK_TK=next_pow2(top_k), BLOCK_I=block_i, BLOCK_K=min(block_k, next_pow2(h)), PACKED=packed1,
-            num_warps=4,
+            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, num_warps=1,
         )  # fmt: skip
-        block_n = 16
-        _down_gemv_kernel[(triton.cdiv(h, block_n), t)](
-            act, ids, wts, w2, s2, down_bias, out,
-            act.stride(0), we2, wn2, se2, sn2, down_bias.stride(0), out.stride(0),
-            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, next_pow2(inter)), PACKED=packed2,
-            num_warps=4,
+        _down_gemv_kernel[(triton.cdiv(h, GEMV_DOWN_ROWS), t)](
+            act, ids, wts, gw2, s2, down_bias, out,
+            act.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
+            N=h, INTER=inter, TOP_K=top_k, BLOCK_TK=next_pow2(top_k), BLOCK_N=GEMV_DOWN_ROWS,
+            GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K, PACKED=packed2, num_warps=min(next_pow2(top_k), 8),
         )  # fmt: skip
         return out
     ids, wts = route(logits, top_k)

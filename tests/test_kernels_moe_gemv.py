@@ -1,0 +1,56 @@
+"""gpt-oss's MoE GEMV path (T <= GEMV_MAX_ROWS) at gpt-oss's widths: the K tails, the word-wise MXFP4 decode and
+the down kernel's all-slots tile, against the float64 reference (tests/test_kernels_moe.py has the shared setup)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels import mxfp4  # noqa: E402
+from envex.kernels import reference as ref  # noqa: E402
+from envex.tests.support.kernels import assert_close  # noqa: E402
+from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+@pytest.mark.parametrize("h,inter,tokens", [(2880, 32, 1), (64, 416, 1)])
+def test_fused_moe_gemv_at_gpt_oss_widths(h: int, inter: int, tokens: int) -> None:
+    """gpt-oss's hidden size K = 2880 (90 groups: two steps of 32 and a tail of 26) into the gate-up GEMV, and a
+    down GEMV whose K (I = 416, 13 groups) ends inside its first step; bf16 with packed experts, against float64,
+    top 4 of 6 (the down kernel reads a token's 4 experts at once, one warp each)."""
+    e, top_k = 6, 4
+    weights, f64 = _experts(e, h, inter, packed=True, seed=7, spread_scales=True)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16).to(DEV)
+    logits = torch.randn(tokens, e, generator=g).to(torch.bfloat16).to(DEV)
+    out = _moe(x, logits, top_k, weights)
+    assert_close(f"moe gemv H={h} I={inter}", out, _expected(x, logits, top_k, f64), torch.bfloat16)
+
+
+def test_gemv_decodes_every_code_in_every_nibble() -> None:
+    """Every byte value in every byte position of a word (the decode builds two fp16 halves per word with
+    position-dependent shifts) and scales from 2^-15 to 2^-3, float32 activations: equal to float64 to float32
+    rounding. Two tokens, top 2 of 3, so both slots of the down tile are live."""
+    e, h, inter, top_k = 3, 64, 64, 2
+    g = torch.Generator().manual_seed(11)
+
+    def packed(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, (e, n, k // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(112, 125, (e, n, k // 32), generator=g, dtype=torch.uint8)
+        return blocks, scales
+
+    gu, dn = packed(2 * inter, h), packed(h, inter)
+    assert all(len(torch.unique(gu[0].reshape(-1, 4)[:, b])) == 256 for b in range(4))  # each byte of a word
+    bg, bd = torch.randn(e, 2 * inter, generator=g) * 0.1, torch.randn(e, h, generator=g) * 0.1
+    x = torch.randn(2, h, generator=g)  # gate/up mostly inside the SwiGLU's clamp, where errors would hide
+    logits = torch.randn(2, e, generator=g)
+    dev = (tuple(t.to(DEV) for t in gu), bg.to(DEV), tuple(t.to(DEV) for t in dn), bd.to(DEV))
+    out = _moe(x.to(DEV), logits.to(DEV), top_k, dev)
+    w, ids = ref.moe_route(logits.double(), top_k)
+    want = ref.moe_experts(x.double(), w, ids, mxfp4.dequantize(*gu, torch.float64), bg.double(),
+                           mxfp4.dequantize(*dn, torch.float64), bd.double(), 1.702, 7.0)  # fmt: skip
+    assert_close("every code", out, want, torch.float32)
