@@ -303,6 +303,42 @@ def _route_kernel(logits_ptr, ids_ptr, wts_ptr, stride_l, E: tl.constexpr, TOP_K
 
 
 @triton.jit
+def _dequant_tile(w_rows, s_rows, row_ok, k0, K: tl.constexpr, R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP4 rows (word pointers w_rows [R] from the int32 view, scale pointers s_rows [R]) at inputs k0 ..
+    k0 + BLOCK_K -> [R, BLOCK_K] float32 (3 significant bits times a power of two: exact in bf16 too), each
+    word's 8 inputs in the order 0, 4, 1, 5, 2, 6, 3, 7 (two fp16 halves a word op, as the GEMV); _x_tile orders
+    x alike. Each 32-value group's scale is loaded once."""
+    GBK: tl.constexpr = BLOCK_K // 32
+    gg = k0 // 32 + tl.arange(0, GBK)
+    g_ok = gg < K // 32
+    qq = tl.arange(0, 4)
+    words = tl.load(w_rows[:, None, None] + (4 * gg)[None, :, None] + qq[None, None, :],
+                    mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # [R, GBK, 4]
+    scale = _group_scale(tl.load(s_rows[:, None] + gg[None, :], mask=row_ok[:, None] & g_ok[None, :],
+                                 other=0))[:, :, None]  # fmt: skip
+    lo, hi = _e2m1_pair(words, 0)
+    j0 = tl.join(lo * scale, hi * scale)  # [R, GBK, 4, 2 (h)]: inputs i, 4 + i
+    lo, hi = _e2m1_pair(words, 1)
+    j1 = tl.join(lo * scale, hi * scale)
+    lo, hi = _e2m1_pair(words, 2)
+    j2 = tl.join(lo * scale, hi * scale)
+    lo, hi = _e2m1_pair(words, 3)
+    j3 = tl.join(lo * scale, hi * scale)
+    q = tl.join(tl.join(j0, j1), tl.join(j2, j3))  # [R, GBK, 4, h, i0, i1]: input 4h + i, i = i0 + 2·i1
+    return tl.reshape(tl.permute(q, (0, 1, 2, 5, 4, 3)), [R, BLOCK_K])
+
+
+@triton.jit
+def _x_tile(x_rows, row_ok, k0, K: tl.constexpr, M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activation rows (pointers x_rows [M]) at inputs k0 .. k0 + BLOCK_K -> [M, BLOCK_K], each 8 inputs in the
+    order _dequant_tile gives the weights: 0, 4, 1, 5, 2, 6, 3, 7."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    x = tl.load(x_rows[:, None] + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+    x6 = tl.reshape(x, [M, BLOCK_K // 32, 4, 2, 2, 2])  # [M, group, word, h, i1, i0]: input 4h + 2·i1 + i0
+    return tl.reshape(tl.permute(x6, (0, 1, 2, 4, 5, 3)), [M, BLOCK_K])
+
+
+@triton.jit
 def _gate_up_grouped_kernel(
     x_ptr, pairs_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act, alpha, limit,
@@ -323,23 +359,40 @@ def _gate_up_grouped_kernel(
     jj = tl.arange(0, BLOCK_K // 2)
     acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+    e64 = e.to(tl.int64)
+    # PACKED: w is the int32 word view (as the GEMV); each 32-value group's scale is loaded once
+    g_words = w_ptr + tl.multiple_of(e64 * stride_we + (2 * j).to(tl.int64) * (K // 8), [4])
+    u_words = g_words + K // 8
+    g_scales = s_ptr + e64 * stride_se + (2 * j) * (K // 32)
+    u_scales = g_scales + K // 32
     for k0 in range(0, K, BLOCK_K):
-        kb = k0 // 2 + jj
-        k_ok = kb < K // 2
-        x_mask = row_ok[:, None] & k_ok[None, :]
-        x_even = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :] + 1, mask=x_mask, other=0.0)
-        g_lo, g_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
-                                  stride_sn, PACKED)  # fmt: skip
-        u_lo, u_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
-                                  stride_sn, PACKED)  # fmt: skip
-        if UPCAST_DOT:
-            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
-        else:  # dequantized values are exact in bf16/fp16 (a 3-bit mantissa times a power of two)
-            g_lo, g_hi = g_lo.to(x_even.dtype), g_hi.to(x_even.dtype)
-            u_lo, u_hi = u_lo.to(x_even.dtype), u_hi.to(x_even.dtype)
-        acc_g += tl.dot(x_even, tl.trans(g_lo)) + tl.dot(x_odd, tl.trans(g_hi))
-        acc_u += tl.dot(x_even, tl.trans(u_lo)) + tl.dot(x_odd, tl.trans(u_hi))
+        if PACKED:
+            x_t = _x_tile(x_ptr + tok * stride_x, row_ok, k0, K, BLOCK_M, BLOCK_K)
+            g_w = _dequant_tile(g_words, g_scales, j_ok, k0, K, BLOCK_I, BLOCK_K)
+            u_w = _dequant_tile(u_words, u_scales, j_ok, k0, K, BLOCK_I, BLOCK_K)
+            if UPCAST_DOT:
+                x_t = x_t.to(tl.float32)
+            else:
+                g_w, u_w = g_w.to(x_t.dtype), u_w.to(x_t.dtype)
+            acc_g += tl.dot(x_t, tl.trans(g_w))
+            acc_u += tl.dot(x_t, tl.trans(u_w))
+        else:
+            kb = k0 // 2 + jj
+            k_ok = kb < K // 2
+            x_mask = row_ok[:, None] & k_ok[None, :]
+            x_even = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :], mask=x_mask, other=0.0)
+            x_odd = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :] + 1, mask=x_mask, other=0.0)
+            g_lo, g_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
+                                      stride_sn, PACKED)  # fmt: skip
+            u_lo, u_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
+                                      stride_sn, PACKED)  # fmt: skip
+            if UPCAST_DOT:
+                x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+            else:  # dequantized values are exact in bf16/fp16 (a 3-bit mantissa times a power of two)
+                g_lo, g_hi = g_lo.to(x_even.dtype), g_hi.to(x_even.dtype)
+                u_lo, u_hi = u_lo.to(x_even.dtype), u_hi.to(x_even.dtype)
+            acc_g += tl.dot(x_even, tl.trans(g_lo)) + tl.dot(x_odd, tl.trans(g_hi))
+            acc_u += tl.dot(x_even, tl.trans(u_lo)) + tl.dot(x_odd, tl.trans(u_hi))
     bias_row = b_ptr + e.to(tl.int64) * stride_be
     dt = act_ptr.dtype.element_ty
     g = (acc_g + tl.load(bias_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
@@ -369,19 +422,31 @@ def _down_grouped_kernel(
     n_ok = n < N
     jj = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    e64 = e.to(tl.int64)
+    n_words = w_ptr + tl.multiple_of(e64 * stride_we + n.to(tl.int64) * (INTER // 8), [4])
+    n_scales = s_ptr + e64 * stride_se + n * (INTER // 32)
     for k0 in range(0, INTER, BLOCK_K):
-        kb = k0 // 2 + jj
-        k_ok = kb < INTER // 2
-        a_mask = row_ok[:, None] & k_ok[None, :]
-        a_even = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :], mask=a_mask, other=0.0)
-        a_odd = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :] + 1, mask=a_mask, other=0.0)
-        lo, hi = _weight_pair(w_ptr, s_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
-                              PACKED)  # fmt: skip
-        if UPCAST_DOT:
-            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+        if PACKED:
+            a_t = _x_tile(act_ptr + rows * stride_act, row_ok, k0, INTER, BLOCK_M, BLOCK_K)
+            w_t = _dequant_tile(n_words, n_scales, n_ok, k0, INTER, BLOCK_N, BLOCK_K)
+            if UPCAST_DOT:
+                a_t = a_t.to(tl.float32)
+            else:
+                w_t = w_t.to(a_t.dtype)
+            acc += tl.dot(a_t, tl.trans(w_t))
         else:
-            lo, hi = lo.to(a_even.dtype), hi.to(a_even.dtype)
-        acc += tl.dot(a_even, tl.trans(lo)) + tl.dot(a_odd, tl.trans(hi))
+            kb = k0 // 2 + jj
+            k_ok = kb < INTER // 2
+            a_mask = row_ok[:, None] & k_ok[None, :]
+            a_even = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :], mask=a_mask, other=0.0)
+            a_odd = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :] + 1, mask=a_mask, other=0.0)
+            lo, hi = _weight_pair(w_ptr, s_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
+                                  PACKED)  # fmt: skip
+            if UPCAST_DOT:
+                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+            else:
+                lo, hi = lo.to(a_even.dtype), hi.to(a_even.dtype)
+            acc += tl.dot(a_even, tl.trans(lo)) + tl.dot(a_odd, tl.trans(hi))
     dt = act_ptr.dtype.element_ty
     r = (acc + tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
     wt = tl.load(wts_ptr + rows, mask=row_ok, other=0.0)
@@ -414,7 +479,7 @@ def _weight_args(name: str, w: Weights, n: int, k: int, device: torch.device
 
 
 def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Tensor, int]:
-    """The GEMV kernels read MXFP4 blocks as int32 words (8 codes each): the blocks viewed so, and the expert
+    """The kernels read MXFP4 blocks as int32 words (8 codes each): the blocks viewed so, and the expert
     stride in words. Every group then starts on 16 bytes, which the kernels assume for their vector loads."""
     if not packed:
         return w, stride_we
@@ -519,22 +584,28 @@ def fused_moe(
         )  # fmt: skip
         return out
     ids, wts = route(logits, top_k)
-    block_m = 16 if t * top_k <= 16 * e else 64  # decode-sized batches spread thin over the experts
+    # Each program dequantizes its expert's weight tile once for its BLOCK_M pairs, which is most of its work:
+    # decode-sized batches spread thin over the experts take 16-row tiles, prefill chunks (hundreds of pairs an
+    # expert) 128-row ones.
+    block_m = 16 if pairs_n <= 16 * e else (64 if pairs_n <= 128 * e else 128)
+    warps = 8 if block_m == 128 else 4
     pairs, tile_expert = align_by_expert(ids, e, block_m)
     tiles = tile_expert.shape[0]
-    block_i, block_n, block_k = 32, 64, 64
+    block_i, block_n = 32, 64
+    gw1, gwe1 = _gemv_words(w1, we1, packed1)
+    gw2, gwe2 = _gemv_words(w2, we2, packed2)
     _gate_up_grouped_kernel[(tiles, triton.cdiv(inter, block_i))](
-        x, pairs, tile_expert, w1, s1, gate_up_bias, act,
-        x.stride(0), we1, wn1, se1, sn1, gate_up_bias.stride(0), act.stride(0), float(alpha), float(limit),
-        K=h, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=block_k, PACKED=packed1,
-        UPCAST_DOT=INTERPRETING, num_warps=4,
+        x, pairs, tile_expert, gw1, s1, gate_up_bias, act,
+        x.stride(0), gwe1, wn1, se1, sn1, gate_up_bias.stride(0), act.stride(0), float(alpha), float(limit),
+        K=h, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=128 if packed1 else 64,
+        PACKED=packed1, UPCAST_DOT=INTERPRETING, num_warps=warps,
     )  # fmt: skip
     per_pair = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
     _down_grouped_kernel[(tiles, triton.cdiv(h, block_n))](
-        act, pairs, tile_expert, wts, w2, s2, down_bias, per_pair,
-        act.stride(0), we2, wn2, se2, sn2, down_bias.stride(0), per_pair.stride(0),
-        N=h, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PACKED=packed2, UPCAST_DOT=INTERPRETING,
-        num_warps=4,
+        act, pairs, tile_expert, wts, gw2, s2, down_bias, per_pair,
+        act.stride(0), gwe2, wn2, se2, sn2, down_bias.stride(0), per_pair.stride(0),
+        N=h, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if packed2 else 64, PACKED=packed2,
+        UPCAST_DOT=INTERPRETING, num_warps=warps,
     )  # fmt: skip
     out.copy_(per_pair.view(t, top_k, h).sum(1))  # the top_k slots of each token in a fixed order
     return out
