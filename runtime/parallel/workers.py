@@ -161,13 +161,17 @@ class Workers:
                 self.state.channel.send_stop()
         except Exception:  # a worker already gone: nothing to tell
             pass
+        # Every rank tears its communicators down at the same time (NCCL's may wait for the peers'); bounded, as a
+        # dead peer must not keep this process from exiting.
+        if dist.is_initialized():
+            teardown = threading.Thread(target=dist.destroy_process_group, name="envex-tp-teardown", daemon=True)
+            teardown.start()
+            teardown.join(timeout=30)
         for proc in self.procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _die_with_parent() -> None:
