@@ -175,7 +175,8 @@ class Workers:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGTERM when rank 0 dies, so a killed server leaves no worker holding a GPU."""
+    """Linux: SIGTERM when rank 0 dies, so a killed server leaves no worker holding a GPU. (The signal follows the
+    thread that started the worker: the engine is built on a thread that lives as long as it, the main one.)"""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
