@@ -103,3 +103,33 @@ def test_attention_rejects_bad_sinks_and_window() -> None:
                                   sinks=torch.zeros(3, device=DEV))  # fmt: skip
     with pytest.raises(ValueError, match="window: 0 must be a positive number"):
         attention.paged_attention(q, kc, vc, cu, sl, bt, 0.1, max_q_len=5, max_seq_len=5, window=0)
+
+
+@pytest.mark.parametrize("window", [None, 128])
+def test_attention_at_gpt_oss_120b_dims(window: int | None) -> None:
+    """gpt-oss-120b's exact heads (64 q, 8 kv, head_dim 64), its window 128 and sinks, pages of 16: the fused decode
+    kernel at positions past the window (its own split count, as TritonOps passes for window layers) and the paged
+    kernel on a prefill chunk that starts past the window, against float64."""
+    n_q, n_kv, head_dim, page = 64, 8, 64, 16
+    s = _sinks(n_q, seed=7)
+    positions = [130, 300]
+    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=8)
+    kc_ref, vc_ref = kc.double(), vc.double()
+    pos = torch.tensor(positions, device=DEV)
+    slots = _slots(tables, pos, page, [])
+    qkv = torch.randn(2, (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(9))
+    qkv = qkv.to(torch.bfloat16).to(DEV)
+    got = decode_attention.decode_attention_fused(
+        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
+        max_seq_len=301, num_splits=None, merge_in_kernel=False, sinks=s, window=window,
+    )  # fmt: skip
+    want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
+                                      n_q, n_kv, sinks=s.double(), window=window)  # fmt: skip
+    assert_close(f"decode fused 120b dims, window {window}", got, want, torch.bfloat16)
+
+    seq_lens, q_lens = [170], [24]
+    q, kc, vc, cu, sl, bt = _paged_batch(seq_lens, q_lens, n_q, n_kv, head_dim, page, torch.bfloat16, seed=10)
+    want = ref.paged_attention(*f64(q, kc, vc), cu, sl, bt, head_dim**-0.5, sinks=s.double(), window=window)
+    out = attention.paged_attention(q, kc, vc, cu, sl, bt, head_dim**-0.5, max_q_len=24, max_seq_len=170, sinks=s,
+                                    window=window)  # fmt: skip
+    assert_close(f"paged attention 120b dims, window {window}", out, want, torch.bfloat16)

@@ -12,6 +12,8 @@ Sections, in this order, each written to gpt_oss.json as soon as it is done:
   HF transformers loads the same files with Mxfp4Config(dequantize=True) in bf16. Greedy within vLLM's top-5
   logprob rule (verify/gate_reference.py), mean KL and top-1 agreement over every prompt position
   (verify/gate_semantic.py), and the MXFP4 MoE kernel against its float64 reference at full size (1 and 32 rows);
+  then both gates again in float32 (Envex's torch backend and HF, both on the GPU), which bf16 routing flips
+  cannot fail (check_float32);
 - profile: the same model at batch 1 with 1K tokens of context, each Ops entry point of a window layer and of a
   full layer timed alone in a CUDA graph (inputs and weights rotated so they come from HBM, not L2) against the
   bytes it must read;
@@ -167,10 +169,10 @@ def hf_reference(path: Path, *, device: str, dtype: str) -> Any:
     return ref
 
 
-def reduced_engine(path: Path, *, device: str, dtype: str) -> Any:
+def reduced_engine(path: Path, *, device: str, dtype: str, backend: str = "auto") -> Any:
     from envex.runtime.engine import EngineConfig, LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype, max_model_len=2048,
+    engine = LLMEngine(EngineConfig(model=str(path), device=device, dtype=dtype, backend=backend, max_model_len=2048,
                                     num_kv_blocks=1024, max_num_seqs=8, enable_prefix_caching=False))  # fmt: skip
     assert engine.runner.model.layers[0].gate_up_proj_blocks.dtype == torch.uint8, "experts must stay packed"
     return engine
@@ -401,6 +403,22 @@ def main() -> None:
             for gate in ("reference_equality", "semantic"):
                 print(f"{gate}: {result[gate]['verdict']} - {result[gate]['summary']}", flush=True)
             print(f"moe kernel at full size: {result['moe_kernel']}", flush=True)
+            save()
+            # The same two gates in float32 (Envex's torch backend, HF, both on the GPU): with 128 random experts,
+            # bf16 router logits that differ by one rounding pick another top-4 for a few tokens a layer, and on
+            # random weights that moves the logits a lot (offline_docs/models.md, "gpt-oss"). float32 separates a
+            # model bug (fails here too) from those flips (passes here).
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+            engine32 = reduced_engine(path, device="cuda", dtype="float32", backend="torch")
+            report["check_float32"] = result32 = check(engine32, path)
+            for gate in ("reference_equality", "semantic"):
+                print(f"float32 {gate}: {result32[gate]['verdict']} - {result32[gate]['summary']}", flush=True)
+            del engine32
+            gc.collect()
+            torch.cuda.empty_cache()
+            engine = reduced_engine(path, device="cuda", dtype="bfloat16")
         save()
         if "profile" in sections:
             print("profile, batch 1, 1K context:", flush=True)
