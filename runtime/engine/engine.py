@@ -132,17 +132,20 @@ class LLMEngine:
             return  # the torch ops compile nothing
         vocab = self.model_config.vocab_size
         max_len = min(self.max_model_len, self.blocks.num_free_blocks * self.blocks.block_size)
-        split_counts = None
-        if all(w is None for r in runners for w in r.model_config.layer_windows):
-            from envex.kernels.attention import choose_num_splits  # Triton: the ops are Triton's
+        from envex.kernels.attention import choose_num_splits  # Triton: the ops are Triton's
 
-            # The KV heads attention sees: the model's, or one tensor-parallel rank's share (split or replicated).
-            tp = self.config.tensor_parallel
-            heads = sorted({h for r in runners for kv in [r.model_config.num_key_value_heads]
-                            for h in (kv, max(1, kv // tp), -(-kv // tp))})  # fmt: skip
+        # The KV heads attention sees (the model's, or one tensor-parallel rank's share, split or replicated) and
+        # the layers' windows; the keys a split count is chosen from, as the launchers take them: a full layer's
+        # sequence length, a window layer's window (decode) or window + query (paged_attention).
+        tp = self.config.tensor_parallel
+        heads = sorted({h for r in runners for kv in [r.model_config.num_key_value_heads]
+                        for h in (kv, max(1, kv // tp), -(-kv // tp))})  # fmt: skip
+        # (None stands for the full layers; a model without windows lists none at all.)
+        windows = sorted({None, *(w for r in runners for w in r.model_config.layer_windows)}, key=lambda w: w or 0)
 
-            def split_counts(batch: int, n: int) -> tuple[int, ...]:  # what TritonOps.attention picks
-                return tuple(choose_num_splits(batch, h, n, self.device) for h in heads)
+        def split_counts(batch: int, q: int, n: int) -> tuple[int, ...]:
+            keys = [n if w is None else min(n, w + (q if q > 1 else 0)) for w in windows]
+            return tuple(choose_num_splits(batch, h, k, self.device) for h in heads for k in keys)
 
         plan = warm_up_steps(max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
                              max_num_seqs=self.config.max_num_seqs, max_len=max_len,

@@ -40,11 +40,11 @@ def _powers_of_two(limit: int) -> list[int]:
 
 
 def warm_up_steps(*, max_num_batched_tokens: int, max_num_seqs: int, max_len: int,
-                  split_counts: Callable[[int, int], object] | None = None) -> list[WarmStep]:  # fmt: skip
+                  split_counts: Callable[[int, int, int], object] | None = None) -> list[WarmStep]:  # fmt: skip
     """The steps for an engine with this token budget and batch limit, whose sequences may reach max_len tokens
-    (the smaller of max_model_len and what the KV cache holds for one sequence). split_counts(batch, length):
-    the key-split counts the launchers choose for such a step of short queries, if they depend on nothing else
-    (no sliding window); a length whose counts an earlier one already had is then left out."""
+    (the smaller of max_model_len and what the KV cache holds for one sequence). split_counts(batch, query,
+    length): the key-split counts the launchers choose for a step of `batch` chunks of `query` tokens at that
+    length (the only choice the length makes); a length whose counts an earlier one had is then left out."""
     budget = max_num_batched_tokens
     lengths = sorted(set(_powers_of_two(max_len)) | {max_len})
 
@@ -54,7 +54,7 @@ def warm_up_steps(*, max_num_batched_tokens: int, max_num_seqs: int, max_len: in
         seen: dict[object, int] = {}
         for n in lengths:
             if n >= q:
-                seen.setdefault(split_counts(batch, n), n)
+                seen.setdefault(split_counts(batch, q, n), n)
         return sorted(seen.values())
 
     steps: list[WarmStep] = []
@@ -68,6 +68,6 @@ def warm_up_steps(*, max_num_batched_tokens: int, max_num_seqs: int, max_len: in
     prefill = sorted(({5, 6, 7} | set(_powers_of_two(budget)) | {budget}) - set(range(1, SHORT_QUERY + 1)))
     steps += [WarmStep(((q, q),), prompt_logits=q <= PROMPT_LOGITS_ROWS) for q in prefill if q <= min(budget, max_len)]
     # Batches of one-token sequences: the LM head at every power-of-two row count up to the batch limit.
-    rows = sorted((set(_powers_of_two(max_num_seqs)) | {max_num_seqs}) - {1})
+    rows = sorted((set(_powers_of_two(max_num_seqs)) | {max_num_seqs}) - {1, 2})  # two: above
     steps += [WarmStep(((1, 1),) * b) for b in rows if b <= budget]
     return steps
