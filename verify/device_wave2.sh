@@ -10,13 +10,17 @@
 #      the full suite's batch_invariance gate on the GPU in deterministic mode; the deterministic kernels row
 #      against row at the 8B shapes (bench_invariance)
 #   c  gpt-oss-120b (bench_gpt_oss: check, profile, server)
+#   d  the multi-row GEMV against cuBLAS per projection and the verify graphs again (bench_spec rows,graphs); on a
+#      host of two GPUs, tensor parallelism (bench_tp). Run after `sh verify/device_install.sh stage` (same call)
+#   e  the embedded model with n-gram speculation, default and deterministic mode, and drafting with a draft model
+#      (itself). Run after `sh verify/device_install.sh run` (an earlier call; it joins the GGUF into .device/model)
 #
 #   cd .devcarry/head && bash verify/device_wave2.sh a
 #
 # Each step runs under its own time limit so that the phase ends inside the call's 600 s; what it wrote is packed
 # into $OUT/<phase>.tgz (results, logs) and the phase's log is $OUT/<phase>.log.
 set -u
-phase=${1:?usage: device_wave2.sh a|b|c}
+phase=${1:?usage: device_wave2.sh a|b|c|d|e}
 out=${OUT:?OUT must name the folder for the results}
 cd "$(dirname "$0")/.."
 work=/tmp/wave2/$phase
@@ -66,10 +70,28 @@ pack() {
       step invariance-kernels 100 python3 -m envex.verify.kernel_bench.bench_invariance --out "$work/inv" \
         --commit "$commit"
       ;;
+    d)  # after `sh verify/device_install.sh stage` in the same call (it stashes part-aa in .device/stash)
+      step spec-rows-graphs 150 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec" \
+        --sections rows,graphs --commit "$commit"
+      if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+        tp_limit=${ENVEX_TP_LIMIT:-300}
+        step tp "$tp_limit" python3 -m envex.verify.kernel_bench.bench_tp --out "$work/tp" --commit "$commit" \
+          --deadline "$((tp_limit - 60))"
+      fi
+      ;;
+    e)  # after `sh verify/device_install.sh run` (an earlier call on this warm machine joined the GGUF)
+      gguf=$PWD/.device/model/SmolLM2-135M-Instruct.Q4_1.gguf
+      step spec-model 110 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec" --sections model \
+        --model "$gguf" --commit "$commit"
+      step spec-model-det 110 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec-det" \
+        --sections model --model "$gguf" --commit "$commit" --deterministic
+      step spec-draft-model 80 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec-draft" \
+        --sections model --model "$gguf" --commit "$commit" --draft-model "$gguf" --workloads code-edit
+      ;;
     c)
       step gpt-oss 530 python3 -m envex.verify.kernel_bench.bench_gpt_oss --out "$work/gpt-oss" --commit "$commit"
       ;;
-    *) echo "unknown phase $phase (a, b or c)"; exit 2 ;;
+    *) echo "unknown phase $phase (a to e)"; exit 2 ;;
   esac
   pack
 } 2>&1 | tee "$log"
