@@ -89,7 +89,8 @@ pack() {
         --sections model --model "$gguf" --commit "$commit" --draft-model "$gguf" --workloads code-edit
       ;;
     c)
-      step gpt-oss 530 python3 -m envex.verify.kernel_bench.bench_gpt_oss --out "$work/gpt-oss" --commit "$commit"
+      step gpt-oss "${ENVEX_GPT_OSS_LIMIT:-530}" python3 -m envex.verify.kernel_bench.bench_gpt_oss \
+        --out "$work/gpt-oss" --commit "$commit" --cases "${ENVEX_GPT_OSS_CASES:-b1_1k,c32_2k,b1_131k}"
       ;;
     *) echo "unknown phase $phase (a to e)"; exit 2 ;;
   esac
