@@ -31,6 +31,7 @@ import triton.language as tl
 from envex.kernels import mxfp4
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
 
+_HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
 # GEMV tiles (one warp a program; kernels/NOTES.md, "gpt-oss"): a step covers GEMV_GROUPS 32-value groups of a row,
 # one per thread (a 16-byte load each); gate-up programs own GEMV_PAIRS (gate, up) row pairs of one (token, slot),
@@ -111,8 +112,15 @@ def _e2m1_pair(words, i: tl.constexpr):
     else:
         mag = words >> (4 * i - 9)
     halves = (mag & 0x0E000E00) | ((words << (12 - 4 * i)) & -2147450880)  # the sign mask 0x80008000 as int32
-    lo = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    hi = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if _HALVES_ASM:
+        # Both halves straight from the register (HADD2.F32 .H0_H0 / .H1_H1); through int16 tensors Triton first
+        # packs the low halves of two words with a PRMT, half an extra logic op a value.
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+            "=r,=r,r", [halves], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    else:
+        lo = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
 
 
