@@ -152,3 +152,15 @@ def test_fused_moe_rejects_bad_inputs() -> None:
         _moe(x, logits, 2, (gu, bg, torch.randn(4, 64, 32, device=DEV), bd))
     with pytest.raises(ValueError, match="mxfp4: blocks"):
         _moe(x, logits, 2, ((gu[0][..., :8], gu[1]), bg, dn, bd))
+
+
+@pytest.mark.parametrize("e,h,inter,tokens,top_k", [(6, 2880, 64, 3, 4), (2, 64, 96, 130, 2)])
+def test_fused_moe_grouped_tiles(e: int, h: int, inter: int, tokens: int, top_k: int) -> None:
+    """The grouped path at gpt-oss's K = 2880 (22 steps of 128 and a tail of 64, 16-row tiles), and with more than
+    128 pairs an expert (130 tokens, top 2 of 2: the 128-row prefill tile, a partial second tile per expert)."""
+    weights, f64 = _experts(e, h, inter, packed=True, seed=e)
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, h, generator=g).to(torch.bfloat16).to(DEV)
+    logits = torch.randn(tokens, e, generator=g).to(torch.bfloat16).to(DEV)
+    out = _moe(x, logits, top_k, weights, gemv_max_rows=0)
+    assert_close(f"moe grouped E={e} H={h} T={tokens}", out, _expected(x, logits, top_k, f64), torch.bfloat16)
