@@ -169,6 +169,36 @@ def _group_scale(sc):
 
 
 @triton.jit
+def _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, g0, K: tl.constexpr, GB: tl.constexpr):
+    """One gate-up GEMV step's loads at groups g0 .. g0 + GB: words [R, GB, 4] int32, scales [R, GB] uint8, and the
+    inputs [4 words, 1, GB, 8] in x's dtype (word index outermost: see _x_lanes)."""
+    g = g0 + tl.arange(0, GB)
+    g_ok = g < K // 32
+    qq = tl.arange(0, 4)
+    words = tl.load(w_rows[:, None, None] + (4 * g)[None, :, None] + qq[None, None, :],
+                    mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # fmt: skip
+    sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+    x8 = tl.load(x_row + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
+                 + tl.arange(0, 8)[None, None, None, :], mask=g_ok[None, None, :, None], other=0.0)  # fmt: skip
+    return words, sc, x8
+
+
+@triton.jit
+def _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, g0, INTER: tl.constexpr, GB: tl.constexpr):
+    """One down GEMV step's loads: words [N, TK, GB, 4], scales [N, TK, GB], the slots' inputs [4, TK, GB, 8]."""
+    g = g0 + tl.arange(0, GB)
+    g_ok = g < INTER // 32
+    qq = tl.arange(0, 4)
+    words = tl.load(w_rows[:, :, None, None] + (4 * g)[None, None, :, None] + qq[None, None, None, :],
+                    mask=ok2[:, :, None, None] & g_ok[None, None, :, None], other=0)  # fmt: skip
+    sc = tl.load(s_rows[:, :, None] + g[None, None, :], mask=ok2[:, :, None] & g_ok[None, None, :], other=0)
+    x8 = tl.load(a_rows[None, :, None, None] + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
+                 + tl.arange(0, 8)[None, None, None, :], mask=slot_ok[None, :, None, None] & g_ok[None, None, :, None],
+                 other=0.0)  # fmt: skip
+    return words, sc, x8
+
+
+@triton.jit
 def _gate_up_gemv_kernel(
     x_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_x, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
@@ -201,23 +231,20 @@ def _gate_up_gemv_kernel(
     e64 = e.to(tl.int64)
     r64 = rows.to(tl.int64)
     if PACKED:
-        gg = tl.arange(0, GB)
-        qq = tl.arange(0, 4)
         # row starts in words; a group (4 words, 16 bytes) starts at a multiple of 4: one vector load
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
         acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
-        for g0 in range(0, K // 32, GB):
-            g = g0 + gg  # [GB] groups of this step
-            g_ok = g < K // 32
-            words = tl.load(w_rows[:, None, None] + (4 * g)[None, :, None] + qq[None, None, :],
-                            mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # [2·BLOCK_I, GB, 4]
-            sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
-            x8 = tl.load(x_row + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
-                         + tl.arange(0, 8)[None, None, None, :], mask=g_ok[None, None, :, None],
-                         other=0.0).to(tl.float32)  # [4 words, 1, GB, 8]
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8, 1, GB)  # each [1, GB, 4]
+        # K is a constexpr: the steps are unrolled and each step's loads are issued before the previous step's
+        # arithmetic (a register double buffer), so a warp always has its next 4 KB in flight
+        words, sc, x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, 0, K, GB)
+        for g0 in tl.static_range(0, K // 32, GB):
+            if g0 + GB < K // 32:
+                next_words, next_sc, next_x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, g0 + GB, K, GB)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8.to(tl.float32), 1, GB)  # each [1, GB, 4]
             acc += _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
+            if g0 + GB < K // 32:
+                words, sc, x8 = next_words, next_sc, next_x8
         y = tl.sum(acc, axis=1)
     else:
         kk2 = tl.arange(0, GB)
@@ -263,24 +290,19 @@ def _down_gemv_kernel(
     n64 = n.to(tl.int64)
     ok2 = n_ok[:, None] & slot_ok[None, :]  # [BLOCK_N, BLOCK_TK]
     if PACKED:
-        gg = tl.arange(0, GB)
-        qq = tl.arange(0, 4)
         w_rows = w_ptr + tl.multiple_of(n64[:, None] * (INTER // 8) + e64[None, :] * stride_we, [4, 4])  # [N, TK]
         s_rows = s_ptr + n64[:, None] * (INTER // 32) + e64[None, :] * stride_se
         acc = tl.zeros([BLOCK_N, BLOCK_TK, GB], dtype=tl.float32)
-        for g0 in range(0, INTER // 32, GB):
-            g = g0 + gg
-            g_ok = g < INTER // 32
-            words = tl.load(w_rows[:, :, None, None] + (4 * g)[None, None, :, None] + qq[None, None, None, :],
-                            mask=ok2[:, :, None, None] & g_ok[None, None, :, None], other=0)  # [N, TK, GB, 4]
-            sc = tl.load(s_rows[:, :, None] + g[None, None, :], mask=ok2[:, :, None] & g_ok[None, None, :],
-                         other=0)  # fmt: skip
-            x8 = tl.load(a_rows[None, :, None, None] + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
-                         + tl.arange(0, 8)[None, None, None, :],
-                         mask=slot_ok[None, :, None, None] & g_ok[None, None, :, None], other=0.0).to(tl.float32)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8, BLOCK_TK, GB)  # each [BLOCK_TK, GB, 4]
+        words, sc, x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, 0, INTER, GB)
+        for g0 in tl.static_range(0, INTER // 32, GB):  # unrolled, loads a step ahead (as the gate-up kernel)
+            if g0 + GB < INTER // 32:
+                next_words, next_sc, next_x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, g0 + GB,
+                                                                INTER, GB)  # fmt: skip
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8.to(tl.float32), BLOCK_TK, GB)  # each [BLOCK_TK, GB, 4]
             acc += _word_dots(words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None],
                               x7[None]) * _group_scale(sc)  # fmt: skip
+            if g0 + GB < INTER // 32:
+                words, sc, x8 = next_words, next_sc, next_x8
         r = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_TK]
     else:
         kk2 = tl.arange(0, GB)
