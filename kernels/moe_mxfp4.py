@@ -3,23 +3,26 @@ directly, dequantized tile by tile in registers, with the clamped SwiGLU fused i
 
 Two paths, chosen by the number of token rows T (`fused_moe`):
 
-- T ≤ GEMV_MAX_ROWS (decode): a GEMV over the chosen experts only. `_gate_up_gemv_kernel` runs one program
-  column per (token, expert slot); each program redoes the token's top-k over the router logits (E values, in
+- T ≤ GEMV_MAX_ROWS (decode): a GEMV over the chosen experts only. `_gate_up_gemv_kernel` runs one column of
+  one-warp programs per (token, expert slot); each program redoes the token's top-k over the router logits (E values, in
   L2), so routing costs no launch, and the first column stores the chosen ids and weights for the next kernel.
-  `_down_gemv_kernel` then sums the top_k experts of its token in registers: no atomics, no second pass.
+  `_down_gemv_kernel` then reads the top_k experts of its token at once (one warp each) and sums them in
+  registers: no atomics, no second pass.
 - larger T (prefill, wide decode batches): grouped by expert. The (token, slot) pairs are sorted by expert into
   tiles of BLOCK_M rows (`align_by_expert`, device-only: sized for the worst case, so there is no host sync and
   a CUDA graph can hold it), and `_gate_up_grouped_kernel` / `_down_grouped_kernel` multiply each tile with its
   expert's weights on the tensor cores (after vLLM's fused_moe and its moe_align_block_size). Each pair's down
   output goes to its own row, and the top_k rows of a token are summed in a fixed order: deterministic.
 
-MXFP4 (kernels/mxfp4.py): byte b of a row holds elements 2b (low nibble) and 2b + 1 (high nibble), so every
-kernel splits its input into even and odd elements and multiplies them by the low and high nibbles: the
-dequantized tile is never interleaved in registers. A code becomes a float by building its fp32 bits, and the
-e8m0 scale its fp32 exponent: exact.
+MXFP4 (kernels/mxfp4.py): byte b of a row holds elements 2b (low nibble) and 2b + 1 (high nibble). The kernels
+read the blocks as int32 words, 8 codes each, a 32-value group being 4 words (one 16-byte load); `_e2m1_pair`
+turns codes i and 4 + i of a word into the two fp16 halves of one register (exactly 2^-14 times their e2m1
+values) with two shifts and two logic ops, so the inputs are taken in the order 0, 4, 1, 5, 2, 6, 3, 7 of each
+word; each group's e8m0 scale is loaded once and applied as an fp32 power of two (with the 2^14): exact.
 
 Floor (decode): memory. Per token and layer the GEMV path reads top_k · (2I·H + H·I) · 17/32 bytes of packed
-experts (values and scales) plus E·H·2 of the router; gpt-oss-120b: 4 · 12.9 MB + 0.7 MB.
+experts (values and scales) plus E·H·2 of the router; gpt-oss-120b: 4 · 12.9 MB + 0.7 MB. At ~5 instructions a
+weight the decode is close to issue-bound on an H200 as well (kernels/NOTES.md, "gpt-oss").
 """
 
 from __future__ import annotations
@@ -63,35 +66,13 @@ def _topk_softmax(logits_ptr, t, stride_l, E: tl.constexpr, TOP_K: tl.constexpr,
 
 
 @triton.jit
-def _e2m1(nib):
-    """e2m1 codes (uint8 0..15) -> float32: sign bit 3, exponent bits 2-1, mantissa bit 0; the fp32 bits are
-    built directly (subnormal code 1 is 0.5 = 2^-1)."""
-    code = nib.to(tl.int32)
-    e = (code >> 1) & 3
-    m = code & 1
-    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
-    bits = bits | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _weight_pair(w_ptr, s_ptr, e, rows, row_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
-                 PACKED: tl.constexpr):  # fmt: skip
-    """Expert e's weights for `rows` at the even and odd input columns 2·kb and 2·kb + 1 -> two float32 tiles
-    [len(rows), len(kb)]. PACKED: w is the MXFP4 blocks viewed as [E, N, K/2] bytes, s the scales [E, N, K/32];
-    else w is a float [E, N, K] stack."""
+def _float_pair(w_ptr, e, rows, row_ok, kb, k_ok, stride_we, stride_wn):
+    """Unquantized experts (a float [E, N, K] stack): expert e's weights for `rows` at the even and odd input
+    columns 2·kb and 2·kb + 1 -> two float32 tiles [len(rows), len(kb)], for the grouped kernels' even/odd dots."""
     mask = row_ok[:, None] & k_ok[None, :]
-    e64 = e.to(tl.int64)
-    r64 = rows.to(tl.int64)[:, None]
-    if PACKED:
-        byte = tl.load(w_ptr + e64 * stride_we + r64 * stride_wn + kb[None, :], mask=mask, other=0)
-        sc = tl.load(s_ptr + e64 * stride_se + r64 * stride_sn + (kb // 16)[None, :], mask=mask, other=0)
-        scale = (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # 2^(s - 127); s = 0 reads as 0
-        return _e2m1(byte & 15) * scale, _e2m1(byte >> 4) * scale
-    else:
-        base = w_ptr + e64 * stride_we + r64 * stride_wn + 2 * kb[None, :]
-        return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
-                tl.load(base + 1, mask=mask, other=0.0).to(tl.float32))  # fmt: skip
+    base = w_ptr + e.to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn + 2 * kb[None, :]
+    return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
+            tl.load(base + 1, mask=mask, other=0.0).to(tl.float32))  # fmt: skip
 
 
 @triton.jit
@@ -412,10 +393,8 @@ def _gate_up_grouped_kernel(
             x_mask = row_ok[:, None] & k_ok[None, :]
             x_even = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :], mask=x_mask, other=0.0)
             x_odd = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :] + 1, mask=x_mask, other=0.0)
-            g_lo, g_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
-                                      stride_sn, PACKED)  # fmt: skip
-            u_lo, u_hi = _weight_pair(w_ptr, s_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn, stride_se,
-                                      stride_sn, PACKED)  # fmt: skip
+            g_lo, g_hi = _float_pair(w_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn)
+            u_lo, u_hi = _float_pair(w_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn)
             if UPCAST_DOT:
                 x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
             else:  # dequantized values are exact in bf16/fp16 (a 3-bit mantissa times a power of two)
@@ -470,8 +449,7 @@ def _down_grouped_kernel(
             a_mask = row_ok[:, None] & k_ok[None, :]
             a_even = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :], mask=a_mask, other=0.0)
             a_odd = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :] + 1, mask=a_mask, other=0.0)
-            lo, hi = _weight_pair(w_ptr, s_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn, stride_se, stride_sn,
-                                  PACKED)  # fmt: skip
+            lo, hi = _float_pair(w_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn)
             if UPCAST_DOT:
                 a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
             else:
