@@ -157,8 +157,23 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
                 numbers.update(_headline(report))
             except Exception as exc:  # the benchmark informs; it does not gate
                 details["bench"] = {"error": f"{type(exc).__name__}: {exc}"}
+    numbers.update(speculation_figures(engine))
     verdict = "pass" if gates and all(v in ("pass", "skip") for v in gates.values()) else "fail"
     return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
+
+
+def speculation_figures(engine: Any) -> dict[str, float]:
+    """What speculative decoding did over the gates and the benchmark (nothing when it is off): its most drafts a
+    step, the share of drafted tokens accepted and the tokens a sequence gained per verify step. launch.json keeps
+    them among the install's figures (`bench`), beside the drafter and depth in its engine settings."""
+    spec = getattr(engine, "spec", None)
+    if spec is None:
+        return {}
+    c = engine.steps.counters
+    return {"speculative.max_drafts": float(spec.max_k),
+            "speculative.acceptance": round(c.accepted_drafts / c.draft_tokens, 4) if c.draft_tokens else 0.0,
+            "speculative.tokens_per_verify_step": round(c.spec_tokens / max(1, c.spec_sequence_steps), 3),
+            "speculative.verify_steps": float(c.spec_steps)}  # fmt: skip
 
 
 _HEADLINE_STATS = ("estimate", "low", "high", "p50", "p90", "p99")

@@ -193,6 +193,20 @@ def test_metrics_show_the_drafter_depth_and_acceptance(tiny) -> None:
     assert int(values["envex_spec_depth"]) in (1, 2, 4) and int(values["envex_spec_draft_tokens_total"]) > 0
 
 
+def test_the_install_records_what_speculation_did(tiny) -> None:
+    """launch.json's figures (the gate runner's `bench`) carry the depth, acceptance and tokens per verify step
+    measured over the install's own gates and benchmark; nothing when speculation is off."""
+    from envex.installer.gate_runner import speculation_figures
+
+    assert speculation_figures(_engine(tiny)) == {}
+    engine = _engine(tiny, draft_model=tiny)
+    engine.generate(_prompts()[-1:], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    c, figures = engine.steps.counters, speculation_figures(engine)
+    assert figures["speculative.max_drafts"] == 4.0 and figures["speculative.verify_steps"] == c.spec_steps > 0
+    assert figures["speculative.acceptance"] == round(c.accepted_drafts / c.draft_tokens, 4) > 0.9  # drafts itself
+    assert figures["speculative.tokens_per_verify_step"] > 4.0
+
+
 def test_joins_aborts_and_preemption_with_verify_steps_in_flight(tiny, plain_answers) -> None:
     engine = _engine(tiny, draft_model=tiny, num_speculative_tokens=8, async_scheduling=True)
     got: dict[int, list[int]] = {}
