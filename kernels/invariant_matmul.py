@@ -25,9 +25,11 @@ slabs a program holds is the one assumption not proven by construction. verify/k
 checks it on the device, row against row across the switch (kernels/NOTES.md). Setting PREFILL_TILE =
 DECODE_TILE removes the assumption at a prefill cost.
 
-Prologues: PROLOGUE_SILU_MUL folds SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) into the
-operand load: elementwise, so it cannot depend on the batch. RMSNorm stays in norm.py's kernels (one program
-per row, row-independent by construction).
+Prologues: PROLOGUE_SILU_MUL computes SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) in an
+elementwise pass of its own before the matmul: row-independent by construction. Folded into the operand load it
+cost a decode step the sigmoid of all 64 rows of its tensor-core tile at every k step: the down projection ran at
+25% of its byte floor, 100.5 µs against the GEMV's 30.6 (H200, a0d1f62). RMSNorm stays in norm.py's kernels
+(one program per row).
 
 Floor: decode, the weight read once (N·K·2 bytes), as the GEMV; prefill, tensor-core FLOPs (2·M·N·K).
 """
@@ -82,16 +84,10 @@ def tile_for(m: int) -> Tile:
 
 
 @triton.jit
-def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr, PROLOGUE: tl.constexpr):
-    """The x tile [BLOCK_M, len(ks)] (after the prologue) and weight tile [BLOCK_N, len(ks)] of k columns ks."""
+def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr):
+    """The x tile [BLOCK_M, len(ks)] and weight tile [BLOCK_N, len(ks)] of k columns ks."""
     k_ok = ks < K
-    xm = row_ok[:, None] & k_ok[None, :]
-    if PROLOGUE == 3:  # silu(g) * u from the fused gate-up row [g | u] of length 2K, rounded once
-        g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-        x = (g * tl.sigmoid(g) * u).to(w_rows.dtype.element_ty)
-    else:
-        x = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
     w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
     return x, w
 
@@ -100,7 +96,7 @@ def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr, PROLOGUE: tl.
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
-    K: tl.constexpr, CHUNK: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
@@ -131,10 +127,10 @@ def _matmul_kernel(
                 # micro-kernel handles rows in groups), the tensor cores do not. So each 16-wide k step (one
                 # wgmma k step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is.
                 for a in tl.static_range(0, BLOCK_K, 16):
-                    x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K, PROLOGUE)
+                    x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K)
                     part += tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
             else:
-                x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K, PROLOGUE)
+                x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K)
                 part = tl.dot(x, tl.trans(w), part)
         total += part
     if SPLIT:
@@ -145,6 +141,23 @@ def _matmul_kernel(
             total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
         tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _silu_mul_kernel(x_ptr, out_ptr, M, stride_xm, stride_om, K: tl.constexpr, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr):  # fmt: skip
+    """silu(g) · u of each fused gate-up row [g | u], in fp32, rounded once: elementwise, one program per (row,
+    block of K), so no bit depends on the batch. A pass of its own rather than the matmul's operand load: there
+    a decode step's one row would pay the sigmoid of all 64 rows of its tensor-core tile at every k step."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = ks < K
+    g = tl.load(x_ptr + row * stride_xm + ks, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * stride_xm + K + ks, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + ks, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -201,6 +214,11 @@ def matmul(
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
+    if prologue == PROLOGUE_SILU_MUL:
+        act = torch.empty((m, k), dtype=x.dtype, device=x.device)
+        _silu_mul_kernel[(m, triton.cdiv(k, 1024))](
+            x, act, m, x.stride(0), act.stride(0), K=k, BLOCK=1024, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
+        x, prologue = act, PROLOGUE_NONE
     t = tile or tile_for(m)
     chunk = chunk or chunk_size(n, k)
     check(chunk % K_ALIGN == 0 or chunk >= k, f"chunk: {chunk} must be a multiple of {K_ALIGN} (or cover K = {k})")
@@ -215,7 +233,7 @@ def matmul(
     _matmul_kernel[grid](
         x, weight, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
-        K=k, CHUNK=chunk, PROLOGUE=prologue, HAS_BIAS=bias is not None and not split, SPLIT=split,
+        K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip

@@ -111,7 +111,7 @@ mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
 for name, t, split in (("decode", im.DECODE_TILE, True), ("prefill", im.PREFILL_TILE, False)):
-    c = dict(K=4096, CHUNK=1024, PROLOGUE=3, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+    c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
              BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split)
     out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
