@@ -2,7 +2,7 @@
 profile of one layer, and speed and memory of the whole model through the OpenAI server on dummy weights.
 
     python3 -m envex.verify.kernel_bench.bench_gpt_oss --out $OUT --commit C \\
-        [--sections check,profile,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
+        [--sections check,check32,profile,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
 
 Sections, in this order, each written to gpt_oss.json as soon as it is done:
 
@@ -12,8 +12,8 @@ Sections, in this order, each written to gpt_oss.json as soon as it is done:
   HF transformers loads the same files with Mxfp4Config(dequantize=True) in bf16. Greedy within vLLM's top-5
   logprob rule (verify/gate_reference.py), mean KL and top-1 agreement over every prompt position
   (verify/gate_semantic.py), and the MXFP4 MoE kernel against its float64 reference at full size (1 and 32 rows);
-  then both gates again in float32 (Envex's torch backend and HF, both on the GPU), which bf16 routing flips
-  cannot fail (check_float32);
+- check32: both gates again in float32 (Envex's torch backend and HF, both on the GPU), which bf16 routing flips
+  cannot fail (check_float32; HF holds ~25 GB of dequantized experts: minutes);
 - profile: the same model at batch 1 with 1K tokens of context, each Ops entry point of a window layer and of a
   full layer timed alone in a CUDA graph (inputs and weights rotated so they come from HBM, not L2) against the
   bytes it must read;
@@ -370,7 +370,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench-out")))
     ap.add_argument("--commit", default="unknown")
-    ap.add_argument("--sections", default="check,profile,server")
+    ap.add_argument("--sections", default="check,check32,profile,server")
     ap.add_argument("--cases", default="b1_1k,c32_2k,b1_131k")
     ap.add_argument("--check-layers", type=int, default=2)
     ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
@@ -390,7 +390,7 @@ def main() -> None:
     print(json.dumps(report["env"]), bw, json.dumps(report["roofline"]), flush=True)
     torch.cuda.empty_cache()
     save = lambda: (args.out / "gpt_oss.json").write_text(json.dumps(report, indent=1, default=str))  # noqa: E731
-    if sections & {"check", "profile"}:
+    if sections & {"check", "check32", "profile"}:
         path = args.models / f"gpt-oss-120b-{args.check_layers}l"
         t0 = time.monotonic()
         if not (path / "model.safetensors").is_file():
@@ -404,6 +404,7 @@ def main() -> None:
                 print(f"{gate}: {result[gate]['verdict']} - {result[gate]['summary']}", flush=True)
             print(f"moe kernel at full size: {result['moe_kernel']}", flush=True)
             save()
+        if "check32" in sections:
             # The same two gates in float32 (Envex's torch backend, HF, both on the GPU): with 128 random experts,
             # bf16 router logits that differ by one rounding pick another top-4 for a few tokens a layer, and on
             # random weights that moves the logits a lot (offline_docs/models.md, "gpt-oss"). float32 separates a
