@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, pdl_launch
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
@@ -152,62 +152,6 @@ def _gemv_persistent_kernel(
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-@triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
-def _gemv_rows_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
-    M, N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-):  # fmt: skip
-    """2 to ROWS_MAX rows (a verify step's k + 1 tokens, a small decode batch): each program streams its BLOCK_N
-    weight rows once and multiplies them with every input row on the tensor cores (the rows padded to BLOCK_M =
-    16), so the step reads the weight once, as at one row, instead of once per row or through cuBLAS's skinny
-    tiles. The prologues are the chunked kernel's: the activation (and the RMS sum of squares) computed per K chunk
-    from the rows in L2, the RMS scale applied after the dot; the operand of the dot is rounded to the weight's
-    dtype after the norm weight."""
-    pid_n = tl.program_id(0)
-    rm = tl.arange(0, BLOCK_M)
-    m_ok = rm < M
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
-    kk = tl.arange(0, BLOCK_K)
-    w_cols = w_ptr + rn.to(tl.int64)[None, :] * stride_wn  # the tile is read as W^T [BLOCK_K, BLOCK_N]
-    a_rows = a_ptr + rm.to(tl.int64)[:, None] * stride_am
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        cols = k0 + kk
-        k_ok = cols < K
-        w = tl.load(w_cols + cols[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0,
-                    eviction_policy="evict_first")  # fmt: skip
-        mk = m_ok[:, None] & k_ok[None, :]
-        if PROLOGUE == 3:
-            g = tl.load(a_rows + cols[None, :], mask=mk, other=0.0)
-            u = tl.load(a_rows + K + cols[None, :], mask=mk, other=0.0)
-            x = _silu_mul_as_hf(g, u)
-        else:
-            a = tl.load(a_rows + cols[None, :], mask=mk, other=0.0)
-            if PROLOGUE == 1:
-                bb = tl.load(b_ptr + rm.to(tl.int64)[:, None] * stride_bm + cols[None, :], mask=mk, other=0.0)
-                a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
-                tl.store(h_ptr + rm.to(tl.int64)[:, None] * stride_hm + cols[None, :], a,
-                         mask=mk & (cols < tl.where(pid_n == 0, K, 0))[None, :])  # fmt: skip
-            x = a.to(tl.float32)
-            if PROLOGUE == 1 or PROLOGUE == 2:
-                sumsq += tl.sum(x * x, axis=1)
-                x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        if UPCAST_DOT:  # the interpreter's dot has no 16-bit floats: the same rounded operands in float32
-            acc = tl.dot(x.to(w.dtype).to(tl.float32), w.to(tl.float32), acc)
-        else:
-            acc = tl.dot(x.to(w.dtype), w, acc)
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        acc = acc * tl.rsqrt(sumsq / K + eps)[:, None]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
 # (BLOCK_N, BLOCK_K, num_warps[, programs_per_sm]): a 4th entry > 0 selects the persistent kernel with that many
 # programs per SM (BLOCK_K is then the whole K). For the chunked kernel, small BLOCK_N gives many programs
 # (≥ 4 per SM for N = 4096) so enough weight bytes are in flight per SM; 16-byte loads need
@@ -245,16 +189,6 @@ def tuned_config(n: int, k: int, prologue: int) -> tuple[int, ...]:
     return cfg
 
 
-ROWS_MAX = 16  # up to this many rows take _gemv_rows_kernel (one weight pass); callers send more to cuBLAS
-
-
-def rows_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of the multi-row kernel: a predicted start, not yet a sweep's
-    best (kernels/NOTES.md). Narrow projections take 16-row tiles so that N = 4096 still gives 256 programs (about
-    two per SM); each keeps four 16 KB chunks of its weight in flight."""
-    return (16, 256, 4, 4) if n <= 8192 else (32, 256, 4, 4)
-
-
 def gemv(
     a: torch.Tensor,
     weight: torch.Tensor,
@@ -265,16 +199,13 @@ def gemv(
     eps: float = 1e-6,
     bias: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
-    rows: tuple[int, int, int, int] | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
 
     a: [M,K] ([M,2K] for PROLOGUE_SILU_MUL); b: [M,K] (ADD_RMS); norm_weight: [K] (ADD_RMS, RMS); bias: [N], added
-    to y before its rounding. One row takes the GEMV kernels (config: their tile, else tuned_config); 2 to ROWS_MAX
-    rows of a 16-bit dtype take the multi-row kernel (rows: its tile, else rows_config), which reads the weight once
-    for all of them, unless `config` names a GEMV tile (then each row re-reads the weight, as float32 rows do);
-    use torch matmul for more rows. pdl (one row only): launch with
+    to y before its rounding. Meant for small
+    M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M. pdl: launch with
     programmatic dependent launch (Hopper), so this kernel's weight stream overlaps the previous kernel's tail;
     only for a chain of kernels that all wait on their predecessor (the fused decode step).
     """
@@ -305,17 +236,6 @@ def gemv(
     bb = b if b is not None else a
     nw = norm_weight if norm_weight is not None else weight
     bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
-    if m > 1 and config is None and weight.dtype != torch.float32:
-        check(m <= ROWS_MAX, f"a: {m} rows; the multi-row GEMV takes at most {ROWS_MAX} (use torch matmul above)")
-        block_n, block_k, num_warps, num_stages = rows or rows_config(n, k)
-        _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-            a, bb, nw, weight, bias_arg, out, h, m, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
-            h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_M=16,
-            BLOCK_N=block_n, BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))), UPCAST_DOT=INTERPRETING,
-            num_warps=num_warps,
-            num_stages=num_stages,
-        )  # fmt: skip
-        return out, (h if prologue == PROLOGUE_ADD_RMS else None)
     block_n, block_k, num_warps, *rest = config or tuned_config(n, k, prologue)
     if rest and rest[0] > 0:
         programs = min(triton.cdiv(n, block_n), rest[0] * _sm_count(a.device))

@@ -58,11 +58,9 @@ class TritonOps:
 
     @staticmethod
     def _gemv(x: torch.Tensor) -> bool:
-        """One row: the GEMV kernels; 2 to gemv.ROWS_MAX 16-bit rows (a verify step, a small batch): the multi-row
-        kernel, one pass over the weight for all rows; above that cuBLAS, for which the weight is no longer the
-        whole cost."""
-        rows = x.shape[0]
-        return rows == 1 or (rows <= gemv.ROWS_MAX and x.dtype != torch.float32)
+        # Above one row, cuBLAS beats re-reading the weight per row; a multi-row tensor-core GEMV (one weight
+        # pass for 2-16 rows) lost to cuBLAS at every Llama-3.1-8B projection but O (kernels/NOTES.md, v11).
+        return x.shape[0] == 1
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
@@ -74,13 +72,13 @@ class TritonOps:
             if fused is not None:
                 normed, residual = fused
                 return self.linear(normed, weight, bias), residual
-            x = comm.all_reduce(x, pdl=self.pdl and x.shape[0] == 1)
+            x = comm.all_reduce(x, pdl=self.pdl)
         if self.deterministic:
             return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
         if self._gemv(x):
             prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
-                                 bias=bias, pdl=self.pdl and x.shape[0] == 1)  # fmt: skip
+                                 bias=bias, pdl=self.pdl)  # fmt: skip
             return y, (x if total is None else total)
         if residual is None:
             normed, residual = norm.rms_norm(x, norm_weight, eps), x
@@ -92,7 +90,7 @@ class TritonOps:
         if self.deterministic:
             return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x))
         if self._gemv(x):
-            return gemv.gemv(x, weight, bias=bias, pdl=self.pdl and x.shape[0] == 1)[0]
+            return gemv.gemv(x, weight, bias=bias, pdl=self.pdl)[0]
         return F.linear(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,8 +98,7 @@ class TritonOps:
             return invariant_matmul.matmul(gate_up, weight, prologue=invariant_matmul.PROLOGUE_SILU_MUL,
                                            pdl=self._det_pdl(gate_up))  # fmt: skip
         if self._gemv(gate_up):
-            pdl = self.pdl and gate_up.shape[0] == 1
-            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=pdl)[0]
+            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         return F.linear(activation.silu_and_mul(gate_up), weight)
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -10,7 +10,7 @@
 #      the full suite's batch_invariance gate on the GPU in deterministic mode; the deterministic kernels row
 #      against row at the 8B shapes (bench_invariance)
 #   c  gpt-oss-120b (bench_gpt_oss: check, profile, server)
-#   d  the multi-row GEMV against cuBLAS per projection and the verify graphs again (bench_spec rows,graphs), the
+#   d  the verify graphs again (bench_spec graphs), the
 #      deterministic kernels again (bench_invariance); on a host of two GPUs, tensor parallelism (bench_tp). Run after `sh verify/device_install.sh stage` (same call)
 #   e  the embedded model with n-gram speculation, default and deterministic mode, and drafting with a draft model
 #      (itself). Run after `sh verify/device_install.sh run` (an earlier call; it joins the GGUF into .device/model)
@@ -72,7 +72,7 @@ pack() {
       ;;
     d)  # after `sh verify/device_install.sh stage` in the same call (it stashes part-aa in .device/stash)
       step spec-rows-graphs 150 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec" \
-        --sections rows,graphs --commit "$commit"
+        --sections graphs --commit "$commit"
       step invariance-kernels 60 python3 -m envex.verify.kernel_bench.bench_invariance --out "$work/inv" \
         --commit "$commit"
       if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then

@@ -1,10 +1,8 @@
 """Speculative decoding on the H200 (issue 16): verify-step cost, and tokens/s with n-gram drafting on real text.
 
-    python3 -m envex.verify.kernel_bench.bench_spec --out $OUT [--model PATH] [--sections rows,graphs,model]
+    python3 -m envex.verify.kernel_bench.bench_spec --out $OUT [--model PATH] [--sections graphs,model]
 
 Sections:
-- rows (only when asked): each 8B projection at 1-16 rows, the multi-row GEMV (every tile of ROW_TILES) against
-  the one-row GEMV and cuBLAS with the Triton prologue kernels: the verify step's linear layers alone.
 - graphs: the Llama-3.1-8B shape with random weights (config.json only, `--load-format dummy`): the captured decode
   graph (k = 0) and verify graphs (k = 1, 2, 4, 8, n-gram drafting included) replayed directly, every sequence at
   --context cached tokens, for batch 1, 4, 16, 64: milliseconds per step, and the ratio to k = 0.
@@ -77,72 +75,6 @@ def _replay_ms(replay, iters: int = 20) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / iters)
     return statistics.median(times)
-
-
-ROW_COUNTS = (1, 2, 3, 5, 9, 16)  # a verify step's k + 1 rows at batch 1 (k = 0, 1, 2, 4, 8) and the kernel's limit
-ROW_TILES = ((16, 256, 4, 4), (32, 256, 4, 4), (16, 128, 4, 6), (64, 128, 4, 4), (32, 512, 8, 3))
-
-
-def bench_rows(shape: dict) -> list[dict]:
-    """Each Llama-3.1-8B projection at 1 to 16 rows, graph-timed with its prologue (weights rotated past the L2):
-    the multi-row GEMV (TritonOps' path for 2-16 rows; every tile of ROW_TILES) against the one-row GEMV at M = 1
-    and cuBLAS with the Triton norm or SwiGLU kernel at each M (the path before it)."""
-    from envex.kernels import gemv
-
-    h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    qkv = (heads + 2 * kv) * (h // heads)
-    projections = (("qkv", qkv, h, gemv.PROLOGUE_ADD_RMS), ("o", h, h, gemv.PROLOGUE_NONE),
-                   ("gate_up", 2 * inter, h, gemv.PROLOGUE_ADD_RMS), ("down", h, inter, gemv.PROLOGUE_SILU_MUL),
-                   ("lm_head", v, h, gemv.PROLOGUE_RMS))  # fmt: skip
-    rows: list[dict] = []
-    for name, n, k, prologue in projections:
-        rows += _bench_projection(name, n, k, prologue)
-        torch.cuda.empty_cache()
-    return rows
-
-
-def _bench_projection(name: str, n: int, k: int, prologue: int) -> list[dict]:
-    import torch.nn.functional as F
-
-    from envex.kernels import activation, gemv, norm
-    from envex.verify.kernel_bench import _bench_lib as B
-
-    copies = max(2, -(-300_000_000 // (n * k * 2)))
-    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
-    nw = torch.randn(k, device="cuda", dtype=torch.bfloat16)
-    rows = []
-    for m in ROW_COUNTS:
-        a = torch.randn(m, 2 * k if prologue == gemv.PROLOGUE_SILU_MUL else k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        kw = dict(prologue=prologue, b=b if prologue == gemv.PROLOGUE_ADD_RMS else None,
-                  norm_weight=nw if prologue in (gemv.PROLOGUE_ADD_RMS, gemv.PROLOGUE_RMS) else None)  # fmt: skip
-
-        def cublas(i: int, a: torch.Tensor = a, b: torch.Tensor = b) -> object:
-            w = ws[i % copies]
-            if prologue == gemv.PROLOGUE_SILU_MUL:
-                return F.linear(activation.silu_and_mul(a), w)
-            if prologue == gemv.PROLOGUE_ADD_RMS:
-                return F.linear(norm.add_rms_norm(a, b, nw, 1e-5)[0], w)
-            if prologue == gemv.PROLOGUE_RMS:
-                return F.linear(norm.rms_norm(a, nw, 1e-5), w)
-            return F.linear(a, w)
-
-        def ours(tile: tuple | None, a: torch.Tensor = a, kw: dict = kw) -> float:
-            return 1000 * B.graph_time_ms(lambda i: gemv.gemv(a, ws[i % copies], rows=tile, **kw), 2 * copies)
-
-        # the weight read at 4.6 TB/s, this H200's measured read bandwidth (the JSON's bandwidth is the run's own)
-        row = {"proj": name, "n": n, "k": k, "m": m, "floor_us": n * k * 2 / 4.6e12 * 1e6,
-               "cublas_us": 1000 * B.graph_time_ms(cublas, 2 * copies)}  # fmt: skip
-        for tile in (None,) if m == 1 else ROW_TILES:
-            key = "gemv_us" if m == 1 else "rows_" + "x".join(map(str, tile)) + "_us"
-            try:
-                row[key] = ours(tile)
-            except Exception as exc:  # a tile past the shared memory or registers: reported, not fatal
-                row[key] = f"{type(exc).__name__}: {str(exc)[:80]}"
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
 
 
 def bench_graphs(context: int, shape: dict, device: str) -> dict:
@@ -362,9 +294,6 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
-    if "rows" in sections:
-        report["rows"] = bench_rows(shape)
-        (args.out / "spec.json").write_text(json.dumps(report, indent=1))
     if "graphs" in sections:
         report["graphs"] = bench_graphs(args.context, shape, args.device)
         torch.cuda.empty_cache()
