@@ -37,6 +37,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log its exit st
   echo "=== [$(($(date +%s) - t_start)) s] $name (limit $limit s): $*"
   timeout -k 10 "$limit" "$@" 2>&1
   rc=$?
+  # A bench stopped at its limit cannot reap the servers and ranks it started in sessions of their own; on the
+  # 2-GPU host a 70B server left holding both GPUs made the next call's KV cache sizing fail.
+  pkill -9 -f 'envex\.runtime\.(server|parallel\.workers)' 2>/dev/null && sleep 2
   echo "=== $name: exit $rc after $(($(date +%s) - t0)) s"
 }
 
