@@ -4,14 +4,9 @@ through the batch-1 step or in a padded graph batch, or recomputed by a prefill 
 preemption does). On the CPU the kernels run under the Triton interpreter and the graphs run their step eagerly.
 """
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -24,7 +19,7 @@ from envex.runtime.config import ModelConfig  # noqa: E402
 from envex.runtime.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from envex.runtime.engine.model_runner import dummy_weights  # noqa: E402
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin  # noqa: E402
-from envex.tests.support.kernels import eager_step  # noqa: E402
+from envex.tests.support.kernels import compile_for_hopper, eager_step  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE, MAX_LEN, VOCAB = 8, 64, 40
@@ -131,14 +126,7 @@ print(json.dumps(out))
 
 
 def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_schedule() -> None:
-    import triton  # here, not above: Triton reads TRITON_INTERPRET when first imported
-
-    if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas")):
-        pytest.skip("this Triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shapes = json.loads(run.stdout.strip().splitlines()[-1])
+    shapes = compile_for_hopper(_AOT)
     # Attention: the decode and prefill schedules issue the same tensor-core instructions (QK and PV).
     assert shapes["split"] == shapes["full"] == ["m64n128k16", "m64n64k16"], shapes
     # Matmul: both tiles are m64 x k16 steps; only the instruction's N differs (the assumption the H200 run checks).

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 from envex.kernels import mxfp4  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
-from envex.tests.support.kernels import assert_close  # noqa: E402
+from envex.tests.support.kernels import assert_close, compile_for_hopper  # noqa: E402
 from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -96,19 +96,7 @@ print(json.dumps(out))
 
 
 def test_the_moe_kernels_compile_for_hopper() -> None:
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton  # here, not above: Triton reads TRITON_INTERPRET when first imported
-
-    if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas")):
-        pytest.skip("this Triton has no bundled ptxas")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", _AOT], env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_for_hopper(_AOT)
     assert got["gate_up"]["v4"] >= 8 and got["down"]["v4"] >= 8, got  # a 16-byte group per row and thread
     assert got["gate_up"]["cvt"] >= 128 and got["down"]["cvt"] >= 128, got  # every half widened in PTX
     assert not any(k["local"] for k in got.values()), got

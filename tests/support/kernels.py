@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from envex.kernels.accuracy import TOLERANCE, rel_err
@@ -44,3 +46,23 @@ def eager_step(ids: list[list[int]], starts: list[int], tables: list[list[int]],
         seq_lens_host=seq_lens,
     )  # fmt: skip
     return torch.tensor(flat, device=device), meta, torch.tensor(cu[1:], device=device) - 1
+
+
+def compile_for_hopper(script: str) -> Any:
+    """Run `script` (Python source that compiles kernels for sm_90 with Triton's own ptxas, no GPU, and prints one
+    JSON line last) in a child without the interpreter; its JSON. Skips where this Triton bundles no ptxas."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+    import triton  # here, not at the top: Triton reads TRITON_INTERPRET when first imported
+
+    if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas")):
+        pytest.skip("this Triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
