@@ -41,6 +41,23 @@ def check_tensor(
         check(t.device == device, f"{name}: on {t.device}, expected {device} like the other inputs")
 
 
+def check_paged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                                 ) -> tuple[int, int, int, int, int]:  # fmt: skip
+    """The checks every paged-attention launcher makes on packed queries q [T, Hq, D] and caches [num_blocks,
+    block_size, Hkv, D] -> (T, Hq, D, block_size, Hkv)."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    num_tokens, n_q, head_dim = q.shape
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, ndim=4, dtypes=(q.dtype,), device=q.device)
+        check(c.shape[3] == head_dim, f"{name}: head_dim {c.shape[3]} != q head_dim {head_dim}")
+    check(k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
+          "v_cache: must have k_cache's shape and strides")  # fmt: skip
+    page, n_kv = k_cache.shape[1], k_cache.shape[2]
+    check(page >= 1 and page & (page - 1) == 0, f"k_cache: block_size {page} must be a power of two")
+    check(n_q % n_kv == 0, f"q: {n_q} query heads is not a multiple of {n_kv} KV heads")
+    return num_tokens, n_q, head_dim, page, n_kv
+
+
 def pdl_launch(pdl: bool) -> dict[str, bool]:
     """Launch options for programmatic dependent launch; empty when off (the interpreter knows no such option)."""
     return {"launch_pdl": True} if pdl else {}

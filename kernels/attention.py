@@ -22,6 +22,7 @@ from envex.kernels._common import (
     FLOAT_DTYPES,
     INTERPRETING,
     check,
+    check_paged_attention_inputs,
     check_tensor,
     next_pow2,
     padded_rows,
@@ -224,16 +225,7 @@ def paged_attention(
     sinks: [Hq] per-head sink logits (gpt-oss); window: sliding window (a query at p sees keys p-window+1 .. p;
     blocks before the window are never read), as reference.paged_attention takes them.
     """
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    num_tokens, n_q, head_dim = q.shape
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, c, ndim=4, dtypes=(q.dtype,), device=q.device)
-        check(c.shape[3] == head_dim, f"{name}: head_dim {c.shape[3]} != q head_dim {head_dim}")
-    check(k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride(),
-          "v_cache: must have k_cache's shape and strides")  # fmt: skip
-    page, n_kv = k_cache.shape[1], k_cache.shape[2]
-    check(page >= 1 and page & (page - 1) == 0, f"k_cache: block_size {page} must be a power of two")
-    check(n_q % n_kv == 0, f"q: {n_q} query heads is not a multiple of {n_kv} KV heads")
+    num_tokens, n_q, head_dim, page, n_kv = check_paged_attention_inputs(q, k_cache, v_cache)
     check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
     check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=q.device)
