@@ -33,7 +33,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 
 from envex.kernels import mxfp4
-from envex.verify.kernel_bench.bench_server import SHAPES, start_server, wait_ready, write_model_dir
+from envex.verify.kernel_bench.bench_server import SHAPES, start_server, stop_server, wait_ready, write_model_dir
 
 CASES = {"b1_1k": (1, 1024, 256, 3), "c32_2k": (32, 2048, 256, 2), "b1_131k": (1, 130560, 512, 1)}
 # A chat template for the word-level test tokenizer: the user's text as it is (the gates render chats).
@@ -358,11 +357,7 @@ def server_runs(args: argparse.Namespace, bw: dict[str, float], report: dict[str
         run["error"] = f"{type(exc).__name__}: {exc}"
         print(run["error"], flush=True)
     finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
+        stop_server(proc, timeout=60)
         run["wall_s"] = time.monotonic() - t0
 
 

@@ -123,6 +123,19 @@ def start_server(tree: str, settings: dict, port: int, log: Path) -> subprocess.
                             stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """End a start_server child and everything in its process group (tensor-parallel ranks too): SIGTERM, then
+    SIGKILL if it has not exited within `timeout` seconds."""
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=timeout)
+    except ProcessLookupError:  # already gone
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
 def wait_ready(base: str, proc: subprocess.Popen, timeout: float = 400.0) -> float:
     import httpx
 
@@ -265,11 +278,7 @@ def main() -> None:
             run["error"] = f"{type(exc).__name__}: {exc}"
             print(f"{label} {shape_name}: {run['error']}", flush=True)
         finally:
-            os.killpg(proc.pid, 15)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
+            stop_server(proc)
         report["runs"].append(run)
         (args.out / "server.json").write_text(json.dumps(report, indent=1))
     print(f"\nread bandwidth {bw['read_TBps']:.3f} TB/s (best of a Triton read sweep and torch sum)")

@@ -389,13 +389,7 @@ def _server_run(
         run["error"] = f"{type(exc).__name__}: {exc}"
         print(f"{label}: {run['error']}", flush=True)
     finally:
-        import signal
-
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=30)
-        except Exception:
-            os.killpg(proc.pid, signal.SIGKILL)
+        S.stop_server(proc)
     return run
 
 
