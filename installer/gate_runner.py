@@ -6,7 +6,9 @@ numbers) and exits 0 when every gate passed, 1 when one failed, 2 when the gates
 
 Gates: `installer.smoke` (the engine loads from launch.json, answers the model card's smoke prompt greedily and
 deterministically), then the quality suite of `envex.verify.gates` (required: a release without it fails closed)
-and the benchmark of `envex.verify.bench` when present.
+and the benchmark of `envex.verify.bench` when present. Where launch.json's engine.tensor_parallel is above 1, then
+`verify.tensor_parallel_equality`: greedy answers at that degree equal one GPU's, on a two-layer cut of the model
+(envex.verify.gate_tensor_parallel.run_tensor_parallel_gate).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 SMOKE_PROMPT = "What is the capital of France?"
 SMOKE_EXPECT = "Paris"
+TENSOR_PARALLEL_GATE = "verify.tensor_parallel_equality"
 
 
 def as_json(value: Any) -> Any:
@@ -112,13 +115,46 @@ def _call(fn: Any, engine: Any, **wanted: Any) -> Any:
 
 def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str, str]) -> dict[str, Any]:
     from envex.installer.launch import load_launch
-    from envex.runtime.engine import LLMEngine
 
     out.mkdir(parents=True, exist_ok=True)
     config = load_launch(launch_path, require_gates=False)
+    gates, details, numbers = engine_checks(config, out, suite, bench, smoke)
+    if config.tensor_parallel > 1:  # after the release's engine is gone: its GPUs are needed again
+        result = tensor_parallel_gate(config, out)
+        gates[TENSOR_PARALLEL_GATE] = _gate_word(result)
+        details[TENSOR_PARALLEL_GATE] = result
+    verdict = "pass" if gates and all(v in ("pass", "skip") for v in gates.values()) else "fail"
+    return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
+
+
+def tensor_parallel_gate(config: Any, out: Path) -> dict[str, Any]:
+    """Greedy answers at the release's tensor_parallel N equal one GPU's (verify/gate_tensor_parallel.py): both on
+    the model's architecture and widths cut to two layers with random weights, as the whole model needs N GPUs."""
+    try:
+        from envex.verify.gate_tensor_parallel import free_device_memory, run_tensor_parallel_gate
+
+        free_device_memory()
+        return as_json(run_tensor_parallel_gate(config, workdir=out))
+    except Exception as exc:  # a gate that cannot run has failed
+        return {"verdict": "fail", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def engine_checks(config: Any, out: Path, suite: str, bench: bool,
+                  smoke: tuple[str, str]) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
+    """The gates and benchmark that run on the release's own engine: (verdicts, details, figures). The engine is
+    closed (its tensor-parallel workers stopped) on return."""
+    from envex.runtime.engine import LLMEngine
+
     start = time.perf_counter()
     engine = LLMEngine(config)
-    load_s = time.perf_counter() - start
+    try:
+        return _engine_checks(engine, time.perf_counter() - start, config, out, suite, bench, smoke)
+    finally:
+        engine.close()
+
+
+def _engine_checks(engine: Any, load_s: float, config: Any, out: Path, suite: str, bench: bool,
+                   smoke: tuple[str, str]) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
     gates: dict[str, str] = {}
     details: dict[str, Any] = {}
     numbers: dict[str, float] = {"load_seconds": round(load_s, 3)}
@@ -158,8 +194,7 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
             except Exception as exc:  # the benchmark informs; it does not gate
                 details["bench"] = {"error": f"{type(exc).__name__}: {exc}"}
     numbers.update(speculation_figures(engine))
-    verdict = "pass" if gates and all(v in ("pass", "skip") for v in gates.values()) else "fail"
-    return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
+    return gates, details, numbers
 
 
 def speculation_figures(engine: Any) -> dict[str, float]:
