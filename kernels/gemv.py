@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
@@ -152,64 +152,6 @@ def _gemv_persistent_kernel(
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
 
 
-@triton.jit
-def _gemv_rows_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
-    M, N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """The chunked kernel for 2-16 rows (a verify step's k + 1, a small decode batch): each weight tile is read
-    once and multiplied into every row on the CUDA cores (fp32 FMA), each row's prologue computed per K chunk as
-    in the one-row kernel. ROWS = next power of two ≥ M; the rows past M are masked. BLOCK_N is wide (16-64) so
-    the rows' activations, re-read from L2 by every program, stay a fraction of the weight bytes."""
-    pid_n = tl.program_id(0)
-    cols_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols_n < N
-    mm = tl.arange(0, ROWS)
-    m_ok = mm < M
-    m64 = mm.to(tl.int64)
-    w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_wn
-    kk = tl.arange(0, BLOCK_K)
-    w_next = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0,
-                     eviction_policy="evict_first")  # fmt: skip
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    sumsq = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        w = w_next
-        cols = k0 + kk
-        k_ok = cols < K
-        x_ok = m_ok[:, None] & k_ok[None, :]
-        ahead = cols + BLOCK_K
-        w_next = tl.load(w_rows + ahead[None, :], mask=n_ok[:, None] & (ahead < K)[None, :], other=0.0,
-                         eviction_policy="evict_first")  # fmt: skip
-        a_at = a_ptr + m64[:, None] * stride_am + cols[None, :]
-        if PROLOGUE == 3:
-            x = _silu_mul_as_hf(tl.load(a_at, mask=x_ok, other=0.0), tl.load(a_at + K, mask=x_ok, other=0.0))
-        else:
-            a = tl.load(a_at, mask=x_ok, other=0.0)
-            if PROLOGUE == 1:
-                bb = tl.load(b_ptr + m64[:, None] * stride_bm + cols[None, :], mask=x_ok, other=0.0)
-                a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
-                tl.store(h_ptr + m64[:, None] * stride_hm + cols[None, :], a,
-                         mask=x_ok & (cols < tl.where(pid_n == 0, K, 0))[None, :])  # fmt: skip
-            x = a.to(tl.float32)
-            if PROLOGUE == 1 or PROLOGUE == 2:
-                sumsq += x * x
-                x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        acc += tl.sum(w.to(tl.float32)[None, :, :] * x[:, None, :], axis=2)
-    y = acc
-    if PROLOGUE == 1 or PROLOGUE == 2:
-        y = y * tl.rsqrt(tl.sum(sumsq, axis=1) / K + eps)[:, None]
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + cols_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m64[:, None] * stride_om + cols_n[None, :], y.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])  # fmt: skip
-
-
 # (BLOCK_N, BLOCK_K, num_warps[, programs_per_sm]): a 4th entry > 0 selects the persistent kernel with that many
 # programs per SM (BLOCK_K is then the whole K). For the chunked kernel, small BLOCK_N gives many programs
 # (≥ 4 per SM for N = 4096) so enough weight bytes are in flight per SM; 16-byte loads need
@@ -226,17 +168,6 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 14336, PROLOGUE_SILU_MUL): (1, 0, 8, 2),
     (128256, 4096, PROLOGUE_ADD_RMS): (2, 0, 8, 4),
 }
-
-
-# The multi-row kernel: (BLOCK_N, BLOCK_K, num_warps). Its registers hold a [ROWS, BLOCK_N, BLOCK_K] product, so
-# BLOCK_K shrinks as the rows grow; BLOCK_N ≥ 16 keeps the rows' activation re-reads (ROWS/BLOCK_N of the weight
-# bytes, from L2) small. Not yet measured on the H200: bench_spec --sections rows sweeps it against cuBLAS.
-MAX_ROWS = 16
-ROWS_CONFIGS: dict[int, tuple[int, int, int]] = {2: (16, 256, 4), 4: (32, 128, 8), 8: (32, 64, 8), 16: (32, 32, 8)}
-
-
-def rows_config(n: int, k: int, prologue: int, m: int) -> tuple[int, int, int]:
-    return ROWS_CONFIGS[next_pow2(m)]
 
 
 def tuned_config(n: int, k: int, prologue: int) -> tuple[int, ...]:
@@ -269,7 +200,6 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
     pdl: bool = False,
-    rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
 
@@ -277,9 +207,7 @@ def gemv(
     to y before its rounding. Meant for small
     M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M. pdl: launch with
     programmatic dependent launch (Hopper), so this kernel's weight stream overlaps the previous kernel's tail;
-    only for a chain of kernels that all wait on their predecessor (the fused decode step). rows: 2..MAX_ROWS rows
-    in one weight pass (_gemv_rows_kernel; config (BLOCK_N, BLOCK_K, num_warps), default rows_config) instead of
-    one pass per row.
+    only for a chain of kernels that all wait on their predecessor (the fused decode step).
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     n, k = weight.shape
@@ -308,15 +236,6 @@ def gemv(
     bb = b if b is not None else a
     nw = norm_weight if norm_weight is not None else weight
     bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
-    if rows and 1 < m <= MAX_ROWS:
-        block_n, block_k, num_warps = config or rows_config(n, k, prologue, m)
-        _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
-            a, bb, nw, weight, bias_arg, out, h, m, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
-            h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, ROWS=next_pow2(m),
-            BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)), USE_PDL=pdl, num_warps=num_warps,
-            **pdl_launch(pdl),
-        )  # fmt: skip
-        return out, (h if prologue == PROLOGUE_ADD_RMS else None)
     block_n, block_k, num_warps, *rest = config or tuned_config(n, k, prologue)
     if rest and rest[0] > 0:
         programs = min(triton.cdiv(n, block_n), rest[0] * _sm_count(a.device))

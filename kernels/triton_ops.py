@@ -56,14 +56,11 @@ class TritonOps:
         self.pdl = pdl
         self.deterministic = deterministic
 
-    # Up to this many rows go to the GEMV kernels (above one, the multi-row CUDA-core kernel, one weight pass for
-    # all rows, prologues folded in); more rows to cuBLAS. A multi-row tensor-core GEMV lost to cuBLAS at every
-    # Llama-3.1-8B projection but O (kernels/NOTES.md, v11); the CUDA-core one (v12) is off until the H200
-    # measures it (bench_spec --sections rows,graphs sets this class attribute).
-    gemv_max_rows = 1
-
-    def _gemv(self, x: torch.Tensor) -> bool:
-        return x.shape[0] <= self.gemv_max_rows
+    @staticmethod
+    def _gemv(x: torch.Tensor) -> bool:
+        # Above one row, cuBLAS beats re-reading the weight per row; a multi-row tensor-core GEMV (one weight
+        # pass for 2-16 rows) lost to cuBLAS at every Llama-3.1-8B projection but O (kernels/NOTES.md, v11).
+        return x.shape[0] == 1
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
@@ -81,7 +78,7 @@ class TritonOps:
         if self._gemv(x):
             prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
-                                 bias=bias, pdl=self.pdl, rows=True)  # fmt: skip
+                                 bias=bias, pdl=self.pdl)  # fmt: skip
             return y, (x if total is None else total)
         if residual is None:
             normed, residual = norm.rms_norm(x, norm_weight, eps), x
@@ -93,7 +90,7 @@ class TritonOps:
         if self.deterministic:
             return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x))
         if self._gemv(x):
-            return gemv.gemv(x, weight, bias=bias, pdl=self.pdl, rows=True)[0]
+            return gemv.gemv(x, weight, bias=bias, pdl=self.pdl)[0]
         return F.linear(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -101,7 +98,7 @@ class TritonOps:
             return invariant_matmul.matmul(gate_up, weight, prologue=invariant_matmul.PROLOGUE_SILU_MUL,
                                            pdl=self._det_pdl(gate_up))  # fmt: skip
         if self._gemv(gate_up):
-            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl, rows=True)[0]
+            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         return F.linear(activation.silu_and_mul(gate_up), weight)
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

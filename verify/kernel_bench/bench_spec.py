@@ -6,16 +6,14 @@ Sections:
 - graphs: the Llama-3.1-8B shape with random weights (config.json only, `--load-format dummy`): the captured decode
   graph (k = 0) and verify graphs (k = 1, 2, 4, 8, n-gram drafting included) replayed directly, every sequence at
   --context cached tokens, for batch 1, 4, 16, 64: milliseconds per step, and the ratio to k = 0.
+  Also the batch-1 decode and k = 4 verify graphs kernel by kernel (torch.profiler; under PDL the decode
+  step's kernels overlap, so their durations add up to more than the step).
 - model: the model at --model (the embedded SmolLM2-135M-Instruct GGUF, real weights) through LLMEngine at batch 1,
   greedy, each request to its natural end: speculation off (overlapped plain decoding) against n-gram speculation
   (num_speculative_tokens 8, adaptive), one request each in turn, on the code-edit workload (verify/data_code_edit.json:
   hand a 40-80 line file back with one edit) and the chat-1 workload (chat prompts, little repetition). Reports
   output tok/s on and off, tokens per verify step, the per-draft acceptance, and whether the answers are
   byte-identical (bf16 numerics may differ where a verify step's GEMMs round differently from a decode step's).
-- rows: the multi-row GEMV (one weight pass for 2-9 rows, its prologue folded in) against the Triton norm or
-  SwiGLU launch + cuBLAS that a verify step runs, per Llama-3.1-8B projection, a sweep of its configs.
-  `--gemv-rows 16` runs the graphs section with it in every verify step (TritonOps.gemv_max_rows).
-  The graphs section also profiles the batch-1 decode and k = 4 verify graphs kernel by kernel.
 - Then the projection for the 8B shape at the measured acceptance a: a step of k drafts yields
   E(k) = (1 - a^(k+1)) / (1 - a) tokens in t(1, k) ms, against 1 token in t(1, 0) ms.
 
@@ -240,69 +238,6 @@ def _counters(engine) -> dict[str, int]:
             "plain": s.generation_tokens_total - c.spec_tokens}  # fmt: skip
 
 
-ROWS_SWEEP = ((16, 256, 4), (32, 128, 8), (32, 64, 8), (64, 32, 8))
-
-
-def _rows_call(pro: int, a: torch.Tensor, b: torch.Tensor, nw: torch.Tensor, w: torch.Tensor,
-               cfg: tuple[int, int, int] | None) -> torch.Tensor:  # fmt: skip
-    """One projection of M rows: the multi-row GEMV with config cfg, or (cfg None) the Triton norm / SwiGLU
-    kernel then cuBLAS, as a verify step runs it today."""
-    import torch.nn.functional as F
-
-    from envex.kernels import activation, gemv, norm
-
-    if cfg is not None:
-        add = pro == gemv.PROLOGUE_ADD_RMS
-        return gemv.gemv(a, w, prologue=pro, b=b if add else None, norm_weight=nw if add else None, eps=1e-5,
-                         config=cfg, rows=True)[0]  # fmt: skip
-    if pro == gemv.PROLOGUE_SILU_MUL:
-        return F.linear(activation.silu_and_mul(a), w)
-    if pro == gemv.PROLOGUE_ADD_RMS:
-        return F.linear(norm.add_rms_norm(a, b, nw, 1e-5)[0], w)
-    return F.linear(a, w)
-
-
-@torch.inference_mode()
-def bench_rows(device: str) -> dict:
-    """The multi-row GEMV (gemv._gemv_rows_kernel, prologue folded in) against what a verify step runs today for
-    M = 2, 5, 9 rows (k = 1, 4, 8): the Triton norm / SwiGLU kernel, then cuBLAS. Each Llama-3.1-8B projection with its
-    prologue; several weight copies in turn so the weight is read from HBM, not L2; us per call."""
-    from envex.kernels import gemv
-
-    h, inter, vocab = 4096, 14336, 128256
-    shapes = {"qkv": (6144, h, gemv.PROLOGUE_ADD_RMS), "o": (h, h, gemv.PROLOGUE_NONE),
-              "gate_up": (2 * inter, h, gemv.PROLOGUE_ADD_RMS), "down": (h, inter, gemv.PROLOGUE_SILU_MUL),
-              "lm_head": (vocab, h, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
-    dt = torch.bfloat16
-    out: dict = {}
-    for name, (n, k, pro) in shapes.items():
-        ws = [torch.randn(n, k, device=device, dtype=dt) * k**-0.5 for _ in range(2 if name == "lm_head" else 8)]
-        nw = torch.ones(k, device=device, dtype=dt)
-        for m in (2, 5, 9):
-            a = torch.randn(m, 2 * k if pro == gemv.PROLOGUE_SILU_MUL else k, device=device, dtype=dt)
-            b = torch.randn(m, k, device=device, dtype=dt)
-            want = _rows_call(pro, a, b, nw, ws[0], None).float()
-            row: dict = {}
-            for cfg in (None, *ROWS_SWEEP):
-                try:
-                    err = (_rows_call(pro, a, b, nw, ws[0], cfg).float() - want).abs().max().item()
-                    ms = _replay_ms(lambda cfg=cfg, a=a, b=b, nw=nw, ws=ws, pro=pro: [
-                        _rows_call(pro, a, b, nw, w, cfg) for w in ws], iters=10)  # fmt: skip
-                except Exception as exc:  # a config that does not compile for this shape
-                    row[str(cfg)] = f"{type(exc).__name__}: {exc}"[:200]
-                    continue
-                row["cublas_us" if cfg is None else str(cfg)] = {"us": 1000 * ms / len(ws), "max_abs_err": err}
-            timed = [(v["us"], c) for c, v in row.items() if isinstance(v, dict) and c != "cublas_us"]
-            if timed and "cublas_us" in row:
-                us, cfg_name = min(timed)
-                row["best"] = {"config": cfg_name, "us": us, "vs_cublas": us / row["cublas_us"]["us"]}
-            out[f"{name}_m{m}"] = row
-            print(name, m, json.dumps(row.get("best")), json.dumps(row.get("cublas_us")), flush=True)
-        ws.clear()
-        torch.cuda.empty_cache()
-    return out
-
-
 def profile_graph(replay, iters: int = 10) -> list[dict]:
     """Per-kernel device time of one replay of a captured graph (torch.profiler over `iters` replays): the
     kernels by total time, us per step."""
@@ -369,9 +304,6 @@ def main() -> None:
     ap.add_argument("--workloads", default="code-edit,chat-1", help="the model section's workloads")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the same code (with --shape tiny)")
     ap.add_argument("--shape", default="8b", choices=("8b", "tiny"))
-    ap.add_argument("--gemv-rows", type=int, default=None,
-                    help="up to this many rows through the GEMV kernels (TritonOps.gemv_max_rows; 16: the multi-row "
-                         "kernel for every verify step at batch 1)")  # fmt: skip
     ap.add_argument("--max-tokens", type=int, default=None, help="cap every answer (the dry run)")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -383,13 +315,6 @@ def main() -> None:
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
     sections = args.sections.split(",")
-    if args.gemv_rows is not None:
-        from envex.kernels.triton_ops import TritonOps
-
-        TritonOps.gemv_max_rows = report["gemv_max_rows"] = args.gemv_rows
-    if "rows" in sections:
-        report["rows"] = bench_rows(args.device)
-        (args.out / "spec.json").write_text(json.dumps(report, indent=1))
     if "graphs" in sections:
         report["graphs"] = bench_graphs(args.context, shape, args.device)
         torch.cuda.empty_cache()
