@@ -122,7 +122,7 @@ class TwinRanks:
         self.calls: list[str] = []
 
     def all_reduce(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
-        self.calls.append("all_reduce")
+        self.calls.append("all_reduce pdl" if pdl else "all_reduce")
         return x * 2
 
     def all_reduce_add_rms_norm(self, x, residual, weight, eps):  # type: ignore[no-untyped-def]
@@ -156,6 +156,28 @@ def test_norm_linear_reduces_partial_sums_on_both_backends(tokens: int, fused: b
     assert_close("torch ops y", y_ref, want_y @ w.double().T, torch.float32)
     assert torch.equal(total_ref, x * 2 + (res if res is not None else 0))
     assert fast_comm.calls == (["all_reduce"] if tokens == 1 else ["fused"] if fused else ["fused", "all_reduce"])
+
+
+def test_the_one_row_all_reduce_is_never_pdl_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Hopper the batch-1 GEMVs chain with PDL; the one-shot all-reduce between them must not (two H200s, TP=2,
+    32 and 80 layers: both GPUs spun in it until it was launched plainly; kernels/NOTES.md). The GEMV is replaced
+    by its reference here: the interpreter has no PDL, and what is checked is the communicator's call."""
+    from envex.kernels import gemv
+    from envex.kernels.triton_ops import TritonOps
+
+    seen: list[bool] = []
+
+    def gemv_ref(a, weight, *, prologue=0, b=None, norm_weight=None, eps=1e-6, bias=None, config=None, pdl=False):  # type: ignore[no-untyped-def]
+        seen.append(pdl)
+        total = a + b if b is not None else a
+        return ref.rms_norm(total, norm_weight, eps) @ weight.T, (total if b is not None else None)
+
+    monkeypatch.setattr(gemv, "gemv", gemv_ref)
+    comm = TwinRanks(fused=True)
+    x, res = torch.randn(1, 64, device=DEV), torch.randn(1, 64, device=DEV)
+    TritonOps(pdl=True).norm_linear(x, res, torch.randn(64, device=DEV), 1e-5, torch.randn(48, 64, device=DEV),
+                                    comm=comm)  # fmt: skip
+    assert comm.calls == ["all_reduce"] and seen == [True]  # the reduce plain, the GEMV after it still PDL
 
 
 COMPILE_FOR_HOPPER = """
