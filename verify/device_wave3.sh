@@ -10,13 +10,16 @@
 #      (bench_server det against default); GPU 1 gpt-oss-120b (bench_gpt_oss check32, profile, server)
 #   q  join the GGUF (carry .devcarry/gguf/part-ab and manifest.json); GPU 0 the embedded model with n-gram
 #      speculation in deterministic mode and with a draft model; GPU 1 the same in the default mode
+#   r  what the first run left open: tensor parallelism on both GPUs with the all-reduce fix (the 70B shape at
+#      TP=2, the 8B shape at TP=1 and 2, the share of a step in all-reduce), then gpt-oss's float32 check with
+#      cuBLAS's TF32 override off (NVIDIA_TF32_OVERRIDE=0: does the GPU's KL 0.025 come from TF32?)
 #
 #   cd .devcarry/head && ln -sfn ../../.whl .whl && bash verify/device_wave3.sh t
 #
 # Each job runs under its own time limit so that the phase ends inside the call's 600 s; results are packed into
 # $OUT/<phase>.tgz and the phase's log is $OUT/<phase>.log.
 set -u
-phase=${1:?usage: device_wave3.sh t|p|q}
+phase=${1:?usage: device_wave3.sh t|p|q|r}
 out=${OUT:?OUT must name the folder for the results}
 cd "$(dirname "$0")/.."
 work=/tmp/wave3/$phase
@@ -89,7 +92,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log its exit st
       wait
       cat "$work/gpu0.txt" "$work/gpu1.txt"
       ;;
-    *) echo "unknown phase $phase (t, p or q)"; exit 2 ;;
+    r)
+      step tp 330 python3 -m envex.verify.kernel_bench.bench_tp --out "$work/tp" --commit "$commit" \
+        --sections server70,server8,share --deadline 270
+      (
+        export CUDA_VISIBLE_DEVICES=0 NVIDIA_TF32_OVERRIDE=0
+        step gpt-oss-check32 200 python3 -m envex.verify.kernel_bench.bench_gpt_oss --out "$work/gpt-oss" \
+          --commit "$commit" --sections check32
+      )
+      ;;
+    *) echo "unknown phase $phase (t, p, q or r)"; exit 2 ;;
   esac
   pkill -9 -f 'envex\.runtime\.(server|parallel\.workers)' 2>/dev/null
   tar czf "$out/$phase.tgz" -C /tmp/wave3 "$phase" 2>/dev/null
