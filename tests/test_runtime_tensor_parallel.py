@@ -127,6 +127,9 @@ def test_engine_tp2_gives_tp1_greedy_tokens(tiny: Path) -> None:
     assert again[0].token_ids == want[0].token_ids
     assert got_scored[0].token_ids == want_scored[0].token_ids
     assert gate.verdict == "pass" and gate.name == "tensor_parallel_equality", gate.summary
+    # The serving path too: each prompt alone without logprobs (overlapped steps), held to one GPU's answers.
+    serving = gate.evidence["serving_path"]
+    assert len(serving) == 2 and all(c["ok"] and c["tokens"] == 6 for c in serving), serving
     assert all(p.poll() == 0 for p in engine.workers.procs), "the worker must exit cleanly on close"
 
 
@@ -200,3 +203,33 @@ def test_decode_graph_steps_replay_from_rank_0s_message(tmp_path: Path) -> None:
         for name in ("input_ids", "positions", "active", "block_tables"):
             assert torch.equal(getattr(worker._inputs[b], name), getattr(driver._inputs[b], name)), name
         torch.testing.assert_close(got, want)
+
+
+def test_the_serving_path_pass_holds_each_answer_to_one_gpus_top_k() -> None:
+    """serving_path_cases: a token outside one GPU's top-k at the first difference fails; inside it passes; an
+    answer cut short differs where it ends."""
+    from types import SimpleNamespace
+
+    from envex.verify.gate_tensor_parallel import serving_path_cases
+    from envex.verify.reference import RefGeneration
+
+    class Engine:
+        tokenizer = SimpleNamespace(apply_chat_template=lambda messages, add_generation_prompt: messages[0]["content"],
+                                    encode=lambda text, add_special_tokens: [len(text)])  # fmt: skip
+
+        def __init__(self, answer: list[int]) -> None:
+            self.answer = answer
+
+        def generate(self, prompts, params):  # type: ignore[no-untyped-def]
+            assert params.logprobs is None and params.temperature == 0.0  # the chat path: no logprobs
+            return [SimpleNamespace(token_ids=self.answer)]
+
+    class Reference:
+        def greedy(self, ids, max_tokens, *, top_k=5):  # type: ignore[no-untyped-def]
+            return RefGeneration([7, 8, 9], [{7: -0.1}, {8: -0.1}, {9: -0.2, 3: -0.3}])
+
+    same, inside, outside, short = ([7, 8, 9], [7, 8, 3], [7, 8, 4], [7, 8])
+    cases = [serving_path_cases(Engine(a), Reference(), prompts=["p"], max_tokens=3)[0]
+             for a in (same, inside, outside, short)]  # fmt: skip
+    assert [c["ok"] for c in cases] == [True, True, False, False]
+    assert cases[0]["identical"] and cases[2]["divergence_index"] == 2 and cases[3]["divergence_index"] == 2

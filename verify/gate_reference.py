@@ -20,7 +20,8 @@ from envex.verify.types import GateEngine, GateResult, NumericPolicy
 NAME = "reference_equality"
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (a length difference counts); None when equal."""
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
@@ -40,7 +41,7 @@ def check_reference_equality(engine: GateEngine, reference: HFReference, *, prom
     ok_all = True
     for prompt, ids, got in zip(prompts, encoded, ours, strict=True):
         ref = reference.greedy(ids, max_tokens, top_k=top_k)
-        d = _first_difference(got.token_ids, ref.token_ids)
+        d = first_difference(got.token_ids, ref.token_ids)
         case: dict[str, Any] = {
             "prompt": prompt, "prompt_tokens": len(ids), "engine_tokens": len(got.token_ids),
             "reference_tokens": len(ref.token_ids), "identical": d is None, "divergence_index": d,
