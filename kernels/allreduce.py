@@ -165,8 +165,9 @@ def one_shot_all_reduce(
 ) -> torch.Tensor:
     """The sum over ranks of x (contiguous, any shape), as every rank's copy of it. buffer_elems: the capacity of
     each rank's buffer in x's dtype. sync=False skips the barriers (tests, where one process plays every rank).
-    pdl: launch with programmatic dependent launch (Hopper; after and before the batch-1 GEMVs, which use it too):
-    the kernel waits for its predecessor before reading x, and lets its successor start at once."""
+    pdl: launch with programmatic dependent launch (Hopper): the kernel waits for its predecessor before reading x,
+    and lets its successor start at once. The engine never sets it: PDL-launched between the batch-1 GEMVs it hung
+    two H200s (NOTES.md, "A hang under PDL"); it stays for the experiment that would give PDL back."""
     world = _check_tables(buf_ptrs, pad_ptrs, rank, x.device)
     check(x.dtype in FLOAT_DTYPES, f"x: dtype {x.dtype} not supported")
     check(x.is_contiguous(), "x: must be contiguous")

@@ -130,9 +130,9 @@ class Communicator(Protocol):
 
     world_size: int
 
-    def all_reduce(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
-        """The sum of every rank's x, as a new tensor (the same bits on every rank). pdl: between the batch-1
-        GEMVs, launched with programmatic dependent launch where the kernel allows it."""
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's x, as a new tensor (the same bits on every rank). Never launched with
+        programmatic dependent launch: PDL-launched between the batch-1 GEMVs it hung two H200s (NOTES.md)."""
         ...
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

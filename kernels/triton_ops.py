@@ -72,10 +72,7 @@ class TritonOps:
             if fused is not None:
                 normed, residual = fused
                 return self.linear(normed, weight, bias), residual
-            # Never with PDL: on two H200s a 32- or 80-layer model under TP=2 hung with both GPUs spinning in the
-            # one-shot all-reduce when it was PDL-launched among the PDL GEMVs, and ran with it launched plainly
-            # (the GEMVs kept PDL), with PDL off everywhere, or with NCCL (kernels/NOTES.md, "One-shot all-reduce").
-            x = comm.all_reduce(x)
+            x = comm.all_reduce(x)  # never PDL-launched (Communicator.all_reduce); the GEMV after it is
         if self.deterministic:
             return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
         if self._gemv(x):

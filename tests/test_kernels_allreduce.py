@@ -121,8 +121,8 @@ class TwinRanks:
         self.fused = fused
         self.calls: list[str] = []
 
-    def all_reduce(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
-        self.calls.append("all_reduce pdl" if pdl else "all_reduce")
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append("all_reduce")
         return x * 2
 
     def all_reduce_add_rms_norm(self, x, residual, weight, eps):  # type: ignore[no-untyped-def]

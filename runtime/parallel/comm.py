@@ -71,14 +71,13 @@ class TPCommunicator:
     def _fits(self, x: torch.Tensor) -> bool:
         return self.peers is not None and x.is_contiguous() and x.numel() * x.element_size() <= self.peers.data_bytes
 
-    def all_reduce(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self._fits(x):
             from envex.kernels import allreduce
 
             assert self.peers is not None
             return allreduce.one_shot_all_reduce(x, self.peers.buf_ptrs, self.peers.pad_ptrs, self.rank,
-                                                 buffer_elems=self.peers.data_bytes // x.element_size(),
-                                                 pdl=pdl)  # fmt: skip
+                                                 buffer_elems=self.peers.data_bytes // x.element_size())
         out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=self.group)
         return out

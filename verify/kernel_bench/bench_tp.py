@@ -162,7 +162,7 @@ class _NoReduce:
     def __init__(self, comm: Any) -> None:
         self.world_size, self._comm = comm.world_size, comm
 
-    def all_reduce(self, x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
     def all_reduce_add_rms_norm(self, *args: Any) -> None:
