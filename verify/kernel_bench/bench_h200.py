@@ -159,6 +159,15 @@ def _attention_checks(rep: Report, bw: float) -> None:
 
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
                "lm_head": (VOCAB, 4096)}  # fmt: skip
+# One GPU's share of a projection under tensor parallelism (QKV and gate-up split by column, O and down by row, the
+# vocabulary split): the shapes --shapes sweeps besides the 8B model's own.
+SWEEP_SHAPES = {
+    "llama8b": GEMV_SHAPES,
+    "llama70b-tp2": {"qkv": (5120, 8192), "o": (8192, 4096), "gate_up": (28672, 8192), "down": (8192, 14336),
+                     "lm_head": (VOCAB // 2, 8192)},
+    "llama8b-tp2": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
+                    "lm_head": (VOCAB // 2, 4096)},
+}  # fmt: skip
 # The prologue each projection has in the fused decode step.
 GEMV_PROLOGUE = {"qkv": gemv.PROLOGUE_ADD_RMS, "o": gemv.PROLOGUE_NONE, "gate_up": gemv.PROLOGUE_ADD_RMS,
                  "down": gemv.PROLOGUE_SILU_MUL, "lm_head": gemv.PROLOGUE_ADD_RMS}  # fmt: skip
@@ -179,29 +188,40 @@ def _gemv_call(name: str, ws: list[torch.Tensor], k: int, cfg, pdl: bool = False
     return lambda i: gemv.gemv(a, ws[i % len(ws)], prologue=prologue, config=cfg, pdl=pdl, **extra)
 
 
-def section_sweep(rep: Report, bw: float, configs: list[tuple[int, int, int]]) -> None:
-    for name, (n, k) in GEMV_SHAPES.items():
+def section_sweep(rep: Report, bw: float, configs: list[tuple[int, int, int]], shapes: dict | None = None,
+                  deadline: float = float("inf")) -> None:
+    """Every config on every projection of `shapes` (the 8B model's by default; its attention sweep follows then);
+    past `deadline` (time.monotonic()) the remaining projections are skipped, so the sweep fits its device call."""
+    for name, (n, k) in (shapes or GEMV_SHAPES).items():
+        if time.monotonic() > deadline:
+            rep.row("sweep", f"{name} {n}x{k}", error="skipped: deadline")
+            continue
         ws = _weights(n, k)
         x = torch.randn(1, k, device=DEV, dtype=BF16)
         nbytes = n * k * 2
         cub = B.graph_time_ms(lambda i, ws=ws, x=x: x @ ws[i % len(ws)].t(), 2 * len(ws))
         rep.row("sweep", f"{name} cuBLAS", us=cub * 1e3, of_bw=nbytes / bw / 1e9 / cub)
         best = (float("inf"), configs[0])
-        for cfg in configs:
+        current = gemv.tuned_config(n, k, GEMV_PROLOGUE[name])  # what the engine picks for this shape today
+        times: dict[tuple[int, ...], float] = {}
+        for cfg in dict.fromkeys([current, *configs]):
             try:
                 ms = B.graph_time_ms(_gemv_call(name, ws, k, cfg), 2 * len(ws))
             except Exception as exc:  # a config the compiler rejects (registers/shared memory) is skipped
                 rep.row("sweep", f"{name} {cfg}", error=str(exc)[:120])
                 continue
             rep.data.setdefault("sweep_all", []).append([name, list(cfg), ms * 1e3])
+            times[cfg] = ms
             best = min(best, (ms, cfg))
         pdl_ms = B.graph_time_ms(_gemv_call(name, ws, k, best[1], pdl=True), 2 * len(ws))
         rep.row("sweep", f"{name} best {best[1]} prologue={GEMV_PROLOGUE[name]}", us=best[0] * 1e3,
                 of_bw=nbytes / bw / 1e9 / best[0], vs_cublas=cub / best[0], pdl_us=pdl_ms * 1e3,
-                pdl_of_bw=nbytes / bw / 1e9 / pdl_ms)  # fmt: skip
+                pdl_of_bw=nbytes / bw / 1e9 / pdl_ms, shape=f"{n}x{k}", current=list(current),
+                current_us=times.get(current, float("nan")) * 1e3)  # fmt: skip
         GEMV_BEST[(n, k, GEMV_PROLOGUE[name])] = best[1]
         del ws
-    _attention_sweep(rep, bw)
+    if shapes is None or shapes is GEMV_SHAPES:
+        _attention_sweep(rep, bw)
 
 
 def _attention_sweep(rep: Report, bw: float) -> None:
@@ -302,9 +322,14 @@ def _gemv_checks(rep: Report, bw: float) -> None:
         del ws
 
 
-def _configs(quick: bool) -> list[tuple[int, int, int]]:
+def _configs(quick: bool, short: bool = False) -> list[tuple[int, ...]]:
+    """quick: two configs (a smoke run); short: the regions where the 8B sweep's winners fell (34 configs)."""
     if quick:
         return [(8, 512, 4), (4, 1024, 4)]
+    if short:
+        chunked = [(bn, bk, nw) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for nw in (4, 8)
+                   if 2048 <= bn * bk <= 16384]  # fmt: skip
+        return chunked + [(bn, 0, nw, pps) for bn in (1, 2, 4) for nw in (4, 8, 16) for pps in (2, 4)]
     chunked = [(bn, bk, nw) for bn in (2, 4, 8, 16) for bk in (256, 512, 1024, 2048) for nw in (4, 8)
                if 2048 <= bn * bk <= 16384]  # fmt: skip
     persistent = [(bn, 0, nw, pps) for bn in (1, 2, 4) for nw in (4, 8, 16) for pps in (2, 4, 8)]
@@ -329,7 +354,12 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--quick", action="store_true", help="few GEMV configs, short generations (smoke run)")
     ap.add_argument("--batches", default="1,2,4,8,16,32,64,128,256")
+    ap.add_argument("--shapes", default="llama8b", choices=sorted(SWEEP_SHAPES),
+                    help="the projections the sweep tunes: the 8B model's, or one GPU's share under TP=2")
+    ap.add_argument("--short", action="store_true", help="sweep 34 configs instead of 75")
+    ap.add_argument("--deadline", type=float, default=float("inf"), help="seconds after which the sweep stops")
     args = ap.parse_args()
+    t_end = time.monotonic() + args.deadline
     sections = set(args.sections.split(","))
     rep = Report(args.out)
     props = torch.cuda.get_device_properties(DEV)
@@ -348,7 +378,8 @@ def main() -> None:
         rep.row("bw", "device memory", **bws)
     rep.data["read_TBps"] = bw
     if "sweep" in sections:
-        guarded(rep, "sweep", section_sweep, rep, bw, _configs(args.quick))
+        guarded(rep, "sweep", section_sweep, rep, bw, _configs(args.quick, args.short), SWEEP_SHAPES[args.shapes],
+                t_end)
     else:  # the measured best of the e2aed4e sweep (NOTES.md)
         GEMV_BEST.update(gemv.H200_CONFIGS)
         ATTN_BEST.update(b1_1k=dict(block_n=64, num_stages=1, min_keys=64, programs_per_sm=2),
@@ -370,7 +401,7 @@ def _table(rep: Report) -> None:
             "ttft_ms", "step_ms", "out_tok_s", "same_prefix_tokens", "same_greedy_prefix_as_envex", "decode_tok_s",
             "top1_same", "default_us", "tflops", "pdl_us", "vs_unfused", "vs_unfused_rel_err",
             "cache_rows_equal_unfused", "mismatches", "counters_zero", "saved_us_per_layer", "step_logits_vs_unfused",
-            "error")  # fmt: skip
+            "shape", "current_us", "error")  # fmt: skip
     for r in rep.data["rows"]:
         if r["section"] == "sweep" and "best" not in r["name"] and "cuBLAS" not in r["name"]:
             continue
