@@ -45,11 +45,9 @@ _WORLD: tl.constexpr = tl.constexpr(MAX_WORLD)
 
 @triton.jit
 def _next_epoch(pad_ptrs, pid, rank):
-    """This program's call count, kept in its own pad (read after the previous launch ended: no race). Read from
-    L2 (`.cg`): a plain load may hit a stale line in this SM's L1, filled by another program of an earlier launch
-    (the 128-byte line holds 32 programs' counters), when a PDL launch starts before that L1 is invalidated."""
+    """This program's call count, kept in its own pad (read after the previous launch ended: no race)."""
     counter = tl.load(pad_ptrs + rank).to(tl.pointer_type(tl.int32)) + 2 * _PROGRAMS * _WORLD + pid
-    epoch = tl.load(counter, cache_modifier=".cg") + 1
+    epoch = tl.load(counter) + 1
     tl.store(counter, epoch)
     return epoch
 
