@@ -45,11 +45,12 @@ _WORLD: tl.constexpr = tl.constexpr(MAX_WORLD)
 
 @triton.jit
 def _next_epoch(pad_ptrs, pid, rank):
-    """This program's call count, kept in its own pad (read after the previous launch ended: no race)."""
+    """This program's call count, kept in its own pad (the previous launch has ended: no other program touches
+    it). One atomic increment, made by one thread and its result shared by all: a load and a store by every
+    thread let a warp that reached here late read the count a faster warp had already stored, hold the next
+    epoch, and wait forever for a flag no peer would post (the TP=2 hangs of NOTES.md, "A hang under PDL")."""
     counter = tl.load(pad_ptrs + rank).to(tl.pointer_type(tl.int32)) + 2 * _PROGRAMS * _WORLD + pid
-    epoch = tl.load(counter) + 1
-    tl.store(counter, epoch)
-    return epoch
+    return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") + 1
 
 
 @triton.jit

@@ -223,3 +223,5 @@ def test_kernels_compile_for_hopper_with_the_intended_instructions() -> None:
     for needle in ("atom.global.sys.release.exch.b32", "ld.global.sys.acquire.b32", "ld.global.cg.v4",
                    "griddepcontrol.wait", "griddepcontrol.launch_dependents"):  # fmt: skip
         assert needle in ptx, needle
+    # The epoch count is one atomic increment, never a load and a store that warps could interleave.
+    assert "atom.global.gpu.relaxed.add" in ptx or "atom.global.gpu.add" in ptx, "no atomic epoch increment"
