@@ -167,8 +167,8 @@ def one_shot_all_reduce(
     """The sum over ranks of x (contiguous, any shape), as every rank's copy of it. buffer_elems: the capacity of
     each rank's buffer in x's dtype. sync=False skips the barriers (tests, where one process plays every rank).
     pdl: launch with programmatic dependent launch (Hopper): the kernel waits for its predecessor before reading x,
-    and lets its successor start at once. The engine never sets it: PDL-launched between the batch-1 GEMVs it hung
-    two H200s (NOTES.md, "A hang under PDL"); it stays for the experiment that would give PDL back."""
+    and lets its successor start at once. The engine does not set it: at 70B TP=2 it measured no faster (NOTES.md,
+    "A hang under PDL", where it also ran without hanging once the epoch count was one atomic)."""
     world = _check_tables(buf_ptrs, pad_ptrs, rank, x.device)
     check(x.dtype in FLOAT_DTYPES, f"x: dtype {x.dtype} not supported")
     check(x.is_contiguous(), "x: must be contiguous")

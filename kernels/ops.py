@@ -131,8 +131,8 @@ class Communicator(Protocol):
     world_size: int
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every rank's x, as a new tensor (the same bits on every rank). Never launched with
-        programmatic dependent launch: PDL-launched between the batch-1 GEMVs it hung two H200s (NOTES.md)."""
+        """The sum of every rank's x, as a new tensor (the same bits on every rank). Not launched with
+        programmatic dependent launch: at 70B TP=2 that measured no faster (kernels/NOTES.md)."""
         ...
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

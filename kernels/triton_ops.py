@@ -72,7 +72,7 @@ class TritonOps:
             if fused is not None:
                 normed, residual = fused
                 return self.linear(normed, weight, bias), residual
-            x = comm.all_reduce(x)  # never PDL-launched (Communicator.all_reduce); the GEMV after it is
+            x = comm.all_reduce(x)  # not PDL-launched (Communicator.all_reduce); the GEMV after it is
         if self.deterministic:
             return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
         if self._gemv(x):
