@@ -38,3 +38,16 @@ def test_check_section_on_a_tiny_model(tmp_path) -> None:
     assert equality["verdict"] == "pass" and equality["thresholds"]["mode"] == "exact"  # float32 on a CPU
     assert equality["evidence"]["identical"] == 2
     assert semantic["verdict"] == "pass" and semantic["evidence"]["top1"] == 1.0
+
+
+def test_noise_floor_on_a_tiny_model(tmp_path) -> None:
+    """The noise section: HF in bf16 and the engine given, each against HF in float32. An Envex engine in float32
+    on a CPU is HF float32's twin (exact), while HF's own bf16 run is measurably off it."""
+    path = tmp_path / "gpt-oss-tiny"
+    bench.write_reduced_checkpoint(path, TINY, 2, device="cpu")
+    engine = bench.reduced_engine(path, device="cpu", dtype="float32")
+    noise = bench.noise_floor(engine, path, prompts=2, max_tokens=6, texts=1, text_len=24)
+    assert noise["envex"]["dtype"] == "float32" and noise["envex"]["mean_kl"] < 1e-8 and noise["envex"]["top1"] == 1.0
+    assert noise["envex"]["greedy"] == {"identical": 2, "verdict": "pass", "prompts": 2}
+    assert noise["hf_bf16"]["mean_kl"] > 1e-7  # bf16 rounding moves the logits
+    assert 0 <= noise["hf_bf16"]["greedy"]["identical"] <= noise["hf_bf16"]["greedy"]["top5_rule"] <= 2

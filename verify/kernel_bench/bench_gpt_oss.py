@@ -2,7 +2,7 @@
 profile of one layer, and speed and memory of the whole model through the OpenAI server on dummy weights.
 
     python3 -m envex.verify.kernel_bench.bench_gpt_oss --out $OUT --commit C \\
-        [--sections check,check32,profile,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
+        [--sections check,noise,check32,profile,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
 
 Sections, in this order, each written to gpt_oss.json as soon as it is done:
 
@@ -12,6 +12,8 @@ Sections, in this order, each written to gpt_oss.json as soon as it is done:
   HF transformers loads the same files with Mxfp4Config(dequantize=True) in bf16. Greedy within vLLM's top-5
   logprob rule (verify/gate_reference.py), mean KL and top-1 agreement over every prompt position
   (verify/gate_semantic.py), and the MXFP4 MoE kernel against its float64 reference at full size (1 and 32 rows);
+- noise: the bf16 noise floor of that random-weight model: HF in bf16 and Envex in bf16, each against HF in
+  float32 (mean KL, top-1, greedy within the top-5 rule): whether a bf16 miss is bf16's or Envex's;
 - check32: both gates again in float32 (Envex's torch backend and HF, both on the GPU), which bf16 routing flips
   cannot fail (check_float32; HF holds ~25 GB of dequantized experts: minutes);
 - profile: the same model at batch 1 with 1K tokens of context, each Ops entry point of a window layer and of a
@@ -192,10 +194,7 @@ def check(engine: Any, path: Path, *, prompts: int = 6, max_tokens: int = 32, te
     from envex.verify.gate_semantic import check_semantic
 
     ref = hf_reference(path, device=str(engine.runner.device.type), dtype=engine.config.dtype)
-    rng = random.Random(0)
-    vocab = min(199990, engine.model_config.vocab_size)  # below gpt-oss's special tokens (199998 and up)
-    words = [" ".join(f"t{rng.randrange(1, vocab)}" for _ in range(rng.randrange(8, 64))) for _ in range(prompts)]
-    long_texts = [" ".join(f"t{rng.randrange(1, vocab)}" for _ in range(text_len)) for _ in range(texts)]
+    words, long_texts = _check_inputs(engine, prompts, texts, text_len)
     result = {
         "reference_equality": dataclasses.asdict(check_reference_equality(engine, ref, prompts=words,
                                                                           max_tokens=max_tokens)),
@@ -204,6 +203,58 @@ def check(engine: Any, path: Path, *, prompts: int = 6, max_tokens: int = 32, te
     del ref
     gc.collect()
     return result
+
+
+def _check_inputs(engine: Any, prompts: int, texts: int, text_len: int) -> tuple[list[str], list[str]]:
+    """The gates' prompts and long texts: random words of the vocabulary's ordinary tokens, seeded."""
+    rng = random.Random(0)
+    vocab = min(199990, engine.model_config.vocab_size)  # below gpt-oss's special tokens (199998 and up)
+    words = [" ".join(f"t{rng.randrange(1, vocab)}" for _ in range(rng.randrange(8, 64))) for _ in range(prompts)]
+    long_texts = [" ".join(f"t{rng.randrange(1, vocab)}" for _ in range(text_len)) for _ in range(texts)]
+    return words, long_texts
+
+
+def noise_floor(engine: Any, path: Path, *, prompts: int = 6, max_tokens: int = 32, texts: int = 4,
+                text_len: int = 512) -> dict[str, Any]:  # fmt: skip
+    """How far bf16 alone moves this random-weight model: HF transformers in bf16 and Envex (`engine`, bf16 on the
+    GPU), each against HF in float32 on the same files, on the check's prompts and texts. If Envex is as close to the
+    float32 model as HF's own bf16 run is, the bf16 gates' misses are bf16's, not Envex's."""
+    from envex.verify.gate_reference import chat_ids, check_reference_equality, first_difference
+    from envex.verify.gate_semantic import kl_and_top1
+
+    device = str(engine.runner.device.type)
+    ref32, ref16 = hf_reference(path, device=device, dtype="float32"), hf_reference(path, device=device,
+                                                                                      dtype="bfloat16")
+    words, long_texts = _check_inputs(engine, prompts, texts, text_len)
+    kl: dict[str, list[torch.Tensor]] = {"hf_bf16": [], "envex": []}
+    top1: dict[str, list[torch.Tensor]] = {"hf_bf16": [], "envex": []}
+    for text in long_texts:
+        ids = engine.tokenizer.encode(text)[:text_len]
+        want = ref32.full_logits(ids)
+        for name, got in (("hf_bf16", ref16.full_logits(ids)), ("envex", engine.full_logits(ids).float().cpu())):
+            k, t = kl_and_top1(want, got)
+            kl[name].append(k)
+            top1[name].append(t)
+    greedy_hf = {"identical": 0, "top5_rule": 0}
+    for p in words:
+        ids = chat_ids(engine.tokenizer, p)
+        a, b = ref16.greedy(ids, max_tokens), ref32.greedy(ids, max_tokens)
+        d = first_difference(a.token_ids, b.token_ids)
+        greedy_hf["identical"] += d is None
+        greedy_hf["top5_rule"] += d is None or (d < min(len(a.top), len(b.top)) and a.token_ids[d] in b.top[d]
+                                                and b.token_ids[d] in a.top[d])  # fmt: skip
+    envex_vs_f32 = check_reference_equality(engine, ref32, prompts=words, max_tokens=max_tokens, mode="topk")
+    out = {
+        name: {"mean_kl": torch.cat(kl[name]).mean().item(), "top1": torch.cat(top1[name]).float().mean().item()}
+        for name in kl
+    }
+    out["hf_bf16"]["greedy"] = {**greedy_hf, "prompts": len(words)}
+    out["envex"]["greedy"] = {"identical": envex_vs_f32.evidence["identical"], "verdict": envex_vs_f32.verdict,
+                              "prompts": len(words)}  # fmt: skip
+    out["envex"]["dtype"] = engine.config.dtype
+    del ref32, ref16
+    gc.collect()
+    return out
 
 
 def moe_kernel_check(layer: Any) -> dict[str, Any]:
@@ -392,7 +443,7 @@ def main() -> None:
     print(json.dumps(report["env"]), bw, json.dumps(report["roofline"]), flush=True)
     torch.cuda.empty_cache()
     save = lambda: (args.out / "gpt_oss.json").write_text(json.dumps(report, indent=1, default=str))  # noqa: E731
-    if sections & {"check", "check32", "profile"}:
+    if sections & {"check", "check32", "noise", "profile"}:
         path = args.models / f"gpt-oss-120b-{args.check_layers}l"
         t0 = time.monotonic()
         if not (path / "model.safetensors").is_file():
@@ -405,6 +456,10 @@ def main() -> None:
             for gate in ("reference_equality", "semantic"):
                 print(f"{gate}: {result[gate]['verdict']} - {result[gate]['summary']}", flush=True)
             print(f"moe kernel at full size: {result['moe_kernel']}", flush=True)
+            save()
+        if "noise" in sections:
+            report["noise_floor"] = noise = noise_floor(engine, path)
+            print(f"against HF float32: {json.dumps(noise)}", flush=True)
             save()
         if "check32" in sections:
             # The same two gates in float32 (Envex's torch backend, HF, both on the GPU): with 128 random experts,
