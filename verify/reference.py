@@ -33,7 +33,21 @@ def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "flo
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), **kwargs)
+    cast_parameters(model, _DTYPES[dtype])
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
+
+
+def cast_parameters(model: Any, dtype: torch.dtype) -> list[str]:
+    """Every floating parameter of `model` in `dtype`; returns the names of those that were not. A reference in
+    float32 must compute in float32: transformers 5.17 dequantizes MXFP4 experts to bf16 whatever dtype it was
+    asked for (5.24 follows the parameter's), which made a "float32" gpt-oss run its experts in bf16. Buffers stay
+    as they are (rotary frequencies are float32 on purpose)."""
+    changed = []
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            changed.append(name)
+    return changed
 
 
 @dataclass(frozen=True)

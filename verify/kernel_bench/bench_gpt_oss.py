@@ -154,7 +154,7 @@ def hf_reference(path: Path, *, device: str, dtype: str) -> Any:
 
     import transformers
 
-    from envex.verify.reference import HFReference
+    from envex.verify.reference import HFReference, cast_parameters
 
     # Dequantized where it will run when accelerate is there to place it (device_map), else on the CPU.
     placed = device != "cpu" and importlib.util.find_spec("accelerate") is not None
@@ -162,13 +162,11 @@ def hf_reference(path: Path, *, device: str, dtype: str) -> Any:
     model = transformers.GptOssForCausalLM.from_pretrained(
         str(path), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=want,
         local_files_only=True, **({"device_map": device} if placed else {}))  # fmt: skip
-    # transformers 5.17 (the H200's) dequantizes the MXFP4 experts to bf16 whatever `dtype` asks (its
-    # integrations/mxfp4.py; 5.24 follows the parameter's dtype), so a float32 reference would run its experts in
-    # bf16: cast every parameter to the dtype asked (MXFP4 values are exact in bf16, so nothing is lost).
-    mixed = sorted({n.split(".")[-1] for n, t in model.named_parameters() if t.is_floating_point() and t.dtype != want})
+    # transformers 5.17 (the H200's) dequantizes the MXFP4 experts to bf16 whatever `dtype` asks, so a float32
+    # reference would run its experts in bf16 (MXFP4 values are exact in bf16: casting up loses nothing).
+    mixed = sorted({n.split(".")[-1] for n in cast_parameters(model, want)})
     if mixed:
         print(f"hf_reference: {', '.join(mixed)} loaded in a dtype other than {dtype}; cast to {dtype}", flush=True)
-        model = model.to(want)
     ref = HFReference.__new__(HFReference)  # its constructor loads with AutoModel's defaults
     eos = model.generation_config.eos_token_id
     ref.source, ref.device, ref.dtype, ref.model, ref._memo = None, torch.device(device), dtype, model.to(device), {}
