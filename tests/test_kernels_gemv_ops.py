@@ -102,3 +102,36 @@ def test_tuned_config_for_an_unmeasured_shape_is_the_nearest_measured_regime() -
     assert gemv.tuned_config(4096, 12288, gemv.PROLOGUE_SILU_MUL) == gemv.H200_CONFIGS[(4096, 14336, 3)]
     assert gemv.tuned_config(6144, 4096, gemv.PROLOGUE_RMS) == gemv.H200_CONFIGS[(6144, 4096, 1)]
     assert gemv.tuned_config(4096, 28672, gemv.PROLOGUE_SILU_MUL) == gemv.DEFAULT_CONFIG
+
+
+@pytest.mark.parametrize("shape", ["llama70b-tp2", "llama8b-tp2"])
+def test_tp2_shares_get_the_configs_their_sweep_measured_best(shape: str) -> None:
+    """One GPU's share of each projection under TP=2, as the model file cuts it, gets the config that the H200
+    sweep of those shapes measured fastest (verify/results, f0d3761): the table and the sharding agree."""
+    import json
+    from pathlib import Path
+
+    from envex.runtime.config import ModelConfig
+    from envex.runtime.models.llama import LlamaForCausalLM
+    from envex.runtime.parallel.state import ParallelState
+    from envex.verify.kernel_bench.bench_server import SHAPES
+    from envex.verify.kernel_bench.bench_tp import LLAMA70B
+
+    config = ModelConfig.from_hf(LLAMA70B if shape.startswith("llama70b") else SHAPES["llama8b"])
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device=torch.device("meta"),
+                             parallel=ParallelState(rank=0, world_size=2))  # fmt: skip
+    layer = model.layers[0]
+    asked = {(*layer.qkv_proj_weight.shape, gemv.PROLOGUE_ADD_RMS), (*layer.o_proj_weight.shape, gemv.PROLOGUE_NONE),
+             (*layer.gate_up_proj_weight.shape, gemv.PROLOGUE_ADD_RMS),
+             (*layer.down_proj_weight.shape, gemv.PROLOGUE_SILU_MUL),
+             (*model.lm_head_weight.shape, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
+    results = Path(__file__).resolve().parents[1] / "verify" / "results"
+    sweep = json.loads((results / f"h200-2026-12-01-f0d3761-gemv-sweep-{shape}.json").read_text())["gemv_best"]
+    best = {}
+    for key, cfg in sweep.items():
+        nk, p = key.split("/p")
+        n, k = map(int, nk.split("x"))
+        best[(n, k, int(p))] = tuple(cfg)
+    assert asked == set(best)  # the sweep measured exactly the shapes the engine asks for
+    for (n, k, p), cfg in best.items():
+        assert gemv.tuned_config(n, k, p) == cfg, (n, k, p)
