@@ -168,7 +168,8 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 14336, PROLOGUE_SILU_MUL): (1, 0, 8, 2),
     (128256, 4096, PROLOGUE_ADD_RMS): (2, 0, 8, 4),
     # One GPU's share under TP=2 (bench_h200 --shapes llama70b-tp2 / llama8b-tp2 --short, f0d3761): the 70B shape's
-    # K = 8192 projections fell back to the chunked default (QKV 31.6 -> 22.7 us, gate-up 121.2 -> 108.2 us).
+    # K = 8192 projections fell back to the chunked default (QKV 31.6 -> 22.7 us, gate-up 121.2 -> 108.2 us, LM
+    # head share 262.9 -> 235.6 us).
     (5120, 8192, PROLOGUE_ADD_RMS): (2, 0, 16, 2),
     (8192, 4096, PROLOGUE_NONE): (2, 2048, 8),
     (28672, 8192, PROLOGUE_ADD_RMS): (2, 0, 16, 2),

@@ -123,15 +123,12 @@ class TritonOps:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = norm.rms_norm(_rows(q), layer.q_norm, layer.norm_eps).view(q.shape)
             k = norm.rms_norm(_rows(k), layer.k_norm, layer.norm_eps).view(k.shape)
-        # Rotary, attention and the split merge chained under PDL: each launch and ramp-up hides under its
-        # predecessor's tail (a speculative verify step's few rows are launch-bound there; NOTES.md, v14).
         q, _ = rotary.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
-                                          meta.slot_mapping, pdl=self.pdl)  # fmt: skip
+                                          meta.slot_mapping)  # fmt: skip
         assert meta.seq_lens is not None, "a step with prefill chunks carries seq_lens"
         out = attention.paged_attention(q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
                                         layer.scale, max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len,
-                                        num_splits=num_splits, sinks=layer.sinks, window=window,
-                                        pdl=self.pdl)  # fmt: skip
+                                        num_splits=num_splits, sinks=layer.sinks, window=window)  # fmt: skip
         return out.view(tokens, layer.q_size)
 
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -126,7 +126,10 @@ def test_tp2_shares_get_the_configs_their_sweep_measured_best(shape: str) -> Non
              (*layer.down_proj_weight.shape, gemv.PROLOGUE_SILU_MUL),
              (*model.lm_head_weight.shape, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
     results = Path(__file__).resolve().parents[1] / "verify" / "results"
-    sweep = json.loads((results / f"h200-2026-12-01-f0d3761-gemv-sweep-{shape}.json").read_text())["gemv_best"]
+    raw = results / f"h200-2026-12-01-f0d3761-gemv-sweep-{shape}.json"
+    if not raw.is_file():
+        pytest.skip("the sweep's raw results live in the repository, not in the installed package")
+    sweep = json.loads(raw.read_text())["gemv_best"]
     best = {}
     for key, cfg in sweep.items():
         nk, p = key.split("/p")

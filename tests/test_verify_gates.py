@@ -251,13 +251,16 @@ def test_a_gate_that_crashes_fails_with_the_reason(verify_engine: LLMEngine, ref
 
 def test_cast_parameters_puts_every_parameter_in_the_reference_dtype() -> None:
     """A float32 reference computes in float32 even when transformers left some weights in bf16 (5.17's MXFP4
-    dequantization does): the parameters are cast, their values kept; buffers (rotary frequencies) are left alone."""
+    dequantization does): those are widened, their values kept; buffers (rotary frequencies) are left alone, and a
+    bf16 reference keeps the float32 parameters transformers keeps on purpose."""
     from envex.verify.reference import cast_parameters
 
     model = torch.nn.Linear(4, 3)
     model.weight.data = model.weight.data.to(torch.bfloat16)
     model.register_buffer("inv_freq", torch.arange(4, dtype=torch.bfloat16))
     before = model.weight.detach().clone()
+    assert cast_parameters(model, torch.bfloat16) == []  # the float32 bias is not narrowed
+    assert model.bias.dtype == torch.float32
     assert cast_parameters(model, torch.float32) == ["weight"]
     assert model.weight.dtype == torch.float32 and model.bias.dtype == torch.float32
     assert torch.equal(model.weight.detach(), before.float()) and model.inv_freq.dtype == torch.bfloat16

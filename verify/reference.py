@@ -38,13 +38,14 @@ def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "flo
 
 
 def cast_parameters(model: Any, dtype: torch.dtype) -> list[str]:
-    """Every floating parameter of `model` in `dtype`; returns the names of those that were not. A reference in
-    float32 must compute in float32: transformers 5.17 dequantizes MXFP4 experts to bf16 whatever dtype it was
-    asked for (5.24 follows the parameter's), which made a "float32" gpt-oss run its experts in bf16. Buffers stay
-    as they are (rotary frequencies are float32 on purpose)."""
+    """Widen every 16-bit float parameter of `model` narrower than `dtype` to it; returns their names. A reference
+    in float32 must compute in float32: transformers 5.17 dequantizes MXFP4 experts to bf16 whatever dtype it was
+    asked for (5.24 follows the parameter's), which made a "float32" gpt-oss run its experts in bf16. Nothing is
+    narrowed (transformers keeps some modules in float32 on purpose, e.g. gpt-oss's norms in bf16), 8-bit floats
+    are a quantized model's business, and buffers stay as they are (rotary frequencies are float32 on purpose)."""
     changed = []
     for name, param in model.named_parameters():
-        if param.is_floating_point() and param.dtype != dtype:
+        if param.dtype in (torch.float16, torch.bfloat16) and torch.finfo(param.dtype).bits < torch.finfo(dtype).bits:
             param.data = param.data.to(dtype)
             changed.append(name)
     return changed

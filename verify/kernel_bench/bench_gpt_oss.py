@@ -247,8 +247,9 @@ def noise_floor(engine: Any, path: Path, *, prompts: int = 6, max_tokens: int = 
         for name in kl
     }
     out["hf_bf16"]["greedy"] = {**greedy_hf, "prompts": len(words)}
-    out["envex"]["greedy"] = {"identical": envex_vs_f32.evidence["identical"], "verdict": envex_vs_f32.verdict,
-                              "prompts": len(words)}  # fmt: skip
+    out["envex"]["greedy"] = {"identical": envex_vs_f32.evidence["identical"],
+                              "top5_rule": sum(c["ok"] for c in envex_vs_f32.evidence["cases"]),
+                              "verdict": envex_vs_f32.verdict, "prompts": len(words)}  # fmt: skip
     out["envex"]["dtype"] = engine.config.dtype
     del ref32, ref16
     gc.collect()
