@@ -28,6 +28,14 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def crossed_top_k(a: list[int], a_top: Sequence[dict[int, float]], b: list[int], b_top: Sequence[dict[int, float]],
+                  d: int) -> tuple[bool, bool]:  # fmt: skip
+    """vLLM's rule at the first difference d of two greedy answers: (a's token is in b's top-k there, b's token is
+    in a's top-k there); a token or top-k past the end of its answer counts as absent."""
+    a_tok, b_tok = (a[d] if d < len(a) else None), (b[d] if d < len(b) else None)
+    return a_tok in (b_top[d] if d < len(b_top) else {}), b_tok in (a_top[d] if d < len(a_top) else {})
+
+
 def check_reference_equality(engine: GateEngine, reference: HFReference, *, prompts: Sequence[str],
                              max_tokens: int = 64, mode: Literal["auto", "exact", "topk"] = "auto",
                              top_k: int = 5) -> GateResult:
@@ -49,16 +57,14 @@ def check_reference_equality(engine: GateEngine, reference: HFReference, *, prom
         }
         ok = d is None
         if d is not None:
-            mine = got.token_ids[d] if d < len(got.token_ids) else None
-            theirs = ref.token_ids[d] if d < len(ref.token_ids) else None
-            mine_top = got.logprobs[d].top if got.logprobs and d < len(got.logprobs) else {}
-            theirs_top = ref.top[d] if d < len(ref.top) else {}
+            mine_in, theirs_in = crossed_top_k(got.token_ids, [lp.top for lp in got.logprobs or []], ref.token_ids,
+                                               ref.top, d)  # fmt: skip
             case.update({
-                "engine_token": mine, "reference_token": theirs,
-                "engine_token_in_reference_topk": mine in theirs_top,
-                "reference_token_in_engine_topk": theirs in mine_top,
+                "engine_token": got.token_ids[d] if d < len(got.token_ids) else None,
+                "reference_token": ref.token_ids[d] if d < len(ref.token_ids) else None,
+                "engine_token_in_reference_topk": mine_in, "reference_token_in_engine_topk": theirs_in,
             })
-            ok = mode == "topk" and mine in theirs_top and theirs in mine_top
+            ok = mode == "topk" and mine_in and theirs_in
         case["ok"] = ok
         ok_all &= ok
         cases.append(case)

@@ -29,7 +29,7 @@ from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.runtime.engine.config import model_window
 from envex.runtime.loader import load_model_info
 from envex.verify.common import Timer, chat_ids
-from envex.verify.gate_reference import check_reference_equality, first_difference
+from envex.verify.gate_reference import check_reference_equality, crossed_top_k, first_difference
 from envex.verify.reference import RefGeneration
 from envex.verify.types import GateEngine, GateResult, NumericPolicy
 
@@ -105,9 +105,8 @@ def serving_path_cases(engine: GateEngine, reference: Any, *, prompts: Sequence[
         case: dict[str, Any] = {"prompt_tokens": len(ids), "tokens": len(got.token_ids), "identical": d is None,
                                 "divergence_index": d}  # fmt: skip
         if d is not None:
-            mine = got.token_ids[d] if d < len(got.token_ids) else None
-            case.update(engine_token=mine, engine_token_in_reference_topk=mine in (ref.top[d] if d < len(ref.top)
-                                                                                    else {}))  # fmt: skip
+            case.update(engine_token=got.token_ids[d] if d < len(got.token_ids) else None,
+                        engine_token_in_reference_topk=crossed_top_k(got.token_ids, [], ref.token_ids, ref.top, d)[0])
         case["ok"] = d is None or case["engine_token_in_reference_topk"]
         cases.append(case)
     return cases

@@ -217,7 +217,7 @@ def noise_floor(engine: Any, path: Path, *, prompts: int = 6, max_tokens: int = 
     """How far bf16 alone moves this random-weight model: HF transformers in bf16 and Envex (`engine`, bf16 on the
     GPU), each against HF in float32 on the same files, on the check's prompts and texts. If Envex is as close to the
     float32 model as HF's own bf16 run is, the bf16 gates' misses are bf16's, not Envex's."""
-    from envex.verify.gate_reference import chat_ids, check_reference_equality, first_difference
+    from envex.verify.gate_reference import chat_ids, check_reference_equality, crossed_top_k, first_difference
     from envex.verify.gate_semantic import kl_and_top1
 
     device = str(engine.runner.device.type)
@@ -239,8 +239,7 @@ def noise_floor(engine: Any, path: Path, *, prompts: int = 6, max_tokens: int = 
         a, b = ref16.greedy(ids, max_tokens), ref32.greedy(ids, max_tokens)
         d = first_difference(a.token_ids, b.token_ids)
         greedy_hf["identical"] += d is None
-        greedy_hf["top5_rule"] += d is None or (d < min(len(a.top), len(b.top)) and a.token_ids[d] in b.top[d]
-                                                and b.token_ids[d] in a.top[d])  # fmt: skip
+        greedy_hf["top5_rule"] += d is None or all(crossed_top_k(a.token_ids, a.top, b.token_ids, b.top, d))
     envex_vs_f32 = check_reference_equality(engine, ref32, prompts=words, max_tokens=max_tokens, mode="topk")
     out = {
         name: {"mean_kl": torch.cat(kl[name]).mean().item(), "top1": torch.cat(top1[name]).float().mean().item()}
