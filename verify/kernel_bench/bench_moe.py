@@ -1,0 +1,195 @@
+"""gpt-oss-120b's batch-1 MoE on one GPU, launch by launch, with the GEMV kernels' tile variants (issue 13).
+
+    python3 -m envex.verify.kernel_bench.bench_moe --out $OUT --commit C [--variants] [--ncu-pass]
+
+One layer's full-size experts (128 × MXFP4 gate-up [5760, 2880] and down [2880, 2880], random codes at dummy
+magnitudes) and its router, timed in CUDA graphs (kernels/NOTES.md, "gpt-oss"):
+
+- each launch of TritonOps.moe alone: the add+RMSNorm, the router GEMV, the gate-up GEMV (top-4 redone in each
+  program), the down GEMV, and the whole entry point; "cold" rotates 8 inputs whose routings pick other experts
+  (the weights come from HBM), "hot" repeats one input (its 4 experts' 53 MB mostly stay in the 50 MB L2, so the
+  time is close to the kernel's issue time);
+- a streaming read of exactly the 4 chosen experts' bytes (the floor for those bytes on this GPU);
+- --variants: the two GEMV kernels over their tile constants (rows a program, groups a step, warps);
+- --ncu-pass: no timing; each kernel launched a few times for `ncu` (the device command wraps the script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from envex.kernels import moe_mxfp4 as M
+from envex.kernels import mxfp4
+from envex.kernels._common import next_pow2
+
+E, H, INTER, TOP_K = 128, 2880, 2880, 4
+
+
+@triton.jit
+def _stream_kernel(w_ptr, ids_ptr, out_ptr, words_per_expert, stride_we, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """Reads the chosen experts' words (program_id(1): the slot) as int32 and XOR-folds them: the bytes alone."""
+    pid = tl.program_id(0)
+    slot = tl.program_id(1)
+    e = tl.load(ids_ptr + slot).to(tl.int64)
+    base = w_ptr + e * stride_we
+    acc = tl.zeros([BLOCK], dtype=tl.int32)
+    for i in range(ITERS):
+        offs = (pid * ITERS + i) * BLOCK + tl.arange(0, BLOCK)
+        acc ^= tl.load(base + offs, mask=offs < words_per_expert, other=0)
+    tl.store(out_ptr + pid * 4 + slot, tl.xor_sum(acc, axis=0))
+
+
+class Layer:
+    def __init__(self, dev: torch.device) -> None:
+        gen = torch.Generator(device=dev).manual_seed(0)
+        dt = torch.bfloat16
+        self.gu_blocks = torch.empty(E, 2 * INTER, H // 32, 16, dtype=torch.uint8, device=dev)
+        self.gu_scales = torch.empty(E, 2 * INTER, H // 32, dtype=torch.uint8, device=dev)
+        self.dn_blocks = torch.empty(E, H, INTER // 32, 16, dtype=torch.uint8, device=dev)
+        self.dn_scales = torch.empty(E, H, INTER // 32, dtype=torch.uint8, device=dev)
+        mxfp4.fill_random_(self.gu_blocks, self.gu_scales, gen)
+        mxfp4.fill_random_(self.dn_blocks, self.dn_scales, gen)
+        self.gu_bias = (torch.randn(E, 2 * INTER, device=dev, generator=gen) * 0.02).to(dt)
+        self.dn_bias = (torch.randn(E, H, device=dev, generator=gen) * 0.02).to(dt)
+        self.router_w = (torch.randn(E, H, device=dev, generator=gen) * H**-0.5).to(dt)
+        self.router_b = (torch.randn(E, device=dev, generator=gen) * 0.02).to(dt)
+        self.norm_w = torch.ones(H, device=dev, dtype=dt)
+        self.gu_words = self.gu_blocks.view(torch.int32)
+        self.dn_words = self.dn_blocks.view(torch.int32)
+
+    @property
+    def expert_bytes(self) -> tuple[int, int]:
+        gu = (self.gu_blocks[0].numel() + self.gu_scales[0].numel())
+        dn = (self.dn_blocks[0].numel() + self.dn_scales[0].numel())
+        return gu, dn
+
+
+def gate_up(L: Layer, x, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, gb=M.GEMV_GROUPS, warps=1) -> None:
+    M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), x.shape[0] * TOP_K)](
+        x, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
+        x.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
+        L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
+        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=gb, PACKED=True, num_warps=warps,
+    )  # fmt: skip
+
+
+def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, gb=M.GEMV_GROUPS, warps=4) -> None:
+    M._down_gemv_kernel[(triton.cdiv(H, rows), out.shape[0])](
+        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, out,
+        act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
+        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_TK=next_pow2(TOP_K), BLOCK_N=rows, GB=gb, PACKED=True,
+        num_warps=warps,
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--ncu-pass", action="store_true")
+    args = ap.parse_args()
+    from envex.kernels.triton_ops import TritonOps
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    L = Layer(dev)
+    ops = TritonOps(pdl=True)
+    dt = torch.bfloat16
+    rot = 8
+    xs = [torch.randn(1, H, device=dev, dtype=dt) for _ in range(rot)]
+    res = [torch.randn(1, H, device=dev, dtype=dt) for _ in range(rot)]
+    normed = [x.clone() for x in xs]  # any [1, H] bf16 rows
+    logits = [torch.randn(1, E, device=dev).to(dt) for _ in range(rot)]
+    ids = torch.empty(TOP_K, dtype=torch.int32, device=dev)
+    wts = torch.empty(TOP_K, dtype=torch.float32, device=dev)
+    act = torch.empty(TOP_K, INTER, dtype=dt, device=dev)
+    out = torch.empty(1, H, dtype=dt, device=dev)
+    from envex.kernels import norm
+    from envex.kernels.ops import MoEWeights
+
+    ex = MoEWeights(gate_up_bias=L.gu_bias, down_bias=L.dn_bias, gate_up_blocks=L.gu_blocks,
+                    gate_up_scales=L.gu_scales, down_blocks=L.dn_blocks, down_scales=L.dn_scales)  # fmt: skip
+    gu_b, dn_b = L.expert_bytes
+
+    if args.ncu_pass:
+        for r in range(4):
+            ops.moe(xs[r], res[r], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K)
+        for r in range(4):
+            gate_up(L, normed[r], logits[r], ids, wts, act)
+            down(L, act, ids, wts, out)
+        torch.cuda.synchronize()
+        return
+
+    report: dict[str, Any] = {"env": {"device": torch.cuda.get_device_name(), "commit": args.commit,
+                                      "torch": torch.__version__, "triton": triton.__version__,
+                                      "argv": " ".join(sys.argv)}}  # fmt: skip
+    report["bandwidth"] = B.measure_bandwidth(2.0)
+    bw = report["bandwidth"]["read_TBps"]
+    rows: list[dict[str, Any]] = []
+    report["rows"] = rows
+
+    def row(name: str, fn, nbytes: float, *, hot: bool = False) -> float:
+        ms = B.graph_time_ms(lambda i: fn(0 if hot else i % rot), n_inner=2 * rot)
+        us = ms * 1e3
+        rows.append({"name": name, "hot": hot, "us": us, "bytes": nbytes, "TBps": nbytes / us / 1e6,
+                     "floor_us": nbytes / bw / 1e6})  # fmt: skip
+        print(f"  {name:<58} {'hot ' if hot else 'cold'} {us:8.2f} us  {nbytes / 1e6:7.2f} MB "
+              f"{nbytes / us / 1e6:6.2f} TB/s (floor {nbytes / bw / 1e6:6.2f} us)", flush=True)
+        return us
+
+    # routing for the kernels timed alone: the gate-up kernel writes ids/wts, the down kernel reads them
+    acts = [torch.empty_like(act) for _ in range(rot)]
+    idss = [torch.empty_like(ids) for _ in range(rot)]
+    wtss = [torch.empty_like(wts) for _ in range(rot)]
+    for r in range(rot):
+        gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r])
+    torch.cuda.synchronize()
+    gu_words, blk, iters = L.gu_words[0].numel(), 2048, 4
+    sink = torch.empty(triton.cdiv(gu_words, blk * iters) * 4, dtype=torch.int32, device=dev)
+
+    def stream(r: int) -> None:
+        _stream_kernel[(triton.cdiv(gu_words, blk * iters), TOP_K)](
+            L.gu_words, idss[r], sink, gu_words, L.gu_words.stride(0), BLOCK=blk, ITERS=iters, num_warps=8)
+
+    moe_bytes = L.router_w.nbytes + TOP_K * (gu_b + dn_b)
+    for hot in (False, True):
+        row("entry: ops.moe (norm, router, gate-up, down)", lambda r: ops.moe(
+            xs[r], res[r], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K), moe_bytes, hot=hot)  # fmt: skip
+        row("add_rms_norm", lambda r: norm.add_rms_norm(xs[r], res[r], L.norm_w, 1e-5), 4 * H * 2, hot=hot)
+        row("router GEMV [128 x 2880] + bias", lambda r: ops.linear(normed[r], L.router_w, L.router_b),
+            L.router_w.nbytes, hot=hot)  # fmt: skip
+        row("gate-up GEMV (top-4 in each program) baseline", lambda r: gate_up(
+            L, normed[r], logits[r], idss[r], wtss[r], acts[r]), TOP_K * gu_b, hot=hot)  # fmt: skip
+        row("down GEMV baseline", lambda r: down(L, acts[r], idss[r], wtss[r], out), TOP_K * dn_b, hot=hot)
+        row("stream: the 4 experts' gate-up words only", stream, TOP_K * L.gu_blocks[0].nbytes, hot=hot)
+    if args.variants:
+        for pairs, gb, warps in ((2, 32, 1), (8, 32, 1), (4, 16, 1), (8, 16, 1), (8, 32, 2), (16, 32, 2),
+                                 (16, 32, 4), (32, 32, 4), (16, 16, 4), (32, 16, 8)):
+            try:
+                row(f"gate-up pairs={pairs} gb={gb} warps={warps}", lambda r, p=pairs, g=gb, w=warps: gate_up(
+                    L, normed[r], logits[r], idss[r], wtss[r], acts[r], pairs=p, gb=g, warps=w), TOP_K * gu_b)
+            except Exception as exc:  # a tile Triton cannot build: record it, go on
+                rows.append({"name": f"gate-up {pairs}/{gb}/{warps}", "error": str(exc)[:200]})
+        for nrows, gb, warps in ((4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4), (16, 32, 8), (32, 32, 8),
+                                 (32, 16, 8), (8, 32, 8)):
+            try:
+                row(f"down rows={nrows} gb={gb} warps={warps}", lambda r, n=nrows, g=gb, w=warps: down(
+                    L, acts[r], idss[r], wtss[r], out, rows=n, gb=g, warps=w), TOP_K * dn_b)
+            except Exception as exc:
+                rows.append({"name": f"down {nrows}/{gb}/{warps}", "error": str(exc)[:200]})
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "moe.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
