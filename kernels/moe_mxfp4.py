@@ -185,6 +185,7 @@ def _gate_up_gemv_kernel(
     stride_x, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
+    PREFETCH: tl.constexpr = True,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K.
@@ -220,11 +221,13 @@ def _gate_up_gemv_kernel(
         # arithmetic (a register double buffer), so a warp always has its next 4 KB in flight
         words, sc, x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, 0, K, GB)
         for g0 in tl.static_range(0, K // 32, GB):
-            if g0 + GB < K // 32:
+            if PREFETCH and g0 + GB < K // 32:
                 next_words, next_sc, next_x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, g0 + GB, K, GB)
+            if not PREFETCH and g0 > 0:
+                words, sc, x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, g0, K, GB)
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8.to(tl.float32), 1, GB)  # each [1, GB, 4]
             acc += _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
-            if g0 + GB < K // 32:
+            if PREFETCH and g0 + GB < K // 32:
                 words, sc, x8 = next_words, next_sc, next_x8
         y = tl.sum(acc, axis=1)
     else:
@@ -252,7 +255,7 @@ def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr,
-    GB: tl.constexpr, PACKED: tl.constexpr,
+    GB: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr = True,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. All TOP_K experts are read at once, a [BLOCK_N, BLOCK_TK, GB, 4] word tile a step (with one warp a slot,
@@ -276,13 +279,15 @@ def _down_gemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_TK, GB], dtype=tl.float32)
         words, sc, x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, 0, INTER, GB)
         for g0 in tl.static_range(0, INTER // 32, GB):  # unrolled, loads a step ahead (as the gate-up kernel)
-            if g0 + GB < INTER // 32:
+            if PREFETCH and g0 + GB < INTER // 32:
                 next_words, next_sc, next_x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, g0 + GB,
                                                                 INTER, GB)  # fmt: skip
+            if not PREFETCH and g0 > 0:
+                words, sc, x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, g0, INTER, GB)
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8.to(tl.float32), BLOCK_TK, GB)  # each [BLOCK_TK, GB, 4]
             acc += _word_dots(words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None],
                               x7[None]) * _group_scale(sc)  # fmt: skip
-            if g0 + GB < INTER // 32:
+            if PREFETCH and g0 + GB < INTER // 32:
                 words, sc, x8 = next_words, next_sc, next_x8
         r = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_TK]
     else:

@@ -77,7 +77,7 @@ def build(fn, args, consts, warps):
 
 w = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16")
 st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
-gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True)
+gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, PREFETCH=True)
 out = {
     "gate_up": build(m._gate_up_gemv_kernel, dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", wts_ptr="*fp32",
                      **w, act_ptr="*bf16", stride_x="i32", stride_l="i32", **st, stride_act="i32", alpha="fp32",

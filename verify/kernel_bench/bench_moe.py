@@ -72,21 +72,24 @@ class Layer:
         return gu, dn
 
 
-def gate_up(L: Layer, x, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, gb=M.GEMV_GROUPS, warps=1) -> None:
-    M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), x.shape[0] * TOP_K)](
+def gate_up(L: Layer, x, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, gb=M.GEMV_GROUPS, warps=1, prefetch=True,
+            maxnreg=None):  # fmt: skip
+    return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), x.shape[0] * TOP_K)](
         x, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
         x.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
         L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
-        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=gb, PACKED=True, num_warps=warps,
+        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=gb, PACKED=True, PREFETCH=prefetch, num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
-def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, gb=M.GEMV_GROUPS, warps=4) -> None:
-    M._down_gemv_kernel[(triton.cdiv(H, rows), out.shape[0])](
+def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, gb=M.GEMV_GROUPS, warps=4, prefetch=True,
+         maxnreg=None):  # fmt: skip
+    return M._down_gemv_kernel[(triton.cdiv(H, rows), out.shape[0])](
         act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
         out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_TK=next_pow2(TOP_K), BLOCK_N=rows, GB=gb, PACKED=True,
-        num_warps=warps,
+        PREFETCH=prefetch, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -173,20 +176,34 @@ def main() -> None:
         row("down GEMV baseline", lambda r: down(L, acts[r], idss[r], wtss[r], out), TOP_K * dn_b, hot=hot)
         row("stream: the 4 experts' gate-up words only", stream, TOP_K * L.gu_blocks[0].nbytes, hot=hot)
     if args.variants:
-        for pairs, gb, warps in ((2, 32, 1), (8, 32, 1), (4, 16, 1), (8, 16, 1), (8, 32, 2), (16, 32, 2),
-                                 (16, 32, 4), (32, 32, 4), (16, 16, 4), (32, 16, 8)):
-            try:
-                row(f"gate-up pairs={pairs} gb={gb} warps={warps}", lambda r, p=pairs, g=gb, w=warps: gate_up(
-                    L, normed[r], logits[r], idss[r], wtss[r], acts[r], pairs=p, gb=g, warps=w), TOP_K * gu_b)
-            except Exception as exc:  # a tile Triton cannot build: record it, go on
-                rows.append({"name": f"gate-up {pairs}/{gb}/{warps}", "error": str(exc)[:200]})
-        for nrows, gb, warps in ((4, 32, 4), (16, 32, 4), (8, 16, 4), (16, 16, 4), (16, 32, 8), (32, 32, 8),
-                                 (32, 16, 8), (8, 32, 8)):
-            try:
-                row(f"down rows={nrows} gb={gb} warps={warps}", lambda r, n=nrows, g=gb, w=warps: down(
-                    L, acts[r], idss[r], wtss[r], out, rows=n, gb=g, warps=w), TOP_K * dn_b)
-            except Exception as exc:
-                rows.append({"name": f"down {nrows}/{gb}/{warps}", "error": str(exc)[:200]})
+        def sweep(kind: str, variants, launch, nbytes: float, result: torch.Tensor) -> None:
+            launch(0, variants[0])
+            want = result.float().clone()
+            for v in variants:
+                name = f"{kind} " + " ".join(f"{k}={x}" for k, x in v.items())
+                try:
+                    result.zero_()
+                    k = launch(0, v)
+                    diff = (result.float() - want).abs().max().item()  # another tile sums in another order
+                    row(name, lambda r, v=v: launch(r, v), nbytes)
+                    rows[-1].update(regs=k.n_regs, spills=k.n_spills, max_abs_diff=diff)
+                    print(f"      regs {k.n_regs} spills {k.n_spills} max |diff| {diff:.3g}", flush=True)
+                except Exception as exc:  # a tile Triton cannot build: record it, go on
+                    rows.append({"name": name, "error": str(exc)[:300]})
+                    print(f"  {name}: {str(exc)[:200]}", flush=True)
+
+        gu = [dict(pairs=p, gb=g, warps=w, prefetch=bool(f), maxnreg=m) for p, g, w, f, m in (
+            (4, 32, 1, 1, None), (4, 32, 1, 0, None), (2, 32, 1, 0, None), (2, 32, 1, 1, None), (1, 32, 1, 0, None),
+            (2, 16, 1, 0, None), (4, 16, 1, 0, None), (16, 16, 4, 0, None), (16, 16, 4, 1, None), (8, 16, 2, 0, None),
+            (8, 32, 2, 0, None), (4, 32, 1, 0, 128), (4, 32, 1, 1, 168), (2, 32, 1, 0, 96), (2, 32, 1, 1, 128),
+            (4, 16, 1, 0, 128), (16, 16, 4, 0, 128), (8, 32, 4, 0, None), (4, 32, 2, 0, None), (2, 32, 2, 0, None))]
+        sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
+              TOP_K * gu_b, acts[0])
+        dn = [dict(rows=n, gb=g, warps=w, prefetch=bool(f), maxnreg=m) for n, g, w, f, m in (
+            (8, 32, 4, 1, None), (8, 32, 4, 0, None), (4, 32, 4, 0, None), (4, 32, 4, 1, None), (2, 32, 4, 0, None),
+            (2, 32, 4, 1, None), (4, 16, 4, 0, None), (8, 16, 4, 0, None), (4, 32, 4, 0, 128), (8, 32, 4, 0, 128),
+            (8, 32, 4, 1, 128), (2, 16, 4, 0, None), (1, 32, 4, 0, None), (4, 32, 8, 0, None))]
+        sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
 
