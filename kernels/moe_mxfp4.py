@@ -41,7 +41,7 @@ GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used exp
 # down programs GEMV_DOWN_ROWS output rows of one token for all its top_k experts at once.
 GEMV_GROUPS = 32
 GEMV_PAIRS = 4
-GEMV_DOWN_ROWS = 8
+GEMV_DOWN_ROWS = 4
 GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 
 
@@ -106,24 +106,6 @@ def _e2m1_pair(words, i: tl.constexpr):
 
 
 @triton.jit
-def _x_lanes(x8, B: tl.constexpr, C: tl.constexpr):
-    """x8 [4, B, C, 8] float32: the 8 inputs of word q (dim 0) of each group -> its 8 columns, each [B, C, 4] (word
-    last, as the weight tiles hold it). Three splits in registers (input r = 4·b2 + 2·b1 + b0 of a word).
-    The word index is the outermost dimension of the load so that Triton's coalescing gives each thread all four
-    words of its group (threads along C), the layout of the weight tile: no shuffle through shared memory."""
-    b0_0, b0_1 = tl.split(tl.reshape(x8, [4, B, C, 2, 2, 2]))
-    b1_00, b1_01 = tl.split(b0_0)
-    b1_10, b1_11 = tl.split(b0_1)
-    x0, x4 = tl.split(b1_00)
-    x2, x6 = tl.split(b1_01)
-    x1, x5 = tl.split(b1_10)
-    x3, x7 = tl.split(b1_11)
-    return (tl.permute(x0, (1, 2, 0)), tl.permute(x1, (1, 2, 0)), tl.permute(x2, (1, 2, 0)),
-            tl.permute(x3, (1, 2, 0)), tl.permute(x4, (1, 2, 0)), tl.permute(x5, (1, 2, 0)),
-            tl.permute(x6, (1, 2, 0)), tl.permute(x7, (1, 2, 0)))  # fmt: skip
-
-
-@triton.jit
 def _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7):
     """Σ over each group's 4 words of its 32 codes times their inputs -> [..., GB] float32, times 2^-14 (the
     scale is applied per group by the caller). words [..., GB, 4] int32; x_r broadcast against it."""
@@ -150,49 +132,51 @@ def _group_scale(sc):
 
 
 @triton.jit
-def _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, g0, K: tl.constexpr, GB: tl.constexpr):
-    """One gate-up GEMV step's loads at groups g0 .. g0 + GB: words [R, GB, 4] int32, scales [R, GB] uint8, and the
-    inputs [4 words, 1, GB, 8] in x's dtype (word index outermost: see _x_lanes)."""
-    g = g0 + tl.arange(0, GB)
-    g_ok = g < K // 32
-    qq = tl.arange(0, 4)
-    words = tl.load(w_rows[:, None, None] + (4 * g)[None, :, None] + qq[None, None, :],
-                    mask=row_ok[:, None, None] & g_ok[None, :, None], other=0)  # fmt: skip
-    sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
-    x8 = tl.load(x_row + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
-                 + tl.arange(0, 8)[None, None, None, :], mask=g_ok[None, None, :, None], other=0.0)  # fmt: skip
-    return words, sc, x8
+def _plane(x_base, f, ok, GB: tl.constexpr):
+    return tl.reshape(tl.load(x_base + f, mask=ok, other=0.0), [1, GB, 4])
 
 
 @triton.jit
-def _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, g0, INTER: tl.constexpr, GB: tl.constexpr):
-    """One down GEMV step's loads: words [N, TK, GB, 4], scales [N, TK, GB], the slots' inputs [4, TK, GB, 8]."""
-    g = g0 + tl.arange(0, GB)
-    g_ok = g < INTER // 32
-    qq = tl.arange(0, 4)
-    words = tl.load(w_rows[:, :, None, None] + (4 * g)[None, None, :, None] + qq[None, None, None, :],
-                    mask=ok2[:, :, None, None] & g_ok[None, None, :, None], other=0)  # fmt: skip
-    sc = tl.load(s_rows[:, :, None] + g[None, None, :], mask=ok2[:, :, None] & g_ok[None, None, :], other=0)
-    x8 = tl.load(a_rows[None, :, None, None] + (8 * qq)[:, None, None, None] + (32 * g)[None, None, :, None]
-                 + tl.arange(0, 8)[None, None, None, :], mask=slot_ok[None, :, None, None] & g_ok[None, None, :, None],
-                 other=0.0)  # fmt: skip
-    return words, sc, x8
+def _plane_loads(x_base, f, ok, K: tl.constexpr, GB: tl.constexpr):
+    """The 8 inputs of each word f ([1, 4·GB] word indices of a row) from K inputs stored as planes (plane c holds
+    inputs c, 8 + c, 16 + c, ...): each a float32 [1, GB, 4] tile, in the layout of the reshaped words."""
+    kw: tl.constexpr = K // 8
+    return (_plane(x_base, f, ok, GB), _plane(x_base + kw, f, ok, GB), _plane(x_base + 2 * kw, f, ok, GB),
+            _plane(x_base + 3 * kw, f, ok, GB), _plane(x_base + 4 * kw, f, ok, GB), _plane(x_base + 5 * kw, f, ok, GB),
+            _plane(x_base + 6 * kw, f, ok, GB), _plane(x_base + 7 * kw, f, ok, GB))  # fmt: skip
+
+
+@triton.jit
+def _plane_offsets(k, K: tl.constexpr):
+    """Where input k sits in the plane layout of K inputs."""
+    return (k % 8) * (K // 8) + k // 8
+
+
+@triton.jit
+def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: tl.constexpr):
+    """x [T, K] -> float32 planes [T, K] (see _plane_loads), one program a row."""
+    t = tl.program_id(0).to(tl.int64)
+    for k0 in tl.static_range(0, K, BLOCK):
+        k = k0 + tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + _plane_offsets(k, K), v, mask=k < K)
 
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
-    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
+    xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    PREFETCH: tl.constexpr = True,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
-    BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K.
+    BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
+    input x arrives as float32 planes (xp, _plane_loads) and act leaves as planes too, for the down kernel.
 
     PACKED: w is the expert blocks viewed as int32 words [E, 2I, K/8] (four words = one 32-value group, one
-    16-byte load per thread), s the scales [E, 2I, K/32]; each thread holds one group of every row of the tile,
-    so its 32 inputs (one 64-byte load, split in registers) serve all 2·BLOCK_I rows. Float: w [E, 2I, K]."""
+    16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
+    thread, and the 8 inputs of each of its words come as 8 tiles of the words' own shape and layout (one 16-byte
+    load each), so no value changes threads. Float: w [E, 2I, K]."""
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     t = pair // TOP_K
@@ -209,26 +193,26 @@ def _gate_up_gemv_kernel(
 
     rows = pid_n * (2 * BLOCK_I) + tl.arange(0, 2 * BLOCK_I)  # gate and up rows interleaved, as stored
     row_ok = rows < 2 * INTER
-    x_row = x_ptr + t.to(tl.int64) * stride_x
+    x_base = xp_ptr + t.to(tl.int64) * stride_xp
     e64 = e.to(tl.int64)
     r64 = rows.to(tl.int64)
     if PACKED:
         # row starts in words; a group (4 words, 16 bytes) starts at a multiple of 4: one vector load
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
+        # Each step loads [rows, 4·GB] words and [1, 4·GB] of each input plane: a contiguous last axis that Triton's
+        # coalescing gives one 16-byte vector a thread along the warp for both, whatever its tie-breaking, so the
+        # reshape to [rows, GB, 4] leaves weights and inputs in one layout and no value changes threads.
         acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
-        # K is a constexpr: the steps are unrolled and each step's loads are issued before the previous step's
-        # arithmetic (a register double buffer), so a warp always has its next 4 KB in flight
-        words, sc, x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, 0, K, GB)
-        for g0 in tl.static_range(0, K // 32, GB):
-            if PREFETCH and g0 + GB < K // 32:
-                next_words, next_sc, next_x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, g0 + GB, K, GB)
-            if not PREFETCH and g0 > 0:
-                words, sc, x8 = _gate_up_step_loads(w_rows, s_rows, x_row, row_ok, g0, K, GB)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8.to(tl.float32), 1, GB)  # each [1, GB, 4]
-            acc += _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
-            if PREFETCH and g0 + GB < K // 32:
-                words, sc, x8 = next_words, next_sc, next_x8
+        for g0 in range(0, K // 32, GB):  # a loop, not unrolled: the code stays in the instruction cache
+            f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
+            f_ok = f < K // 8
+            words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
+            g = g0 + tl.arange(0, GB)
+            sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :], other=0)
+            acc += _word_dots(tl.reshape(words, [2 * BLOCK_I, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7
+                              ) * _group_scale(sc)  # fmt: skip
         y = tl.sum(acc, axis=1)
     else:
         kk2 = tl.arange(0, GB)
@@ -236,75 +220,71 @@ def _gate_up_gemv_kernel(
         for k0 in range(0, K, GB):
             k = k0 + kk2
             k_ok = k < K
-            xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+            xv = tl.load(x_base + _plane_offsets(k, K), mask=k_ok, other=0.0)
             wv = tl.load(w_ptr + e64 * stride_we + r64[:, None] * stride_wn + k[None, :],
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
             acc += wv * xv[None, :]
         y = tl.sum(acc, axis=1)
-    # HF rounds the projection (bias included) to the activation dtype before the SwiGLU.
-    dt = act_ptr.dtype.element_ty
+    # HF rounds the projection (bias included) to the activation dtype before the SwiGLU, and its result too.
+    dt = b_ptr.dtype.element_ty
     y = (y + tl.load(b_ptr + e64 * stride_be + rows, mask=row_ok, other=0.0).to(tl.float32)).to(dt)
     g_val, u_val = tl.split(tl.reshape(y, [BLOCK_I, 2]))
     a = _swiglu_oai(g_val.to(tl.float32), u_val.to(tl.float32), alpha, limit)
     j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + j, a.to(dt), mask=j < INTER)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + _plane_offsets(j, INTER), a.to(dt).to(tl.float32),
+             mask=j < INTER)  # fmt: skip
 
 
 @triton.jit
 def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
-    N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr,
-    GB: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr = True,
+    N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
+    PACKED: tl.constexpr,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
-    n. All TOP_K experts are read at once, a [BLOCK_N, BLOCK_TK, GB, 4] word tile a step (with one warp a slot,
-    each thread holds BLOCK_N rows of one group of its slot's expert and that group's 32 inputs), so their loads
-    are in flight together; the slots are summed in registers in a fixed order: no atomics, no second pass."""
+    n: one warp takes the slots one after another (each BLOCK_N rows of its expert over all of INTER, the inputs
+    from that pair's act planes, as the gate-up kernel) and sums them in registers in slot order: no atomics, no
+    second pass, the same sum whatever the batch."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    kk = tl.arange(0, BLOCK_TK)
-    slot_ok = kk < TOP_K
-    pairs = t * TOP_K + kk
-    e64 = tl.load(ids_ptr + pairs, mask=slot_ok, other=0).to(tl.int64)  # [BLOCK_TK]
-    wt = tl.load(wts_ptr + pairs, mask=slot_ok, other=0.0)
-    a_rows = act_ptr + pairs.to(tl.int64) * stride_act  # [BLOCK_TK]
     n64 = n.to(tl.int64)
-    ok2 = n_ok[:, None] & slot_ok[None, :]  # [BLOCK_N, BLOCK_TK]
-    if PACKED:
-        w_rows = w_ptr + tl.multiple_of(n64[:, None] * (INTER // 8) + e64[None, :] * stride_we, [4, 4])  # [N, TK]
-        s_rows = s_ptr + n64[:, None] * (INTER // 32) + e64[None, :] * stride_se
-        acc = tl.zeros([BLOCK_N, BLOCK_TK, GB], dtype=tl.float32)
-        words, sc, x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, 0, INTER, GB)
-        for g0 in tl.static_range(0, INTER // 32, GB):  # unrolled, loads a step ahead (as the gate-up kernel)
-            if PREFETCH and g0 + GB < INTER // 32:
-                next_words, next_sc, next_x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, g0 + GB,
-                                                                INTER, GB)  # fmt: skip
-            if not PREFETCH and g0 > 0:
-                words, sc, x8 = _down_step_loads(w_rows, s_rows, a_rows, ok2, slot_ok, g0, INTER, GB)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_lanes(x8.to(tl.float32), BLOCK_TK, GB)  # each [BLOCK_TK, GB, 4]
-            acc += _word_dots(words, x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None],
-                              x7[None]) * _group_scale(sc)  # fmt: skip
-            if PREFETCH and g0 + GB < INTER // 32:
-                words, sc, x8 = next_words, next_sc, next_x8
-        r = tl.sum(acc, axis=2)  # [BLOCK_N, BLOCK_TK]
-    else:
-        kk2 = tl.arange(0, GB)
-        acc = tl.zeros([BLOCK_N, BLOCK_TK, GB], dtype=tl.float32)
-        for k0 in range(0, INTER, GB):
-            k = k0 + kk2
-            k_ok = k < INTER
-            xv = tl.load(a_rows[:, None] + k[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0)
-            wv = tl.load(w_ptr + n64[:, None, None] * stride_wn + e64[None, :, None] * stride_we + k[None, None, :],
-                         mask=ok2[:, :, None] & k_ok[None, None, :], other=0.0)  # fmt: skip
-            acc += wv.to(tl.float32) * xv.to(tl.float32)[None, :, :]
-        r = tl.sum(acc, axis=2)
     dt = out_ptr.dtype.element_ty
-    r += tl.load(b_ptr + e64[None, :] * stride_be + n64[:, None], mask=ok2, other=0.0).to(tl.float32)
-    # HF rounds each expert's output before weighting it; padding slots have weight 0
-    y = tl.sum(wt[None, :] * r.to(dt).to(tl.float32), axis=1)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = t * TOP_K + slot
+        e64 = tl.load(ids_ptr + pair).to(tl.int64)
+        a_row = act_ptr + pair.to(tl.int64) * stride_act
+        if PACKED:
+            w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
+            s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
+            acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
+            for g0 in range(0, INTER // 32, GB):  # as the gate-up kernel's K loop
+                f = 4 * g0 + tl.arange(0, 4 * GB)
+                f_ok = f < INTER // 8
+                words = tl.load(w_rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(a_row, f[None, :], f_ok[None, :], INTER, GB)
+                g = g0 + tl.arange(0, GB)
+                sc = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & (g < INTER // 32)[None, :], other=0)
+                acc += _word_dots(tl.reshape(words, [BLOCK_N, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7
+                                  ) * _group_scale(sc)  # fmt: skip
+            r = tl.sum(acc, axis=1)
+        else:
+            kk = tl.arange(0, GB)
+            acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
+            for k0 in range(0, INTER, GB):
+                k = k0 + kk
+                k_ok = k < INTER
+                xv = tl.load(a_row + _plane_offsets(k, INTER), mask=k_ok, other=0.0)
+                wv = tl.load(w_ptr + e64 * stride_we + n64[:, None] * stride_wn + k[None, :],
+                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                acc += wv.to(tl.float32) * xv[None, :]
+            r = tl.sum(acc, axis=1)
+        r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
+        # HF rounds each expert's output before weighting it
+        y += tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
 
 
@@ -576,26 +556,29 @@ def fused_moe(
     if t == 0:
         return out
     pairs_n = t * top_k
-    act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)
-    if t <= gemv_max_rows:
+    if t <= gemv_max_rows and h % 8 == 0 and inter % 8 == 0:
         ids = torch.empty(pairs_n, dtype=torch.int32, device=x.device)
         wts = torch.empty(pairs_n, dtype=torch.float32, device=x.device)
+        xp = torch.empty((t, h), dtype=torch.float32, device=x.device)  # x as planes (_plane_loads)
+        act_p = torch.empty((pairs_n, inter), dtype=torch.float32, device=x.device)
+        _planes_kernel[(t,)](x, xp, x.stride(0), xp.stride(0), K=h, BLOCK=min(next_pow2(h), 1024), num_warps=4)
         gw1, gwe1 = _gemv_words(w1, we1, packed1)
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
         _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
-            x, logits, ids, wts, gw1, s1, gate_up_bias, act,
-            x.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act.stride(0),
+            xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
+            xp.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act_p.stride(0),
             float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
             BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, num_warps=1,
         )  # fmt: skip
         _down_gemv_kernel[(triton.cdiv(h, GEMV_DOWN_ROWS), t)](
-            act, ids, wts, gw2, s2, down_bias, out,
-            act.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
-            N=h, INTER=inter, TOP_K=top_k, BLOCK_TK=next_pow2(top_k), BLOCK_N=GEMV_DOWN_ROWS,
-            GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K, PACKED=packed2, num_warps=min(next_pow2(top_k), 8),
+            act_p, ids, wts, gw2, s2, down_bias, out,
+            act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
+            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
+            PACKED=packed2, num_warps=1,
         )  # fmt: skip
         return out
+    act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)
     ids, wts = route(logits, top_k)
     # Each program dequantizes its expert's weight tile once for its BLOCK_M pairs, which is most of its work:
     # decode-sized batches spread thin over the experts take 16-row tiles, prefill chunks (hundreds of pairs an

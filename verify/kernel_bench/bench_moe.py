@@ -10,7 +10,8 @@ magnitudes) and its router, timed in CUDA graphs (kernels/NOTES.md, "gpt-oss"):
   (the weights come from HBM), "hot" repeats one input (its 4 experts' 53 MB mostly stay in the 50 MB L2, so the
   time is close to the kernel's issue time);
 - a streaming read of exactly the 4 chosen experts' bytes (the floor for those bytes on this GPU);
-- --variants: the two GEMV kernels over their tile constants (rows a program, groups a step, warps);
+- --variants: the two GEMV kernels over their rows a program and register caps (maxnreg), with the registers and
+  spills ptxas gave and the largest difference from the default tile's result;
 - --ncu-pass: no timing; each kernel launched a few times for `ncu` (the device command wraps the script).
 """
 
@@ -72,24 +73,29 @@ class Layer:
         return gu, dn
 
 
-def gate_up(L: Layer, x, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, gb=M.GEMV_GROUPS, warps=1, prefetch=True,
-            maxnreg=None):  # fmt: skip
-    return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), x.shape[0] * TOP_K)](
-        x, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
-        x.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
+def planes(x: torch.Tensor) -> torch.Tensor:
+    xp = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    M._planes_kernel[(x.shape[0],)](x, xp, x.stride(0), xp.stride(0), K=x.shape[1], BLOCK=1024, num_warps=4)
+    return xp
+
+
+def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None):
+    """xp: the input as planes (M._planes_kernel); act: float32 planes [T · top_k, I]."""
+    return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), xp.shape[0] * TOP_K)](
+        xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
+        xp.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
         L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
-        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=gb, PACKED=True, PREFETCH=prefetch, num_warps=warps,
+        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
-def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, gb=M.GEMV_GROUPS, warps=4, prefetch=True,
-         maxnreg=None):  # fmt: skip
+def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None):
     return M._down_gemv_kernel[(triton.cdiv(H, rows), out.shape[0])](
         act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
-        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_TK=next_pow2(TOP_K), BLOCK_N=rows, GB=gb, PACKED=True,
-        PREFETCH=prefetch, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
+        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -111,11 +117,11 @@ def main() -> None:
     rot = 8
     xs = [torch.randn(1, H, device=dev, dtype=dt) for _ in range(rot)]
     res = [torch.randn(1, H, device=dev, dtype=dt) for _ in range(rot)]
-    normed = [x.clone() for x in xs]  # any [1, H] bf16 rows
+    normed = [planes(x) for x in xs]  # any [1, H] rows, as the gate-up kernel takes them
     logits = [torch.randn(1, E, device=dev).to(dt) for _ in range(rot)]
     ids = torch.empty(TOP_K, dtype=torch.int32, device=dev)
     wts = torch.empty(TOP_K, dtype=torch.float32, device=dev)
-    act = torch.empty(TOP_K, INTER, dtype=dt, device=dev)
+    act = torch.empty(TOP_K, INTER, dtype=torch.float32, device=dev)
     out = torch.empty(1, H, dtype=dt, device=dev)
     from envex.kernels import norm
     from envex.kernels.ops import MoEWeights
@@ -130,14 +136,30 @@ def main() -> None:
         for r in range(2):  # the default tiles, then the sweep's best (ncu -k regex:gemv --launch-skip 4)
             gate_up(L, normed[r], logits[r], ids, wts, act)
             down(L, act, ids, wts, out)
-            gate_up(L, normed[r], logits[r], ids, wts, act, pairs=2, gb=16, prefetch=False)
-            down(L, act, ids, wts, out, rows=4)
+            gate_up(L, normed[r], logits[r], ids, wts, act, pairs=2)
+            down(L, act, ids, wts, out, rows=2)
         torch.cuda.synchronize()
         return
 
     report: dict[str, Any] = {"env": {"device": torch.cuda.get_device_name(), "commit": args.commit,
                                       "torch": torch.__version__, "triton": triton.__version__,
                                       "argv": " ".join(sys.argv)}}  # fmt: skip
+    from envex.kernels import reference
+    from envex.kernels.accuracy import TOLERANCE, rel_err
+
+    check: dict[str, Any] = {"tolerance": TOLERANCE[dt]}
+    for t in (1, 4, 32):  # the GEMV path (T <= GEMV_MAX_ROWS) and the grouped one, against float64
+        x = torch.randn(t, H, device=dev).to(dt)
+        lg = torch.randn(t, E, device=dev)  # float32: no ties between routings
+        got = M.fused_moe(x, lg, TOP_K, gate_up=(L.gu_blocks, L.gu_scales), gate_up_bias=L.gu_bias,
+                          down=(L.dn_blocks, L.dn_scales), down_bias=L.dn_bias, alpha=1.702, limit=7.0)
+        w, ids_ = reference.moe_route(lg.double(), TOP_K)
+        want = reference.moe_experts(x.double(), w, ids_, (L.gu_blocks, L.gu_scales), L.gu_bias.double(),
+                                     (L.dn_blocks, L.dn_scales), L.dn_bias.double(), 1.702, 7.0)  # fmt: skip
+        check[f"rows_{t}_rel_err"] = rel_err(got, want)
+    check["ok"] = all(v <= check["tolerance"] for k, v in check.items() if k.endswith("rel_err"))
+    report["check"] = check
+    print("  fused_moe against float64:", check, flush=True)
     report["bandwidth"] = B.measure_bandwidth(2.0)
     bw = report["bandwidth"]["read_TBps"]
     rows: list[dict[str, Any]] = []
@@ -173,6 +195,7 @@ def main() -> None:
         row("add_rms_norm", lambda r: norm.add_rms_norm(xs[r], res[r], L.norm_w, 1e-5), 4 * H * 2, hot=hot)
         row("router GEMV [128 x 2880] + bias", lambda r: ops.linear(normed[r], L.router_w, L.router_b),
             L.router_w.nbytes, hot=hot)  # fmt: skip
+        row("x -> planes", lambda r: planes(xs[r]), 3 * H * 2, hot=hot)
         row("gate-up GEMV (top-4 in each program) baseline", lambda r: gate_up(
             L, normed[r], logits[r], idss[r], wtss[r], acts[r]), TOP_K * gu_b, hot=hot)  # fmt: skip
         row("down GEMV baseline", lambda r: down(L, acts[r], idss[r], wtss[r], out), TOP_K * dn_b, hot=hot)
@@ -194,17 +217,12 @@ def main() -> None:
                     rows.append({"name": name, "error": str(exc)[:300]})
                     print(f"  {name}: {str(exc)[:200]}", flush=True)
 
-        gu = [dict(pairs=p, gb=g, warps=w, prefetch=bool(f), maxnreg=m) for p, g, w, f, m in (
-            (4, 32, 1, 1, None), (4, 32, 1, 0, None), (2, 32, 1, 0, None), (2, 32, 1, 1, None), (1, 32, 1, 0, None),
-            (2, 16, 1, 0, None), (4, 16, 1, 0, None), (16, 16, 4, 0, None), (16, 16, 4, 1, None), (8, 16, 2, 0, None),
-            (8, 32, 2, 0, None), (4, 32, 1, 0, 128), (4, 32, 1, 1, 168), (2, 32, 1, 0, 96), (2, 32, 1, 1, 128),
-            (4, 16, 1, 0, 128), (16, 16, 4, 0, 128), (8, 32, 4, 0, None), (4, 32, 2, 0, None), (2, 32, 2, 0, None))]
+        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
+            (4, 1, None), (2, 1, None), (1, 1, None), (8, 1, None), (4, 1, 96), (4, 1, 80), (2, 1, 64), (8, 1, 128))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
               TOP_K * gu_b, acts[0])
-        dn = [dict(rows=n, gb=g, warps=w, prefetch=bool(f), maxnreg=m) for n, g, w, f, m in (
-            (8, 32, 4, 1, None), (8, 32, 4, 0, None), (4, 32, 4, 0, None), (4, 32, 4, 1, None), (2, 32, 4, 0, None),
-            (2, 32, 4, 1, None), (4, 16, 4, 0, None), (8, 16, 4, 0, None), (4, 32, 4, 0, 128), (8, 32, 4, 0, 128),
-            (8, 32, 4, 1, 128), (2, 16, 4, 0, None), (1, 32, 4, 0, None), (4, 32, 8, 0, None))]
+        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in (
+            (4, 1, None), (2, 1, None), (1, 1, None), (8, 1, None), (4, 1, 96), (2, 1, 64), (8, 1, 128))]
         sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
