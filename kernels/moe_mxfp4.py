@@ -40,7 +40,7 @@ GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used exp
 # one per thread (a 16-byte load each); gate-up programs own GEMV_PAIRS (gate, up) row pairs of one (token, slot),
 # down programs GEMV_DOWN_ROWS output rows of one token for all its top_k experts at once.
 GEMV_GROUPS = 32
-GEMV_PAIRS = 4
+GEMV_PAIRS = 8
 GEMV_DOWN_ROWS = 4
 GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 
@@ -237,55 +237,63 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
     PACKED: tl.constexpr,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
-    n: one warp takes the slots one after another (each BLOCK_N rows of its expert over all of INTER, the inputs
-    from that pair's act planes, as the gate-up kernel) and sums them in registers in slot order: no atomics, no
-    second pass, the same sum whatever the batch."""
+    n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
+    pair's act planes (as the gate-up kernel). Each program stores its weighted term in part [pairs, N]; the last
+    of a token's TOP_K programs to finish (an acq_rel counter, reset by that program for the next launch) adds the
+    TOP_K terms in slot order: no float atomics, the same sum whatever order the programs ran in."""
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
+    slot = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n64 = n.to(tl.int64)
     dt = out_ptr.dtype.element_ty
-    y = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for slot in tl.static_range(TOP_K):
-        pair = t * TOP_K + slot
-        e64 = tl.load(ids_ptr + pair).to(tl.int64)
-        a_row = act_ptr + pair.to(tl.int64) * stride_act
-        if PACKED:
-            w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
-            s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
-            acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
-            for g0 in range(0, INTER // 32, GB):  # as the gate-up kernel's K loop
-                f = 4 * g0 + tl.arange(0, 4 * GB)
-                f_ok = f < INTER // 8
-                words = tl.load(w_rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
-                x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(a_row, f[None, :], f_ok[None, :], INTER, GB)
-                g = g0 + tl.arange(0, GB)
-                sc = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & (g < INTER // 32)[None, :], other=0)
-                acc += _word_dots(tl.reshape(words, [BLOCK_N, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7
-                                  ) * _group_scale(sc)  # fmt: skip
-            r = tl.sum(acc, axis=1)
-        else:
-            kk = tl.arange(0, GB)
-            acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
-            for k0 in range(0, INTER, GB):
-                k = k0 + kk
-                k_ok = k < INTER
-                xv = tl.load(a_row + _plane_offsets(k, INTER), mask=k_ok, other=0.0)
-                wv = tl.load(w_ptr + e64 * stride_we + n64[:, None] * stride_wn + k[None, :],
-                             mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                acc += wv.to(tl.float32) * xv[None, :]
-            r = tl.sum(acc, axis=1)
-        r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
-        # HF rounds each expert's output before weighting it
-        y += tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
+    pair = t * TOP_K + slot
+    e64 = tl.load(ids_ptr + pair).to(tl.int64)
+    a_row = act_ptr + pair.to(tl.int64) * stride_act
+    if PACKED:
+        w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
+        s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
+        acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
+        for g0 in range(0, INTER // 32, GB):  # as the gate-up kernel's K loop
+            f = 4 * g0 + tl.arange(0, 4 * GB)
+            f_ok = f < INTER // 8
+            words = tl.load(w_rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(a_row, f[None, :], f_ok[None, :], INTER, GB)
+            g = g0 + tl.arange(0, GB)
+            sc = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & (g < INTER // 32)[None, :], other=0)
+            acc += _word_dots(tl.reshape(words, [BLOCK_N, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7
+                              ) * _group_scale(sc)  # fmt: skip
+        r = tl.sum(acc, axis=1)
+    else:
+        kk = tl.arange(0, GB)
+        acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
+        for k0 in range(0, INTER, GB):
+            k = k0 + kk
+            k_ok = k < INTER
+            xv = tl.load(a_row + _plane_offsets(k, INTER), mask=k_ok, other=0.0)
+            wv = tl.load(w_ptr + e64 * stride_we + n64[:, None] * stride_wn + k[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            acc += wv.to(tl.float32) * xv[None, :]
+        r = tl.sum(acc, axis=1)
+    r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
+    # HF rounds each expert's output before weighting it
+    tl.store(part_ptr + pair.to(tl.int64) * N + n64, tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32), mask=n_ok)
+    tl.debug_barrier()  # every thread's term is stored before the counter moves
+    arrived = tl.atomic_add(count_ptr + t * tl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:  # the last one: every term is visible (acquire); add them in slot order
+        y = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(TOP_K):
+            y += tl.load(part_ptr + (t * TOP_K + s).to(tl.int64) * N + n64, mask=n_ok, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+        tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
+        tl.atomic_xchg(count_ptr + t * tl.num_programs(0) + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -480,6 +488,21 @@ def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Te
     return w.view(torch.int32), stride_we // 4
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The down GEMV's per-(token, row block) arrival counters: zeros, made once per device outside any CUDA graph
+    (each kernel leaves them zero again, so graph replays find them so too)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+              "fused_moe: run the batch-1 MoE once before capturing a CUDA graph (it allocates its counters)")
+        have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
+
+
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (expert ids [T, top_k] int32, weights [T, top_k] float32), as reference.moe_route."""
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
@@ -571,8 +594,10 @@ def fused_moe(
             float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
             BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, num_warps=1,
         )  # fmt: skip
-        _down_gemv_kernel[(triton.cdiv(h, GEMV_DOWN_ROWS), t)](
-            act_p, ids, wts, gw2, s2, down_bias, out,
+        part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
+        blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
+        _down_gemv_kernel[(blocks, t, top_k)](
+            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, t * blocks), out,
             act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
             PACKED=packed2, num_warps=1,

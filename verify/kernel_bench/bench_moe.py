@@ -91,8 +91,10 @@ def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1,
 
 
 def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None):
-    return M._down_gemv_kernel[(triton.cdiv(H, rows), out.shape[0])](
-        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, out,
+    blocks = triton.cdiv(H, rows)
+    part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
+    return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
+        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, blocks), out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
         out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
         num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
@@ -217,12 +219,10 @@ def main() -> None:
                     rows.append({"name": name, "error": str(exc)[:300]})
                     print(f"  {name}: {str(exc)[:200]}", flush=True)
 
-        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
-            (4, 1, None), (2, 1, None), (1, 1, None), (8, 1, None), (4, 1, 96), (4, 1, 80), (2, 1, 64), (8, 1, 128))]
+        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in ((8, 1, None), (4, 1, None), (16, 1, None))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
               TOP_K * gu_b, acts[0])
-        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in (
-            (4, 1, None), (2, 1, None), (1, 1, None), (8, 1, None), (4, 1, 96), (2, 1, 64), (8, 1, 128))]
+        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in ((4, 1, None), (2, 1, None), (8, 1, None), (16, 1, None))]
         sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
