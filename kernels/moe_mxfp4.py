@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from envex.kernels import mxfp4
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
@@ -168,6 +168,7 @@ def _gate_up_gemv_kernel(
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -177,6 +178,9 @@ def _gate_up_gemv_kernel(
     16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
     thread, and the 8 inputs of each of its words come as 8 tiles of the words' own shape and layout (one 16-byte
     load each), so no value changes threads. Float: w [E, 2I, K]."""
+    if USE_PDL:  # everything here depends on the previous kernels: wait at once, let the next one launch
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
     t = pair // TOP_K
@@ -240,13 +244,16 @@ def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
     pair's act planes (as the gate-up kernel). Each program stores its weighted term in part [pairs, N]; the last
     of a token's TOP_K programs to finish (an acq_rel counter, reset by that program for the next launch) adds the
     TOP_K terms in slot order: no float atomics, the same sum whatever order the programs ran in."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
     slot = tl.program_id(2)
@@ -555,6 +562,8 @@ def fused_moe(
     alpha: float,
     limit: float,
     gemv_max_rows: int = GEMV_MAX_ROWS,
+    x_planes: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Σ_k softmax-weighted down(swiglu(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
     dtype: reference.moe_route followed by reference.moe_experts. x [T, H] (normed); logits [T, E]; gate_up
@@ -582,9 +591,13 @@ def fused_moe(
     if t <= gemv_max_rows and h % 8 == 0 and inter % 8 == 0:
         ids = torch.empty(pairs_n, dtype=torch.int32, device=x.device)
         wts = torch.empty(pairs_n, dtype=torch.float32, device=x.device)
-        xp = torch.empty((t, h), dtype=torch.float32, device=x.device)  # x as planes (_plane_loads)
+        xp = x_planes  # x as planes (_plane_loads), from norm.norm_planes where the caller has them
+        if xp is None:
+            xp = torch.empty((t, h), dtype=torch.float32, device=x.device)
+            _planes_kernel[(t,)](x, xp, x.stride(0), xp.stride(0), K=h, BLOCK=min(next_pow2(h), 1024), num_warps=4)
+        check(xp.shape == (t, h) and xp.dtype == torch.float32 and xp.stride(1) == 1,
+              f"x_planes: {tuple(xp.shape)} {xp.dtype} is not x's [{t}, {h}] as contiguous float32 planes")  # fmt: skip
         act_p = torch.empty((pairs_n, inter), dtype=torch.float32, device=x.device)
-        _planes_kernel[(t,)](x, xp, x.stride(0), xp.stride(0), K=h, BLOCK=min(next_pow2(h), 1024), num_warps=4)
         gw1, gwe1 = _gemv_words(w1, we1, packed1)
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
@@ -592,7 +605,8 @@ def fused_moe(
             xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
             xp.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act_p.stride(0),
             float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
-            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, num_warps=1,
+            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl, num_warps=1,
+            **pdl_launch(pdl),
         )  # fmt: skip
         part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
@@ -600,7 +614,7 @@ def fused_moe(
             act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, t * blocks), out,
             act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
-            PACKED=packed2, num_warps=1,
+            PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )  # fmt: skip
         return out
     act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)

@@ -10,16 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_launch
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    H, stride_x, stride_res, stride_out, stride_sum, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr,
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, planes_ptr,
+    H, stride_x, stride_res, stride_out, stride_sum, stride_planes, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
@@ -34,7 +37,10 @@ def _rms_norm_kernel(
     # HF casts x·rstd back to the input dtype before multiplying by the weight; keep that rounding step.
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (normed * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
+    if PLANES:  # also as float32 planes: input c + 8j at c·(H/8) + j (the MoE GEMV's input layout, moe_mxfp4)
+        tl.store(planes_ptr + row * stride_planes + (cols % 8) * (H // 8) + cols // 8, y.to(tl.float32), mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -60,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block_h = next_pow2(x.shape[1])
     _rms_norm_kernel[(x.shape[0],)](
-        x, x, weight, out, out, x.shape[1], x.stride(0), 0, out.stride(0), 0, float(eps),
+        x, x, weight, out, out, out, x.shape[1], x.stride(0), 0, out.stride(0), 0, 0, float(eps),
         HAS_RESIDUAL=False, BLOCK_H=block_h, num_warps=_num_warps(block_h),
     )  # fmt: skip
     return out
@@ -77,7 +83,29 @@ def add_rms_norm(
         return out, total
     block_h = next_pow2(x.shape[1])
     _rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, out, total, x.shape[1], x.stride(0), residual.stride(0), out.stride(0),
-        total.stride(0), float(eps), HAS_RESIDUAL=True, BLOCK_H=block_h, num_warps=_num_warps(block_h),
+        x, residual, weight, out, total, out, x.shape[1], x.stride(0), residual.stride(0), out.stride(0),
+        total.stride(0), 0, float(eps), HAS_RESIDUAL=True, BLOCK_H=block_h, num_warps=_num_warps(block_h),
     )  # fmt: skip
     return out, total
+
+
+def norm_planes(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
+                pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(rms_norm(x + residual), x + residual, the normed rows again as float32 planes) in one launch: the MoE
+    GEMV's input layout (moe_mxfp4: input c + 8j of a row at c·(H/8) + j). residual None: x alone is normed and
+    returned as the sum. pdl: programmatic dependent launch (waits on the previous kernel before reading)."""
+    _check(x, weight, residual)
+    check(x.shape[1] % 8 == 0, f"x: hidden size {x.shape[1]} must be a multiple of 8 for the plane layout")
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    planes = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    if x.shape[0] == 0:
+        return out, total, planes
+    block_h = next_pow2(x.shape[1])
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(x.shape[0],)](
+        x, res, weight, out, total, planes, x.shape[1], x.stride(0), res.stride(0), out.stride(0), total.stride(0),
+        planes.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, PLANES=True, USE_PDL=pdl,
+        num_warps=_num_warps(block_h), **pdl_launch(pdl),
+    )  # fmt: skip
+    return out, total, planes

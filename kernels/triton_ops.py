@@ -136,14 +136,19 @@ class TritonOps:
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if self.deterministic:
             raise ValueError(NO_INVARIANT_MOE)
-        if residual is None:
-            h, residual = norm.rms_norm(x, norm_weight, eps), x
+        planes = None
+        if x.shape[0] <= moe_mxfp4.GEMV_MAX_ROWS and x.shape[1] % 8 == 0:  # the GEMV path: its input planes too
+            pdl = self.pdl and x.shape[0] == 1
+            h, residual, planes = norm.norm_planes(x, residual, norm_weight, eps, pdl=pdl)
+        elif residual is None:
+            pdl, (h, residual) = False, (norm.rms_norm(x, norm_weight, eps), x)
         else:
-            h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
+            pdl, (h, residual) = False, norm.add_rms_norm(x, residual, norm_weight, eps)
         logits = self.linear(h, router_weight, router_bias)  # [T, E]
         out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
-                                  down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit)
+                                  down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,
+                                  x_planes=planes, pdl=pdl)  # fmt: skip
         return out, residual
 
     # ---- deterministic mode: the same kernels and launch shapes for every batch ----------------------------

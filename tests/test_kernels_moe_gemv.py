@@ -76,11 +76,11 @@ def build(fn, args, consts, warps):
     ptx = k.asm["ptx"]
     return {"v4": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)), "cvt": ptx.count("cvt.f32.f16"),
             "local": len(re.findall(r"(?:ld|st)\.local", ptx)), "wgmma": "wgmma.mma_async" in ptx,
-            "lds": len(re.findall(r"ld\.shared", ptx))}
+            "lds": len(re.findall(r"ld\.shared", ptx)), "pdl": "griddepcontrol.wait" in ptx}
 
 w = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16")
 st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
-gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True)
+gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True)
 out = {
     "gate_up": build(m._gate_up_gemv_kernel, dict(xp_ptr="*fp32", logits_ptr="*bf16", ids_ptr="*i32", wts_ptr="*fp32",
                      **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st, stride_act="i32", alpha="fp32",
@@ -89,7 +89,7 @@ out = {
     "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
                   count_ptr="*i32", out_ptr="*bf16",
                   stride_act="i32", **st, stride_o="i32"), dict(N=2880, INTER=2880, TOP_K=4,
-                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True), 1),
+                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True), 1),
     "down_grouped": build(m._down_grouped_kernel, dict(act_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
                           wts_ptr="*fp32", **w, out_ptr="*fp32", stride_act="i32", **st, stride_sn="i32",
                           stride_o="i32"), dict(N=2880, INTER=2880, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128,
@@ -104,5 +104,6 @@ def test_the_moe_kernels_compile_for_hopper() -> None:
     assert got["gate_up"]["v4"] >= 8 and got["down"]["v4"] >= 8, got  # a 16-byte group per row and thread
     assert got["gate_up"]["cvt"] >= 128 and got["down"]["cvt"] >= 128, got  # every half widened in PTX
     assert not any(k["local"] for k in got.values()), got
+    assert got["gate_up"]["pdl"] and got["down"]["pdl"], got  # batch 1 launches them as dependents
     assert got["gate_up"]["lds"] <= 2 and got["down"]["lds"] <= 2, got  # the epilogue's at most, none in the loop
     assert got["down_grouped"]["wgmma"], got

@@ -69,3 +69,23 @@ def test_silu_and_mul(dtype: torch.dtype, tokens: int, inter: int) -> None:
 def test_silu_and_mul_rejects_odd_width() -> None:
     with pytest.raises(ValueError, match="must be even"):
         activation.silu_and_mul(torch.randn(2, 7, device=DEV))
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_norm_planes_gives_the_norm_and_its_plane_layout(with_residual: bool) -> None:
+    # The MoE GEMV's input: the same normed rows (bit for bit) and sum as add_rms_norm, plus the rows as float32
+    # planes, input c + 8j at c·(H/8) + j.
+    x = torch.randn(3, 96, device=DEV).to(torch.bfloat16) * 3
+    res = torch.randn(3, 96, device=DEV).to(torch.bfloat16) if with_residual else None
+    w = torch.randn(96, device=DEV).to(torch.bfloat16)
+    out, total, planes = norm.norm_planes(x, res, w, 1e-5)
+    want, want_total = norm.add_rms_norm(x, res, w, 1e-5) if with_residual else (norm.rms_norm(x, w, 1e-5), x)
+    assert torch.equal(out, want) and torch.equal(total, want_total)
+    assert planes.dtype == torch.float32
+    assert torch.equal(planes, out.float().reshape(3, 12, 8).transpose(1, 2).reshape(3, 96))
+
+
+def test_norm_planes_refuses_a_width_that_is_not_a_multiple_of_8() -> None:
+    x = torch.randn(1, 100, device=DEV)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        norm.norm_planes(x, None, torch.ones(100, device=DEV), 1e-5)
