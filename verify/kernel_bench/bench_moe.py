@@ -219,10 +219,12 @@ def main() -> None:
                     rows.append({"name": name, "error": str(exc)[:300]})
                     print(f"  {name}: {str(exc)[:200]}", flush=True)
 
-        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in ((8, 1, None), (4, 1, None), (16, 1, None))]
+        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
+            (8, 1, None), (4, 1, None), (8, 1, 112), (8, 1, 104), (8, 1, 96), (4, 1, 104), (4, 1, 96), (4, 1, 80))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
               TOP_K * gu_b, acts[0])
-        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in ((4, 1, None), (2, 1, None), (8, 1, None), (16, 1, None))]
+        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in (
+            (4, 1, None), (8, 1, None), (8, 1, 96), (8, 1, 80), (4, 1, 64))]
         sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
