@@ -41,7 +41,7 @@ GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used exp
 # down programs GEMV_DOWN_ROWS output rows of one token for all its top_k experts at once.
 GEMV_GROUPS = 32
 GEMV_PAIRS = 8
-GEMV_DOWN_ROWS = 4
+GEMV_DOWN_ROWS = 8
 GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 
 
