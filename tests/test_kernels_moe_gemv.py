@@ -59,8 +59,8 @@ def test_gemv_decodes_every_code_in_every_nibble() -> None:
 # Compiles the MoE kernels for Hopper (sm_90) with Triton's own ptxas, no GPU needed, in a process without the
 # interpreter (which runs _e2m1_pair's tensor form, not its inline PTX), every stride a multiple of 16 as Triton's
 # launcher specializes gpt-oss's. Per kernel: 16-byte weight and input-plane loads, the PTX widening of both
-# halves, no local memory (spills), no shared-memory layout conversion in the GEMVs' K loop (weights and inputs share one
-# layout: kernels/NOTES.md), and the grouped prefill tile on wgmma.
+# halves, no local memory (spills), no shared-memory layout conversion in the GEMVs' K loop (weights and inputs
+# share one layout: kernels/NOTES.md), PDL, and the grouped prefill tile on wgmma.
 _AOT = r"""
 import json, re
 import triton
