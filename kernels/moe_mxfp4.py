@@ -46,7 +46,6 @@ GEMV_GROUPS = 32
 GEMV_PAIRS = 8
 GEMV_DOWN_ROWS = 8
 GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
-GEMV_KSPLIT = 3  # K ranges a GEMV tile is split into (one 32-group step each at gpt-oss's K = 2880)
 
 
 @triton.jit
@@ -168,11 +167,11 @@ def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: t
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr, part_ptr, count_ptr,
+    xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    KSPLIT: tl.constexpr = 1, SPLIT_K: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -181,17 +180,12 @@ def _gate_up_gemv_kernel(
     PACKED: w is the expert blocks viewed as int32 words [E, 2I, K/8] (four words = one 32-value group, one
     16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
     thread, and the 8 inputs of each of its words come as 8 tiles of the words' own shape and layout (one 16-byte
-    load each), so no value changes threads. Float: w [E, 2I, K].
-
-    KSPLIT > 1: program_id(2) takes inputs [ks·SPLIT_K, (ks + 1)·SPLIT_K) and stores its partial sums in part
-    [pairs, KSPLIT, 2I]; the last of the KSPLIT programs of a tile to arrive (_arrive) adds them in split order and
-    finishes the tile: more programs in flight, the same sum whatever order they ran in."""
+    load each), so no value changes threads. Float: w [E, 2I, K]."""
     if USE_PDL:  # everything here depends on the previous kernels: wait at once, let the next one launch
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
-    ks = tl.program_id(2)
     t = pair // TOP_K
     slot = pair % TOP_K
     top_i, top_w = _topk_softmax(logits_ptr, t, stride_l, E, TOP_K, BLOCK_E, BLOCK_TK)
@@ -200,7 +194,7 @@ def _gate_up_gemv_kernel(
     w_slot = tl.sum(tl.where(kk == slot, top_w, 0.0), axis=0)
     # One program per pair publishes the routing for the down kernel (a vector store with one live lane: a bound
     # rather than `& (pid_n == 0)`, as the interpreter rejects masks built from scalar booleans).
-    publish = kk < tl.where(pid_n + ks == 0, 1, 0)
+    publish = kk < tl.where(pid_n == 0, 1, 0)
     tl.store(ids_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.int32) + e, mask=publish)
     tl.store(wts_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.float32) + w_slot, mask=publish)
 
@@ -217,8 +211,7 @@ def _gate_up_gemv_kernel(
         # coalescing gives one 16-byte vector a thread along the warp for both, whatever its tie-breaking, so the
         # reshape to [rows, GB, 4] leaves weights and inputs in one layout and no value changes threads.
         acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
-        for gi in range(0, SPLIT_K // 32, GB):  # a loop, not unrolled: the code stays in the icache
-            g0 = ks * (SPLIT_K // 32) + gi  # constant bounds: one step a split folds the loop away
+        for g0 in range(0, K // 32, GB):  # a loop, not unrolled: the code stays in the instruction cache
             f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
             f_ok = f < K // 8
             words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
@@ -231,43 +224,15 @@ def _gate_up_gemv_kernel(
     else:
         kk2 = tl.arange(0, GB)
         acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
-        for ki in range(0, SPLIT_K, GB):
-            k = ks * SPLIT_K + ki + kk2
+        for k0 in range(0, K, GB):
+            k = k0 + kk2
             k_ok = k < K
             xv = tl.load(x_base + _plane_offsets(k, K), mask=k_ok, other=0.0)
             wv = tl.load(w_ptr + e64 * stride_we + r64[:, None] * stride_wn + k[None, :],
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
             acc += wv * xv[None, :]
         y = tl.sum(acc, axis=1)
-    if KSPLIT == 1:
-        _gate_up_finish(y, b_ptr, act_ptr, e64, rows, row_ok, pair, pid_n, stride_be, stride_act, alpha, limit,
-                        INTER, BLOCK_I)  # fmt: skip
-    else:
-        part_rows = part_ptr + (pair * KSPLIT).to(tl.int64) * (2 * INTER) + r64
-        tl.store(part_rows + ks * (2 * INTER), y, mask=row_ok)
-        count = count_ptr + pair * tl.num_programs(0) + pid_n
-        if _arrive(count, KSPLIT):
-            y = tl.zeros([2 * BLOCK_I], dtype=tl.float32)
-            for s in tl.static_range(KSPLIT):
-                y += tl.load(part_rows + s * (2 * INTER), mask=row_ok, other=0.0, cache_modifier=".cg")
-            _gate_up_finish(y, b_ptr, act_ptr, e64, rows, row_ok, pair, pid_n, stride_be, stride_act, alpha, limit,
-                            INTER, BLOCK_I)  # fmt: skip
-            tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-
-
-@triton.jit
-def _arrive(count_ptr, n: tl.constexpr):
-    """True in the last of the n programs that call this on count_ptr: every store the others made before calling
-    is visible to it (a barrier, then one acq_rel increment). That program resets the counter itself."""
-    tl.debug_barrier()  # every thread's stores are issued before the counter moves
-    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == n - 1
-
-
-@triton.jit
-def _gate_up_finish(y, b_ptr, act_ptr, e64, rows, row_ok, pair, pid_n, stride_be, stride_act, alpha, limit,
-                    INTER: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
-    """Bias, then HF's rounding of the projection to the activation dtype, the SwiGLU, its rounding, and the
-    activations stored as float32 planes for the down kernel."""
+    # HF rounds the projection (bias included) to the activation dtype before the SwiGLU, and its result too.
     dt = b_ptr.dtype.element_ty
     y = (y + tl.load(b_ptr + e64 * stride_be + rows, mask=row_ok, other=0.0).to(tl.float32)).to(dt)
     g_val, u_val = tl.split(tl.reshape(y, [BLOCK_I, 2]))
@@ -282,21 +247,19 @@ def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, KSPLIT: tl.constexpr = 1, SPLIT_K: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
-    n. One warp a (rows, token, slot, K split): BLOCK_N rows of the slot's expert over inputs [ks·SPLIT_K,
-    (ks + 1)·SPLIT_K), from that pair's act planes (as the gate-up kernel), its partial sums stored in part
-    [pairs · KSPLIT, N]. The last of a token's TOP_K · KSPLIT programs to arrive (_arrive) adds each slot's splits
-    in order, its bias, HF's rounding and weight, and the slots in order: no float atomics, the same sum whatever
-    order the programs ran in."""
+    n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
+    pair's act planes (as the gate-up kernel). Each program stores its weighted term in part [pairs, N]; the last
+    of a token's TOP_K programs to finish (an acq_rel counter, reset by that program for the next launch) adds the
+    TOP_K terms in slot order: no float atomics, the same sum whatever order the programs ran in."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     t = tl.program_id(1)
-    slot = tl.program_id(2) // KSPLIT
-    ks = tl.program_id(2) % KSPLIT
+    slot = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n64 = n.to(tl.int64)
@@ -308,8 +271,7 @@ def _down_gemv_kernel(
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
         acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
-        for gi in range(0, SPLIT_K // 32, GB):  # as the gate-up kernel's K loop
-            g0 = ks * (SPLIT_K // 32) + gi
+        for g0 in range(0, INTER // 32, GB):  # as the gate-up kernel's K loop
             f = 4 * g0 + tl.arange(0, 4 * GB)
             f_ok = f < INTER // 8
             words = tl.load(w_rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
@@ -322,29 +284,26 @@ def _down_gemv_kernel(
     else:
         kk = tl.arange(0, GB)
         acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
-        for ki in range(0, SPLIT_K, GB):
-            k = ks * SPLIT_K + ki + kk
+        for k0 in range(0, INTER, GB):
+            k = k0 + kk
             k_ok = k < INTER
             xv = tl.load(a_row + _plane_offsets(k, INTER), mask=k_ok, other=0.0)
             wv = tl.load(w_ptr + e64 * stride_we + n64[:, None] * stride_wn + k[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             acc += wv.to(tl.float32) * xv[None, :]
         r = tl.sum(acc, axis=1)
-    tl.store(part_ptr + (pair * KSPLIT + ks).to(tl.int64) * N + n64, r, mask=n_ok)
-    count = count_ptr + t * tl.num_programs(0) + pid_n
-    if _arrive(count, TOP_K * KSPLIT):  # the last one: every partial sum is visible (acquire)
+    r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
+    # HF rounds each expert's output before weighting it
+    tl.store(part_ptr + pair.to(tl.int64) * N + n64, tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32), mask=n_ok)
+    tl.debug_barrier()  # every thread's term is stored before the counter moves
+    arrived = tl.atomic_add(count_ptr + t * tl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:  # the last one: every term is visible (acquire); add them in slot order
         y = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for sl in tl.static_range(TOP_K):
-            p = t * TOP_K + sl
-            r = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for s in tl.static_range(KSPLIT):
-                r += tl.load(part_ptr + (p * KSPLIT + s).to(tl.int64) * N + n64, mask=n_ok, other=0.0,
-                             cache_modifier=".cg")  # fmt: skip
-            e_sl = tl.load(ids_ptr + p).to(tl.int64)
-            r += tl.load(b_ptr + e_sl * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
-            y += tl.load(wts_ptr + p) * r.to(dt).to(tl.float32)  # HF rounds each expert's output, then weights it
+        for s in tl.static_range(TOP_K):
+            y += tl.load(part_ptr + (t * TOP_K + s).to(tl.int64) * N + n64, mask=n_ok, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
         tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
-        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+        tl.atomic_xchg(count_ptr + t * tl.num_programs(0) + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -542,15 +501,9 @@ def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Te
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
-def _split(k: int, splits: int, step: int) -> tuple[int, int]:
-    """(programs, inputs each) splitting k inputs into at most `splits` ranges of whole steps."""
-    each = triton.cdiv(triton.cdiv(k, splits), step) * step
-    return triton.cdiv(k, each), each
-
-
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The GEMV path's arrival counters (_arrive): zeros, made once per device outside any CUDA graph and sized for
-    GEMV_MAX_ROWS tokens (each kernel leaves them zero again, so graph replays find them so too)."""
+    """The down GEMV's per-(token, row block) arrival counters: zeros, made once per device outside any CUDA graph
+    (each kernel leaves them zero again, so graph replays find them so too)."""
     have = _COUNTERS.get(device)
     if have is None or have.numel() < n:
         check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
@@ -651,25 +604,20 @@ def fused_moe(
         gw1, gwe1 = _gemv_words(w1, we1, packed1)
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
-        gb2 = GEMV_GROUPS if packed2 else GEMV_FLOAT_K
-        split1, split2 = _split(h, GEMV_KSPLIT, 32 * gb1 if packed1 else gb1), _split(inter, GEMV_KSPLIT,
-                                                                                   32 * gb2 if packed2 else gb2)
-        up_blocks, down_blocks = triton.cdiv(inter, GEMV_PAIRS), triton.cdiv(h, GEMV_DOWN_ROWS)
-        counts = _arrival_counters(x.device, GEMV_MAX_ROWS * (top_k * up_blocks + down_blocks))
-        up_part = torch.empty((pairs_n, split1[0], 2 * inter), dtype=torch.float32, device=x.device)
-        _gate_up_gemv_kernel[(up_blocks, pairs_n, split1[0])](
-            xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p, up_part, counts,
+        _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
+            xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
             xp.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act_p.stride(0),
             float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
-            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, KSPLIT=split1[0],
-            SPLIT_K=split1[1], USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
+            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl, num_warps=1,
+            **pdl_launch(pdl),
         )  # fmt: skip
-        part = torch.empty((pairs_n * split2[0], h), dtype=torch.float32, device=x.device)
-        _down_gemv_kernel[(down_blocks, t, top_k * split2[0])](
-            act_p, ids, wts, gw2, s2, down_bias, part, counts[GEMV_MAX_ROWS * top_k * up_blocks:], out,
+        part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
+        blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
+        _down_gemv_kernel[(blocks, t, top_k)](
+            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, t * blocks), out,
             act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
-            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=gb2, PACKED=packed2, KSPLIT=split2[0],
-            SPLIT_K=split2[1], USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
+            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
+            PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )  # fmt: skip
         return out
     act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)

@@ -80,17 +80,16 @@ def build(fn, args, consts, warps):
 
 w = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16")
 st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
-gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, KSPLIT=3, SPLIT_K=1024, USE_PDL=True)
+gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True)
 out = {
     "gate_up": build(m._gate_up_gemv_kernel, dict(xp_ptr="*fp32", logits_ptr="*bf16", ids_ptr="*i32", wts_ptr="*fp32",
-                     **w, act_ptr="*fp32", part_ptr="*fp32", count_ptr="*i32", stride_xp="i32", stride_l="i32", **st, stride_act="i32", alpha="fp32",
+                     **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st, stride_act="i32", alpha="fp32",
                      limit="fp32"), dict(K=2880, INTER=2880, E=128, TOP_K=4, BLOCK_E=128, BLOCK_I=m.GEMV_PAIRS,
                      **gemv), 1),
     "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
                   count_ptr="*i32", out_ptr="*bf16",
                   stride_act="i32", **st, stride_o="i32"), dict(N=2880, INTER=2880, TOP_K=4,
-                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, KSPLIT=3, SPLIT_K=1024,
-                  USE_PDL=True), 1),
+                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True), 1),
     "down_grouped": build(m._down_grouped_kernel, dict(act_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
                           wts_ptr="*fp32", **w, out_ptr="*fp32", stride_act="i32", **st, stride_sn="i32",
                           stride_o="i32"), dict(N=2880, INTER=2880, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128,
@@ -108,21 +107,3 @@ def test_the_moe_kernels_compile_for_hopper() -> None:
     assert got["gate_up"]["pdl"] and got["down"]["pdl"], got  # batch 1 launches them as dependents
     assert got["gate_up"]["lds"] <= 2 and got["down"]["lds"] <= 2, got  # the epilogue's at most, none in the loop
     assert got["down_grouped"]["wgmma"], got
-
-
-@pytest.mark.parametrize("packed", [True, False])
-def test_gemv_k_splits_add_up_in_a_fixed_order(packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both GEMVs split K over GEMV_KSPLIT programs whose partial sums the last to arrive adds (_arrive): with
-    4-group steps (packed) or 128-input steps (float), the gate-up's K = 416 is 3 or 2 ranges and the down's
-    K = 160 two, the last one short.
-    Against float64, and the same bits again on a second call (the counters were left at zero)."""
-    if packed:
-        monkeypatch.setattr("envex.kernels.moe_mxfp4.GEMV_GROUPS", 4)
-    e, h, inter, top_k = 5, 416, 160, 4
-    weights, f64 = _experts(e, h, inter, packed=packed, seed=3, spread_scales=packed)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(1, h, generator=g).to(torch.bfloat16).to(DEV)
-    logits = torch.randn(1, e, generator=g).to(torch.bfloat16).to(DEV)
-    out = _moe(x, logits, top_k, weights)
-    assert_close(f"moe gemv k-split packed={packed}", out, _expected(x, logits, top_k, f64), torch.bfloat16)
-    assert torch.equal(_moe(x, logits, top_k, weights), out)

@@ -10,8 +10,8 @@ magnitudes) and its router, timed in CUDA graphs (kernels/NOTES.md, "gpt-oss"):
   (the weights come from HBM), "hot" repeats one input (its 4 experts' 53 MB mostly stay in the 50 MB L2, so the
   time is close to the kernel's issue time);
 - a streaming read of exactly the 4 chosen experts' bytes (the floor for those bytes on this GPU);
-- --variants: the two GEMV kernels over their rows a program and K splits, with the registers and spills ptxas
-  gave and the largest difference from the default tile's result;
+- --variants: the two GEMV kernels over their rows a program and register caps (maxnreg), with the registers and
+  spills ptxas gave and the largest difference from the default tile's result;
 - --ncu-pass: no timing; each kernel launched a few times for `ncu` (the device command wraps the script).
 """
 
@@ -32,7 +32,6 @@ from envex.kernels import mxfp4
 from envex.kernels._common import next_pow2
 
 E, H, INTER, TOP_K = 128, 2880, 2880, 4
-COUNTS: torch.Tensor  # the kernels' arrival counters (main makes them: 4 tokens of gate-up tiles, then down's)
 
 
 @triton.jit
@@ -80,29 +79,25 @@ def planes(x: torch.Tensor) -> torch.Tensor:
     return xp
 
 
-def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, ksplit=M.GEMV_KSPLIT, warps=1, maxnreg=None):
+def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None):
     """xp: the input as planes (M._planes_kernel); act: float32 planes [T · top_k, I]."""
-    blocks = triton.cdiv(INTER, pairs)
-    splits, each = M._split(H, ksplit, 32 * M.GEMV_GROUPS)
-    part = torch.empty(xp.shape[0] * TOP_K, splits, 2 * INTER, dtype=torch.float32, device=xp.device)
-    return M._gate_up_gemv_kernel[(blocks, xp.shape[0] * TOP_K, splits)](
-        xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act, part, COUNTS[:4 * TOP_K * 1440],
+    return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), xp.shape[0] * TOP_K)](
+        xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
         xp.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
         L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
-        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, KSPLIT=splits, SPLIT_K=each,
-        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, num_warps=warps,
+        **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
-def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, ksplit=M.GEMV_KSPLIT, warps=1, maxnreg=None):
+def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None):
     blocks = triton.cdiv(H, rows)
-    splits, each = M._split(INTER, ksplit, 32 * M.GEMV_GROUPS)
-    part = torch.empty(out.shape[0] * TOP_K * splits, H, dtype=torch.float32, device=out.device)
-    return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K * splits)](
-        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, COUNTS[4 * TOP_K * 1440:], out,
+    part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
+    return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
+        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, blocks), out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
-        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True, KSPLIT=splits,
-        SPLIT_K=each, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
+        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -117,8 +112,6 @@ def main() -> None:
     from envex.verify.kernel_bench import _bench_lib as B
 
     dev = torch.device("cuda")
-    global COUNTS
-    COUNTS = torch.zeros(4 * TOP_K * 1440 + 4 * 2880, dtype=torch.int32, device=dev)
     torch.manual_seed(0)
     L = Layer(dev)
     ops = TritonOps(pdl=True)
@@ -226,10 +219,12 @@ def main() -> None:
                     rows.append({"name": name, "error": str(exc)[:300]})
                     print(f"  {name}: {str(exc)[:200]}", flush=True)
 
-        gu = [dict(pairs=p, ksplit=k) for p, k in ((8, 3), (8, 1), (4, 3), (4, 1), (8, 2), (16, 3))]
+        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
+            (8, 1, None), (4, 1, None), (8, 1, 112), (8, 1, 104), (8, 1, 96), (4, 1, 104), (4, 1, 96), (4, 1, 80))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
               TOP_K * gu_b, acts[0])
-        dn = [dict(rows=n, ksplit=k) for n, k in ((8, 3), (8, 1), (4, 3), (4, 1), (16, 3), (8, 2))]
+        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in (
+            (4, 1, None), (8, 1, None), (8, 1, 96), (8, 1, 80), (4, 1, 64))]
         sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
