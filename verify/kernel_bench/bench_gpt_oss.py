@@ -2,7 +2,7 @@
 profile of one layer, and speed and memory of the whole model through the OpenAI server on dummy weights.
 
     python3 -m envex.verify.kernel_bench.bench_gpt_oss --out $OUT --commit C \\
-        [--sections check,noise,check32,profile,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
+        [--sections check,noise,check32,profile,attn131k,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
 
 Sections, in this order, each written to gpt_oss.json as soon as it is done:
 
@@ -19,6 +19,8 @@ Sections, in this order, each written to gpt_oss.json as soon as it is done:
 - profile: the same model at batch 1 with 1K tokens of context, each Ops entry point of a window layer and of a
   full layer timed alone in a CUDA graph (inputs and weights rotated so they come from HBM, not L2) against the
   bytes it must read;
+- attn131k: one full-attention layer's decode at batch 1 over 131,072 cached keys, over key-split counts and
+  tiles, against the bytes of K and V (the 131K case's attention share);
 - server: gpt-oss-120b (bench_server's "gpt-oss-120b" shape) on dummy weights (`load_format=dummy`: random packed
   experts made on the GPU, ~65 GB) behind `envex.runtime.server.serve`, driven by bench_server's streaming client:
   b1_1k (batch 1, 1K prompt, 256 out), c32_2k (32 concurrent 2K/256), b1_131k (batch 1, 130,560-token prompt, 512
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -340,6 +343,55 @@ def profile_layers(engine: Any, *, context: int = 1024, rotations: int = 8) -> l
     return rows
 
 
+def long_decode_attention(bw: float, *, keys: int = 131072) -> dict[str, Any]:
+    """A full-attention layer's decode at batch 1 over `keys` cached keys (gpt-oss's 8 KV heads of 64, 64 query
+    heads, sinks): decode_attention_fused as the engine launches it (key splits merged by a second launch), over
+    split counts and tiles, against the bytes of K and V."""
+    from envex.kernels import attention, decode_attention
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    hq, hkv, d, page = 64, 8, 64, 16
+    blocks = -(-(keys + 1) // page)
+    kc = torch.randn(blocks, page, hkv, d, device=dev, dtype=dt)
+    vc = torch.randn(blocks, page, hkv, d, device=dev, dtype=dt)
+    table = torch.randperm(blocks, device=dev).to(torch.int32)[None]
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, device=dev, dtype=dt)
+    pos = torch.tensor([keys], device=dev)
+    slot = (table[0, keys // page].long() * page + keys % page)[None]
+    half = torch.arange(d // 2, device=dev) / (d // 2)
+    ang = torch.arange(keys + 1, device=dev)[:, None].float() * 10000.0 ** -half[None]
+    cos, sin = ang.cos(), ang.sin()
+    sinks = torch.randn(hq, device=dev)
+    nbytes = 2 * keys * hkv * d * 2
+    default = attention.choose_num_splits(1, hkv, keys + 1, dev)
+    rows: list[dict[str, Any]] = []
+
+    def attend(_i: int, *, sp: int, bn: int, st: int, w: int) -> torch.Tensor:
+        return decode_attention.decode_attention_fused(
+            qkv, pos, slot, cos, sin, kc, vc, table, d**-0.5, num_heads=hq, num_kv_heads=hkv, max_seq_len=keys + 1,
+            num_splits=sp, merge_in_kernel=False, block_n=bn, num_warps=w, num_stages=st, sinks=sinks)
+
+    for splits in (default, 16, 32, 64):
+        for block_n in (64, 128):
+            for stages in (2, 3, 4):
+                for warps in (4, 8):
+                    if splits == default and (block_n, stages, warps) != (64, 2, 4) and rows:
+                        continue  # the default's own tile once, the sweep's over the explicit split counts
+                    fn = functools.partial(attend, sp=splits, bn=block_n, st=stages, w=warps)
+                    try:
+                        us = B.graph_time_ms(fn, 4) * 1e3
+                    except Exception as exc:  # a tile that does not fit: record it, go on
+                        rows.append({"splits": splits, "block_n": block_n, "stages": stages, "warps": warps,
+                                     "error": str(exc)[:160]})  # fmt: skip
+                        continue
+                    rows.append({"splits": splits, "block_n": block_n, "stages": stages, "warps": warps, "us": us,
+                                 "TBps": nbytes / us / 1e6, "floor_us": nbytes / bw / 1e6})  # fmt: skip
+                    print(f"  attn {keys} keys splits={splits} block_n={block_n} stages={stages} warps={warps}: "
+                          f"{us:7.1f} us ({nbytes / us / 1e6:.2f} TB/s, floor {nbytes / bw / 1e6:.1f})", flush=True)
+    return {"keys": keys, "default_splits": default, "bytes": nbytes, "rows": rows}
+
+
 # ---- the server: gpt-oss-120b on dummy weights --------------------------------------------------------------
 
 
@@ -489,6 +541,9 @@ def main() -> None:
         del engine
         gc.collect()
         torch.cuda.empty_cache()
+    if "attn131k" in sections:
+        report["attn131k"] = long_decode_attention(bw["read_TBps"])
+        save()
     if "server" in sections:
         server_runs(args, bw, report)
     save()
