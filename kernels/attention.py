@@ -32,6 +32,7 @@ from envex.kernels._common import (
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # key splits of one (sequence, KV head)
+LONG_SPLIT_KEYS = 2048  # batch 1: split further while a split holds more keys than this
 
 
 @triton.jit
@@ -187,10 +188,15 @@ def _sm_count(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: torch.device, *,
                       min_keys: int = 64, programs_per_sm: int = 2) -> int:  # fmt: skip
-    """Split the key range only as far as needed to give every SM `programs_per_sm` programs, each split
-    ≥ min_keys keys (below that the merge costs more than the parallelism gains); rounded down to a power of two."""
+    """Split the key range only as far as needed to give every SM `programs_per_sm` programs (and, for one
+    sequence, no split longer than LONG_SPLIT_KEYS while there are SMs to spare), each split ≥ min_keys keys (below
+    that the merge costs more than the parallelism gains); rounded down to a power of two."""
     programs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(programs_per_sm * _sm_count(device), programs)
+    sms = _sm_count(device)
+    want = triton.cdiv(programs_per_sm * sms, programs)
+    if batch == 1:  # one long sequence: splits of at most LONG_SPLIT_KEYS keys, up to 8 programs an SM (gpt-oss
+        # at 131K keys: 117 -> 85 us a full layer from 32 to 64 splits; kernels/NOTES.md, "long decode")
+        want = max(want, min(triton.cdiv(max_seq_len, LONG_SPLIT_KEYS), 8 * sms // programs))
     # A power of two: NUM_SPLITS is a constexpr, so each value is a compiled variant, and the warm-up compiles
     # every one a step can meet (1, 2, 4 .. 64; runtime/engine/warm_up.py).
     return pow2_floor(max(1, min(want, triton.cdiv(max_seq_len, min_keys), MAX_SPLITS)))

@@ -262,3 +262,14 @@ def test_the_gpt_oss_warm_up_compiles_every_variant_too(tiny_gpt_oss: Path, reco
     kernels = _assert_inside(served, warm)
     assert {"_attn_kernel", "_decode_fused_kernel", "_gate_up_gemv_kernel", "_down_gemv_kernel",
             "_gate_up_grouped_kernel", "_down_grouped_kernel", "_route_kernel"} <= kernels, kernels  # fmt: skip
+
+
+def test_one_long_sequence_gets_splits_of_at_most_2k_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 1 on an H200's 132 SMs: 2 programs an SM give 32 splits; past 64K keys a split would hold more than
+    LONG_SPLIT_KEYS, so it splits further (64 at 131K, MAX_SPLITS); short sequences and larger batches as before."""
+    from envex.kernels import attention
+
+    monkeypatch.setattr(attention, "_sm_count", lambda _device: 132)
+    cpu = torch.device("cpu")
+    assert [attention.choose_num_splits(1, 8, n, cpu) for n in (1024, 10240, 65536, 131072)] == [16, 32, 32, 64]
+    assert attention.choose_num_splits(2, 8, 131072, cpu) == 16 and attention.choose_num_splits(64, 8, 131072, cpu) == 1
