@@ -35,7 +35,7 @@ from envex.kernels._common import (
     padded_rows,
     pdl_launch,
 )
-from envex.kernels.attention import LOG2E, _attend_tile, _merge_splits_kernel, choose_num_splits
+from envex.kernels.attention import LOG2E, LONG_SPLIT_KEYS, _attend_tile, _merge_splits_kernel, choose_num_splits
 
 # Elements of the [splits, GROUP, D] fp32 tile the merging program loads at once: 64 registers a thread at 4 warps.
 _MERGE_TILE = 8192
@@ -258,7 +258,7 @@ def decode_attention_fused(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     pdl: bool = False,
@@ -321,9 +321,12 @@ def decode_attention_fused(
     check(out.shape == (batch, num_heads, head_dim), f"out: shape {tuple(out.shape)} != {(batch, num_heads, head_dim)}")
     if batch == 0:
         return out
+    keys = max_seq_len if window is None else min(max_seq_len, window)
     if num_splits is None:
-        keys = max_seq_len if window is None else min(max_seq_len, window)
         num_splits = choose_num_splits(batch, num_kv_heads, keys, dev)
+    if block_n is None:  # long splits of 64-wide heads: 128-key tiles, 3 stages (gpt-oss at 131K: 84.7 -> 75.1 us)
+        long = head_dim <= 64 and triton.cdiv(keys, num_splits) >= LONG_SPLIT_KEYS
+        block_n, num_stages = (128, num_stages or 3) if long else (64, num_stages)
     merge_in_kernel = merge_in_kernel and num_splits > 1
     if num_splits > 1:
         if partials is None:  # rows padded: split strides divisible by 16 for every batch (_common.padded_rows)

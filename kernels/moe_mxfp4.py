@@ -156,6 +156,25 @@ def _plane_offsets(k, K: tl.constexpr):
 
 
 @triton.jit
+def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr):
+    """R packed rows (word pointers w_rows, scale pointers s_rows) against K inputs stored as planes at x_base ->
+    [R, GB] float32 partial sums (sum axis 1 for the dots). Each step loads [R, 4·GB] words and [1, 4·GB] of each
+    input plane: a contiguous last axis that Triton's coalescing gives one 16-byte vector a thread along the warp
+    for both, whatever its tie-breaking, so the reshape to [R, GB, 4] leaves weights and inputs in one layout and
+    no value changes threads. A loop, not unrolled: the code stays in the instruction cache."""
+    acc = tl.zeros([R, GB], dtype=tl.float32)
+    for g0 in range(0, K // 32, GB):
+        f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
+        f_ok = f < K // 8
+        words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
+        g = g0 + tl.arange(0, GB)
+        sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :], other=0)
+        acc += _word_dots(tl.reshape(words, [R, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
+    return acc
+
+
+@triton.jit
 def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: tl.constexpr):
     """x [T, K] -> float32 planes [T, K] (see _plane_loads), one program a row."""
     t = tl.program_id(0).to(tl.int64)
@@ -167,7 +186,7 @@ def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: t
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
@@ -175,7 +194,8 @@ def _gate_up_gemv_kernel(
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
-    input x arrives as float32 planes (xp, _plane_loads) and act leaves as planes too, for the down kernel.
+    input x arrives as float32 planes (xp, _plane_loads; x_ptr only gives the activation dtype) and act leaves as
+    float32 planes too, for the down kernel.
 
     PACKED: w is the expert blocks viewed as int32 words [E, 2I, K/8] (four words = one 32-value group, one
     16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
@@ -207,19 +227,7 @@ def _gate_up_gemv_kernel(
         # row starts in words; a group (4 words, 16 bytes) starts at a multiple of 4: one vector load
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
-        # Each step loads [rows, 4·GB] words and [1, 4·GB] of each input plane: a contiguous last axis that Triton's
-        # coalescing gives one 16-byte vector a thread along the warp for both, whatever its tie-breaking, so the
-        # reshape to [rows, GB, 4] leaves weights and inputs in one layout and no value changes threads.
-        acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
-        for g0 in range(0, K // 32, GB):  # a loop, not unrolled: the code stays in the instruction cache
-            f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
-            f_ok = f < K // 8
-            words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
-            g = g0 + tl.arange(0, GB)
-            sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :], other=0)
-            acc += _word_dots(tl.reshape(words, [2 * BLOCK_I, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7
-                              ) * _group_scale(sc)  # fmt: skip
+        acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB)
         y = tl.sum(acc, axis=1)
     else:
         kk2 = tl.arange(0, GB)
@@ -233,7 +241,7 @@ def _gate_up_gemv_kernel(
             acc += wv * xv[None, :]
         y = tl.sum(acc, axis=1)
     # HF rounds the projection (bias included) to the activation dtype before the SwiGLU, and its result too.
-    dt = b_ptr.dtype.element_ty
+    dt = x_ptr.dtype.element_ty  # x itself is not read (its planes are): the dtype HF rounds to
     y = (y + tl.load(b_ptr + e64 * stride_be + rows, mask=row_ok, other=0.0).to(tl.float32)).to(dt)
     g_val, u_val = tl.split(tl.reshape(y, [BLOCK_I, 2]))
     a = _swiglu_oai(g_val.to(tl.float32), u_val.to(tl.float32), alpha, limit)
@@ -270,16 +278,7 @@ def _down_gemv_kernel(
     if PACKED:
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
-        acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
-        for g0 in range(0, INTER // 32, GB):  # as the gate-up kernel's K loop
-            f = 4 * g0 + tl.arange(0, 4 * GB)
-            f_ok = f < INTER // 8
-            words = tl.load(w_rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(a_row, f[None, :], f_ok[None, :], INTER, GB)
-            g = g0 + tl.arange(0, GB)
-            sc = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None] & (g < INTER // 32)[None, :], other=0)
-            acc += _word_dots(tl.reshape(words, [BLOCK_N, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7
-                              ) * _group_scale(sc)  # fmt: skip
+        acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB)
         r = tl.sum(acc, axis=1)
     else:
         kk = tl.arange(0, GB)
@@ -499,15 +498,19 @@ def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Te
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters that graphs captured earlier may still address
 
 
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The down GEMV's per-(token, row block) arrival counters: zeros, made once per device outside any CUDA graph
-    (each kernel leaves them zero again, so graph replays find them so too)."""
+    """The down GEMV's per-(token, row block) arrival counters: zeros, made outside any CUDA graph (each kernel
+    leaves them zero again, so graph replays find them so too). A larger need takes a new buffer; the old ones are
+    kept, as graphs captured earlier may still use them."""
     have = _COUNTERS.get(device)
     if have is None or have.numel() < n:
         check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
               "fused_moe: run the batch-1 MoE once before capturing a CUDA graph (it allocates its counters)")
+        if have is not None:
+            _RETIRED.append(have)
         have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _COUNTERS[device] = have
     return have
@@ -605,7 +608,7 @@ def fused_moe(
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
         _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
-            xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
+            x, xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
             xp.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act_p.stride(0),
             float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
             BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl, num_warps=1,
@@ -614,7 +617,7 @@ def fused_moe(
         part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
         _down_gemv_kernel[(blocks, t, top_k)](
-            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, t * blocks), out,
+            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks), out,
             act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
             PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),

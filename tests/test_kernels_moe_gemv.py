@@ -1,5 +1,5 @@
 """gpt-oss's MoE GEMV path (T <= GEMV_MAX_ROWS) at gpt-oss's widths: the K tails, the word-wise MXFP4 decode and
-the down kernel's all-slots tile, against the float64 reference (tests/test_kernels_moe.py has the shared setup)."""
+the down kernel's slot programs, against the float64 reference (tests/test_kernels_moe.py has the shared setup)."""
 
 import os
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 def test_fused_moe_gemv_at_gpt_oss_widths(h: int, inter: int, tokens: int) -> None:
     """gpt-oss's hidden size K = 2880 (90 groups: two steps of 32 and a tail of 26) into the gate-up GEMV, and a
     down GEMV whose K (I = 416, 13 groups) ends inside its first step; bf16 with packed experts, against float64,
-    top 4 of 6 (the down kernel reads a token's 4 experts at once, one warp each)."""
+    top 4 of 6 (one down program per slot; the last to finish adds the 4)."""
     e, top_k = 6, 4
     weights, f64 = _experts(e, h, inter, packed=True, seed=7, spread_scales=True)
     g = torch.Generator().manual_seed(8)
@@ -34,7 +34,7 @@ def test_fused_moe_gemv_at_gpt_oss_widths(h: int, inter: int, tokens: int) -> No
 def test_gemv_decodes_every_code_in_every_nibble() -> None:
     """Every byte value in every byte position of a word (the decode builds two fp16 halves per word with
     position-dependent shifts) and scales from 2^-15 to 2^-3, float32 activations: equal to float64 to float32
-    rounding. Two tokens, top 2 of 3, so both slots of the down tile are live."""
+    rounding. Two tokens, top 2 of 3, so both slots' down programs are live."""
     e, h, inter, top_k = 3, 64, 64, 2
     g = torch.Generator().manual_seed(11)
 
@@ -82,10 +82,10 @@ w = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16")
 st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
 gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True)
 out = {
-    "gate_up": build(m._gate_up_gemv_kernel, dict(xp_ptr="*fp32", logits_ptr="*bf16", ids_ptr="*i32", wts_ptr="*fp32",
-                     **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st, stride_act="i32", alpha="fp32",
-                     limit="fp32"), dict(K=2880, INTER=2880, E=128, TOP_K=4, BLOCK_E=128, BLOCK_I=m.GEMV_PAIRS,
-                     **gemv), 1),
+    "gate_up": build(m._gate_up_gemv_kernel, dict(x_ptr="*bf16", xp_ptr="*fp32", logits_ptr="*bf16",
+                     ids_ptr="*i32", wts_ptr="*fp32", **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st,
+                     stride_act="i32", alpha="fp32", limit="fp32"),
+                     dict(K=2880, INTER=2880, E=128, TOP_K=4, BLOCK_E=128, BLOCK_I=m.GEMV_PAIRS, **gemv), 1),
     "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
                   count_ptr="*i32", out_ptr="*bf16",
                   stride_act="i32", **st, stride_o="i32"), dict(N=2880, INTER=2880, TOP_K=4,

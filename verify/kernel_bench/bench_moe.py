@@ -82,7 +82,7 @@ def planes(x: torch.Tensor) -> torch.Tensor:
 def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None):
     """xp: the input as planes (M._planes_kernel); act: float32 planes [T · top_k, I]."""
     return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), xp.shape[0] * TOP_K)](
-        xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
+        L.norm_w[None], xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
         xp.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
         L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
         BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, num_warps=warps,
@@ -94,7 +94,8 @@ def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnre
     blocks = triton.cdiv(H, rows)
     part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
     return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
-        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, blocks), out,
+        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, out.shape[0] * blocks),
+        out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
         out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
         num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),

@@ -1,0 +1,76 @@
+"""The batch-1 MoE's plane-layout inputs and the down GEMV's arrival counters (moe_mxfp4): the planes the norm
+writes are the ones fused_moe makes itself, and the counters are left at zero, so a second call (or a call of
+another shape in between) gives the same bits, as a CUDA graph replay would."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels import moe_mxfp4, norm  # noqa: E402
+from envex.tests.support.kernels import assert_close  # noqa: E402
+from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def _planes(x: torch.Tensor) -> torch.Tensor:
+    """Input c + 8j of a row at c·(H/8) + j, in torch."""
+    t, h = x.shape
+    return x.float().reshape(t, h // 8, 8).transpose(1, 2).reshape(t, h)
+
+
+def test_planes_kernel_and_norm_planes_write_the_same_layout() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 96, generator=g).to(torch.bfloat16).to(DEV)
+    w = torch.randn(96, generator=g).to(torch.bfloat16).to(DEV)
+    normed, _, planes = norm.norm_planes(x, None, w, 1e-5)
+    xp = torch.empty(2, 96, dtype=torch.float32, device=DEV)
+    moe_mxfp4._planes_kernel[(2,)](normed, xp, normed.stride(0), xp.stride(0), K=96, BLOCK=64, num_warps=4)
+    assert torch.equal(xp, _planes(normed)) and torch.equal(planes, xp)
+
+
+def test_gemv_path_takes_the_norms_planes_and_leaves_its_counters_at_zero() -> None:
+    e, h, inter, top_k = 6, 64, 96, 4
+    weights, f64 = _experts(e, h, inter, packed=True, seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, h, generator=g).to(torch.bfloat16).to(DEV)
+    logits = torch.randn(1, e, generator=g).to(DEV)
+    first = _moe(x, logits, top_k, weights)  # planes made by fused_moe (_planes_kernel)
+    assert_close("moe gemv T=1", first, _expected(x, logits, top_k, f64), torch.bfloat16)
+    counters = moe_mxfp4._COUNTERS[x.device]
+    assert not counters.any(), "the last program of each (token, rows) must reset its counter"
+    # the planes handed in (as TritonOps.moe does with norm.norm_planes's) give the same bits, twice over
+    assert torch.equal(_moe(x, logits, top_k, weights, x_planes=_planes(x)), first)
+    # another shape in between (3 tokens: other counters, other row blocks), then the first again
+    x3 = torch.randn(3, h, generator=g).to(torch.bfloat16).to(DEV)
+    l3 = torch.randn(3, e, generator=g).to(DEV)
+    assert_close("moe gemv T=3", _moe(x3, l3, top_k, weights), _expected(x3, l3, top_k, f64), torch.bfloat16)
+    assert not counters.any()
+    assert torch.equal(_moe(x, logits, top_k, weights), first)
+
+
+def test_fused_moe_refuses_planes_of_another_shape_or_dtype() -> None:
+    weights, _ = _experts(4, 64, 64, packed=True, seed=2)
+    x = torch.randn(1, 64, device=DEV).to(torch.bfloat16)
+    logits = torch.randn(1, 4, device=DEV)
+    with pytest.raises(ValueError, match="x_planes"):
+        _moe(x, logits, 2, weights, x_planes=torch.zeros(1, 64, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="x_planes"):
+        _moe(x, logits, 2, weights, x_planes=torch.zeros(2, 64, device=DEV))
+
+
+def test_gemv_rounds_gate_up_to_the_activation_dtype_whatever_the_bias_dtype() -> None:
+    # HF (and the grouped path) rounds the gate-up projection and the SwiGLU to the activation dtype: the same
+    # bf16-representable biases held as bf16 or as float32 must give the same bits.
+    (gu, bg, dn, bd), _ = _experts(6, 64, 64, packed=True, seed=9)
+    bg16, bd16 = bg.to(torch.bfloat16), bd.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(1, 64, generator=g).to(torch.bfloat16).to(DEV)
+    logits = torch.randn(1, 6, generator=g).to(DEV)
+    a = _moe(x, logits, 4, (gu, bg16, dn, bd16))
+    b = _moe(x, logits, 4, (gu, bg16.float(), dn, bd16.float()))
+    assert torch.equal(a, b)
