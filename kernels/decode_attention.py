@@ -137,12 +137,13 @@ def _decode_fused_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # 2. This split's share of the cached keys, in BLOCK_N multiples as attention._attn_kernel splits them; with
-    # a sliding window only keys pos-WINDOW+1 .. pos are split (and read).
+    # 2. This split's share of the cached keys, in multiples of 64 whatever BLOCK_N (a 128-key tile chosen for a
+    # graph's long splits then leaves as many splits busy on a short sequence as a 64-key one; the tile's mask
+    # stops at hi); with a sliding window only keys pos-WINDOW+1 .. pos are split (and read).
     kv_start = 0
     if WINDOW > 0:
         kv_start = tl.maximum(pos - WINDOW + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), 64) * 64
     lo = kv_start + split * chunk
     hi = tl.minimum(seq_len - 1, lo + chunk)  # position pos (the new key) comes from registers, below
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos

@@ -133,3 +133,28 @@ def test_attention_at_gpt_oss_120b_dims(window: int | None) -> None:
     out = attention.paged_attention(q, kc, vc, cu, sl, bt, head_dim**-0.5, max_q_len=24, max_seq_len=170, sinks=s,
                                     window=window)  # fmt: skip
     assert_close(f"paged attention 120b dims, window {window}", out, want, torch.bfloat16)
+
+
+def test_decode_splits_of_64_keys_with_128_key_tiles() -> None:
+    """A graph captured for long sequences takes 128-key tiles (decode_attention_fused: splits of 2K keys or more
+    on 64-wide heads); a short sequence still splits its keys in multiples of 64, so half-masked tiles must give
+    the 64-key tiles' answer: 300 keys over 8 splits, sinks on."""
+    g = torch.Generator().manual_seed(12)
+    hq, hkv, d, page, keys = 8, 2, 64, 16, 300
+    blocks = -(-(keys + 1) // page)
+    kc = torch.randn(blocks, page, hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    vc = torch.randn(blocks, page, hkv, d, generator=g).to(torch.bfloat16).to(DEV)
+    table = torch.randperm(blocks, generator=g).to(torch.int32)[None].to(DEV)
+    qkv = torch.randn(1, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16).to(DEV)
+    pos = torch.tensor([keys], device=DEV)
+    slot = (table[0, keys // page].long() * page + keys % page)[None]
+    ang = torch.arange(keys + 1)[:, None].float() * 10000.0 ** -(torch.arange(d // 2) / (d // 2))[None]
+    sinks = torch.randn(hq, generator=g).to(DEV)
+    outs = []
+    for block_n in (64, 128):
+        k2, v2 = kc.clone(), vc.clone()
+        outs.append(decode_attention.decode_attention_fused(
+            qkv, pos, slot, ang.cos().to(DEV), ang.sin().to(DEV), k2, v2, table, d**-0.5, num_heads=hq,
+            num_kv_heads=hkv, max_seq_len=keys + 1, num_splits=8, merge_in_kernel=False, block_n=block_n,
+            sinks=sinks))  # fmt: skip
+    assert_close("128-key tiles on 64-key splits", outs[1], outs[0].double(), torch.bfloat16)
