@@ -195,7 +195,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     sms = _sm_count(device)
     want = triton.cdiv(programs_per_sm * sms, programs)
     if batch == 1:  # one long sequence: splits of at most LONG_SPLIT_KEYS keys, up to 8 programs an SM (gpt-oss
-        # at 131K keys: 117 -> 85 us a full layer from 32 to 64 splits; kernels/NOTES.md, "long decode")
+        # at 131K keys: 117 -> 85 us a full layer from 32 to 64 splits; kernels/NOTES.md, "Long decode")
         want = max(want, min(triton.cdiv(max_seq_len, LONG_SPLIT_KEYS), 8 * sms // programs))
     # A power of two: NUM_SPLITS is a constexpr, so each value is a compiled variant, and the warm-up compiles
     # every one a step can meet (1, 2, 4 .. 64; runtime/engine/warm_up.py).

@@ -39,9 +39,10 @@ from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tenso
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
-# GEMV tiles (one warp a program; kernels/NOTES.md, "gpt-oss"): a step covers GEMV_GROUPS 32-value groups of a row,
-# one per thread (a 16-byte load each); gate-up programs own GEMV_PAIRS (gate, up) row pairs of one (token, slot),
-# down programs GEMV_DOWN_ROWS output rows of one token for all its top_k experts at once.
+# GEMV tiles (one warp a program; kernels/NOTES.md, "The batch-1 MoE again"): a step covers GEMV_GROUPS 32-value
+# groups of a row, one per thread (a 16-byte load each; 32 keeps weights and input planes in one layout); gate-up
+# programs own GEMV_PAIRS (gate, up) row pairs of one (token, slot), down programs GEMV_DOWN_ROWS output rows of
+# one (token, slot).
 GEMV_GROUPS = 32
 GEMV_PAIRS = 8
 GEMV_DOWN_ROWS = 8
@@ -504,7 +505,8 @@ _RETIRED: list[torch.Tensor] = []  # outgrown counters that graphs captured earl
 def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     """The down GEMV's per-(token, row block) arrival counters: zeros, made outside any CUDA graph (each kernel
     leaves them zero again, so graph replays find them so too). A larger need takes a new buffer; the old ones are
-    kept, as graphs captured earlier may still use them."""
+    kept, as graphs captured earlier may still use them. One set per device: two fused_moe calls must not run at
+    once on two streams of one device (the engine's side stream only warms up, synchronised)."""
     have = _COUNTERS.get(device)
     if have is None or have.numel() < n:
         check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
