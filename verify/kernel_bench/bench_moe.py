@@ -5,10 +5,11 @@
 One layer's full-size experts (128 × MXFP4 gate-up [5760, 2880] and down [2880, 2880], random codes at dummy
 magnitudes) and its router, timed in CUDA graphs (kernels/NOTES.md, "gpt-oss"):
 
-- each launch of TritonOps.moe alone: the add+RMSNorm, the router GEMV, the gate-up GEMV (top-4 redone in each
-  program), the down GEMV, and the whole entry point; "cold" rotates 8 inputs whose routings pick other experts
-  (the weights come from HBM), "hot" repeats one input (its 4 experts' 53 MB mostly stay in the 50 MB L2, so the
-  time is close to the kernel's issue time);
+- each launch of TritonOps.moe alone: the add+RMSNorm writing the input planes, the router GEMV (on bf16 rows),
+  the gate-up GEMV (top-4 redone in each program), the down GEMV, and the whole entry point; "cold" rotates 8
+  inputs whose routings pick other experts (the weights come from HBM), "hot" repeats one input (its 4 experts'
+  53 MB mostly stay in the 50 MB L2, so the time is close to the kernel's issue time). Runs before 2026-12-01's
+  last commits timed add_rms_norm (no planes) and fed the router float32 planes;
 - a streaming read of exactly the 4 chosen experts' bytes (the floor for those bytes on this GPU);
 - --variants: the two GEMV kernels over their rows a program and register caps (maxnreg), with the registers and
   spills ptxas gave and the largest difference from the default tile's result;
@@ -195,8 +196,9 @@ def main() -> None:
     for hot in (False, True):
         row("entry: ops.moe (norm, router, gate-up, down)", lambda r: ops.moe(
             xs[r], res[r], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K), moe_bytes, hot=hot)  # fmt: skip
-        row("add_rms_norm", lambda r: norm.add_rms_norm(xs[r], res[r], L.norm_w, 1e-5), 4 * H * 2, hot=hot)
-        row("router GEMV [128 x 2880] + bias", lambda r: ops.linear(normed[r], L.router_w, L.router_b),
+        row("add + RMSNorm with the input planes (norm_planes)", lambda r: norm.norm_planes(
+            xs[r], res[r], L.norm_w, 1e-5), 4 * H * 2 + H * 4, hot=hot)  # fmt: skip
+        row("router GEMV [128 x 2880] + bias", lambda r: ops.linear(xs[r], L.router_w, L.router_b),
             L.router_w.nbytes, hot=hot)  # fmt: skip
         row("x -> planes", lambda r: planes(xs[r]), 3 * H * 2, hot=hot)
         row("gate-up GEMV (top-4 in each program) baseline", lambda r: gate_up(
