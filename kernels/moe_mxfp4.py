@@ -576,7 +576,8 @@ def fused_moe(
     """Σ_k softmax-weighted down(swiglu(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
     dtype: reference.moe_route followed by reference.moe_experts. x [T, H] (normed); logits [T, E]; gate_up
     [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float or MXFP4 (blocks, scales); biases [E, 2I] and
-    [E, H]."""
+    [E, H]. The GEMV path (T ≤ gemv_max_rows, H and I multiples of 8) only: x_planes, x again as float32 planes
+    (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic dependents."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     t, h = x.shape
@@ -603,8 +604,9 @@ def fused_moe(
         if xp is None:
             xp = torch.empty((t, h), dtype=torch.float32, device=x.device)
             _planes_kernel[(t,)](x, xp, x.stride(0), xp.stride(0), K=h, BLOCK=min(next_pow2(h), 1024), num_warps=4)
-        check(xp.shape == (t, h) and xp.dtype == torch.float32 and xp.stride(1) == 1,
-              f"x_planes: {tuple(xp.shape)} {xp.dtype} is not x's [{t}, {h}] as contiguous float32 planes")  # fmt: skip
+        check(xp.shape == (t, h) and xp.dtype == torch.float32 and xp.stride(1) == 1 and xp.device == x.device,
+              f"x_planes: {tuple(xp.shape)} {xp.dtype} on {xp.device} is not x's [{t}, {h}] as contiguous float32 "
+              "planes on x's device")  # fmt: skip
         act_p = torch.empty((pairs_n, inter), dtype=torch.float32, device=x.device)
         gw1, gwe1 = _gemv_words(w1, we1, packed1)
         gw2, gwe2 = _gemv_words(w2, we2, packed2)

@@ -137,7 +137,8 @@ class TritonOps:
         if self.deterministic:
             raise ValueError(NO_INVARIANT_MOE)
         planes = None
-        if x.shape[0] <= moe_mxfp4.GEMV_MAX_ROWS and x.shape[1] % 8 == 0:  # the GEMV path: its input planes too
+        inter = experts.gate_up_bias.shape[1] // 2
+        if x.shape[0] <= moe_mxfp4.GEMV_MAX_ROWS and x.shape[1] % 8 == 0 and inter % 8 == 0:  # GEMV: input planes
             pdl = self.pdl and x.shape[0] == 1
             h, residual, planes = norm.norm_planes(x, residual, norm_weight, eps, pdl=pdl)
         elif residual is None:
