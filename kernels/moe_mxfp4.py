@@ -36,6 +36,7 @@ import triton.language as tl
 
 from envex.kernels import mxfp4
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels.norm import plane_offsets
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
@@ -151,12 +152,6 @@ def _plane_loads(x_base, f, ok, K: tl.constexpr, GB: tl.constexpr):
 
 
 @triton.jit
-def _plane_offsets(k, K: tl.constexpr):
-    """Where input k sits in the plane layout of K inputs."""
-    return (k % 8) * (K // 8) + k // 8
-
-
-@triton.jit
 def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr):
     """R packed rows (word pointers w_rows, scale pointers s_rows) against K inputs stored as planes at x_base ->
     [R, GB] float32 partial sums (sum axis 1 for the dots). Each step loads [R, 4·GB] words and [1, 4·GB] of each
@@ -182,7 +177,7 @@ def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: t
     for k0 in tl.static_range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t * stride_o + _plane_offsets(k, K), v, mask=k < K)
+        tl.store(out_ptr + t * stride_o + plane_offsets(k, K), v, mask=k < K)
 
 
 @triton.jit
@@ -236,7 +231,7 @@ def _gate_up_gemv_kernel(
         for k0 in range(0, K, GB):
             k = k0 + kk2
             k_ok = k < K
-            xv = tl.load(x_base + _plane_offsets(k, K), mask=k_ok, other=0.0)
+            xv = tl.load(x_base + plane_offsets(k, K), mask=k_ok, other=0.0)
             wv = tl.load(w_ptr + e64 * stride_we + r64[:, None] * stride_wn + k[None, :],
                          mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
             acc += wv * xv[None, :]
@@ -247,7 +242,7 @@ def _gate_up_gemv_kernel(
     g_val, u_val = tl.split(tl.reshape(y, [BLOCK_I, 2]))
     a = _swiglu_oai(g_val.to(tl.float32), u_val.to(tl.float32), alpha, limit)
     j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
-    tl.store(act_ptr + pair.to(tl.int64) * stride_act + _plane_offsets(j, INTER), a.to(dt).to(tl.float32),
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + plane_offsets(j, INTER), a.to(dt).to(tl.float32),
              mask=j < INTER)  # fmt: skip
 
 
@@ -287,7 +282,7 @@ def _down_gemv_kernel(
         for k0 in range(0, INTER, GB):
             k = k0 + kk
             k_ok = k < INTER
-            xv = tl.load(a_row + _plane_offsets(k, INTER), mask=k_ok, other=0.0)
+            xv = tl.load(a_row + plane_offsets(k, INTER), mask=k_ok, other=0.0)
             wv = tl.load(w_ptr + e64 * stride_we + n64[:, None] * stride_wn + k[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             acc += wv.to(tl.float32) * xv[None, :]
@@ -296,14 +291,15 @@ def _down_gemv_kernel(
     # HF rounds each expert's output before weighting it
     tl.store(part_ptr + pair.to(tl.int64) * N + n64, tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32), mask=n_ok)
     tl.debug_barrier()  # every thread's term is stored before the counter moves
-    arrived = tl.atomic_add(count_ptr + t * tl.num_programs(0) + pid_n, 1, sem="acq_rel", scope="gpu")
+    count = count_ptr + t * tl.num_programs(0) + pid_n
+    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
     if arrived == TOP_K - 1:  # the last one: every term is visible (acquire); add them in slot order
         y = tl.zeros([BLOCK_N], dtype=tl.float32)
         for s in tl.static_range(TOP_K):
             y += tl.load(part_ptr + (t * TOP_K + s).to(tl.int64) * N + n64, mask=n_ok, other=0.0,
                          cache_modifier=".cg")  # fmt: skip
         tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
-        tl.atomic_xchg(count_ptr + t * tl.num_programs(0) + pid_n, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -518,6 +514,11 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return have
 
 
+def takes_gemv_path(tokens: int, hidden: int, inter: int, gemv_max_rows: int = GEMV_MAX_ROWS) -> bool:
+    """Whether fused_moe runs these tokens on the GEMV path (which reads its input as planes, norm.norm_planes)."""
+    return tokens <= gemv_max_rows and hidden % 8 == 0 and inter % 8 == 0
+
+
 def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (expert ids [T, top_k] int32, weights [T, top_k] float32), as reference.moe_route."""
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
@@ -597,7 +598,7 @@ def fused_moe(
     if t == 0:
         return out
     pairs_n = t * top_k
-    if t <= gemv_max_rows and h % 8 == 0 and inter % 8 == 0:
+    if takes_gemv_path(t, h, inter, gemv_max_rows):
         ids = torch.empty(pairs_n, dtype=torch.int32, device=x.device)
         wts = torch.empty(pairs_n, dtype=torch.float32, device=x.device)
         xp = x_planes  # x as planes (_plane_loads), from norm.norm_planes where the caller has them

@@ -14,6 +14,13 @@ from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, 
 
 
 @triton.jit
+def plane_offsets(k, K):
+    """Where input k of a row of K (a multiple of 8) sits in the plane layout: input c + 8j at c·(K/8) + j, so
+    plane c holds inputs c, 8 + c, 16 + c, ... (the batch-1 MoE GEMV's input and activation layout)."""
+    return (k % 8) * (K // 8) + k // 8
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, planes_ptr,
     H, stride_x, stride_res, stride_out, stride_sum, stride_planes, eps,
@@ -39,8 +46,8 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
-    if PLANES:  # also as float32 planes: input c + 8j at c·(H/8) + j (the MoE GEMV's input layout, moe_mxfp4)
-        tl.store(planes_ptr + row * stride_planes + (cols % 8) * (H // 8) + cols // 8, y.to(tl.float32), mask=mask)
+    if PLANES:  # also as float32 planes (plane_offsets: the MoE GEMV's input layout, moe_mxfp4)
+        tl.store(planes_ptr + row * stride_planes + plane_offsets(cols, H), y.to(tl.float32), mask=mask)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -62,13 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm(x[T,H], weight[H], eps) -> [T,H] in x's dtype."""
     _check(x, weight, None)
     out = torch.empty_like(x)
-    if x.shape[0] == 0:
-        return out
-    block_h = next_pow2(x.shape[1])
-    _rms_norm_kernel[(x.shape[0],)](
-        x, x, weight, out, out, out, x.shape[1], x.stride(0), 0, out.stride(0), 0, 0, float(eps),
-        HAS_RESIDUAL=False, BLOCK_H=block_h, num_warps=_num_warps(block_h),
-    )  # fmt: skip
+    _launch(x, None, weight, eps, out, out)
     return out
 
 
@@ -79,33 +80,35 @@ def add_rms_norm(
     _check(x, weight, residual)
     out = torch.empty_like(x)
     total = torch.empty_like(x)
-    if x.shape[0] == 0:
-        return out, total
-    block_h = next_pow2(x.shape[1])
-    _rms_norm_kernel[(x.shape[0],)](
-        x, residual, weight, out, total, out, x.shape[1], x.stride(0), residual.stride(0), out.stride(0),
-        total.stride(0), 0, float(eps), HAS_RESIDUAL=True, BLOCK_H=block_h, num_warps=_num_warps(block_h),
-    )  # fmt: skip
+    _launch(x, residual, weight, eps, out, total)
     return out, total
 
 
 def norm_planes(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(rms_norm(x + residual), x + residual, the normed rows again as float32 planes) in one launch: the MoE
-    GEMV's input layout (moe_mxfp4: input c + 8j of a row at c·(H/8) + j). residual None: x alone is normed and
-    returned as the sum. pdl: programmatic dependent launch (waits on the previous kernel before reading)."""
+    GEMV's input layout (plane_offsets). residual None: x alone is normed and returned as the sum. pdl:
+    programmatic dependent launch (waits on the previous kernel before reading)."""
     _check(x, weight, residual)
     check(x.shape[1] % 8 == 0, f"x: hidden size {x.shape[1]} must be a multiple of 8 for the plane layout")
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else x
     planes = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    if x.shape[0] == 0:
-        return out, total, planes
-    block_h = next_pow2(x.shape[1])
-    res = residual if residual is not None else x
-    _rms_norm_kernel[(x.shape[0],)](
-        x, res, weight, out, total, planes, x.shape[1], x.stride(0), res.stride(0), out.stride(0), total.stride(0),
-        planes.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK_H=block_h, PLANES=True, USE_PDL=pdl,
-        num_warps=_num_warps(block_h), **pdl_launch(pdl),
-    )  # fmt: skip
+    _launch(x, residual, weight, eps, out, total, planes, pdl=pdl)
     return out, total, planes
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor,
+            total: torch.Tensor, planes: torch.Tensor | None = None, *, pdl: bool = False) -> None:  # fmt: skip
+    """One _rms_norm_kernel launch over x's rows: the residual added (and the sum stored in total) unless None,
+    the normed rows also stored as planes unless None."""
+    if x.shape[0] == 0:
+        return
+    block_h = next_pow2(x.shape[1])
+    has_res = residual is not None
+    _rms_norm_kernel[(x.shape[0],)](
+        x, residual if has_res else x, weight, out, total, out if planes is None else planes, x.shape[1], x.stride(0),
+        residual.stride(0) if has_res else 0, out.stride(0), total.stride(0) if has_res else 0,
+        0 if planes is None else planes.stride(0), float(eps), HAS_RESIDUAL=has_res, BLOCK_H=block_h,
+        PLANES=planes is not None, USE_PDL=pdl, num_warps=_num_warps(block_h), **pdl_launch(pdl),
+    )  # fmt: skip

@@ -137,14 +137,13 @@ class TritonOps:
         if self.deterministic:
             raise ValueError(NO_INVARIANT_MOE)
         planes = None
-        inter = experts.gate_up_bias.shape[1] // 2
-        if x.shape[0] <= moe_mxfp4.GEMV_MAX_ROWS and x.shape[1] % 8 == 0 and inter % 8 == 0:  # GEMV: input planes
-            pdl = self.pdl and x.shape[0] == 1
-            h, residual, planes = norm.norm_planes(x, residual, norm_weight, eps, pdl=pdl)
+        pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
+        if moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.gate_up_bias.shape[1] // 2):
+            h, residual, planes = norm.norm_planes(x, residual, norm_weight, eps, pdl=pdl)  # its input planes too
         elif residual is None:
-            pdl, (h, residual) = False, (norm.rms_norm(x, norm_weight, eps), x)
+            h, residual = norm.rms_norm(x, norm_weight, eps), x
         else:
-            pdl, (h, residual) = False, norm.add_rms_norm(x, residual, norm_weight, eps)
+            h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
         logits = self.linear(h, router_weight, router_bias)  # [T, E]
         out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),

@@ -11,16 +11,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
 from envex.kernels import moe_mxfp4, norm  # noqa: E402
-from envex.tests.support.kernels import assert_close  # noqa: E402
+from envex.tests.support.kernels import assert_close, planes_of  # noqa: E402
 from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-
-
-def _planes(x: torch.Tensor) -> torch.Tensor:
-    """Input c + 8j of a row at c·(H/8) + j, in torch."""
-    t, h = x.shape
-    return x.float().reshape(t, h // 8, 8).transpose(1, 2).reshape(t, h)
 
 
 def test_planes_kernel_and_norm_planes_write_the_same_layout() -> None:
@@ -30,7 +24,7 @@ def test_planes_kernel_and_norm_planes_write_the_same_layout() -> None:
     normed, _, planes = norm.norm_planes(x, None, w, 1e-5)
     xp = torch.empty(2, 96, dtype=torch.float32, device=DEV)
     moe_mxfp4._planes_kernel[(2,)](normed, xp, normed.stride(0), xp.stride(0), K=96, BLOCK=64, num_warps=4)
-    assert torch.equal(xp, _planes(normed)) and torch.equal(planes, xp)
+    assert torch.equal(xp, planes_of(normed)) and torch.equal(planes, xp)
 
 
 def test_gemv_path_takes_the_norms_planes_and_leaves_its_counters_at_zero() -> None:
@@ -44,7 +38,7 @@ def test_gemv_path_takes_the_norms_planes_and_leaves_its_counters_at_zero() -> N
     counters = moe_mxfp4._COUNTERS[x.device]
     assert not counters.any(), "the last program of each (token, rows) must reset its counter"
     # the planes handed in (as TritonOps.moe does with norm.norm_planes's) give the same bits, twice over
-    assert torch.equal(_moe(x, logits, top_k, weights, x_planes=_planes(x)), first)
+    assert torch.equal(_moe(x, logits, top_k, weights, x_planes=planes_of(x)), first)
     # another shape in between (3 tokens: other counters, other row blocks), then the first again
     x3 = torch.randn(3, h, generator=g).to(torch.bfloat16).to(DEV)
     l3 = torch.randn(3, e, generator=g).to(DEV)

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 
 from envex.kernels import activation, norm  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
-from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+from envex.tests.support.kernels import assert_close, f64, planes_of  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -82,7 +82,7 @@ def test_norm_planes_gives_the_norm_and_its_plane_layout(with_residual: bool) ->
     want, want_total = norm.add_rms_norm(x, res, w, 1e-5) if with_residual else (norm.rms_norm(x, w, 1e-5), x)
     assert torch.equal(out, want) and torch.equal(total, want_total)
     assert planes.dtype == torch.float32
-    assert torch.equal(planes, out.float().reshape(3, 12, 8).transpose(1, 2).reshape(3, 96))
+    assert torch.equal(planes, planes_of(out))
 
 
 def test_norm_planes_refuses_a_width_that_is_not_a_multiple_of_8() -> None:

@@ -16,6 +16,12 @@ def f64(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(torch.float64) if t.is_floating_point() else t for t in tensors]
 
 
+def planes_of(x: torch.Tensor) -> torch.Tensor:
+    """Rows [T, H] as float32 planes, in torch: input c + 8j of a row at c·(H/8) + j (norm.plane_offsets)."""
+    t, h = x.shape
+    return x.float().reshape(t, h // 8, 8).transpose(1, 2).reshape(t, h)
+
+
 def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:
     err = rel_err(out, ref)
     tol = TOLERANCE[dtype]
