@@ -15,6 +15,12 @@ un-rotated q/k/v straight from the QKV projection's output row, and:
    head) to finish merges all partials (the "last block" pattern of the CUDA threadFenceReduction sample and of
    CUTLASS's split-K serial semaphore), else `attention._merge_splits_kernel` runs as a second launch.
 
+A speculative verify step (`q_len` > 1) runs through the same launch: each sequence brings q_len new tokens at
+consecutive positions, every program rotates all q_len x GROUP query rows, the owner of the first new position
+writes all q_len keys and values and lets them into its softmax as one causal tile from registers, and the merge
+runs per token as a second launch. This replaces the verify step's rotary, prefill-attention and merge launches
+(kernels/NOTES.md, v16).
+
 Rounding follows the unfused path: rotated q and k are rounded to the storage dtype before the dots, as the
 rotary kernel stores them; the new key's probability is rounded to V's dtype as `tl.dot(p.to(v.dtype), v)` does.
 Floor: memory, as `attention.paged_attention` (2·seq_len·Hkv·D·bytes per sequence per layer).
@@ -102,7 +108,7 @@ def _decode_fused_kernel(
     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
     UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, QK_NORM: tl.constexpr,
-    HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0, Q_LEN: tl.constexpr = 1, Q_P2: tl.constexpr = 16,
 ):  # fmt: skip
     if USE_PDL:  # qkv, positions and slots come from earlier kernels of the step; the counters from this kernel's
         tl.extra.cuda.gdc_launch_dependents()  # previous launch (complete once gdc_wait returns, transitively)
@@ -111,42 +117,53 @@ def _decode_fused_kernel(
     kvh = tl.program_id(1) // NUM_SPLITS
     split = tl.program_id(1) % NUM_SPLITS
     HALF: tl.constexpr = HEAD_DIM // 2
-    # The new token's position (keys 0 .. pos-1 are cached), int32 like _attn_kernel's loop bounds.
-    pos = tl.load(pos_ptr + b).to(tl.int32)
+    # Sequence b's Q_LEN new tokens are rows b·Q_LEN .. b·Q_LEN + Q_LEN - 1 of qkv, at consecutive positions from
+    # its first one, pos (keys 0 .. pos-1 are cached); int32 like _attn_kernel's loop bounds.
+    pos = tl.load(pos_ptr + b * Q_LEN).to(tl.int32)
     seq_len = pos + 1
 
-    rows = tl.arange(0, BLOCK_M)  # one row per query head of this KV head's group (decode: one token)
-    row_ok = rows < GROUP
-    head = kvh * GROUP + rows
+    rows = tl.arange(0, BLOCK_M)  # one row per (new token, query head of this KV head's group)
+    tok = rows // GROUP
+    row_ok = tok < Q_LEN
+    head = kvh * GROUP + rows % GROUP
+    t_row = b.to(tl.int64) * Q_LEN + tok  # each row's token: its qkv row and its output row
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lo_half = d < HALF
     partner = tl.where(lo_half, d + HALF, d - HALF)
-    c = tl.load(cos_ptr + pos * stride_cos + tl.where(lo_half, d, d - HALF), mask=d_ok, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_cos + tl.where(lo_half, d, d - HALF), mask=d_ok, other=0.0).to(tl.float32)
+    half_d = tl.where(lo_half, d, d - HALF)
+    if Q_LEN == 1:
+        c = tl.load(cos_ptr + pos * stride_cos + half_d, mask=d_ok, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + pos * stride_cos + half_d, mask=d_ok, other=0.0).to(tl.float32)
+        c_q, s_q = c[None, :], s[None, :]
+    else:  # each row rotates at its own token's position
+        pos_row = tl.load(pos_ptr + t_row, mask=row_ok, other=0)
+        cs_off = pos_row[:, None] * stride_cos + half_d[None, :]
+        c_q = tl.load(cos_ptr + cs_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        s_q = tl.load(sin_ptr + cs_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
-    # 1. q of the GROUP heads, rotated and rounded as the rotary kernel would have stored it.
-    row_ptr = qkv_ptr + b.to(tl.int64) * stride_qkv
+    # 1. q of the GROUP heads (of each new token), rotated and rounded as the rotary kernel would have stored it.
     q_mask = row_ok[:, None] & d_ok[None, :]
-    q_ptrs = row_ptr + head[:, None] * HEAD_DIM
+    q_ptrs = qkv_ptr + t_row[:, None] * stride_qkv + head[:, None] * HEAD_DIM
     q = tl.load(q_ptrs + d[None, :], mask=q_mask, other=0.0)
     qp = tl.load(q_ptrs + partner[None, :], mask=q_mask, other=0.0)
     if QK_NORM:  # Qwen3: RMSNorm over each head before the rotation (rounded as the norm kernel rounds)
         q, qp = _head_rms_norm(q, qp, q_norm_ptr, d, partner, d_ok, norm_eps, HEAD_DIM)
-    q = _rope(q.to(tl.float32), qp.to(tl.float32), c[None, :], s[None, :], lo_half[None, :]).to(q.dtype)
+    q = _rope(q.to(tl.float32), qp.to(tl.float32), c_q, s_q, lo_half[None, :]).to(q.dtype)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
     # 2. This split's share of the cached keys, in multiples of 64 whatever BLOCK_N (a 128-key tile chosen for a
     # graph's long splits then leaves as many splits busy on a short sequence as a 64-key one; the tile's mask
-    # stops at hi); with a sliding window only keys pos-WINDOW+1 .. pos are split (and read).
+    # stops at hi); with a sliding window only keys pos-WINDOW+1 .. pos are split (and read). Every row sees every
+    # cached key (each is older than the first new token) but for the window, which the tile masks per row.
     kv_start = 0
     if WINDOW > 0:
         kv_start = tl.maximum(pos - WINDOW + 1, 0)
     chunk = tl.cdiv(tl.cdiv(seq_len - kv_start, NUM_SPLITS), 64) * 64
     lo = kv_start + split * chunk
-    hi = tl.minimum(seq_len - 1, lo + chunk)  # position pos (the new key) comes from registers, below
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + pos
+    hi = tl.minimum(seq_len - 1, lo + chunk)  # positions pos.. (the new keys) come from registers, below
+    q_pos = pos + tok
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:  # the sink joins split 0's softmax as one more logit (log2 domain, unscaled) with no value
@@ -159,53 +176,96 @@ def _decode_fused_kernel(
                                      k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh,
                                      stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
 
-    # 3. The new token's k (rotated) and v. Every split computes them (two L2-resident rows); only the owner of
-    # position pos writes them to the cache and lets the new key into its softmax.
+    # 3. The new tokens' k (rotated) and v. Every split computes them (L2-resident rows); only the owner of
+    # position pos writes them to the cache and lets the new keys into its softmax.
     owner = split == (pos - kv_start) // chunk
-    k_row = row_ptr + (N_KV * GROUP + kvh) * HEAD_DIM
-    k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
-    k_par = tl.load(k_row + partner, mask=d_ok, other=0.0)
-    if QK_NORM:
-        k_new, k_par = _head_rms_norm(k_new[None, :], k_par[None, :], k_norm_ptr, d, partner, d_ok, norm_eps,
-                                      HEAD_DIM)  # fmt: skip
-        k_new, k_par = tl.reshape(k_new, [BLOCK_D]), tl.reshape(k_par, [BLOCK_D])
-    k_new = _rope(k_new.to(tl.float32), k_par.to(tl.float32), c, s, lo_half).to(k_cache_ptr.dtype.element_ty)
-    v_new = tl.load(row_ptr + (N_KV * GROUP + N_KV + kvh) * HEAD_DIM + d, mask=d_ok, other=0.0)
-    v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-    slot = tl.load(slot_ptr + b)
-    # A negative slot is a padding row of a graph batch: nothing to cache. (A bound rather than `d_ok & owner`:
-    # the interpreter rejects masks built from scalar booleans.)
-    write = d < tl.where(owner & (slot >= 0), HEAD_DIM, 0)
-    slot_c = tl.maximum(slot, 0).to(tl.int64)
-    kv_off = (slot_c // PAGE) * stride_kb + (slot_c % PAGE) * stride_ks + kvh * stride_kh + d
-    tl.store(k_cache_ptr + kv_off, k_new, mask=write)
-    tl.store(v_cache_ptr + kv_off, v_new, mask=write)
-    if UPCAST_DOT:
-        v_dot = v_new.to(tl.float32)
+    if Q_LEN == 1:
+        k_row = qkv_ptr + b.to(tl.int64) * stride_qkv + (N_KV * GROUP + kvh) * HEAD_DIM
+        k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
+        k_par = tl.load(k_row + partner, mask=d_ok, other=0.0)
+        if QK_NORM:
+            k_new, k_par = _head_rms_norm(k_new[None, :], k_par[None, :], k_norm_ptr, d, partner, d_ok, norm_eps,
+                                          HEAD_DIM)  # fmt: skip
+            k_new, k_par = tl.reshape(k_new, [BLOCK_D]), tl.reshape(k_par, [BLOCK_D])
+        k_new = _rope(k_new.to(tl.float32), k_par.to(tl.float32), c, s, lo_half).to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(k_row + N_KV * HEAD_DIM + d, mask=d_ok, other=0.0)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + b)
+        # A negative slot is a padding row of a graph batch: nothing to cache. (A bound rather than `d_ok & owner`:
+        # the interpreter rejects masks built from scalar booleans.)
+        write = d < tl.where(owner & (slot >= 0), HEAD_DIM, 0)
+        slot_c = tl.maximum(slot, 0).to(tl.int64)
+        kv_off = (slot_c // PAGE) * stride_kb + (slot_c % PAGE) * stride_ks + kvh * stride_kh + d
+        tl.store(k_cache_ptr + kv_off, k_new, mask=write)
+        tl.store(v_cache_ptr + kv_off, v_new, mask=write)
+        if UPCAST_DOT:
+            v_dot = v_new.to(tl.float32)
+        else:
+            v_dot = v_new
+        s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
+        s_new = tl.where(owner, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, s_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split (short sequence) keeps p = 0
+        p = tl.exp2(s_new - m_safe)
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + p
+        acc = acc * alpha[:, None] + p.to(v_dot.dtype).to(tl.float32)[:, None] * v_dot.to(tl.float32)[None, :]
+        m_i = m_new
     else:
-        v_dot = v_new
-    s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * qk_scale
-    s_new = tl.where(owner, s_new, float("-inf"))
-    m_new = tl.maximum(m_i, s_new)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # an empty split (short sequence) keeps p = 0
-    p = tl.exp2(s_new - m_safe)
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + p
-    acc = acc * alpha[:, None] + p.to(v_dot.dtype).to(tl.float32)[:, None] * v_dot.to(tl.float32)[None, :]
-    m_i = m_new
+        # A verify step's Q_LEN tokens as one [Q_P2, BLOCK_D] tile (Q_P2 >= 16 for tl.dot): token j is seen by
+        # the rows of tokens j.. (causal among themselves), through the tile code's online softmax.
+        j = tl.arange(0, Q_P2)
+        j_ok = j < Q_LEN
+        t_new = b.to(tl.int64) * Q_LEN + j
+        pos_new = tl.load(pos_ptr + t_new, mask=j_ok, other=0)
+        nk_mask = j_ok[:, None] & d_ok[None, :]
+        cs_new = pos_new[:, None] * stride_cos + half_d[None, :]
+        c_k = tl.load(cos_ptr + cs_new, mask=nk_mask, other=0.0).to(tl.float32)
+        s_k = tl.load(sin_ptr + cs_new, mask=nk_mask, other=0.0).to(tl.float32)
+        k_rows = qkv_ptr + t_new[:, None] * stride_qkv + (N_KV * GROUP + kvh) * HEAD_DIM
+        k_new = tl.load(k_rows + d[None, :], mask=nk_mask, other=0.0)
+        k_par = tl.load(k_rows + partner[None, :], mask=nk_mask, other=0.0)
+        if QK_NORM:
+            k_new, k_par = _head_rms_norm(k_new, k_par, k_norm_ptr, d, partner, d_ok, norm_eps, HEAD_DIM)
+        k_new = _rope(k_new.to(tl.float32), k_par.to(tl.float32), c_k, s_k, lo_half[None, :])
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(k_rows + N_KV * HEAD_DIM + d[None, :], mask=nk_mask, other=0.0)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + t_new, mask=j_ok, other=-1)
+        write = (slot >= 0)[:, None] & (d[None, :] < tl.where(owner, HEAD_DIM, 0))
+        slot_c = tl.maximum(slot, 0).to(tl.int64)
+        kv_off = (slot_c // PAGE) * stride_kb + (slot_c % PAGE) * stride_ks + kvh * stride_kh
+        tl.store(k_cache_ptr + kv_off[:, None] + d[None, :], k_new, mask=write)
+        tl.store(v_cache_ptr + kv_off[:, None] + d[None, :], v_new, mask=write)
+        if UPCAST_DOT:
+            k_new = k_new.to(tl.float32)
+            v_new = v_new.to(tl.float32)
+        s_new = tl.dot(q, tl.trans(k_new)) * qk_scale  # [BLOCK_M, Q_P2], log2 domain
+        visible = (j[None, :] <= tok[:, None]) & j_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (pos_new[None, :] > q_pos[:, None] - WINDOW)
+        s_new = tl.where(visible, s_new, float("-inf"))
+        s_new = tl.where(owner, s_new, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_new, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s_new - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v_new.dtype), v_new)
+        m_i = m_new
 
     l_div = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_div[:, None]
-    t = b.to(tl.int64)  # one query token per sequence: token index = sequence index
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :],
+        tl.store(out_ptr + t_row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=q_mask)  # fmt: skip
     else:
-        tl.store(part_o_ptr + split * stride_ps + t * stride_pt + head[:, None] * stride_ph + d[None, :], o,
-                 mask=q_mask)  # fmt: skip
+        tl.store(part_o_ptr + split * stride_ps + t_row[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :],
+                 o, mask=q_mask)  # fmt: skip
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_div), float("-inf"))
-        tl.store(part_lse_ptr + split * stride_ls + t * stride_lt + head, lse, mask=row_ok)
-        if MERGE_IN_KERNEL:
+        tl.store(part_lse_ptr + split * stride_ls + t_row * stride_lt + head, lse, mask=row_ok)
+        if MERGE_IN_KERNEL:  # one token per sequence (the launcher's check): token b
+            t = b.to(tl.int64)
             # 4. Memory ordering (the pattern of CUTLASS's split-K semaphore, cutlass/barrier.h):
             #  - every thread of this program has stored part of the partial above; the CTA barrier orders those
             #    stores before the atomic, which one thread issues (Triton lowers a scalar atomic to one thread);
@@ -265,14 +325,17 @@ def decode_attention_fused(
     pdl: bool = False,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    q_len: int = 1,
 ) -> torch.Tensor:
-    """One decode token per sequence: (q/k RMSNorm,) rotary on q/k, k/v written to the cache at slot_mapping,
-    attention -> [B,Hq,D].
+    """q_len new tokens per sequence (decode: 1; a speculative verify step: k + 1): (q/k RMSNorm,) rotary on
+    q/k, k/v written to the cache at slot_mapping, causal attention -> [B·q_len, Hq, D].
 
-    qkv: [B, (Hq + 2·Hkv)·D], the QKV projection's output, un-rotated (q heads, then k heads, then v heads).
-    positions: [B] position of each sequence's new token (its cached keys are 0 .. position-1; max_seq_len bounds
-    position + 1). slot_mapping: [B] cache slot of the new token (block·block_size + offset); negative = padding
-    row, nothing written (its output is garbage). cos/sin: [max_pos, D/2] float32. Caches: [num_blocks,
+    qkv: [B·q_len, (Hq + 2·Hkv)·D], the QKV projection's output, un-rotated (q heads, then k heads, then v heads);
+    sequence b's tokens are rows b·q_len .. b·q_len + q_len - 1. positions: [B·q_len] position of each new token,
+    consecutive within a sequence (its cached keys are 0 .. its first position - 1; max_seq_len bounds the last
+    position + 1). slot_mapping: [B·q_len] cache slot of each new token (block·block_size + offset); negative =
+    not written (a padding row, or a verify row past the drafts: its output is garbage, and rows after it in the
+    sequence must be garbage too, as they would see its key). cos/sin: [max_pos, D/2] float32. Caches: [num_blocks,
     block_size, Hkv, D]. merge_in_kernel: merge the key splits in the last program to finish (needs `counters`,
     from new_split_counters, left at zero after every launch; allocated here if None) instead of a second launch.
     out / partials ([S, B, Hq, D] and [S, B, Hq] float32): preallocated buffers, else allocated here.
@@ -281,7 +344,9 @@ def decode_attention_fused(
     reference.paged_attention takes them (gpt-oss). max_seq_len is then also bounded by window for the split count.
     """
     check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
-    batch = qkv.shape[0]
+    check(q_len >= 1 and qkv.shape[0] % q_len == 0, f"q_len: {q_len} must be ≥ 1 and divide qkv's {qkv.shape[0]} rows")
+    tokens = qkv.shape[0]
+    batch = tokens // q_len
     dev = qkv.device
     check(num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
           f"num_heads: {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")  # fmt: skip
@@ -298,7 +363,7 @@ def decode_attention_fused(
     check(page >= 1 and page & (page - 1) == 0, f"k_cache: block_size {page} must be a power of two")
     for name, t in (("positions", positions), ("slot_mapping", slot_mapping)):
         check_tensor(name, t, ndim=1, dtypes=(torch.int64, torch.int32), device=dev)
-        check(t.shape[0] == batch, f"{name}: {t.shape[0]} entries for batch {batch}")
+        check(t.shape[0] == tokens, f"{name}: {t.shape[0]} entries for {tokens} tokens")
     for name, t in (("cos", cos), ("sin", sin)):
         check_tensor(name, t, ndim=2, dtypes=(torch.float32,), device=dev)
         check(t.shape[1] == head_dim // 2, f"{name}: last dim {t.shape[1]} != head_dim/2 = {head_dim // 2}")
@@ -317,9 +382,10 @@ def decode_attention_fused(
         check(sinks.shape[0] == num_heads, f"sinks: {sinks.shape[0]} entries for {num_heads} query heads")
 
     if out is None:
-        out = torch.empty((batch, num_heads, head_dim), dtype=qkv.dtype, device=dev)
+        out = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=dev)
     check_tensor("out", out, ndim=3, dtypes=(qkv.dtype,), device=dev)
-    check(out.shape == (batch, num_heads, head_dim), f"out: shape {tuple(out.shape)} != {(batch, num_heads, head_dim)}")
+    want = (tokens, num_heads, head_dim)
+    check(out.shape == want, f"out: shape {tuple(out.shape)} != {want}")
     if batch == 0:
         return out
     keys = max_seq_len if window is None else min(max_seq_len, window)
@@ -328,16 +394,16 @@ def decode_attention_fused(
     if block_n is None:  # long splits of 64-wide heads: 128-key tiles, 3 stages (gpt-oss at 131K: 84.7 -> 75.1 us)
         long = head_dim <= 64 and triton.cdiv(keys, num_splits) >= LONG_SPLIT_KEYS
         block_n, num_stages = (128, num_stages or 3) if long else (64, num_stages)
-    merge_in_kernel = merge_in_kernel and num_splits > 1
+    merge_in_kernel = merge_in_kernel and num_splits > 1 and q_len == 1  # the in-kernel merge: one token
     if num_splits > 1:
         if partials is None:  # rows padded: split strides divisible by 16 for every batch (_common.padded_rows)
-            rows = padded_rows(batch)
+            rows = padded_rows(tokens)
             o = torch.empty((num_splits, rows, num_heads, head_dim), dtype=torch.float32, device=dev)
             lse = torch.empty((num_splits, rows, num_heads), dtype=torch.float32, device=dev)
-            partials = (o[:, :batch], lse[:, :batch])
+            partials = (o[:, :tokens], lse[:, :tokens])
         part_o, part_lse = partials
-        for name, t, shape in (("o", part_o, (num_splits, batch, num_heads, head_dim)),
-                               ("lse", part_lse, (num_splits, batch, num_heads))):  # fmt: skip
+        for name, t, shape in (("o", part_o, (num_splits, tokens, num_heads, head_dim)),
+                               ("lse", part_lse, (num_splits, tokens, num_heads))):  # fmt: skip
             check(t.shape == shape and t.dtype == torch.float32 and t.stride(-1) == 1,
                   f"partials: {name} must be float32 {list(shape)} with a contiguous last dim")  # fmt: skip
     else:
@@ -365,13 +431,14 @@ def decode_attention_fused(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         N_KV=num_kv_heads, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_M=max(16, next_pow2(group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
+        BLOCK_M=max(16, next_pow2(q_len * group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
         MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
         QK_NORM=q_norm is not None, HAS_SINKS=sinks is not None, WINDOW=window or 0,
-        num_warps=num_warps or 4, num_stages=num_stages or 2, **pdl_launch(pdl),
+        Q_LEN=q_len, Q_P2=max(16, next_pow2(q_len)), num_warps=num_warps or 4, num_stages=num_stages or 2,
+        **pdl_launch(pdl),
     )  # fmt: skip
     if num_splits > 1 and not merge_in_kernel:
-        _merge_splits_kernel[(batch, num_heads)](
+        _merge_splits_kernel[(tokens, num_heads)](
             part_o, part_lse, out,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),

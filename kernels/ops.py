@@ -69,6 +69,9 @@ class AttentionMetadata:
     # int32 [B]: cached tokens after this step's writes. None for a pure decode step, where it is positions + 1.
     seq_lens: torch.Tensor | None = None
     num_splits: int | None = None  # decode key splits; None: chosen per launch (a CUDA graph fixes it)
+    # Every sequence brings exactly this many query tokens, at consecutive positions (decode: 1; a speculative
+    # verify step: k + 1), so a backend may run the step as decode; None: unknown or varying.
+    q_per_seq: int | None = None
     # The same lengths on the host, for backends that loop over sequences (the torch reference); None in graphs.
     q_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None

@@ -161,23 +161,24 @@ def decode_attention_fused(
     norm_eps: float = 1e-6,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    q_len: int = 1,
 ) -> torch.Tensor:
-    """One decode token per sequence from the fused QKV row [B, (Hq + 2·Hkv)·D]: (q/k RMSNorm per head with
-    q_norm/k_norm,) rotary on q and k, k and v
-    written at slot_mapping (negative: not written), then attention over positions 0..position -> [B, Hq, D]
-    (with sinks and a window as paged_attention takes them).
-    The unfused composition (rotary_and_store_kv, then paged_attention) the fused decode kernel must equal."""
-    batch = qkv.shape[0]
+    """q_len new tokens per sequence from the fused QKV rows [B·q_len, (Hq + 2·Hkv)·D]: (q/k RMSNorm per head with
+    q_norm/k_norm,) rotary on q and k, k and v written at slot_mapping (negative: not written), then causal
+    attention over positions 0..position -> [B·q_len, Hq, D] (with sinks and a window as paged_attention takes
+    them). The unfused composition (rotary_and_store_kv, then paged_attention) the fused kernel must equal."""
+    tokens = qkv.shape[0]
+    batch = tokens // q_len
     d = k_cache.shape[3]
-    q = qkv[:, : num_heads * d].view(batch, num_heads, d)  # [B, Hq, D] views of the fused row
-    k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].view(batch, num_kv_heads, d)
-    v = qkv[:, (num_heads + num_kv_heads) * d :].view(batch, num_kv_heads, d)
+    q = qkv[:, : num_heads * d].view(tokens, num_heads, d)  # [T, Hq, D] views of the fused rows
+    k = qkv[:, num_heads * d : (num_heads + num_kv_heads) * d].view(tokens, num_kv_heads, d)
+    v = qkv[:, (num_heads + num_kv_heads) * d :].view(tokens, num_kv_heads, d)
     if q_norm is not None and k_norm is not None:
         q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
     q_rot, _ = rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
-    cu = torch.arange(batch + 1, dtype=torch.int32, device=qkv.device)
-    return paged_attention(q_rot, k_cache, v_cache, cu, positions + 1, block_tables, scale, sinks=sinks,
-                           window=window)
+    cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=qkv.device)
+    seq_lens = positions.view(batch, q_len)[:, -1] + 1
+    return paged_attention(q_rot, k_cache, v_cache, cu, seq_lens, block_tables, scale, sinks=sinks, window=window)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,8 +5,9 @@ Each entry point picks its kernel from the rows it is given:
   the residual add + RMSNorm, the SwiGLU and the bias into the same pass; chained with programmatic dependent
   launch on Hopper, so each kernel's weight stream starts under its predecessor's tail;
 - more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it;
-- attention: for a pure decode step, decode_attention_fused (q/k norm + rotary + KV write + attention + split
-  merge in one or two launches); else rotary_and_store_kv and the varlen paged_attention kernel. Sinks and a
+- attention: for a pure decode step, and a speculative verify step (k + 1 tokens a sequence, up to
+  FUSED_VERIFY_ROWS query rows per KV head), decode_attention_fused (q/k norm + rotary + KV write + attention +
+  split merge in one or two launches); else rotary_and_store_kv and the varlen paged_attention kernel. Sinks and a
   sliding window are constexpr variants of both; a window layer picks its key splits from the window, not from
   the graph's max_model_len;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
@@ -41,6 +42,10 @@ from envex.kernels.ops import (
     MoEWeights,
     split_qkv,
 )
+
+# Query rows (tokens x GQA group) per KV head up to which a verify step runs the fused decode kernel: its tile holds
+# them all (Llama-3.1-8B: k + 1 ≤ 16 tokens; gpt-oss, group 8: ≤ 8).
+FUSED_VERIFY_ROWS = 64
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -110,14 +115,18 @@ class TritonOps:
         # A window layer reads at most `window` keys: its split count comes from that, not from the (graph's)
         # max_seq_len; it depends only on the batch, so a captured graph stays valid.
         num_splits = meta.num_splits if window is None else None
-        if meta.is_decode:
+        q_len = 1 if meta.is_decode else meta.q_per_seq
+        group = layer.num_heads // layer.num_kv_heads
+        if q_len is not None and q_len * group <= FUSED_VERIFY_ROWS:
+            # Decode, and a verify step's k + 1 tokens a sequence: rotary, the K/V write and attention in one
+            # launch (the split merge in a second), where the general path takes three (NOTES.md, v16).
             pdl = self.pdl and tokens == 1
             return decode_attention.decode_attention_fused(
                 qkv, meta.positions, meta.slot_mapping, meta.cos, meta.sin, k_cache, v_cache, meta.block_tables,
                 layer.scale, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
                 max_seq_len=meta.max_seq_len, num_splits=num_splits, merge_in_kernel=False,
                 q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=layer.norm_eps, pdl=pdl,
-                sinks=layer.sinks, window=window,
+                sinks=layer.sinks, window=window, q_len=q_len,
             ).view(tokens, layer.q_size)  # fmt: skip
         q, k, v = split_qkv(qkv, layer)
         if layer.q_norm is not None and layer.k_norm is not None:

@@ -205,6 +205,53 @@ def test_decode_attention_fused_matches_reference(n_q: int, n_kv: int, page: int
         assert not torch.equal(flat[~untouched], flat0[~untouched]), f"{name}: the active rows' slots not written"
 
 
+# A verify step's first new positions (the sequence's newest token), and how many of its q_len tokens are real:
+# all, a prefix (drafts past the row's limit: slot -1), and a padding sequence (index 2: nothing real).
+VERIFY_FIRST, VERIFY_REAL = [0, 15, 9, 21], [5, 2, 0, 5]
+
+
+@pytest.mark.parametrize("q_len,n_q,n_kv,page,num_splits,window,sinks", [
+    (5, 8, 2, 8, 1, None, False), (5, 8, 2, 16, 3, None, False),  # one split; a split boundary inside the drafts
+    (2, 4, 2, 8, 8, None, False), (5, 8, 2, 8, 2, 6, True),  # empty splits; gpt-oss's window (< q_len + keys), sinks
+])  # fmt: skip
+def test_decode_attention_fused_verify_rows(q_len: int, n_q: int, n_kv: int, page: int, num_splits: int,
+                                            window: int | None, sinks: bool) -> None:  # fmt: skip
+    """q_len new tokens a sequence (a speculative verify step) in the fused kernel: every real row equals the
+    float64 composition (rotary + store, then causal paged attention), the real tokens' K/V are written and no
+    other slot changes."""
+    dtype, head_dim = torch.bfloat16, 32
+    kc, vc, tables, cos, sin = _decode_step_inputs(VERIFY_FIRST, n_q, n_kv, head_dim, page, dtype, q_len, seed=11)
+    kc0, vc0 = kc.clone(), vc.clone()
+    kc_ref, vc_ref = kc.double(), vc.double()
+    batch = len(VERIFY_FIRST)
+    pos = (torch.tensor(VERIFY_FIRST)[:, None] + torch.arange(q_len)[None, :]).reshape(-1).to(DEV)
+    real = (torch.arange(q_len)[None, :] < torch.tensor(VERIFY_REAL)[:, None].clamp(max=q_len)).reshape(-1).to(DEV)
+    slots = tables.repeat_interleave(q_len, 0).gather(1, (pos // page)[:, None])[:, 0].long() * page + pos % page
+    slots = torch.where(real, slots, -1)
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(batch * q_len, (n_q + 2 * n_kv) * head_dim, generator=g).to(dtype).to(DEV)
+    s = (torch.randn(n_q, generator=g) * 2).to(DEV) if sinks else None
+    got = decode_attention.decode_attention_fused(
+        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
+        max_seq_len=int(pos.max()) + 1, num_splits=num_splits, sinks=s, window=window, q_len=q_len,
+    )  # fmt: skip
+    want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables,
+                                      head_dim**-0.5, n_q, n_kv, sinks=None if s is None else s.double(),
+                                      window=window, q_len=q_len)  # fmt: skip
+    assert_close(f"verify rows (q_len {q_len}, {num_splits} splits)", got[real], want[real], dtype)
+    assert_close("k_cache", kc, kc_ref, dtype)
+    assert_close("v_cache", vc, vc_ref, dtype)
+    written = torch.zeros(kc.shape[0] * page, dtype=torch.bool, device=DEV)
+    written[slots[real]] = True
+    for name, c, c0 in (("k_cache", kc, kc0), ("v_cache", vc, vc0)):
+        flat, flat0 = c.view(-1, n_kv * head_dim), c0.view(-1, n_kv * head_dim)
+        assert torch.equal(flat[~written], flat0[~written]), f"{name}: a slot outside the real rows' changed"
+        assert (flat[written] != flat0[written]).any(dim=1).all(), f"{name}: a real row's slot not written"
+    with pytest.raises(ValueError, match="q_len: 3 must be ≥ 1 and divide qkv's"):
+        decode_attention.decode_attention_fused(qkv[:-1], pos[:-1], slots[:-1], cos, sin, kc, vc, tables, 0.1,
+                                                num_heads=n_q, num_kv_heads=n_kv, max_seq_len=32, q_len=3)  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n_q,n_kv,num_splits", [(4, 2, 1), (8, 2, 3)])
 def test_decode_attention_fused_with_qk_norm(dtype: torch.dtype, n_q: int, n_kv: int, num_splits: int) -> None:

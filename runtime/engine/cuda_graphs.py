@@ -259,7 +259,7 @@ class SpecGraphs:
             positions=pos.reshape(-1), slot_mapping=torch.where(valid, slots, -1).reshape(-1),
             cu_seqlens_q=self._cu[key], block_tables=x.block_tables, cos=self.runner.cos, sin=self.runner.sin,
             max_q_len=k + 1, max_seq_len=self.max_model_len + k + 1,
-            seq_lens=(x.seq_lens + k).to(torch.int32), num_splits=self._splits[key],
+            seq_lens=(x.seq_lens + k).to(torch.int32), num_splits=self._splits[key], q_per_seq=k + 1,
         )  # fmt: skip
         return self.runner.forward_logits(ids.reshape(-1), meta)
 
