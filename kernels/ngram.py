@@ -28,10 +28,10 @@ _KEY_SHIFT = 40  # key = n << 40 | start: a start always fits (history rows are 
 
 @triton.jit
 def _ngram_kernel(
-    hist_ptr, rows_ptr, lens_ptr, drafts_ptr, count_ptr,
+    hist_ptr, rows_ptr, lens_ptr, drafts_ptr, count_ptr, limit_ptr,
     width, stride_h, window, k,
     MAX_NGRAM: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr, BLOCK_K: tl.constexpr,
-    KEY_SHIFT: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b).to(tl.int64)
@@ -60,6 +60,8 @@ def _ngram_kernel(
     best = tl.where(found, best_key & ((1 << KEY_SHIFT) - 1), -1)
     follow = best + best_n  # first proposed position (-1 when none: the gather below clamps as the torch rule does)
     count = tl.where(found, tl.minimum(tl.maximum(n_tok - follow, 0), k), 0)
+    if HAS_LIMIT:  # at most max(limit, 0) drafts for this sequence (a negative limit: a padding row, none)
+        count = tl.minimum(count, tl.maximum(tl.load(limit_ptr + b).to(tl.int64), 0))
     tl.store(count_ptr + b, count)
     j = tl.arange(0, BLOCK_K)
     pos = tl.minimum(tl.maximum(follow + j, 0), width - 1)
@@ -68,10 +70,14 @@ def _ngram_kernel(
 
 
 def ngram_propose(hist: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k: int, *, max_ngram: int,
-                  window: int, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                  window: int, block: int = BLOCK, limit: torch.Tensor | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """drafters.ngram_propose in one launch: hist [S, L] int64, rows [B] (row of hist per sequence), lens [B] (its
     length, <= L) -> drafts [B, k] int64 and their count [B] int64, equal to the torch version's everywhere.
-    Static shapes and no host reads (graph-safe); the outputs are fresh tensors the caller copies out.
+    Static shapes and no host reads (graph-safe). limit: [B], each count capped at max(limit, 0) as well (the
+    verify step's k_limit). out: (drafts, count) to write, contiguous int64 [B, k] and [B] (the verify graph's
+    own buffers: no copies after the launch); else fresh tensors.
     block: candidate ends per tile (a power of two; tests pass small ones to cover several tiles)."""
     check_tensor("hist", hist, ndim=2, dtypes=(torch.int64,))
     check_tensor("rows", rows, ndim=1, dtypes=(torch.int32, torch.int64), device=hist.device)
@@ -81,15 +87,25 @@ def ngram_propose(hist: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k:
           "and max_ngram, window >= 1")  # fmt: skip
     check(block >= 1 and block & (block - 1) == 0, f"block: {block} must be a power of two")
     batch, width = rows.shape[0], hist.shape[1]
-    drafts = torch.empty(batch, k, dtype=torch.int64, device=hist.device)
-    count = torch.empty(batch, dtype=torch.int64, device=hist.device)
+    if limit is not None:
+        check_tensor("limit", limit, ndim=1, dtypes=(torch.int32, torch.int64), device=hist.device)
+        check(limit.shape == rows.shape, f"limit: shape {tuple(limit.shape)} != rows shape {tuple(rows.shape)}")
+    if out is None:
+        drafts = torch.empty(batch, k, dtype=torch.int64, device=hist.device)
+        count = torch.empty(batch, dtype=torch.int64, device=hist.device)
+    else:
+        drafts, count = out
+        check(drafts.shape == (batch, k) and drafts.dtype == torch.int64 and drafts.is_contiguous(),
+              f"out: drafts must be contiguous int64 [{batch}, {k}], got {drafts.dtype} {list(drafts.shape)}")
+        check(count.shape == (batch,) and count.dtype == torch.int64 and count.is_contiguous(),
+              f"out: count must be contiguous int64 [{batch}], got {count.dtype} {list(count.shape)}")
     if batch == 0:
         return drafts, count
     window = min(window, width)
     tile = min(block, next_pow2(window))
     _ngram_kernel[(batch,)](
-        hist, rows, lens, drafts, count, width, hist.stride(0), window, k,
+        hist, rows, lens, drafts, count, limit if limit is not None else count, width, hist.stride(0), window, k,
         MAX_NGRAM=max_ngram, BLOCK=tile, NUM_TILES=triton.cdiv(window, tile), BLOCK_K=next_pow2(max(k, 1)),
-        KEY_SHIFT=_KEY_SHIFT, num_warps=4,
+        KEY_SHIFT=_KEY_SHIFT, HAS_LIMIT=limit is not None, num_warps=4,
     )  # fmt: skip
     return drafts, count

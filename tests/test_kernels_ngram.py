@@ -96,6 +96,26 @@ def test_the_drafter_writes_the_same_drafts_on_either_path() -> None:
     assert x.num_drafts.tolist() == [4, 1, 0, 0] and x.drafts[0].tolist() == [9, 1, 2, 3]
 
 
+def test_limit_and_out_buffers() -> None:
+    """The verify graph's form: counts capped by max(limit, 0) inside the kernel, written into given buffers (the
+    step's drafts and num_drafts) with nothing returned fresh."""
+    hist, lens = _history([[5, 1, 2, 3, 9, 1, 2, 3], [4, 4, 4, 4, 4, 4], [7, 8]], 16, stale=5)
+    rows = torch.tensor([0, 1, 2, 3, 1], device=DEV)
+    limit = torch.tensor([2, 8, 3, -1, 0], device=DEV)
+    drafts = torch.full((5, 4), -7, dtype=torch.int64, device=DEV)
+    count = torch.full((5,), -7, dtype=torch.int64, device=DEV)
+    got = ngram.ngram_propose(hist, rows, lens[rows], 4, max_ngram=3, window=16, limit=limit, out=(drafts, count))
+    assert got[0].data_ptr() == drafts.data_ptr() and got[1].data_ptr() == count.data_ptr()
+    want_drafts, want_count = ngram_propose(hist, rows, lens[rows], 4, max_ngram=3, window=16)
+    assert torch.equal(drafts, want_drafts)
+    assert torch.equal(count, torch.minimum(want_count, limit.clamp(min=0)))
+    assert count.tolist()[:2] == [2, 1] and count.tolist()[3:] == [0, 0]  # row 1: only 4,4,4 at 2..4 precedes
+    with pytest.raises(ValueError, match="out: drafts must be contiguous int64"):
+        ngram.ngram_propose(hist, rows, lens[rows], 4, max_ngram=3, window=16, out=(drafts[:, :3], count))
+    with pytest.raises(ValueError, match="limit: shape"):
+        ngram.ngram_propose(hist, rows, lens[rows], 4, max_ngram=3, window=16, limit=limit[:2])
+
+
 def test_int32_rows_and_lens_empty_batch_and_k0() -> None:
     hist, lens = _history([[1, 2, 1, 2, 1], [3, 3, 3]], 12, stale=2)
     rows = torch.tensor([1, 0, 2], dtype=torch.int32, device=DEV)
@@ -126,9 +146,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from envex.kernels import ngram
 
-sig = dict(hist_ptr="*i64", rows_ptr="*i64", lens_ptr="*i64", drafts_ptr="*i64", count_ptr="*i64", width="i32",
-           stride_h="i32", window="i32", k="i32")
-consts = dict(MAX_NGRAM=3, BLOCK=ngram.BLOCK, NUM_TILES=2, BLOCK_K=8, KEY_SHIFT=ngram._KEY_SHIFT)
+sig = dict(hist_ptr="*i64", rows_ptr="*i64", lens_ptr="*i64", drafts_ptr="*i64", count_ptr="*i64", limit_ptr="*i64",
+           width="i32", stride_h="i32", window="i32", k="i32")
+consts = dict(MAX_NGRAM=3, BLOCK=ngram.BLOCK, NUM_TILES=2, BLOCK_K=8, KEY_SHIFT=ngram._KEY_SHIFT, HAS_LIMIT=True)
 sig.update({c: "constexpr" for c in consts})
 attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr")}
 k = triton.compile(ASTSource(fn=ngram._ngram_kernel, signature=sig, constexprs=consts, attrs=attrs),

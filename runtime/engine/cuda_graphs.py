@@ -174,6 +174,25 @@ class DecodeGraphs:
         return self.run(ids, positions, [c.seq.block_table for c in chunks], fill).float()
 
 
+def verify_inputs_torch(hist: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, drafts: torch.Tensor,
+                        num_drafts: torch.Tensor, k_limit: torch.Tensor, block_tables: torch.Tensor, *,
+                        block_size: int, max_model_len: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A verify step's inputs from the drafts: (ids, positions, slots [B·(K+1)], seq_lens_after [B] int32), and
+    num_drafts capped in place so that no draft reaches past the context. Row b's k + 1 tokens are its newest
+    (hist[rows[b], seq_lens[b] - 1], not yet cached) and its drafts; rows past its drafts, and every row of a
+    padding sequence (k_limit -1), get slot -1 (nothing written). kernels/spec_inputs.py is the same in one launch."""
+    k = drafts.shape[1]
+    num_drafts.copy_(torch.minimum(num_drafts, (max_model_len - seq_lens).clamp(min=0)))
+    newest = hist[rows, seq_lens - 1]  # [B]
+    ids = torch.cat([newest[:, None], drafts], dim=1)  # [B, K+1]
+    j = torch.arange(k + 1, device=hist.device)[None, :]
+    pos = (seq_lens[:, None] - 1 + j).clamp(max=max_model_len - 1)  # garbage rows stay inside the rotary tables
+    valid = (j <= num_drafts[:, None]) & (k_limit[:, None] >= 0)
+    slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size
+    return (ids.reshape(-1), pos.reshape(-1), torch.where(valid, slots, -1).reshape(-1),
+            (seq_lens + k).to(torch.int32))  # fmt: skip
+
+
 class SpecGraphs:
     """Verify steps of B sequences x (K + 1) tokens, captured for a ladder of (batch, K) (speculative.py).
 
@@ -236,32 +255,28 @@ class SpecGraphs:
 
     def _draft(self, key: tuple[int, int]) -> None:
         x = self._inputs[key]
-        x.seq_lens.copy_(x.lens[x.rows])
+        torch.index_select(x.lens, 0, x.rows, out=x.seq_lens)
         self.drafter.propose(x)
 
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
         b, k = key
         x = self._inputs[key]
-        bs, last = self.block_size, self.max_model_len - 1
-        x.seq_lens.copy_(x.lens[x.rows])  # [B] tokens per sequence before this step; the newest is not cached
+        # [B] tokens per sequence before this step; the newest is not cached
+        torch.index_select(x.lens, 0, x.rows, out=x.seq_lens)
         if self.drafter.in_verify_graph:
             self.drafter.propose(x)
-        # No draft may reach past the context; a padding row (k_limit -1) proposes nothing.
-        x.num_drafts.copy_(torch.minimum(x.num_drafts, (self.max_model_len - x.seq_lens).clamp(min=0)))
-        newest = self.spec.hist.view(-1)[x.rows * self.spec.width + x.seq_lens - 1]  # [B]
-        ids = torch.cat([newest[:, None], x.drafts], dim=1)  # [B, K+1]
-        j = torch.arange(k + 1, device=self.device)[None, :]
-        pos = x.seq_lens[:, None] - 1 + j  # [B, K+1]
-        valid = (j <= x.num_drafts[:, None]) & (x.k_limit[:, None] >= 0)
-        pos = pos.clamp(max=last)  # garbage rows stay inside the rotary tables
-        slots = x.block_tables.gather(1, pos // bs).long() * bs + pos % bs
+        inputs = verify_inputs_torch
+        if x.hist.is_cuda:  # one Triton launch instead of ~20 small ops (kernels/spec_inputs.py)
+            from envex.kernels.spec_inputs import verify_inputs as inputs  # Triton: only where tensors are on a GPU
+        ids, positions, slots, seq_lens = inputs(self.spec.hist, x.rows, x.seq_lens, x.drafts, x.num_drafts,
+                                                 x.k_limit, x.block_tables, block_size=self.block_size,
+                                                 max_model_len=self.max_model_len)  # fmt: skip
         meta = AttentionMetadata(
-            positions=pos.reshape(-1), slot_mapping=torch.where(valid, slots, -1).reshape(-1),
-            cu_seqlens_q=self._cu[key], block_tables=x.block_tables, cos=self.runner.cos, sin=self.runner.sin,
-            max_q_len=k + 1, max_seq_len=self.max_model_len + k + 1,
-            seq_lens=(x.seq_lens + k).to(torch.int32), num_splits=self._splits[key], q_per_seq=k + 1,
+            positions=positions, slot_mapping=slots, cu_seqlens_q=self._cu[key], block_tables=x.block_tables,
+            cos=self.runner.cos, sin=self.runner.sin, max_q_len=k + 1, max_seq_len=self.max_model_len + k + 1,
+            seq_lens=seq_lens, num_splits=self._splits[key], q_per_seq=k + 1,
         )  # fmt: skip
-        return self.runner.forward_logits(ids.reshape(-1), meta)
+        return self.runner.forward_logits(ids, meta)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

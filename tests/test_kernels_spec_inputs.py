@@ -1,0 +1,66 @@
+"""The verify step's inputs in one kernel (kernels/spec_inputs.py) against the torch composition it replaces
+(cuda_graphs.verify_inputs_torch): equal ids, positions, cache slots, lengths and capped draft counts, element for
+element, on the interpreter on CPU."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
+
+from envex.kernels import spec_inputs  # noqa: E402
+from envex.runtime.engine.cuda_graphs import verify_inputs_torch  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _step(lens: list[int], k: int, limits: list[int], proposed: list[int], page: int, max_len: int, seed: int):
+    """A history with one row per sequence plus a padding row (length 2), batch rows in shuffled order, random
+    drafts, and block tables wide enough for every position below max_len."""
+    g = torch.Generator().manual_seed(seed)
+    width = max_len + k + 2
+    hist = torch.randint(0, 1000, (len(lens) + 1, width), generator=g)
+    all_lens = torch.tensor(lens + [2])
+    rows = torch.randperm(len(lens) + 1, generator=g)
+    batch = rows.shape[0]
+    tables = torch.randint(0, 500, (batch, -(-(width) // page)), generator=g, dtype=torch.int32)
+    drafts = torch.randint(0, 1000, (batch, k), generator=g)
+    k_limit = torch.tensor(limits + [-1])[rows]  # the padding row has limit -1
+    num_drafts = torch.minimum(torch.tensor(proposed + [0])[rows], k_limit.clamp(min=0))
+    seq_lens = all_lens[rows]
+    return [t.to(DEV) for t in (hist, rows, seq_lens, drafts, num_drafts, k_limit, tables)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.sampled_from([1, 4, 16]), st.integers(8, 40), st.data())
+def test_equals_the_torch_composition(k: int, page: int, max_len: int, data) -> None:
+    """Lengths from 1 to max_len (drafts past the context are cut), limits -1..k, proposals 0..k."""
+    n = data.draw(st.integers(1, 4))
+    lens = data.draw(st.lists(st.integers(1, max_len), min_size=n, max_size=n))
+    limits = data.draw(st.lists(st.integers(-1, k), min_size=n, max_size=n))
+    proposed = data.draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
+    args = _step(lens, k, limits, proposed, page, max_len, seed=sum(lens) + k)
+    hist, rows, seq_lens, drafts, num_drafts, k_limit, tables = args
+    want_nd = num_drafts.clone()
+    want = verify_inputs_torch(hist, rows, seq_lens, drafts, want_nd, k_limit, tables, block_size=page,
+                               max_model_len=max_len)  # fmt: skip
+    got = spec_inputs.verify_inputs(hist, rows, seq_lens, drafts, num_drafts, k_limit, tables, block_size=page,
+                                    max_model_len=max_len)  # fmt: skip
+    for name, a, b in zip(("ids", "positions", "slots", "seq_lens_after"), got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
+    assert torch.equal(num_drafts, want_nd)
+    assert (num_drafts <= (max_len - seq_lens).clamp(min=0)).all()
+
+
+def test_rejects_bad_input() -> None:
+    hist, rows, seq_lens, drafts, num_drafts, k_limit, tables = _step([3, 5], 2, [2, 2], [1, 2], 4, 16, seed=1)
+    with pytest.raises(ValueError, match="block_tables: dtype torch.int64"):
+        spec_inputs.verify_inputs(hist, rows, seq_lens, drafts, num_drafts, k_limit, tables.long(), block_size=4,
+                                  max_model_len=16)  # fmt: skip
+    with pytest.raises(ValueError, match="k_limit: must be contiguous"):
+        spec_inputs.verify_inputs(hist, rows, seq_lens, drafts, num_drafts, k_limit[:2], tables, block_size=4,
+                                  max_model_len=16)  # fmt: skip
