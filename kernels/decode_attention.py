@@ -170,37 +170,6 @@ def _decode_fused_kernel(
         sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634  # LOG2E
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
-    if Q_LEN > 1:
-        # A verify step's Q_LEN new tokens as one [Q_P2, BLOCK_D] tile (Q_P2 >= 16 for tl.dot), rotated and
-        # written by the owner before the cached keys' loop, so their loads are in flight with the first tile's
-        # (3. below lets them into the softmax). No program of this launch reads these slots from the cache.
-        owner = split == (pos - kv_start) // chunk
-        j = tl.arange(0, Q_P2)
-        j_ok = j < Q_LEN
-        t_new = b.to(tl.int64) * Q_LEN + j
-        pos_new = tl.load(pos_ptr + t_new, mask=j_ok, other=0)
-        nk_mask = j_ok[:, None] & d_ok[None, :]
-        cs_new = pos_new[:, None] * stride_cos + half_d[None, :]
-        c_k = tl.load(cos_ptr + cs_new, mask=nk_mask, other=0.0).to(tl.float32)
-        s_k = tl.load(sin_ptr + cs_new, mask=nk_mask, other=0.0).to(tl.float32)
-        k_rows = qkv_ptr + t_new[:, None] * stride_qkv + (N_KV * GROUP + kvh) * HEAD_DIM
-        k_new = tl.load(k_rows + d[None, :], mask=nk_mask, other=0.0)
-        k_par = tl.load(k_rows + partner[None, :], mask=nk_mask, other=0.0)
-        if QK_NORM:
-            k_new, k_par = _head_rms_norm(k_new, k_par, k_norm_ptr, d, partner, d_ok, norm_eps, HEAD_DIM)
-        k_new = _rope(k_new.to(tl.float32), k_par.to(tl.float32), c_k, s_k, lo_half[None, :])
-        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
-        v_new = tl.load(k_rows + N_KV * HEAD_DIM + d[None, :], mask=nk_mask, other=0.0)
-        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + t_new, mask=j_ok, other=-1)
-        write = (slot >= 0)[:, None] & (d[None, :] < tl.where(owner, HEAD_DIM, 0))
-        slot_c = tl.maximum(slot, 0).to(tl.int64)
-        kv_off = (slot_c // PAGE) * stride_kb + (slot_c % PAGE) * stride_ks + kvh * stride_kh
-        tl.store(k_cache_ptr + kv_off[:, None] + d[None, :], k_new, mask=write)
-        tl.store(v_cache_ptr + kv_off[:, None] + d[None, :], v_new, mask=write)
-        if UPCAST_DOT:
-            k_new = k_new.to(tl.float32)
-            v_new = v_new.to(tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
@@ -209,8 +178,8 @@ def _decode_fused_kernel(
 
     # 3. The new tokens' k (rotated) and v. Every split computes them (L2-resident rows); only the owner of
     # position pos writes them to the cache and lets the new keys into its softmax.
+    owner = split == (pos - kv_start) // chunk
     if Q_LEN == 1:
-        owner = split == (pos - kv_start) // chunk
         k_row = qkv_ptr + b.to(tl.int64) * stride_qkv + (N_KV * GROUP + kvh) * HEAD_DIM
         k_new = tl.load(k_row + d, mask=d_ok, other=0.0)
         k_par = tl.load(k_row + partner, mask=d_ok, other=0.0)
@@ -242,7 +211,35 @@ def _decode_fused_kernel(
         l_i = l_i * alpha + p
         acc = acc * alpha[:, None] + p.to(v_dot.dtype).to(tl.float32)[:, None] * v_dot.to(tl.float32)[None, :]
         m_i = m_new
-    else:  # token j is seen by the rows of tokens j.. (causal among themselves), through the tile's online softmax
+    else:
+        # A verify step's Q_LEN tokens as one [Q_P2, BLOCK_D] tile (Q_P2 >= 16 for tl.dot): token j is seen by
+        # the rows of tokens j.. (causal among themselves), through the tile code's online softmax.
+        j = tl.arange(0, Q_P2)
+        j_ok = j < Q_LEN
+        t_new = b.to(tl.int64) * Q_LEN + j
+        pos_new = tl.load(pos_ptr + t_new, mask=j_ok, other=0)
+        nk_mask = j_ok[:, None] & d_ok[None, :]
+        cs_new = pos_new[:, None] * stride_cos + half_d[None, :]
+        c_k = tl.load(cos_ptr + cs_new, mask=nk_mask, other=0.0).to(tl.float32)
+        s_k = tl.load(sin_ptr + cs_new, mask=nk_mask, other=0.0).to(tl.float32)
+        k_rows = qkv_ptr + t_new[:, None] * stride_qkv + (N_KV * GROUP + kvh) * HEAD_DIM
+        k_new = tl.load(k_rows + d[None, :], mask=nk_mask, other=0.0)
+        k_par = tl.load(k_rows + partner[None, :], mask=nk_mask, other=0.0)
+        if QK_NORM:
+            k_new, k_par = _head_rms_norm(k_new, k_par, k_norm_ptr, d, partner, d_ok, norm_eps, HEAD_DIM)
+        k_new = _rope(k_new.to(tl.float32), k_par.to(tl.float32), c_k, s_k, lo_half[None, :])
+        k_new = k_new.to(k_cache_ptr.dtype.element_ty)
+        v_new = tl.load(k_rows + N_KV * HEAD_DIM + d[None, :], mask=nk_mask, other=0.0)
+        v_new = v_new.to(v_cache_ptr.dtype.element_ty)
+        slot = tl.load(slot_ptr + t_new, mask=j_ok, other=-1)
+        write = (slot >= 0)[:, None] & (d[None, :] < tl.where(owner, HEAD_DIM, 0))
+        slot_c = tl.maximum(slot, 0).to(tl.int64)
+        kv_off = (slot_c // PAGE) * stride_kb + (slot_c % PAGE) * stride_ks + kvh * stride_kh
+        tl.store(k_cache_ptr + kv_off[:, None] + d[None, :], k_new, mask=write)
+        tl.store(v_cache_ptr + kv_off[:, None] + d[None, :], v_new, mask=write)
+        if UPCAST_DOT:
+            k_new = k_new.to(tl.float32)
+            v_new = v_new.to(tl.float32)
         s_new = tl.dot(q, tl.trans(k_new)) * qk_scale  # [BLOCK_M, Q_P2], log2 domain
         visible = (j[None, :] <= tok[:, None]) & j_ok[None, :]
         if WINDOW > 0:
