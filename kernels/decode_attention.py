@@ -326,7 +326,6 @@ def decode_attention_fused(
     sinks: torch.Tensor | None = None,
     window: int | None = None,
     q_len: int = 1,
-    pdl_merge: bool = False,
 ) -> torch.Tensor:
     """q_len new tokens per sequence (decode: 1; a speculative verify step: k + 1): (q/k RMSNorm,) rotary on
     q/k, k/v written to the cache at slot_mapping, causal attention -> [B·q_len, Hq, D].
@@ -343,9 +342,6 @@ def decode_attention_fused(
     q_norm, k_norm: [D] RMSNorm weights applied to each q and k head before the rotation (Qwen3), both or neither.
     sinks: [Hq] per-head sink logits; window: sliding window (keys position-window+1 .. position), as
     reference.paged_attention takes them (gpt-oss). max_seq_len is then also bounded by window for the split count.
-    pdl: this launch and the merge's with programmatic dependent launch (a chain of kernels that all wait on their
-    predecessor). pdl_merge: only the merge's; this kernel is launched plainly but lets the merge launch under its
-    tail (a verify step, whose predecessor is a cuBLAS GEMM that an early launch would share SMs with).
     """
     check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
     check(q_len >= 1 and qkv.shape[0] % q_len == 0, f"q_len: {q_len} must be ≥ 1 and divide qkv's {qkv.shape[0]} rows")
@@ -436,7 +432,7 @@ def decode_attention_fused(
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         N_KV=num_kv_heads, GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=max(16, next_pow2(q_len * group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
-        MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl or pdl_merge,
+        MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
         QK_NORM=q_norm is not None, HAS_SINKS=sinks is not None, WINDOW=window or 0,
         Q_LEN=q_len, Q_P2=max(16, next_pow2(q_len)), num_warps=num_warps or 4, num_stages=num_stages or 2,
         **pdl_launch(pdl),
@@ -447,6 +443,6 @@ def decode_attention_fused(
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=block_s, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            USE_PDL=pdl or pdl_merge, num_warps=4, **pdl_launch(pdl or pdl_merge),
+            USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
         )  # fmt: skip
     return out

@@ -121,15 +121,12 @@ class TritonOps:
             # Decode, and a verify step's k + 1 tokens a sequence: rotary, the K/V write and attention in one
             # launch (the split merge in a second), where the general path takes three (NOTES.md, v16).
             pdl = self.pdl and tokens == 1
-            # A batch-1 verify step: the merge under the attention's tail; the attention itself launched plainly
-            # (launched early under the QKV GEMM it made k = 1-4 3-4% slower on the H200; NOTES.md, v16).
-            pdl_merge = self.pdl and q_len > 1 and tokens == q_len
             return decode_attention.decode_attention_fused(
                 qkv, meta.positions, meta.slot_mapping, meta.cos, meta.sin, k_cache, v_cache, meta.block_tables,
                 layer.scale, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
                 max_seq_len=meta.max_seq_len, num_splits=num_splits, merge_in_kernel=False,
                 q_norm=layer.q_norm, k_norm=layer.k_norm, norm_eps=layer.norm_eps, pdl=pdl,
-                sinks=layer.sinks, window=window, q_len=q_len, pdl_merge=pdl_merge,
+                sinks=layer.sinks, window=window, q_len=q_len,
             ).view(tokens, layer.q_size)  # fmt: skip
         q, k, v = split_qkv(qkv, layer)
         if layer.q_norm is not None and layer.k_norm is not None:
