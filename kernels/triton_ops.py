@@ -4,8 +4,6 @@ Each entry point picks its kernel from the rows it is given:
 - one row (batch-1 decode): the GEMV kernel (gemv.py), which reads the weight once at full bandwidth and folds
   the residual add + RMSNorm, the SwiGLU and the bias into the same pass; chained with programmatic dependent
   launch on Hopper, so each kernel's weight stream starts under its predecessor's tail;
-- 2-16 rows: norm_matmul for a projection after a norm (QKV, gate-up: the add + RMSNorm in the projection's
-  launch), cuBLAS for the others;
 - more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it;
 - attention: for a pure decode step, and a speculative verify step (k + 1 tokens a sequence, up to
   FUSED_VERIFY_ROWS query rows per KV head), decode_attention_fused (q/k norm + rotary + KV write + attention +
@@ -34,7 +32,6 @@ from envex.kernels import (
     invariant_matmul,
     moe_mxfp4,
     norm,
-    norm_matmul,
     rotary,
 )
 from envex.kernels.ops import (
@@ -88,8 +85,6 @@ class TritonOps:
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
                                  bias=bias, pdl=self.pdl)  # fmt: skip
             return y, (x if total is None else total)
-        if norm_matmul.takes(x, weight):  # 2-16 rows: the norm inside the projection's launch (NOTES.md, v18)
-            return norm_matmul.norm_matmul(x, residual, norm_weight, eps, weight, bias)
         if residual is None:
             normed, residual = norm.rms_norm(x, norm_weight, eps), x
         else:
