@@ -43,6 +43,9 @@ from envex.kernels._common import (
 )
 from envex.kernels.attention import LOG2E, LONG_SPLIT_KEYS, _attend_tile, _merge_splits_kernel, choose_num_splits
 
+# A split of fewer keys than this takes 64-key tiles in a launch built with 128-key ones (run-time choice).
+SHORT_SPLIT_KEYS = 1024
+
 # Elements of the [splits, GROUP, D] fp32 tile the merging program loads at once: 64 registers a thread at 4 warps.
 _MERGE_TILE = 8192
 
@@ -109,6 +112,7 @@ def _decode_fused_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
     UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, QK_NORM: tl.constexpr,
     HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0, Q_LEN: tl.constexpr = 1, Q_P2: tl.constexpr = 16,
+    SHORT_N: tl.constexpr = 0, LONG_KEYS: tl.constexpr = 0,
 ):  # fmt: skip
     if USE_PDL:  # qkv, positions and slots come from earlier kernels of the step; the counters from this kernel's
         tl.extra.cuda.gdc_launch_dependents()  # previous launch (complete once gdc_wait returns, transitively)
@@ -171,10 +175,18 @@ def _decode_fused_kernel(
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
-                                     k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh,
-                                     stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
+    if SHORT_N > 0 and hi - lo < LONG_KEYS:
+        # A graph captured for long sequences (BLOCK_N = 128) running a short one: the 64-key tile, as a graph
+        # for short sequences would have (gpt-oss at 1K keys: 3% a token; NOTES.md, "Long decode").
+        for start in range(lo, hi, SHORT_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
+                                         k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
+                                         stride_kh, stride_bt, SHORT_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
+                                         k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
+                                         stride_kh, stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
 
     # 3. The new tokens' k (rotated) and v. Every split computes them (L2-resident rows); only the owner of
     # position pos writes them to the cache and lets the new keys into its softmax.
@@ -391,9 +403,11 @@ def decode_attention_fused(
     keys = max_seq_len if window is None else min(max_seq_len, window)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, keys, dev)
-    if block_n is None:  # long splits of 64-wide heads: 128-key tiles, 3 stages (gpt-oss at 131K: 84.7 -> 75.1 us)
+    short_n = 0
+    if block_n is None:  # long splits of 64-wide heads: 128-key tiles, 3 stages (gpt-oss at 131K: 84.7 -> 75.1 us);
+        # a split of the step that holds fewer than SHORT_SPLIT_KEYS keys then takes 64-key tiles at run time
         long = head_dim <= 64 and triton.cdiv(keys, num_splits) >= LONG_SPLIT_KEYS
-        block_n, num_stages = (128, num_stages or 3) if long else (64, num_stages)
+        block_n, num_stages, short_n = (128, num_stages or 3, 64) if long else (64, num_stages, 0)
     merge_in_kernel = merge_in_kernel and num_splits > 1 and q_len == 1  # the in-kernel merge: one token
     if num_splits > 1:
         if partials is None:  # rows padded: split strides divisible by 16 for every batch (_common.padded_rows)
@@ -434,7 +448,8 @@ def decode_attention_fused(
         BLOCK_M=max(16, next_pow2(q_len * group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
         MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
         QK_NORM=q_norm is not None, HAS_SINKS=sinks is not None, WINDOW=window or 0,
-        Q_LEN=q_len, Q_P2=max(16, next_pow2(q_len)), num_warps=num_warps or 4, num_stages=num_stages or 2,
+        Q_LEN=q_len, Q_P2=max(16, next_pow2(q_len)), SHORT_N=short_n, LONG_KEYS=SHORT_SPLIT_KEYS,
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
         **pdl_launch(pdl),
     )  # fmt: skip
     if num_splits > 1 and not merge_in_kernel:

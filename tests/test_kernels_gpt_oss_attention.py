@@ -158,3 +158,26 @@ def test_decode_splits_of_64_keys_with_128_key_tiles() -> None:
             num_kv_heads=hkv, max_seq_len=keys + 1, num_splits=8, merge_in_kernel=False, block_n=block_n,
             sinks=sinks))  # fmt: skip
     assert_close("128-key tiles on 64-key splits", outs[1], outs[0].double(), torch.bfloat16)
+
+
+def test_decode_attention_fused_long_tile_chooses_per_split() -> None:
+    """A launch built with 128-key tiles (splits of ≥ LONG_SPLIT_KEYS keys on 64-wide heads, as a graph captured for
+    131K takes) runs each split's keys with the 128-key tile when it holds SHORT_SPLIT_KEYS or more and with the
+    64-key tile when fewer, in one launch: a long and two short sequences, with sinks, against float64."""
+    n_q, n_kv, head_dim, page = 4, 2, 64, 16
+    long_pos = decode_attention.SHORT_SPLIT_KEYS + 200  # one split: this sequence takes the 128-key loop
+    positions = [long_pos, 70, 5]
+    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=12)
+    kc_ref, vc_ref = kc.double(), vc.double()
+    pos = torch.tensor(positions, device=DEV)
+    slots = _slots(tables, pos, page, [])
+    qkv = torch.randn(3, (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(13))
+    qkv = qkv.to(torch.bfloat16).to(DEV)
+    s = _sinks(n_q, seed=14)
+    got = decode_attention.decode_attention_fused(
+        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
+        max_seq_len=attention.LONG_SPLIT_KEYS, num_splits=1, sinks=s,  # keys / splits = LONG_SPLIT_KEYS: long mode
+    )  # fmt: skip
+    want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
+                                      n_q, n_kv, sinks=s.double())  # fmt: skip
+    assert_close("decode fused, per-split tile", got, want, torch.bfloat16)
