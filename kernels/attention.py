@@ -172,7 +172,7 @@ def _merge_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     s_ok = sp < NUM_SPLITS
     lse = tl.load(part_lse_ptr + sp * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
-    m = tl.max(lse, axis=0)  # finite: split 0 always sees key 0
+    m = tl.max(lse, axis=0)  # finite: some split sees each row's own (newest) key
     w = tl.where(s_ok, tl.exp2(lse - m), 0.0)
     o = tl.load(part_o_ptr + sp[:, None] * stride_ps + t * stride_pt + h * stride_ph + d[None, :],
                 mask=s_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)  # fmt: skip

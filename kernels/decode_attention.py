@@ -45,6 +45,8 @@ from envex.kernels.attention import LOG2E, LONG_SPLIT_KEYS, _attend_tile, _merge
 
 # A split of fewer keys than this takes 64-key tiles in a launch built with 128-key ones (run-time choice).
 SHORT_SPLIT_KEYS = 1024
+# Query rows (new tokens x GQA group) one program holds: a verify step of more goes to attention.paged_attention.
+MAX_QUERY_ROWS = 64
 
 # Elements of the [splits, GROUP, D] fp32 tile the merging program loads at once: 64 registers a thread at 4 warps.
 _MERGE_TILE = 8192
@@ -100,6 +102,18 @@ def _merge_partials(part_o_ptr, part_lse_ptr, t, head0, stride_ps, stride_pt, st
     return acc / tl.where(w_sum > 0.0, w_sum, 1.0)[:, None]
 
 
+@triton.jit
+def _attend_keys(q, m_i, l_i, acc, lo, hi, q_pos, b, kvh, d, d_ok, qk_scale, k_cache_ptr, v_cache_ptr,
+                 block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt, TILE: tl.constexpr,
+                 PAGE: tl.constexpr, UPCAST_DOT: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """Keys lo .. hi-1 through the online softmax in TILE-key tiles."""
+    for start in range(lo, hi, TILE):
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale, k_cache_ptr,
+                                     v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
+                                     TILE, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["stride_bt"])  # as attention._attn_kernel's
 def _decode_fused_kernel(
     qkv_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
@@ -112,7 +126,7 @@ def _decode_fused_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_S: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr,
     UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, QK_NORM: tl.constexpr,
     HAS_SINKS: tl.constexpr = False, WINDOW: tl.constexpr = 0, Q_LEN: tl.constexpr = 1, Q_P2: tl.constexpr = 16,
-    SHORT_N: tl.constexpr = 0, LONG_KEYS: tl.constexpr = 0,
+    SHORT_N: tl.constexpr = 0, SHORT_KEYS: tl.constexpr = 0,
 ):  # fmt: skip
     if USE_PDL:  # qkv, positions and slots come from earlier kernels of the step; the counters from this kernel's
         tl.extra.cuda.gdc_launch_dependents()  # previous launch (complete once gdc_wait returns, transitively)
@@ -175,18 +189,16 @@ def _decode_fused_kernel(
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if SHORT_N > 0 and hi - lo < LONG_KEYS:
+    if SHORT_N > 0 and hi - lo < SHORT_KEYS:
         # A graph captured for long sequences (BLOCK_N = 128) running a short one: the 64-key tile, as a graph
         # for short sequences would have (gpt-oss at 1K keys: 3% a token; NOTES.md, "Long decode").
-        for start in range(lo, hi, SHORT_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
-                                         k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
-                                         stride_kh, stride_bt, SHORT_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, lo, hi, q_pos, b, kvh, d, d_ok, qk_scale, k_cache_ptr,
+                                     v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
+                                     SHORT_N, PAGE, UPCAST_DOT, WINDOW)  # fmt: skip
     else:
-        for start in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
-                                         k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
-                                         stride_kh, stride_bt, BLOCK_N, PAGE, UPCAST_DOT, True, WINDOW)  # fmt: skip
+        m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, lo, hi, q_pos, b, kvh, d, d_ok, qk_scale, k_cache_ptr,
+                                     v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
+                                     BLOCK_N, PAGE, UPCAST_DOT, WINDOW)  # fmt: skip
 
     # 3. The new tokens' k (rotated) and v. Every split computes them (L2-resident rows); only the owner of
     # position pos writes them to the cache and lets the new keys into its softmax.
@@ -350,18 +362,24 @@ def decode_attention_fused(
     sequence must be garbage too, as they would see its key). cos/sin: [max_pos, D/2] float32. Caches: [num_blocks,
     block_size, Hkv, D]. merge_in_kernel: merge the key splits in the last program to finish (needs `counters`,
     from new_split_counters, left at zero after every launch; allocated here if None) instead of a second launch.
-    out / partials ([S, B, Hq, D] and [S, B, Hq] float32): preallocated buffers, else allocated here.
+    out / partials ([S, B·q_len, Hq, D] and [S, B·q_len, Hq] float32): preallocated buffers, else allocated here.
+    merge_in_kernel is ignored (the merge is a second launch) with one split or q_len > 1.
     q_norm, k_norm: [D] RMSNorm weights applied to each q and k head before the rotation (Qwen3), both or neither.
     sinks: [Hq] per-head sink logits; window: sliding window (keys position-window+1 .. position), as
     reference.paged_attention takes them (gpt-oss). max_seq_len is then also bounded by window for the split count.
     """
     check_tensor("qkv", qkv, ndim=2, dtypes=FLOAT_DTYPES)
-    check(q_len >= 1 and qkv.shape[0] % q_len == 0, f"q_len: {q_len} must be ≥ 1 and divide qkv's {qkv.shape[0]} rows")
+    check(isinstance(q_len, int) and q_len >= 1 and qkv.shape[0] % q_len == 0,
+          f"q_len: {q_len!r} must be an int ≥ 1 that divides qkv's {qkv.shape[0]} rows")  # fmt: skip
     tokens = qkv.shape[0]
     batch = tokens // q_len
     dev = qkv.device
     check(num_kv_heads >= 1 and num_heads % num_kv_heads == 0,
           f"num_heads: {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")  # fmt: skip
+    group = num_heads // num_kv_heads
+    check(q_len == 1 or q_len * group <= MAX_QUERY_ROWS,
+          f"q_len: {q_len} tokens x GQA group {group} = {q_len * group} query rows per KV head > {MAX_QUERY_ROWS}; "
+          "run a step this long through attention.paged_attention")  # fmt: skip
     check(k_cache.dim() == 4, f"k_cache: expected [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)}")
     page, head_dim = k_cache.shape[1], k_cache.shape[3]
     check(qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim,
@@ -432,7 +450,6 @@ def decode_attention_fused(
         check(counters.numel() >= need, msg)
     else:
         counters = part_lse  # unused by the kernel (MERGE_IN_KERNEL=False)
-    group = num_heads // num_kv_heads
     block_d = next_pow2(head_dim)
     block_s = next_pow2(num_splits)
     merge_s = min(block_s, max(1, _MERGE_TILE // (next_pow2(group) * block_d)))
@@ -448,7 +465,7 @@ def decode_attention_fused(
         BLOCK_M=max(16, next_pow2(q_len * group)), BLOCK_N=block_n, PAGE=page, NUM_SPLITS=num_splits, BLOCK_S=block_s,
         MERGE_S=merge_s, MERGE_IN_KERNEL=merge_in_kernel, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
         QK_NORM=q_norm is not None, HAS_SINKS=sinks is not None, WINDOW=window or 0,
-        Q_LEN=q_len, Q_P2=max(16, next_pow2(q_len)), SHORT_N=short_n, LONG_KEYS=SHORT_SPLIT_KEYS,
+        Q_LEN=q_len, Q_P2=max(16, next_pow2(q_len)), SHORT_N=short_n, SHORT_KEYS=SHORT_SPLIT_KEYS,
         num_warps=num_warps or 4, num_stages=num_stages or 2,
         **pdl_launch(pdl),
     )  # fmt: skip

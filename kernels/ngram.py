@@ -95,10 +95,14 @@ def ngram_propose(hist: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k:
         count = torch.empty(batch, dtype=torch.int64, device=hist.device)
     else:
         drafts, count = out
-        check(drafts.shape == (batch, k) and drafts.dtype == torch.int64 and drafts.is_contiguous(),
-              f"out: drafts must be contiguous int64 [{batch}, {k}], got {drafts.dtype} {list(drafts.shape)}")
-        check(count.shape == (batch,) and count.dtype == torch.int64 and count.is_contiguous(),
-              f"out: count must be contiguous int64 [{batch}], got {count.dtype} {list(count.shape)}")
+        check(drafts.shape == (batch, k) and drafts.dtype == torch.int64 and drafts.is_contiguous()
+              and drafts.device == hist.device,
+              f"out: drafts must be contiguous int64 [{batch}, {k}] on {hist.device}, got {drafts.dtype} "
+              f"{list(drafts.shape)} on {drafts.device}")
+        check(count.shape == (batch,) and count.dtype == torch.int64 and count.is_contiguous()
+              and count.device == hist.device,
+              f"out: count must be contiguous int64 [{batch}] on {hist.device}, got {count.dtype} "
+              f"{list(count.shape)} on {count.device}")
     if batch == 0:
         return drafts, count
     window = min(window, width)

@@ -168,6 +168,8 @@ def decode_attention_fused(
     attention over positions 0..position -> [B·q_len, Hq, D] (with sinks and a window as paged_attention takes
     them). The unfused composition (rotary_and_store_kv, then paged_attention) the fused kernel must equal."""
     tokens = qkv.shape[0]
+    if tokens % q_len:
+        raise ValueError(f"q_len: {q_len} does not divide qkv's {tokens} rows")
     batch = tokens // q_len
     d = k_cache.shape[3]
     q = qkv[:, : num_heads * d].view(tokens, num_heads, d)  # [T, Hq, D] views of the fused rows
@@ -177,7 +179,7 @@ def decode_attention_fused(
         q, k = rms_norm(q, q_norm, norm_eps), rms_norm(k, k_norm, norm_eps)
     q_rot, _ = rotary_and_store_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping)
     cu = torch.arange(0, (batch + 1) * q_len, q_len, dtype=torch.int32, device=qkv.device)
-    seq_lens = positions.view(batch, q_len)[:, -1] + 1
+    seq_lens = positions.view(batch, q_len)[:, 0] + q_len  # from the first position, as the kernel counts
     return paged_attention(q_rot, k_cache, v_cache, cu, seq_lens, block_tables, scale, sinks=sinks, window=window)
 
 

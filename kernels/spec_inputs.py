@@ -7,8 +7,9 @@ Same rule, same outputs, for sequences of at least one token (every live row, an
 - num_drafts[b] <- min(num_drafts[b], max(max_model_len - seq_lens[b], 0)) (in place: no draft past the context);
 - ids[b] = (hist[rows[b], seq_lens[b] - 1], drafts[b, 0..K-1]);
 - positions[b, j] = min(seq_lens[b] - 1 + j, max_model_len - 1) (garbage rows stay inside the rotary tables);
-- slots[b, j] = block_tables[b, position // PAGE]·PAGE + position % PAGE where j <= num_drafts[b] and
-  k_limit[b] >= 0, else -1 (nothing written);
+- slots[b, j] = block_tables[b, position // PAGE]·PAGE + position % PAGE where j <= num_drafts[b],
+  k_limit[b] >= 0 and the unclamped position is below max_model_len, else -1 (nothing written: a step chained past
+  the end of a finishing sequence must not overwrite its last cached key);
 - seq_lens_after[b] = seq_lens[b] + K (int32: the attention metadata's lengths after the step).
 
 Floor: latency (a few hundred bytes per sequence); one launch.
@@ -43,7 +44,7 @@ def _verify_inputs_kernel(
     tl.store(ids_ptr + out, tl.where(j == 0, newest, draft), mask=j_ok)
     pos = tl.minimum(n - 1 + j, max_model_len - 1)
     block = tl.load(bt_ptr + b * stride_bt + pos // PAGE, mask=j_ok, other=0).to(tl.int64)
-    valid = (j <= nd) & (tl.load(k_limit_ptr + b) >= 0)
+    valid = (j <= nd) & (tl.load(k_limit_ptr + b) >= 0) & (n - 1 + j < max_model_len)
     tl.store(pos_ptr + out, pos, mask=j_ok)
     tl.store(slots_ptr + out, tl.where(valid, block * PAGE + pos % PAGE, -1), mask=j_ok)
     tl.store(seq_after_ptr + b, (n + K).to(tl.int32))
@@ -67,6 +68,9 @@ def verify_inputs(hist: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=dev)
     check(block_tables.shape[0] == batch, f"block_tables: {block_tables.shape[0]} rows for batch {batch}")
     check(block_size >= 1 and max_model_len >= 1, f"block_size {block_size}, max_model_len {max_model_len}: need ≥ 1")
+    width = block_tables.shape[1]
+    check(width * block_size >= max_model_len,
+          f"block_tables: {width} blocks of {block_size} cannot hold max_model_len {max_model_len}")
     ids = torch.empty(batch * (k + 1), dtype=torch.int64, device=dev)
     positions = torch.empty_like(ids)
     slots = torch.empty_like(ids)

@@ -5,11 +5,11 @@ Each entry point picks its kernel from the rows it is given:
   the residual add + RMSNorm, the SwiGLU and the bias into the same pass; chained with programmatic dependent
   launch on Hopper, so each kernel's weight stream starts under its predecessor's tail;
 - more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it;
-- attention: for a pure decode step, and a speculative verify step (k + 1 tokens a sequence, up to
-  FUSED_VERIFY_ROWS query rows per KV head), decode_attention_fused (q/k norm + rotary + KV write + attention +
-  split merge in one or two launches); else rotary_and_store_kv and the varlen paged_attention kernel. Sinks and a
-  sliding window are constexpr variants of both; a window layer picks its key splits from the window, not from
-  the graph's max_model_len;
+- attention: for a pure decode step, and a speculative verify step of up to decode_attention.MAX_QUERY_ROWS query
+  rows (k + 1 tokens x the GQA group) per KV head (Llama-3.1-8B: k ≤ 15; gpt-oss: k ≤ 7), decode_attention_fused
+  (q/k norm + rotary + KV write + attention, the split merge in a second launch); else rotary_and_store_kv and
+  the varlen paged_attention kernel. Sinks and a sliding window are constexpr variants of both; a window layer
+  picks its key splits from the window, not from the graph's max_model_len;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 dequantized in registers).
 deterministic (EngineConfig.deterministic): one path for every batch instead, so a row's bits never depend on its
@@ -34,6 +34,7 @@ from envex.kernels import (
     norm,
     rotary,
 )
+from envex.kernels._common import check
 from envex.kernels.ops import (
     NO_INVARIANT_MOE,
     AttentionLayer,
@@ -42,10 +43,6 @@ from envex.kernels.ops import (
     MoEWeights,
     split_qkv,
 )
-
-# Query rows (tokens x GQA group) per KV head up to which a verify step runs the fused decode kernel: its tile holds
-# them all (Llama-3.1-8B: k + 1 ≤ 16 tokens; gpt-oss, group 8: ≤ 8).
-FUSED_VERIFY_ROWS = 64
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -116,8 +113,10 @@ class TritonOps:
         # max_seq_len; it depends only on the batch, so a captured graph stays valid.
         num_splits = meta.num_splits if window is None else None
         q_len = 1 if meta.is_decode else meta.q_per_seq
+        if q_len is not None and q_len > 1:
+            check(q_len == meta.max_q_len, f"meta: q_per_seq {q_len} != max_q_len {meta.max_q_len}")
         group = layer.num_heads // layer.num_kv_heads
-        if q_len is not None and q_len * group <= FUSED_VERIFY_ROWS:
+        if meta.is_decode or (q_len is not None and q_len * group <= decode_attention.MAX_QUERY_ROWS):
             # Decode, and a verify step's k + 1 tokens a sequence: rotary, the K/V write and attention in one
             # launch (the split merge in a second), where the general path takes three (NOTES.md, v16).
             pdl = self.pdl and tokens == 1

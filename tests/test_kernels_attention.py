@@ -206,16 +206,19 @@ def test_decode_attention_fused_matches_reference(n_q: int, n_kv: int, page: int
 
 
 # A verify step's first new positions (the sequence's newest token), and how many of its q_len tokens are real:
-# all, a prefix (drafts past the row's limit: slot -1), and a padding sequence (index 2: nothing real).
-VERIFY_FIRST, VERIFY_REAL = [0, 15, 9, 21], [5, 2, 0, 5]
+# all, a prefix (drafts past the row's limit: slot -1), a padding sequence (index 2: nothing real), and long
+# sequences whose keys span several 64-key splits (position 64: the first new key opens a split of its own).
+VERIFY_FIRST, VERIFY_REAL = [0, 15, 9, 21, 64, 130, 70], [5, 2, 0, 5, 1, 4, 3]
 
 
-@pytest.mark.parametrize("q_len,n_q,n_kv,page,num_splits,window,sinks", [
-    (5, 8, 2, 8, 1, None, False), (5, 8, 2, 16, 3, None, False),  # one split; a split boundary inside the drafts
-    (2, 4, 2, 8, 8, None, False), (5, 8, 2, 8, 2, 6, True),  # empty splits; gpt-oss's window (< q_len + keys), sinks
+@pytest.mark.parametrize("q_len,n_q,n_kv,page,num_splits,window,sinks,qk_norm", [
+    (5, 8, 2, 8, 1, None, False, False), (5, 8, 2, 16, 3, None, False, False),  # one split; three, each with keys
+    (2, 4, 2, 8, 8, None, False, False),  # splits past a short sequence's keys (empty), a real prefix at q_len 2
+    (5, 8, 2, 8, 2, 6, True, False), (5, 8, 2, 8, 4, 3, True, False),  # gpt-oss's window and sinks; window < q_len
+    (5, 4, 2, 8, 2, None, False, True),  # Qwen3's q/k norm
 ])  # fmt: skip
 def test_decode_attention_fused_verify_rows(q_len: int, n_q: int, n_kv: int, page: int, num_splits: int,
-                                            window: int | None, sinks: bool) -> None:  # fmt: skip
+                                            window: int | None, sinks: bool, qk_norm: bool) -> None:  # fmt: skip
     """q_len new tokens a sequence (a speculative verify step) in the fused kernel: every real row equals the
     float64 composition (rotary + store, then causal paged attention), the real tokens' K/V are written and no
     other slot changes."""
@@ -231,13 +234,16 @@ def test_decode_attention_fused_verify_rows(q_len: int, n_q: int, n_kv: int, pag
     g = torch.Generator().manual_seed(5)
     qkv = torch.randn(batch * q_len, (n_q + 2 * n_kv) * head_dim, generator=g).to(dtype).to(DEV)
     s = (torch.randn(n_q, generator=g) * 2).to(DEV) if sinks else None
+    qn, kn = (1 + 0.5 * torch.randn(2, head_dim, generator=g)).to(dtype).to(DEV) if qk_norm else (None, None)
     got = decode_attention.decode_attention_fused(
         qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
-        max_seq_len=int(pos.max()) + 1, num_splits=num_splits, sinks=s, window=window, q_len=q_len,
+        max_seq_len=int(pos.max()) + 1, num_splits=num_splits, sinks=s, window=window, q_len=q_len, q_norm=qn,
+        k_norm=kn,
     )  # fmt: skip
     want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables,
                                       head_dim**-0.5, n_q, n_kv, sinks=None if s is None else s.double(),
-                                      window=window, q_len=q_len)  # fmt: skip
+                                      window=window, q_len=q_len, q_norm=None if qn is None else qn.double(),
+                                      k_norm=None if kn is None else kn.double())  # fmt: skip
     assert_close(f"verify rows (q_len {q_len}, {num_splits} splits)", got[real], want[real], dtype)
     assert_close("k_cache", kc, kc_ref, dtype)
     assert_close("v_cache", vc, vc_ref, dtype)
@@ -247,9 +253,15 @@ def test_decode_attention_fused_verify_rows(q_len: int, n_q: int, n_kv: int, pag
         flat, flat0 = c.view(-1, n_kv * head_dim), c0.view(-1, n_kv * head_dim)
         assert torch.equal(flat[~written], flat0[~written]), f"{name}: a slot outside the real rows' changed"
         assert (flat[written] != flat0[written]).any(dim=1).all(), f"{name}: a real row's slot not written"
-    with pytest.raises(ValueError, match="q_len: 3 must be ≥ 1 and divide qkv's"):
+    with pytest.raises(ValueError, match="q_len: 3 must be an int ≥ 1 that divides qkv's"):
         decode_attention.decode_attention_fused(qkv[:-1], pos[:-1], slots[:-1], cos, sin, kc, vc, tables, 0.1,
                                                 num_heads=n_q, num_kv_heads=n_kv, max_seq_len=32, q_len=3)  # fmt: skip
+    big = decode_attention.MAX_QUERY_ROWS // (n_q // n_kv) + 1  # one token more than a program's tile holds
+    with pytest.raises(ValueError, match="query rows per KV head > 64; run a step this long through"):
+        decode_attention.decode_attention_fused(qkv[:1].expand(big, -1), torch.arange(big, device=DEV),
+                                                torch.full((big,), -1, device=DEV), cos, sin, kc, vc, tables[:1], 0.1,
+                                                num_heads=n_q, num_kv_heads=n_kv, max_seq_len=big,
+                                                q_len=big)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -162,11 +162,12 @@ def test_decode_splits_of_64_keys_with_128_key_tiles() -> None:
 
 def test_decode_attention_fused_long_tile_chooses_per_split() -> None:
     """A launch built with 128-key tiles (splits of ≥ LONG_SPLIT_KEYS keys on 64-wide heads, as a graph captured for
-    131K takes) runs each split's keys with the 128-key tile when it holds SHORT_SPLIT_KEYS or more and with the
-    64-key tile when fewer, in one launch: a long and two short sequences, with sinks, against float64."""
+    131K takes) runs a split of SHORT_SPLIT_KEYS keys or more with the 128-key loop and a shorter one with the
+    64-key loop. Both loops give the same values, so this checks that each is right inside one launch, not which
+    one ran: one sequence whose first split holds 1,088 keys (128-key loop) and second 1,012 plus the new key (64),
+    two short ones, with sinks, against float64."""
     n_q, n_kv, head_dim, page = 4, 2, 64, 16
-    long_pos = decode_attention.SHORT_SPLIT_KEYS + 200  # one split: this sequence takes the 128-key loop
-    positions = [long_pos, 70, 5]
+    positions = [2100, 70, 5]
     kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=12)
     kc_ref, vc_ref = kc.double(), vc.double()
     pos = torch.tensor(positions, device=DEV)
@@ -176,7 +177,7 @@ def test_decode_attention_fused_long_tile_chooses_per_split() -> None:
     s = _sinks(n_q, seed=14)
     got = decode_attention.decode_attention_fused(
         qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
-        max_seq_len=attention.LONG_SPLIT_KEYS, num_splits=1, sinks=s,  # keys / splits = LONG_SPLIT_KEYS: long mode
+        max_seq_len=2 * attention.LONG_SPLIT_KEYS, num_splits=2, sinks=s,  # keys / splits = LONG_SPLIT_KEYS: long
     )  # fmt: skip
     want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
                                       n_q, n_kv, sinks=s.double())  # fmt: skip

@@ -38,9 +38,10 @@ def _step(lens: list[int], k: int, limits: list[int], proposed: list[int], page:
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 8), st.sampled_from([1, 4, 16]), st.integers(8, 40), st.data())
 def test_equals_the_torch_composition(k: int, page: int, max_len: int, data) -> None:
-    """Lengths from 1 to max_len (drafts past the context are cut), limits -1..k, proposals 0..k."""
+    """Lengths from 1 to max_len + 2 (drafts past the context are cut; a step chained past a finishing sequence's end
+    writes nothing), limits -1..k, proposals 0..k."""
     n = data.draw(st.integers(1, 4))
-    lens = data.draw(st.lists(st.integers(1, max_len), min_size=n, max_size=n))
+    lens = data.draw(st.lists(st.integers(1, max_len + 2), min_size=n, max_size=n))
     limits = data.draw(st.lists(st.integers(-1, k), min_size=n, max_size=n))
     proposed = data.draw(st.lists(st.integers(0, k), min_size=n, max_size=n))
     args = _step(lens, k, limits, proposed, page, max_len, seed=sum(lens) + k)
@@ -54,12 +55,17 @@ def test_equals_the_torch_composition(k: int, page: int, max_len: int, data) -> 
         assert a.dtype == b.dtype and torch.equal(a, b), (name, a, b)
     assert torch.equal(num_drafts, want_nd)
     assert (num_drafts <= (max_len - seq_lens).clamp(min=0)).all()
+    unclamped = (seq_lens[:, None] - 1 + torch.arange(k + 1, device=DEV)).reshape(-1)
+    assert (got[2][unclamped >= max_len] == -1).all(), "no slot for a position past max_model_len"
 
 
 def test_rejects_bad_input() -> None:
     hist, rows, seq_lens, drafts, num_drafts, k_limit, tables = _step([3, 5], 2, [2, 2], [1, 2], 4, 16, seed=1)
     with pytest.raises(ValueError, match="block_tables: dtype torch.int64"):
         spec_inputs.verify_inputs(hist, rows, seq_lens, drafts, num_drafts, k_limit, tables.long(), block_size=4,
+                                  max_model_len=16)  # fmt: skip
+    with pytest.raises(ValueError, match="block_tables: 2 blocks of 4 cannot hold max_model_len 16"):
+        spec_inputs.verify_inputs(hist, rows, seq_lens, drafts, num_drafts, k_limit, tables[:, :2], block_size=4,
                                   max_model_len=16)  # fmt: skip
     with pytest.raises(ValueError, match="k_limit: must be contiguous"):
         spec_inputs.verify_inputs(hist, rows, seq_lens, drafts, num_drafts, k_limit[:2], tables, block_size=4,

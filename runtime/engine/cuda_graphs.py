@@ -187,7 +187,9 @@ def verify_inputs_torch(hist: torch.Tensor, rows: torch.Tensor, seq_lens: torch.
     ids = torch.cat([newest[:, None], drafts], dim=1)  # [B, K+1]
     j = torch.arange(k + 1, device=hist.device)[None, :]
     pos = (seq_lens[:, None] - 1 + j).clamp(max=max_model_len - 1)  # garbage rows stay inside the rotary tables
-    valid = (j <= num_drafts[:, None]) & (k_limit[:, None] >= 0)
+    # A step chained past a finishing sequence's end (seq_lens up to max_model_len + 2) writes nothing: its clamped
+    # positions would overwrite the last cached key.
+    valid = (j <= num_drafts[:, None]) & (k_limit[:, None] >= 0) & (seq_lens[:, None] - 1 + j < max_model_len)
     slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size
     return (ids.reshape(-1), pos.reshape(-1), torch.where(valid, slots, -1).reshape(-1),
             (seq_lens + k).to(torch.int32))  # fmt: skip
@@ -268,7 +270,7 @@ class SpecGraphs:
         inputs = verify_inputs_torch
         if x.hist.is_cuda:  # one Triton launch instead of ~20 small ops (kernels/spec_inputs.py)
             from envex.kernels.spec_inputs import verify_inputs as inputs  # Triton: only where tensors are on a GPU
-        ids, positions, slots, seq_lens = inputs(self.spec.hist, x.rows, x.seq_lens, x.drafts, x.num_drafts,
+        ids, positions, slots, seq_lens = inputs(x.hist, x.rows, x.seq_lens, x.drafts, x.num_drafts,
                                                  x.k_limit, x.block_tables, block_size=self.block_size,
                                                  max_model_len=self.max_model_len)  # fmt: skip
         meta = AttentionMetadata(
