@@ -38,7 +38,7 @@ def test_reference_equals_hf_eager_definition() -> None:
     keys = kc[bt[0, :3].long()].reshape(-1, n_kv, d)[:11].repeat_interleave(n_q // n_kv, 1)  # [11, Hq, D]
     vals = vc[bt[0, :3].long()].reshape(-1, n_kv, d)[:11].repeat_interleave(n_q // n_kv, 1)
     scores = torch.einsum("qhd,khd->hqk", q, keys) * 0.25
-    qi, ki = torch.arange(11)[:, None], torch.arange(11)[None, :]
+    qi, ki = torch.arange(11, device=DEV)[:, None], torch.arange(11, device=DEV)[None, :]
     scores = scores.masked_fill((ki > qi) | (ki <= qi - window), float("-inf"))
     combined = torch.cat([scores, sinks[:, None, None].expand(n_q, 11, 1)], dim=-1)
     probs = torch.softmax(combined - combined.amax(-1, keepdim=True), dim=-1)[..., :-1]
