@@ -59,6 +59,13 @@ def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
         if WINDOW > 0:
             visible = visible & (kpos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
+    return _softmax_step(s, v, m_i, l_i, acc)
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc):
+    """One tile of scores s [M, N] (log2 domain, -inf where hidden) and its values v [N, D] into the online
+    softmax state (running max m_i, sum l_i, unnormalised output acc)."""
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
     p = tl.exp2(s - m_safe[:, None])

@@ -41,7 +41,14 @@ from envex.kernels._common import (
     padded_rows,
     pdl_launch,
 )
-from envex.kernels.attention import LOG2E, LONG_SPLIT_KEYS, _attend_tile, _merge_splits_kernel, choose_num_splits
+from envex.kernels.attention import (
+    LOG2E,
+    LONG_SPLIT_KEYS,
+    _attend_tile,
+    _merge_splits_kernel,
+    _softmax_step,
+    choose_num_splits,
+)
 
 # A split of fewer keys than this takes 64-key tiles in a launch built with 128-key ones (run-time choice).
 SHORT_SPLIT_KEYS = 1024
@@ -270,13 +277,7 @@ def _decode_fused_kernel(
             visible = visible & (pos_new[None, :] > q_pos[:, None] - WINDOW)
         s_new = tl.where(visible, s_new, float("-inf"))
         s_new = tl.where(owner, s_new, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_new, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s_new - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v_new.dtype), v_new)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(s_new, v_new, m_i, l_i, acc)
 
     l_div = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_div[:, None]

@@ -74,26 +74,32 @@ def test_paged_attention_sinks_window_split(num_splits: int) -> None:
         assert_close(f"split attention window {window}", out, want, torch.float32)
 
 
-@pytest.mark.parametrize("window", [None, 4, 16])
-@pytest.mark.parametrize("num_splits,merge_in_kernel", [(1, False), (3, True)])
-def test_decode_attention_fused_sinks_window(window: int | None, num_splits: int, merge_in_kernel: bool) -> None:
-    n_q, n_kv, head_dim, page = 8, 2, 32, 8
-    positions = [0, 15, 9, 22, 40]
-    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=4)
+def _fused_against_float64(label: str, positions: list[int], n_q: int, n_kv: int, head_dim: int, page: int, *,
+                           seed: int, sinks: torch.Tensor, window: int | None = None, **launch) -> None:
+    """The fused decode kernel on random bf16 caches and QKV rows (one new token a sequence at `positions`) against
+    the float64 reference: the outputs and the written caches. launch: decode_attention_fused's launch arguments."""
+    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=seed)
     kc_ref, vc_ref = kc.double(), vc.double()
     pos = torch.tensor(positions, device=DEV)
     slots = _slots(tables, pos, page, [])
-    qkv = torch.randn(len(positions), (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(5))
+    qkv = torch.randn(len(positions), (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(seed + 1))
     qkv = qkv.to(torch.bfloat16).to(DEV)
-    s = _sinks(n_q, seed=3)
     got = decode_attention.decode_attention_fused(
-        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
-        max_seq_len=41, num_splits=num_splits, merge_in_kernel=merge_in_kernel, sinks=s, window=window,
+        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv, sinks=sinks,
+        window=window, **launch,
     )  # fmt: skip
     want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
-                                      n_q, n_kv, sinks=s.double(), window=window)  # fmt: skip
-    assert_close(f"decode fused window {window}", got, want, torch.bfloat16)
-    assert_close("k_cache", kc, kc_ref, torch.bfloat16)
+                                      n_q, n_kv, sinks=sinks.double(), window=window)  # fmt: skip
+    assert_close(label, got, want, torch.bfloat16)
+    assert_close(f"{label}: k_cache", kc, kc_ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("window", [None, 4, 16])
+@pytest.mark.parametrize("num_splits,merge_in_kernel", [(1, False), (3, True)])
+def test_decode_attention_fused_sinks_window(window: int | None, num_splits: int, merge_in_kernel: bool) -> None:
+    _fused_against_float64(f"decode fused window {window}", [0, 15, 9, 22, 40], 8, 2, 32, 8, seed=4,
+                           sinks=_sinks(8, seed=3), window=window, max_seq_len=41, num_splits=num_splits,
+                           merge_in_kernel=merge_in_kernel)  # fmt: skip
 
 
 def test_attention_rejects_bad_sinks_and_window() -> None:
@@ -112,20 +118,8 @@ def test_attention_at_gpt_oss_120b_dims(window: int | None) -> None:
     kernel on a prefill chunk that starts past the window, against float64."""
     n_q, n_kv, head_dim, page = 64, 8, 64, 16
     s = _sinks(n_q, seed=7)
-    positions = [130, 300]
-    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=8)
-    kc_ref, vc_ref = kc.double(), vc.double()
-    pos = torch.tensor(positions, device=DEV)
-    slots = _slots(tables, pos, page, [])
-    qkv = torch.randn(2, (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(9))
-    qkv = qkv.to(torch.bfloat16).to(DEV)
-    got = decode_attention.decode_attention_fused(
-        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
-        max_seq_len=301, num_splits=None, merge_in_kernel=False, sinks=s, window=window,
-    )  # fmt: skip
-    want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
-                                      n_q, n_kv, sinks=s.double(), window=window)  # fmt: skip
-    assert_close(f"decode fused 120b dims, window {window}", got, want, torch.bfloat16)
+    _fused_against_float64(f"decode fused 120b dims, window {window}", [130, 300], n_q, n_kv, head_dim, page, seed=8,
+                           sinks=s, window=window, max_seq_len=301, num_splits=None, merge_in_kernel=False)  # fmt: skip
 
     seq_lens, q_lens = [170], [24]
     q, kc, vc, cu, sl, bt = _paged_batch(seq_lens, q_lens, n_q, n_kv, head_dim, page, torch.bfloat16, seed=10)
@@ -166,19 +160,6 @@ def test_decode_attention_fused_long_tile_chooses_per_split() -> None:
     64-key loop. Both loops give the same values, so this checks that each is right inside one launch, not which
     one ran: one sequence whose first split holds 1,088 keys (128-key loop) and second 1,012 plus the new key (64),
     two short ones, with sinks, against float64."""
-    n_q, n_kv, head_dim, page = 4, 2, 64, 16
-    positions = [2100, 70, 5]
-    kc, vc, tables, cos, sin = _decode_step_inputs(positions, n_q, n_kv, head_dim, page, torch.bfloat16, 1, seed=12)
-    kc_ref, vc_ref = kc.double(), vc.double()
-    pos = torch.tensor(positions, device=DEV)
-    slots = _slots(tables, pos, page, [])
-    qkv = torch.randn(3, (n_q + 2 * n_kv) * head_dim, generator=torch.Generator().manual_seed(13))
-    qkv = qkv.to(torch.bfloat16).to(DEV)
-    s = _sinks(n_q, seed=14)
-    got = decode_attention.decode_attention_fused(
-        qkv, pos, slots, cos, sin, kc, vc, tables, head_dim**-0.5, num_heads=n_q, num_kv_heads=n_kv,
-        max_seq_len=2 * attention.LONG_SPLIT_KEYS, num_splits=2, sinks=s,  # keys / splits = LONG_SPLIT_KEYS: long
-    )  # fmt: skip
-    want = ref.decode_attention_fused(*f64(qkv), pos, slots, *f64(cos, sin), kc_ref, vc_ref, tables, head_dim**-0.5,
-                                      n_q, n_kv, sinks=s.double())  # fmt: skip
-    assert_close("decode fused, per-split tile", got, want, torch.bfloat16)
+    # keys / splits = LONG_SPLIT_KEYS: a long launch
+    _fused_against_float64("decode fused, per-split tile", [2100, 70, 5], 4, 2, 64, 16, seed=12,
+                           sinks=_sinks(4, seed=14), max_seq_len=2 * attention.LONG_SPLIT_KEYS, num_splits=2)
