@@ -23,8 +23,9 @@ def plane_offsets(k, K):
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, planes_ptr,
-    H, stride_x, stride_res, stride_out, stride_sum, stride_planes, eps,
+    H, stride_x, stride_res, stride_out, stride_sum, stride_planes, eps, stride_split,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    SPLITS: tl.constexpr = 0,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     if USE_PDL:
@@ -32,7 +33,13 @@ def _rms_norm_kernel(
         tl.extra.cuda.gdc_wait()
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if SPLITS > 0:  # x is a split-K product's float32 partials [SPLITS, T, H]: summed in order, rounded once
+        acc = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
+        x = acc.to(out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         # HF adds in the activation dtype, so the sum is rounded before the norm sees it. (Added in fp32 and
         # rounded once, which is what a bf16 add does on the GPU, and what the CPU interpreter gets right.)
@@ -98,17 +105,37 @@ def norm_planes(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out, total, planes
 
 
+def add_rms_norm_partials(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """add_rms_norm(x, residual, weight, eps) where x = Σ_s partials[s], a split-K product's float32 partials
+    [S, T, H] summed in split order and rounded once to the residual's dtype: the split-K reduce, the residual add
+    and the norm in one launch. -> (normed, x + residual); inputs untouched."""
+    check_tensor("partials", partials, ndim=3, dtypes=(torch.float32,))
+    check(partials.shape[0] >= 1, "partials: need at least one split, [S >= 1, T, H]")
+    check_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES, device=partials.device)
+    check(residual.shape == partials.shape[1:],
+          f"residual: shape {tuple(residual.shape)} != the partials' rows {tuple(partials.shape[1:])}")  # fmt: skip
+    _check(residual, weight, None)
+    out = torch.empty_like(residual)
+    total = torch.empty_like(residual)
+    _launch(partials, residual, weight, eps, out, total)
+    return out, total
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor,
             total: torch.Tensor, planes: torch.Tensor | None = None, *, pdl: bool = False) -> None:  # fmt: skip
-    """One _rms_norm_kernel launch over x's rows: the residual added (and the sum stored in total) unless None,
-    the normed rows also stored as planes unless None."""
-    if x.shape[0] == 0:
+    """One _rms_norm_kernel launch over x's rows ([T, H], or float32 split partials [S, T, H]): the residual added
+    (and the sum stored in total) unless None, the normed rows also stored as planes unless None."""
+    splits = x.shape[0] if x.dim() == 3 else 0
+    rows = x[0] if splits else x
+    if rows.shape[0] == 0:
         return
-    block_h = next_pow2(x.shape[1])
+    block_h = next_pow2(rows.shape[1])
     has_res = residual is not None
-    _rms_norm_kernel[(x.shape[0],)](
-        x, residual if has_res else x, weight, out, total, out if planes is None else planes, x.shape[1], x.stride(0),
-        residual.stride(0) if has_res else 0, out.stride(0), total.stride(0) if has_res else 0,
-        0 if planes is None else planes.stride(0), float(eps), HAS_RESIDUAL=has_res, BLOCK_H=block_h,
-        PLANES=planes is not None, USE_PDL=pdl, num_warps=_num_warps(block_h), **pdl_launch(pdl),
+    _rms_norm_kernel[(rows.shape[0],)](
+        x, residual if has_res else x, weight, out, total, out if planes is None else planes, rows.shape[1],
+        rows.stride(0), residual.stride(0) if has_res else 0, out.stride(0), total.stride(0) if has_res else 0,
+        0 if planes is None else planes.stride(0), float(eps), x.stride(0) if splits else 0, HAS_RESIDUAL=has_res,
+        BLOCK_H=block_h, PLANES=planes is not None, USE_PDL=pdl, num_warps=_num_warps(block_h), SPLITS=splits,
+        **pdl_launch(pdl),
     )  # fmt: skip

@@ -150,7 +150,12 @@ class Communicator(Protocol):
 
 
 class Ops(Protocol):
-    """The fused entry points a model file calls. Shapes: x [T, H]; residual [T, H] or None (the first layer)."""
+    """The fused entry points a model file calls. Shapes: x [T, H]; residual [T, H] or None (the first layer).
+
+    What `linear` and `act_linear` return is "hidden": the model hands it to the next `norm_linear` or `moe`, or
+    returns it from its forward, and reads nothing else of it. A backend may keep it in its own form until then
+    (TritonOps: a split-K product's float32 partials, summed by the next norm's launch); `materialize(hidden,
+    dtype)` gives its [T, H] rows in the model dtype, for a caller that indexes them."""
 
     name: str
 
@@ -161,10 +166,16 @@ class Ops(Protocol):
         comm: x is this rank's partial sum (a row-parallel projection's output): it is all-reduced first."""
         ...
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), as hidden (above)."""
+        ...
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """linear(silu(gate) * up) for the fused gate-up row [gate | up]."""
+        """linear(silu(gate) * up) for the fused gate-up row [gate | up], as hidden (above)."""
+        ...
+
+    def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """hidden as [T, H] rows of dtype (the model's)."""
         ...
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -222,6 +233,9 @@ class TorchOps:
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._linear(reference.silu_and_mul(gate_up), weight)
 
+    def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return hidden
+
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
         q, k, v = split_qkv(qkv, layer)
@@ -252,9 +266,10 @@ class TorchOps:
         return out, residual
 
 
-def make_ops(backend: str, device: torch.device, *, deterministic: bool = False) -> Ops:
+def make_ops(backend: str, device: torch.device, *, deterministic: bool = False, split_k: bool = True) -> Ops:
     """The backend's Ops: "torch" anywhere, "triton" on a CUDA device. deterministic: batch-invariant kernels
-    (EngineConfig.deterministic; offline_docs/engine.md)."""
+    (EngineConfig.deterministic; offline_docs/engine.md). split_k: TritonOps may hand O and down on as split-K
+    partials to the next norm (off under tensor parallelism, where that norm all-reduces its input first)."""
     if backend == "torch":
         return TorchOps(deterministic=deterministic)
     if backend == "triton":
@@ -262,5 +277,6 @@ def make_ops(backend: str, device: torch.device, *, deterministic: bool = False)
             raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
         from envex.kernels.triton_ops import TritonOps  # imports Triton: only where the fast path runs
 
-        return TritonOps(pdl=torch.cuda.get_device_capability(device) >= (9, 0), deterministic=deterministic)
+        return TritonOps(pdl=torch.cuda.get_device_capability(device) >= (9, 0), deterministic=deterministic,
+                         split_k=split_k)  # fmt: skip
     raise ValueError(f"backend: {backend!r} is not one of torch, triton")

@@ -4,7 +4,10 @@ Each entry point picks its kernel from the rows it is given:
 - one row (batch-1 decode): the GEMV kernel (gemv.py), which reads the weight once at full bandwidth and folds
   the residual add + RMSNorm, the SwiGLU and the bias into the same pass; chained with programmatic dependent
   launch on Hopper, so each kernel's weight stream starts under its predecessor's tail;
-- more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it;
+- more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it. For 2-16 rows
+  (the down projection: up to 64) with K >= 4096, O and down run as one strided-batched GEMM over two K halves
+  into float32 partials, and the next norm's launch sums them (`norm.add_rms_norm_partials`): cuBLAS's own
+  split-K would have spent a reduce launch there (NOTES.md, v19);
 - attention: for a pure decode step, and a speculative verify step of up to decode_attention.MAX_QUERY_ROWS query
   rows (k + 1 tokens x the GQA group) per KV head (Llama-3.1-8B: k ≤ 15; gpt-oss: k ≤ 7), decode_attention_fused
   (q/k norm + rotary + KV write + attention, the split merge in a second launch); else rotary_and_store_kv and
@@ -44,19 +47,39 @@ from envex.kernels.ops import (
     split_qkv,
 )
 
+# Smallest K (input width) whose projection TritonOps splits into halves for the next norm to sum.
+SPLIT_K_MIN = 4096
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])  # [..., H] -> [T, H] (copies only if the view is impossible)
 
 
+def _is_partials(x: torch.Tensor) -> bool:
+    return x.dim() == 3  # [S, T, N] float32 from _split_k_product; hidden rows are [T, H]
+
+
+def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x [T, K] @ weight[N, K].T as float32 partials [splits, T, N], partial s over K slice s: one strided-batched
+    cuBLAS GEMM over views of x and the weight (no copy), float32 out (bf16 products accumulated in float32)."""
+    k = x.shape[1]
+    xs = x.unflatten(1, (splits, k // splits)).transpose(0, 1)  # [S, T, K/S]
+    ws = weight.unflatten(1, (splits, k // splits)).permute(1, 2, 0)  # [S, K/S, N]
+    if x.is_cuda:
+        return torch.bmm(xs, ws, out_dtype=torch.float32)
+    return torch.bmm(xs.float(), ws.float())  # the CPU has no bf16 -> float32 bmm; the same sums in float32
+
+
 class TritonOps:
     name = "triton"
 
-    def __init__(self, *, pdl: bool = False, deterministic: bool = False) -> None:
+    def __init__(self, *, pdl: bool = False, deterministic: bool = False, split_k: bool = True) -> None:
         # pdl: launch the one-row kernels with programmatic dependent launch (Hopper and later). Every kernel so
         # launched waits on its predecessor before reading activations, so mixing with plain launches is safe.
+        # split_k: O and down may return float32 split partials for the next norm to sum (module docstring).
         self.pdl = pdl
         self.deterministic = deterministic
+        self.split_k = split_k and not deterministic
 
     @staticmethod
     def _gemv(x: torch.Tensor) -> bool:
@@ -67,13 +90,18 @@ class TritonOps:
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if _is_partials(x):
+            if comm is None and residual is not None:  # the split-K reduce, the add and the norm in one launch
+                normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps)
+                return F.linear(normed, weight, bias), residual
+            x = self.materialize(x, weight.dtype)
         if comm is not None:
             # One row: reduce alone, the GEMV folds the add and the norm into its weight pass anyway. More rows:
             # the reduce, the add and the norm in one pass over the peers' rows where the size allows.
             fused = None if self._gemv(x) else comm.all_reduce_add_rms_norm(x, residual, norm_weight, eps)
             if fused is not None:
                 normed, residual = fused
-                return self.linear(normed, weight, bias), residual
+                return self._project(normed, weight, bias), residual
             x = comm.all_reduce(x)  # not PDL-launched (Communicator.all_reduce); the GEMV after it is
         if self.deterministic:
             return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
@@ -89,6 +117,11 @@ class TritonOps:
         return F.linear(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        splits = self._splits(x, weight) if bias is None else 1
+        return _split_k_product(x, weight, splits) if splits > 1 else self._project(x, weight, bias)
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias) as [T, N] rows."""
         if self.deterministic:
             return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x))
         if self._gemv(x):
@@ -101,7 +134,25 @@ class TritonOps:
                                            pdl=self._det_pdl(gate_up))  # fmt: skip
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
-        return F.linear(activation.silu_and_mul(gate_up), weight)
+        act = activation.silu_and_mul(gate_up)
+        splits = self._splits(act, weight)
+        return _split_k_product(act, weight, splits) if splits > 1 else F.linear(act, weight)
+
+    def _splits(self, x: torch.Tensor, weight: torch.Tensor) -> int:
+        """K slices for a projection whose output goes to the next norm (H200, Llama-3.1-8B shape, NOTES.md v19:
+        two halves gain 1.8-2.2 us on O and down at 2-16 rows and on down at 64; O at 64 rows loses 0.5)."""
+        rows, k = x.shape
+        if not self.split_k or rows < 2 or k < SPLIT_K_MIN or k % 16:  # 16: each half's rows 16-byte aligned
+            return 1
+        return 2 if rows <= 16 or (rows <= 64 and k >= 2 * weight.shape[0]) else 1
+
+    def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if not _is_partials(hidden):
+            return hidden
+        total = hidden[0].clone()
+        for part in hidden[1:]:  # in split order, as the norm kernel sums them
+            total += part
+        return total.to(dtype)
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
@@ -144,6 +195,7 @@ class TritonOps:
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if self.deterministic:
             raise ValueError(NO_INVARIANT_MOE)
+        x = self.materialize(x, router_weight.dtype)
         planes = None
         pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
         if moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.gate_up_bias.shape[1] // 2):
@@ -152,7 +204,7 @@ class TritonOps:
             h, residual = norm.rms_norm(x, norm_weight, eps), x
         else:
             h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
-        logits = self.linear(h, router_weight, router_bias)  # [T, E]
+        logits = self._project(h, router_weight, router_bias)  # [T, E]
         out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
                                   down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,

@@ -94,6 +94,40 @@ def test_triton_ops_match_torch_ops(dtype: torch.dtype, rows: int) -> None:
     assert_close("ops.act_linear", x_ops.act_linear(gu, w), t_ops.act_linear(gu, w), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_k_projection_hands_its_partials_to_the_next_norm(dtype: torch.dtype,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """O and down at 2-16 rows (down: to 64) come back as float32 partials of two K halves; the next norm_linear
+    sums them in its norm launch, materialize() gives the rows; both as the reference computes them."""
+    from envex.kernels import triton_ops
+
+    monkeypatch.setattr(triton_ops, "SPLIT_K_MIN", 64)
+    t_ops, x_ops = TorchOps(), TritonOps()
+    w_o, w_down = ((torch.randn(n, k, device=DEV) / k**0.5).to(dtype) for n, k in ((72, 128), (48, 256)))
+    nw, w_next = torch.randn(72, device=DEV).to(dtype), (torch.randn(40, 72, device=DEV) / 72**0.5).to(dtype)
+    for rows in (2, 16):
+        x, r = torch.randn(rows, 128, device=DEV).to(dtype), torch.randn(rows, 72, device=DEV).to(dtype)
+        parts = x_ops.linear(x, w_o)
+        assert parts.shape == (2, rows, 72) and parts.dtype == torch.float32
+        assert_close("materialize", x_ops.materialize(parts, dtype), t_ops.linear(x, w_o), dtype)
+        for residual in (r, None):  # None: the partials are summed first (no layer hands them on without one)
+            got = x_ops.norm_linear(parts, residual, nw, 1e-5, w_next)
+            want = t_ops.norm_linear(t_ops.linear(x, w_o), residual, nw, 1e-5, w_next)
+            assert_close("norm_linear of partials", got[0], want[0], dtype)
+            assert_close("norm_linear of partials, sum", got[1], want[1], dtype)
+    gu = torch.randn(5, 512, device=DEV).to(dtype)
+    assert x_ops.act_linear(gu, w_down).dim() == 3
+    assert_close("act_linear", x_ops.materialize(x_ops.act_linear(gu, w_down), dtype), t_ops.act_linear(gu, w_down),
+                 dtype)  # fmt: skip
+    # Rows the rule leaves to a plain projection: one row (the GEMV), O-shaped at 17 and down-shaped at 65 rows, a
+    # bias, and an ops built without split_k (tensor parallelism).
+    for ops, x, w, bias in ((x_ops, torch.randn(1, 128), w_o, None), (x_ops, torch.randn(17, 128), w_o, None),
+                            (x_ops, torch.randn(65, 256), w_down, None), (x_ops, torch.randn(4, 128), w_o, nw),
+                            (TritonOps(split_k=False), torch.randn(4, 128), w_o, None)):  # fmt: skip
+        assert ops.linear(x.to(DEV, dtype), w, bias).dim() == 2
+    assert x_ops.linear(torch.randn(64, 256, device=DEV).to(dtype), w_down).dim() == 3  # down: K >= 2N
+
+
 def test_tuned_config_for_an_unmeasured_shape_is_the_nearest_measured_regime() -> None:
     """Qwen3-8B's projections start from the Llama-3.1-8B tuning of the same prologue; a K past every measured
     persistent tile falls back to the chunked kernel (the persistent one holds all of K in registers)."""

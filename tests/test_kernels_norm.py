@@ -89,3 +89,39 @@ def test_norm_planes_refuses_a_width_that_is_not_a_multiple_of_8() -> None:
     x = torch.randn(1, 100, device=DEV)
     with pytest.raises(ValueError, match="multiple of 8"):
         norm.norm_planes(x, None, torch.ones(100, device=DEV), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("splits,tokens,hidden", [(1, 2, 64), (2, 5, 96), (3, 16, 200)])
+def test_add_rms_norm_partials_is_the_reduce_then_add_rms_norm(dtype: torch.dtype, splits: int, tokens: int,
+                                                                hidden: int) -> None:  # fmt: skip
+    # Partials of quarter-integers: every partial sum is exact in float32 and in dtype, so the kernel's one rounding
+    # of the sum is exact too, and the result must be add_rms_norm's on the summed rows bit for bit.
+    partials = torch.randint(-16, 17, (splits, tokens, hidden), device=DEV).float() / 4
+    res = torch.randn(tokens, hidden, device=DEV).to(dtype)
+    w = torch.randn(hidden, device=DEV).to(dtype)
+    x = partials.sum(0).to(dtype)
+    out, total = norm.add_rms_norm_partials(partials, res, w, 1e-5)
+    want, want_total = norm.add_rms_norm(x, res, w, 1e-5)
+    assert out.dtype == dtype and torch.equal(out, want) and torch.equal(total, want_total)
+    # General partials: within the dtype's tolerance of the float64 reference.
+    partials = torch.randn(splits, tokens, hidden, device=DEV)
+    out, total = norm.add_rms_norm_partials(partials, res, w, 1e-5)
+    ref_out, ref_total = ref.add_rms_norm(partials.double().sum(0), *f64(res, w), 1e-5)
+    assert_close("add_rms_norm_partials.out", out, ref_out, dtype)
+    assert_close("add_rms_norm_partials.sum", total, ref_total, dtype)
+
+
+def test_add_rms_norm_partials_rejects_bad_input() -> None:
+    p = torch.randn(2, 3, 64, device=DEV)
+    res, w = torch.randn(3, 64, device=DEV), torch.randn(64, device=DEV)
+    with pytest.raises(ValueError, match="partials: dtype torch.bfloat16 not supported"):
+        norm.add_rms_norm_partials(p.bfloat16(), res, w, 1e-5)
+    with pytest.raises(ValueError, match=r"residual: shape \(4, 64\) != the partials' rows \(3, 64\)"):
+        norm.add_rms_norm_partials(p, torch.randn(4, 64, device=DEV), w, 1e-5)
+    with pytest.raises(ValueError, match="weight: length 32"):
+        norm.add_rms_norm_partials(p, res, torch.randn(32, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match="partials: last dim must have stride 1"):
+        norm.add_rms_norm_partials(torch.randn(2, 64, 3, device=DEV).transpose(1, 2), res, w, 1e-5)
+    with pytest.raises(ValueError, match="partials: need at least one split"):
+        norm.add_rms_norm_partials(torch.randn(0, 3, 64, device=DEV), res, w, 1e-5)

@@ -14,6 +14,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
+from envex.kernels import triton_ops  # noqa: E402
 from envex.kernels.accuracy import rel_err  # noqa: E402
 from envex.kernels.ops import AttentionMetadata, TorchOps  # noqa: E402
 from envex.kernels.triton_ops import TritonOps  # noqa: E402
@@ -74,11 +75,21 @@ def _step(runner: _Runner, ids: list[list[int]], starts: list[int], tables: list
     tokens, meta, last = eager_step(ids, starts, tables, runner.cos, runner.sin, PAGE, DEV)
     with torch.inference_mode():
         hidden, residual = runner.model(runner.ops, tokens, runner.kv_caches, meta)
+        hidden = runner.ops.materialize(hidden, residual.dtype)  # as ModelRunner.execute: rows are picked
         return runner.model.compute_logits(runner.ops, hidden[last], residual[last])
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_one_forward_on_triton_ops_equals_the_reference(arch: str) -> None:
+@pytest.mark.parametrize("split_k", [False, True])
+def test_one_forward_on_triton_ops_equals_the_reference(arch: str, split_k: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """split_k: O and down (K = 64 and 96 here) as split-K partials summed by the next norm, as the 8B shape's
+    are at 2-16 rows (the prefill step has 16 tokens, decode 2)."""
+    splits = []
+    if split_k:
+        monkeypatch.setattr(triton_ops, "SPLIT_K_MIN", 64)
+        product = triton_ops._split_k_product
+        monkeypatch.setattr(triton_ops, "_split_k_product", lambda x, w, s: splits.append(s) or product(x, w, s))
     model = _model(arch)
     ref, fast = _runner(model, TorchOps()), _runner(model, TritonOps())
     tables = [[3, 7], [1, 5, 2]]
@@ -97,6 +108,10 @@ def test_one_forward_on_triton_ops_equals_the_reference(arch: str) -> None:
     want = _step(ref, [[12], [19]], [8, 13], tables)
     got = graphs.run([12, 19], [8, 13], tables)
     assert rel_err(got, want) < TOL, f"{arch} graph decode: {rel_err(got, want):.2e}"
+    # Two halves for O and down in every layer of the prefill, both decodes and the graph step (a GPU also runs
+    # the graph's warm-up and capture); none at batch 1.
+    calls = 2 * model.config.num_hidden_layers * 4
+    assert (set(splits) == {2} and len(splits) >= calls) if split_k else not splits
 
 
 def test_graph_ladder() -> None:

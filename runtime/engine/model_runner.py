@@ -140,7 +140,8 @@ class ModelRunner:
         self.parallel = parallel if parallel is not None and parallel.world_size > 1 else None
         self.device = self.parallel.device if self.parallel is not None else torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.ops = make_ops(config.backend, self.device, deterministic=config.deterministic)
+        self.ops = make_ops(config.backend, self.device, deterministic=config.deterministic,
+                            split_k=self.parallel is None)  # fmt: skip
         mc = self.model_config
         shard = self.parallel or ParallelState()
         self.num_kv_heads = shard.kv_heads(mc)  # this rank's KV heads: what its cache holds
@@ -276,6 +277,7 @@ class ModelRunner:
         if self.windows is not None:
             meta = self.windows.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
+        hidden = self.ops.materialize(hidden, residual.dtype)  # rows are picked from it below
         logits = hidden.new_zeros((0, 0))
         if plan.ends:
             rows = upload(plan.ends, torch.int64, self.device)
