@@ -192,6 +192,7 @@ def matmul(
     split: bool | None = None,
     chunk: int | None = None,
     pdl: bool = False,
+    partials: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = prologue(x) @ weight[N, K]^T (+ bias [N]), in x's dtype, batch-invariant row by row.
 
@@ -199,7 +200,9 @@ def matmul(
     device check use them to compute the same rows through every schedule); None: chosen from M, which changes
     the schedule only, never the result. chunk: the K piece length (None: chunk_size(N, K); tests pass a small
     one to get several pieces from a small K). pdl: programmatic dependent launch (Hopper), inside a chain of
-    kernels that each wait on their predecessor.
+    kernels that each wait on their predecessor. partials: where the schedule splits (and there is no bias), return
+    the pieces' float32 sums [pieces, M, N] unreduced, for a consumer that adds them in piece order and rounds
+    once, as the reduce kernel would (norm.add_rms_norm_partials): the same bits, one launch fewer.
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     n, k = weight.shape
@@ -237,6 +240,8 @@ def matmul(
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
+    if split and partials and bias is None:
+        return part[:, :m]
     if split:
         _reduce_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 128))](
             part, bias_arg, out, m, n, part.stride(0), part.stride(1), out.stride(0),

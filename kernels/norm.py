@@ -105,11 +105,11 @@ def norm_planes(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     return out, total, planes
 
 
-def add_rms_norm_partials(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def add_rms_norm_partials(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """add_rms_norm(x, residual, weight, eps) where x = Σ_s partials[s], a split-K product's float32 partials
     [S, T, H] summed in split order and rounded once to the residual's dtype: the split-K reduce, the residual add
-    and the norm in one launch. -> (normed, x + residual); inputs untouched."""
+    and the norm in one launch. -> (normed, x + residual); inputs untouched. pdl: programmatic dependent launch."""
     check_tensor("partials", partials, ndim=3, dtypes=(torch.float32,))
     check(partials.shape[0] >= 1, "partials: need at least one split, [S >= 1, T, H]")
     check_tensor("residual", residual, ndim=2, dtypes=FLOAT_DTYPES, device=partials.device)
@@ -118,7 +118,7 @@ def add_rms_norm_partials(partials: torch.Tensor, residual: torch.Tensor, weight
     _check(residual, weight, None)
     out = torch.empty_like(residual)
     total = torch.empty_like(residual)
-    _launch(partials, residual, weight, eps, out, total)
+    _launch(partials, residual, weight, eps, out, total, pdl=pdl)
     return out, total
 
 

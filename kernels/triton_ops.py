@@ -16,8 +16,10 @@ Each entry point picks its kernel from the rows it is given:
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 dequantized in registers).
 deterministic (EngineConfig.deterministic): one path for every batch instead, so a row's bits never depend on its
-batch: the row-wise norm kernels, invariant_matmul for every projection (SwiGLU folded in), rotary_and_store_kv
-and invariant_attention for decode and prefill alike (the `_det_*` methods).
+batch: the row-wise norm kernels, invariant_matmul for every projection (SwiGLU in a pass before it),
+rotary_and_store_kv and invariant_attention for decode and prefill alike (the `_det_*` methods). Where the
+invariant matmul splits O or down into K pieces (decode batches), the next norm adds the pieces in the reduce
+kernel's order instead of that launch: the same bits.
 The model file never sees these choices; the gates prove the result equals TorchOps.
 """
 
@@ -76,10 +78,11 @@ class TritonOps:
     def __init__(self, *, pdl: bool = False, deterministic: bool = False, split_k: bool = True) -> None:
         # pdl: launch the one-row kernels with programmatic dependent launch (Hopper and later). Every kernel so
         # launched waits on its predecessor before reading activations, so mixing with plain launches is safe.
-        # split_k: O and down may return float32 split partials for the next norm to sum (module docstring).
+        # split_k: O and down may return float32 split partials for the next norm to sum (module docstring; in
+        # the deterministic mode the invariant matmul's own pieces, which the norm adds in the reduce's order).
         self.pdl = pdl
         self.deterministic = deterministic
-        self.split_k = split_k and not deterministic
+        self.split_k = split_k
 
     @staticmethod
     def _gemv(x: torch.Tensor) -> bool:
@@ -92,8 +95,8 @@ class TritonOps:
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if _is_partials(x):
             if comm is None and residual is not None:  # the split-K reduce, the add and the norm in one launch
-                normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps)
-                return F.linear(normed, weight, bias), residual
+                normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps, pdl=self._det_pdl(x[0]))
+                return self._project(normed, weight, bias), residual
             x = self.materialize(x, weight.dtype)
         if comm is not None:
             # One row: reduce alone, the GEMV folds the add and the norm into its weight pass anyway. More rows:
@@ -117,6 +120,8 @@ class TritonOps:
         return F.linear(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.deterministic:
+            return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x), partials=self.split_k)
         splits = self._splits(x, weight) if bias is None else 1
         return _split_k_product(x, weight, splits) if splits > 1 else self._project(x, weight, bias)
 
@@ -131,7 +136,7 @@ class TritonOps:
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self.deterministic:
             return invariant_matmul.matmul(gate_up, weight, prologue=invariant_matmul.PROLOGUE_SILU_MUL,
-                                           pdl=self._det_pdl(gate_up))  # fmt: skip
+                                           pdl=self._det_pdl(gate_up), partials=self.split_k)  # fmt: skip
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         act = activation.silu_and_mul(gate_up)
@@ -142,7 +147,8 @@ class TritonOps:
         """K slices for a projection whose output goes to the next norm (H200, Llama-3.1-8B shape, NOTES.md v19:
         two halves gain 1.8-2.2 us on O and down at 2-16 rows and on down at 64; O at 64 rows loses 0.5)."""
         rows, k = x.shape
-        if not self.split_k or rows < 2 or k < SPLIT_K_MIN or k % 16:  # 16: each half's rows 16-byte aligned
+        # k % 16: each half's rows start 16-byte aligned, as cuBLAS wants
+        if not self.split_k or self.deterministic or rows < 2 or k < SPLIT_K_MIN or k % 16:
             return 1
         return 2 if rows <= 16 or (rows <= 64 and k >= 2 * weight.shape[0]) else 1
 

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 from envex.kernels import invariant_attention as ia  # noqa: E402
 from envex.kernels import invariant_matmul as im  # noqa: E402
+from envex.kernels import norm  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
 from envex.tests.support.kernels import assert_close, f64  # noqa: E402
 
@@ -61,6 +62,23 @@ def test_matmul_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
     # The batch shifted by 3 puts every row at another place in its tile.
     shifted = im.matmul(torch.cat([_randn(3, k, dtype=dtype, seed=9), x[:67]]), w, b, chunk=chunk)[3:]
     assert torch.equal(shifted[rows[:5]], alone[:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_matmul_partials_are_the_pieces_the_reduce_adds(dtype: torch.dtype) -> None:
+    """partials=True hands the split pieces on unreduced; the norm that takes them adds them in order and rounds
+    once, which gives the reduce kernel's bits. No split (one piece, or the prefill tile) or a bias: the rows."""
+    n, k, chunk = 72, 272, 128
+    x, w, res = _randn(5, k, dtype=dtype, seed=6), _randn(n, k, dtype=dtype, seed=7), _randn(5, n, dtype=dtype, seed=8)
+    nw = _randn(n, dtype=dtype, seed=9)
+    parts = im.matmul(x, w, chunk=chunk, partials=True)
+    assert parts.shape == (3, 5, n) and parts.dtype == torch.float32
+    assert [t.equal(u) for t, u in zip(norm.add_rms_norm_partials(parts, res, nw, 1e-5),
+                                       norm.add_rms_norm(im.matmul(x, w, chunk=chunk), res, nw, 1e-5), strict=True)
+            ] == [True, True]  # fmt: skip
+    assert im.matmul(x, w, chunk=chunk, partials=True, split=False).shape == (5, n)
+    assert im.matmul(x, w, nw, chunk=chunk, partials=True).shape == (5, n)
+    assert im.matmul(_randn(65, k, dtype=dtype, seed=1), w, chunk=chunk, partials=True).shape == (65, n)
 
 
 def test_chunk_size_is_a_property_of_the_weight() -> None:

@@ -7,11 +7,13 @@ preemption does). On the CPU the kernels run under the Triton interpreter and th
 import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
+from envex.kernels import invariant_matmul  # noqa: E402
 from envex.kernels.accuracy import rel_err  # noqa: E402
 from envex.kernels.ops import AttentionMetadata, TorchOps  # noqa: E402
 from envex.kernels.triton_ops import TritonOps  # noqa: E402
@@ -83,6 +85,31 @@ def test_a_sequence_s_logits_do_not_depend_on_its_batch() -> None:
     # The KV the decode steps wrote equals the recomputed KV (blocks 1 and 6 hold positions 16-20).
     for k, v in runner.kv_caches:
         assert torch.equal(k[1, :5], k[6, :5]) and torch.equal(v[1, :5], v[6, :5])
+
+
+def test_the_pieces_summed_by_the_norm_give_the_reduce_kernel_s_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode-sized steps hand O's and down's K pieces to the next norm instead of the reduce launch: every logit
+    equals the reduce kernel's path bit for bit (pieces of 32 here, so this small model's projections split)."""
+    monkeypatch.setattr(invariant_matmul, "MIN_CHUNK", 32)
+    monkeypatch.setattr(invariant_matmul, "K_ALIGN", 32)
+    monkeypatch.setattr(invariant_matmul, "DECODE_TILE", invariant_matmul.Tile(64, 64, 32, 4, 3))
+    monkeypatch.setattr(invariant_matmul, "PREFILL_TILE", invariant_matmul.Tile(128, 128, 32, 8, 3))
+    handed = []
+    matmul = invariant_matmul.matmul
+
+    def recording(*args, **kwargs):
+        out = matmul(*args, **kwargs)
+        handed.append(out.dim() == 3)
+        return out
+
+    monkeypatch.setattr(invariant_matmul, "matmul", recording)
+    pieces, reduced = _runner(TritonOps(deterministic=True)), _runner(TritonOps(deterministic=True, split_k=False))
+    table, other_table = [3, 7, 1], [5, 9]
+    for ids, starts, tables in (([PROMPT], [0], [table]), ([[12]], [19], [table]),
+                                ([[1, 2], [30]], [0, 20], [other_table, table])):  # fmt: skip
+        got, want = _step(pieces, ids, starts, tables), _step(reduced, ids, starts, tables)
+        assert torch.equal(got, want), f"{ids}: the norm's sum of the pieces differs from the reduce kernel's"
+    assert any(handed), "no projection handed its pieces on: the test shapes did not split"
 
 
 # Compiles the deterministic kernels for Hopper (sm_90) with Triton's own ptxas, no GPU needed, in a process without
