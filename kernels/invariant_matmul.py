@@ -18,12 +18,13 @@ How that arithmetic is scheduled may depend on M without changing a bit:
 - FULL (larger M): one program per (row tile, column tile) walks the pieces itself, with a fresh accumulator
   per piece added to a running total: the same additions, no partial buffer.
 
-Tiles: DECODE_TILE for M <= 64 (a 64-row tile: the smallest wgmma takes 64 rows, and a single row then wastes
-tensor-core work, not memory traffic), PREFILL_TILE above. Both issue the same m64·k16 wgmma steps in k order;
-that their per-element result does not depend on the instruction's N (64 vs 128 columns) or on how many 64-row
-slabs a program holds is the one assumption not proven by construction. verify/kernel_bench/bench_invariance.py
-checks it on the device, row against row across the switch (kernels/NOTES.md). Setting PREFILL_TILE =
-DECODE_TILE removes the assumption at a prefill cost.
+Tiles: SMALL_TILE for M <= 16 (the operands swapped: 64 weight rows on the wgmma's M side, the x rows on its N
+side, m64n16), DECODE_TILE for M <= 64 (a 64-row tile: the smallest wgmma takes 64 rows, and a single row then
+wastes tensor-core work, not memory traffic), PREFILL_TILE above. All issue m64·k16 wgmma steps in k order; that
+their per-element result does not depend on the instruction's N (16, 64 or 128), on which operand holds the
+weight, or on how many 64-row slabs a program holds is the one assumption not proven by construction.
+verify/kernel_bench/bench_invariance.py checks it on the device, row against row across the switches
+(kernels/NOTES.md). One tile for every M (SMALL_TILE = PREFILL_TILE = DECODE_TILE) removes it at a cost.
 
 Prologues: PROLOGUE_SILU_MUL computes SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) in an
 elementwise pass of its own before the matmul: row-independent by construction. Folded into the operand load it
@@ -54,11 +55,16 @@ class Tile:
     block_k: int
     num_warps: int
     num_stages: int
+    swap: bool = False  # weight rows on the tensor-core M side: out^T = W · x^T, the rows x on its N side
 
 
 # Decode: 64 x 64 output tiles, 128-wide k steps, one warpgroup; 3 stages of 32 KB (x and weight tiles) let two
 # programs share an SM, so ~6 weight tiles are in flight per SM (Little's law needs ~25 KB at 4.6 TB/s).
 DECODE_TILE = Tile(64, 64, 128, 4, 3)
+# Up to 16 rows: the same 64 x 128 weight tile with the operands swapped (wgmma m64n16: a quarter of the tensor-core
+# work and of the x tile's shared memory for a batch-1 step), the same k16 steps in the same order.
+SMALL_TILE = Tile(16, 64, 128, 4, 3, swap=True)
+SMALL_MAX_M = 16
 # Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma; a second 128 x 128 fp32 accumulator (the running total
 # of the pieces) still fits 8 warps' registers, where 128 x 256 would spill.
 PREFILL_TILE = Tile(128, 128, 64, 8, 3)
@@ -80,7 +86,7 @@ def chunk_size(n: int, k: int) -> int:
 
 
 def tile_for(m: int) -> Tile:
-    return DECODE_TILE if m <= DECODE_MAX_M else PREFILL_TILE
+    return SMALL_TILE if m <= SMALL_MAX_M else DECODE_TILE if m <= DECODE_MAX_M else PREFILL_TILE
 
 
 @triton.jit
@@ -98,7 +104,7 @@ def _matmul_kernel(
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # x comes from the previous kernel of the step
         tl.extra.cuda.gdc_launch_dependents()
@@ -117,9 +123,12 @@ def _matmul_kernel(
     else:
         first = 0
         last = tl.cdiv(K, CHUNK)
-    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:  # the accumulators hold out^T: [BLOCK_N, BLOCK_M]
+        total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for piece in range(first, last):
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # every piece starts from zero
+        part = tl.zeros_like(total)  # every piece starts from zero
         lo = piece * CHUNK
         for k0 in range(lo, tl.minimum(lo + CHUNK, K), BLOCK_K):
             if UPCAST_DOT:
@@ -128,19 +137,32 @@ def _matmul_kernel(
                 # wgmma k step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is.
                 for a in tl.static_range(0, BLOCK_K, 16):
                     x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K)
-                    part += tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
+                    if SWAP:
+                        part += tl.dot(w.to(tl.float64), tl.trans(x.to(tl.float64)), out_dtype=tl.float64).to(
+                            tl.float32)
+                    else:
+                        part += tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)), out_dtype=tl.float64).to(
+                            tl.float32)
             else:
                 x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K)
-                part = tl.dot(x, tl.trans(w), part)
+                if SWAP:
+                    part = tl.dot(w, tl.trans(x), part)
+                else:
+                    part = tl.dot(x, tl.trans(w), part)
         total += part
+    if SWAP:  # store through transposed offsets: element (col, row) of the accumulator is out[row, col]
+        r_off, c_off = rows.to(tl.int64)[None, :], cols[:, None]
+        mask = row_ok[None, :] & col_ok[:, None]
+    else:
+        r_off, c_off = rows.to(tl.int64)[:, None], cols[None, :]
+        mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
-        p_ptrs = part_ptr + first * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
-        tl.store(p_ptrs, total, mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(part_ptr + first * stride_ps + r_off * stride_pm + c_off, total, mask=mask)
     else:
         if HAS_BIAS:  # in fp32 before the one rounding, as the reduce kernel does
-            total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        o_ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
-        tl.store(o_ptrs, total.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            total += tl.load(bias_ptr + c_off, mask=col_ok[:, None] if SWAP else col_ok[None, :],
+                             other=0.0).to(tl.float32)  # fmt: skip
+        tl.store(out_ptr + r_off * stride_om + c_off, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -238,7 +260,7 @@ def matmul(
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
         return part[:, :m]

@@ -132,9 +132,10 @@ def shapes(fn, args, consts, warps, stages):
 mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32",
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
-for name, t, split in (("decode", im.DECODE_TILE, True), ("prefill", im.PREFILL_TILE, False)):
+for name, t, split in (("small", im.SMALL_TILE, True), ("decode", im.DECODE_TILE, True),
+                       ("prefill", im.PREFILL_TILE, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split)
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap)
     out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
 kv = dict(stride_kb="i32", stride_ks="i32", stride_kh="i32", stride_bt="i32")
@@ -156,5 +157,7 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     shapes = compile_for_hopper(_AOT)
     # Attention: the decode and prefill schedules issue the same tensor-core instructions (QK and PV).
     assert shapes["split"] == shapes["full"] == ["m64n128k16", "m64n64k16"], shapes
-    # Matmul: both tiles are m64 x k16 steps; only the instruction's N differs (the assumption the H200 run checks).
+    # Matmul: every tile is m64 x k16 steps; only the instruction's N and, for the small tile, which operand holds
+    # the weight differ (the assumption the H200 run checks).
     assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
+    assert shapes["small"] == ["m64n16k16"], shapes

@@ -142,7 +142,8 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
         return im.matmul(a, ws[i % copies], prologue=prologue, **kw)
 
     big = mm(x[:2048])  # the prefill tile, one program walking the pieces
-    checks = {f"M={m}": _mismatched(mm(x[:m]), big[:m]) for m in (1, 3, 64)}
+    checks = {f"M={m}": _mismatched(mm(x[:m]), big[:m]) for m in (1, 3, 16, 17, 64)}  # small tile to 16
+    checks["M=3 decode tile"] = _mismatched(mm(x[:3], tile=im.DECODE_TILE), big[:3])
     checks["M=65 at slot 7"] = _mismatched(mm(x[7:72]), big[7:72])
     checks["M=64 one program"] = _mismatched(mm(x[:64], split=False), big[:64])
     checks["M=64 prefill tile"] = _mismatched(mm(x[:64], tile=im.PREFILL_TILE), big[:64])
@@ -162,6 +163,8 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
             act_m = F.silu(a[:, :k]) * a[:, k:] if silu else a
             base = B.graph_time_ms(lambda i, act_m=act_m: act_m @ ws[i % copies].t(), copies * 2)
         extra = {"tflops": 2 * m * n * k / (inv * 1e6)} if m > 64 else {"of_floor": floor_us / inv}
+        if m == 1:  # the 64-row tile the small one replaced, in the same run
+            extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
         row("matmul", f"{name} M={m}", invariant_us=inv, default_us=base * 1e3, cost=inv / (base * 1e3) - 1,
             **extra)  # fmt: skip
     if not sweep:
@@ -270,7 +273,7 @@ def _attention_prefill_time(row: _Rows, batch: int, q_len: int) -> None:
     row("attention", f"prefill {batch}x{q_len}", invariant_us=us, default_us=base, cost=us / base - 1)
 
 
-def _kernels(report: dict, out: Path, sweep: bool) -> None:
+def _kernels(report: dict, out: Path, sweep: bool, attention: bool = True) -> None:
     import torch
 
     row = _Rows(report, out)
@@ -278,6 +281,8 @@ def _kernels(report: dict, out: Path, sweep: bool) -> None:
     for name in SHAPES:
         _matmul(row, name, read, sweep)
         torch.cuda.empty_cache()
+    if not attention:
+        return
     _attention_equality(row)
     for batch, seq in ((1, 1024), (1, 10240), (64, 1024)):
         _attention_decode_time(row, batch, seq, read)
@@ -290,6 +295,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--sweep", action="store_true", help="also time decode tiles and piece counts (tuning)")
+    ap.add_argument("--matmul-only", action="store_true", help="the projections only, not attention")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -301,7 +307,7 @@ def main() -> None:
                     "bandwidth": B.measure_bandwidth(gib=2.0)}  # fmt: skip
     print(json.dumps(report), flush=True)
     try:
-        _kernels(report, args.out, args.sweep)
+        _kernels(report, args.out, args.sweep, attention=not args.matmul_only)
     finally:
         (args.out / "invariance.json").write_text(json.dumps(report, indent=1))
     bad = [r for r in report.get("rows", []) if r.get("mismatched_rows")]
