@@ -18,12 +18,12 @@ How that arithmetic is scheduled may depend on M without changing a bit:
 - FULL (larger M): one program per (row tile, column tile) walks the pieces itself, with a fresh accumulator
   per piece added to a running total: the same additions, no partial buffer.
 
-Tiles: SMALL_TILE for M <= 16 (the operands swapped: 64 weight rows on the wgmma's M side, the x rows on its N
-side, m64n16), DECODE_TILE for M <= 64 (a 64-row tile: the smallest wgmma takes 64 rows, and a single row then
-wastes tensor-core work, not memory traffic), PREFILL_TILE above. All issue m64·k16 wgmma steps in k order; that
-their per-element result does not depend on the instruction's N (16, 64 or 128), on which operand holds the
-weight, or on how many 64-row slabs a program holds is the one assumption not proven by construction.
-verify/kernel_bench/bench_invariance.py checks it on the device, row against row across the switches
+Tiles: SMALL_TILE for M <= 16 on a weight of several pieces (the operands swapped: 64 weight rows on the wgmma's
+M side, the x rows on its N side, m64n16), DECODE_TILE for M <= 64 (a 64-row tile: the smallest wgmma takes 64
+rows, and a single row then wastes tensor-core work, not memory traffic), PREFILL_TILE above. All issue m64·k16
+wgmma steps in k order; that their per-element result does not depend on the instruction's N (16, 64 or 128), on
+which operand holds the weight, or on how many 64-row slabs a program holds is the one assumption not proven by
+construction. verify/kernel_bench/bench_invariance.py checks it on the device, row against row across the switches
 (kernels/NOTES.md). One tile for every M (SMALL_TILE = PREFILL_TILE = DECODE_TILE) removes it at a cost.
 
 Prologues: PROLOGUE_SILU_MUL computes SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) in an
@@ -61,8 +61,10 @@ class Tile:
 # Decode: 64 x 64 output tiles, 128-wide k steps, one warpgroup; 3 stages of 32 KB (x and weight tiles) let two
 # programs share an SM, so ~6 weight tiles are in flight per SM (Little's law needs ~25 KB at 4.6 TB/s).
 DECODE_TILE = Tile(64, 64, 128, 4, 3)
-# Up to 16 rows: the same 64 x 128 weight tile with the operands swapped (wgmma m64n16: a quarter of the tensor-core
-# work and of the x tile's shared memory for a batch-1 step), the same k16 steps in the same order.
+# Up to 16 rows of a weight cut into several K pieces: the same 64 x 128 weight tile with the operands swapped
+# (wgmma m64n16: a quarter of the tensor-core work and of the x tile's shared memory), the same k16 steps in the
+# same order. H200, one row (aeb9c7a): QKV 21.3 -> 16.2 us, O 12.7 -> 12.0, down 34.1 -> 33.1; but one-piece
+# weights lost (gate-up 60.8 -> 65.5, LM head 243 -> 266), so they keep the 64-row tile.
 SMALL_TILE = Tile(16, 64, 128, 4, 3, swap=True)
 SMALL_MAX_M = 16
 # Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma; a second 128 x 128 fp32 accumulator (the running total
@@ -85,8 +87,11 @@ def chunk_size(n: int, k: int) -> int:
     return min(k, triton.cdiv(triton.cdiv(k, pieces), K_ALIGN) * K_ALIGN)
 
 
-def tile_for(m: int) -> Tile:
-    return SMALL_TILE if m <= SMALL_MAX_M else DECODE_TILE if m <= DECODE_MAX_M else PREFILL_TILE
+def tile_for(m: int, pieces: int) -> Tile:
+    """The launch's tile: a schedule choice (every tile gives the same bits), by rows and the weight's pieces."""
+    if m <= SMALL_MAX_M and pieces > 1:
+        return SMALL_TILE
+    return DECODE_TILE if m <= DECODE_MAX_M else PREFILL_TILE
 
 
 @triton.jit
@@ -244,10 +249,10 @@ def matmul(
         _silu_mul_kernel[(m, triton.cdiv(k, 1024))](
             x, act, m, x.stride(0), act.stride(0), K=k, BLOCK=1024, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
         x, prologue = act, PROLOGUE_NONE
-    t = tile or tile_for(m)
     chunk = chunk or chunk_size(n, k)
     check(chunk % K_ALIGN == 0 or chunk >= k, f"chunk: {chunk} must be a multiple of {K_ALIGN} (or cover K = {k})")
     pieces = triton.cdiv(k, chunk)
+    t = tile or tile_for(m, pieces)
     if split is None:
         split = pieces > 1 and m <= DECODE_MAX_M
     split = split and pieces > 1
