@@ -103,6 +103,30 @@ def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr):
     return x, w
 
 
+@triton.jit
+def _piece_dots(acc, x_rows, w_rows, lo, row_ok, col_ok, K: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
+    """acc plus the k16 tensor-core steps of the piece starting at lo, k ascending."""
+    for k0 in range(lo, tl.minimum(lo + CHUNK, K), BLOCK_K):
+        if UPCAST_DOT:
+            # The interpreter: numpy's float32 matmul rounds a row differently by its place in the tile (its
+            # micro-kernel handles rows in groups), the tensor cores do not. So each 16-wide k step (one wgmma k
+            # step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is.
+            for a in tl.static_range(0, BLOCK_K, 16):
+                x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K)
+                if SWAP:
+                    acc += tl.dot(w.to(tl.float64), tl.trans(x.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
+                else:
+                    acc += tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
+        else:
+            x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K)
+            if SWAP:
+                acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
@@ -132,29 +156,13 @@ def _matmul_kernel(
         total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for piece in range(first, last):
-        part = tl.zeros_like(total)  # every piece starts from zero
-        lo = piece * CHUNK
-        for k0 in range(lo, tl.minimum(lo + CHUNK, K), BLOCK_K):
-            if UPCAST_DOT:
-                # The interpreter: numpy's float32 matmul rounds a row differently by its place in the tile (its
-                # micro-kernel handles rows in groups), the tensor cores do not. So each 16-wide k step (one
-                # wgmma k step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is.
-                for a in tl.static_range(0, BLOCK_K, 16):
-                    x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K)
-                    if SWAP:
-                        part += tl.dot(w.to(tl.float64), tl.trans(x.to(tl.float64)), out_dtype=tl.float64).to(
-                            tl.float32)
-                    else:
-                        part += tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)), out_dtype=tl.float64).to(
-                            tl.float32)
-            else:
-                x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K)
-                if SWAP:
-                    part = tl.dot(w, tl.trans(x), part)
-                else:
-                    part = tl.dot(x, tl.trans(w), part)
-        total += part
+    if CHUNK >= K:  # one piece: its dots straight into the total (0 + part is part, the same bits), so the
+        total = _piece_dots(total, x_rows, w_rows, 0, row_ok, col_ok, K, CHUNK, BLOCK_K, UPCAST_DOT, SWAP)  # tile
+        # holds one accumulator where several pieces need two
+    else:
+        for piece in range(first, last):
+            total += _piece_dots(tl.zeros_like(total), x_rows, w_rows, piece * CHUNK, row_ok, col_ok, K, CHUNK,
+                                 BLOCK_K, UPCAST_DOT, SWAP)  # fmt: skip  (every piece from zero)
     if SWAP:  # store through transposed offsets: element (col, row) of the accumulator is out[row, col]
         r_off, c_off = rows.to(tl.int64)[None, :], cols[:, None]
         mask = row_ok[None, :] & col_ok[:, None]
