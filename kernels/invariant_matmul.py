@@ -20,11 +20,11 @@ How that arithmetic is scheduled may depend on M without changing a bit:
 
 Tiles: SMALL_TILE for M <= 16 on a weight of several pieces (the operands swapped: 64 weight rows on the wgmma's
 M side, the x rows on its N side, m64n16), DECODE_TILE for M <= 64 (a 64-row tile: the smallest wgmma takes 64
-rows, and a single row then wastes tensor-core work, not memory traffic), PREFILL_TILE above. All issue m64·k16
-wgmma steps in k order; that their per-element result does not depend on the instruction's N (16, 64 or 128), on
-which operand holds the weight, or on how many 64-row slabs a program holds is the one assumption not proven by
-construction. verify/kernel_bench/bench_invariance.py checks it on the device, row against row across the switches
-(kernels/NOTES.md). One tile for every M (SMALL_TILE = PREFILL_TILE = DECODE_TILE) removes it at a cost.
+rows, and a single row then wastes tensor-core work, not memory traffic), PREFILL_TILE or WIDE_TILE above. All
+issue m64·k16 wgmma steps in k order; that their per-element result does not depend on the instruction's N (16 to
+256), on which operand holds the weight, or on how many 64-row slabs a program holds is the one assumption not
+proven by construction. verify/kernel_bench/bench_invariance.py checks it on the device, row against row across
+the switches (kernels/NOTES.md). One tile for every M removes it at a cost.
 
 Prologues: PROLOGUE_SILU_MUL computes SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) in an
 elementwise pass of its own before the matmul: row-independent by construction. Folded into the operand load it
@@ -70,6 +70,11 @@ SMALL_MAX_M = 16
 # Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma; a second 128 x 128 fp32 accumulator (the running total
 # of the pieces) still fits 8 warps' registers, where 128 x 256 would spill.
 PREFILL_TILE = Tile(128, 128, 64, 8, 3)
+# Long prefills, and any M > 64 of a one-piece weight (many column tiles): 128 x 256, H200 at 4,096 rows (dcde335,
+# us against PREFILL_TILE): gate-up 1,446 / 2,025, LM head 7,333 / 8,759, down 905 / 1,097, O 311 / 327, QKV 484 /
+# 474 (cuBLAS 1,239 / 6,405 / 600 / 178 / 266). Below 2,048 rows a weight of few column tiles keeps 128 x 128.
+WIDE_TILE = Tile(128, 256, 64, 8, 3)
+WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
 
 # The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A decode step
@@ -91,7 +96,9 @@ def tile_for(m: int, pieces: int) -> Tile:
     """The launch's tile: a schedule choice (every tile gives the same bits), by rows and the weight's pieces."""
     if m <= SMALL_MAX_M and pieces > 1:
         return SMALL_TILE
-    return DECODE_TILE if m <= DECODE_MAX_M else PREFILL_TILE
+    if m <= DECODE_MAX_M:
+        return DECODE_TILE
+    return WIDE_TILE if pieces == 1 or m >= WIDE_MIN_M else PREFILL_TILE
 
 
 @triton.jit

@@ -59,6 +59,9 @@ def test_matmul_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
         assert torch.equal(got[seen], alone[: len(seen)]), f"M={m}: a row differs from the same row computed alone"
     one_program = im.matmul(x[:33], w, b, chunk=chunk, split=False)
     assert torch.equal(one_program[rows[:4]], alone[:4]), "split pieces and one program walking them differ"
+    # A one-piece weight above 64 rows takes the 128 x 256 tile; its rows too are the rows computed alone.
+    one_piece = im.matmul(x[:70], w, b, chunk=k)
+    assert torch.equal(one_piece[rows], torch.cat([im.matmul(x[i : i + 1], w, b, chunk=k) for i in rows]))
     # The batch shifted by 3 puts every row at another place in its tile.
     shifted = im.matmul(torch.cat([_randn(3, k, dtype=dtype, seed=9), x[:67]]), w, b, chunk=chunk)[3:]
     assert torch.equal(shifted[rows[:5]], alone[:5])

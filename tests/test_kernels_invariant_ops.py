@@ -94,6 +94,7 @@ def test_the_pieces_summed_by_the_norm_give_the_reduce_kernel_s_bits(monkeypatch
     monkeypatch.setattr(invariant_matmul, "K_ALIGN", 32)
     monkeypatch.setattr(invariant_matmul, "DECODE_TILE", invariant_matmul.Tile(64, 64, 32, 4, 3))
     monkeypatch.setattr(invariant_matmul, "PREFILL_TILE", invariant_matmul.Tile(128, 128, 32, 8, 3))
+    monkeypatch.setattr(invariant_matmul, "WIDE_TILE", invariant_matmul.Tile(128, 256, 32, 8, 3))
     handed = []
     matmul = invariant_matmul.matmul
 
@@ -133,7 +134,7 @@ mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
 for name, t, split in (("small", im.SMALL_TILE, True), ("decode", im.DECODE_TILE, True),
-                       ("prefill", im.PREFILL_TILE, False)):
+                       ("prefill", im.PREFILL_TILE, False), ("wide", im.WIDE_TILE, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
              BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap)
     out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
@@ -160,4 +161,4 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     # Matmul: every tile is m64 x k16 steps; only the instruction's N and, for the small tile, which operand holds
     # the weight differ (the assumption the H200 run checks).
     assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
-    assert shapes["small"] == ["m64n16k16"], shapes
+    assert shapes["small"] == ["m64n16k16"] and shapes["wide"] == ["m64n256k16"], shapes

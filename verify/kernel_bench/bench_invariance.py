@@ -147,6 +147,7 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
     checks["M=65 at slot 7"] = _mismatched(mm(x[7:72]), big[7:72])
     checks["M=64 one program"] = _mismatched(mm(x[:64], split=False), big[:64])
     checks["M=64 prefill tile"] = _mismatched(mm(x[:64], tile=im.PREFILL_TILE), big[:64])
+    checks["M=64 wide tile"] = _mismatched(mm(x[:64], tile=im.WIDE_TILE), big[:64])
     act = x[:64].float()
     act = F.silu(act[:, :k]) * act[:, k:] if silu else act
     pieces = -(-k // im.chunk_size(n, k))
