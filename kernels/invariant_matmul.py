@@ -64,15 +64,18 @@ DECODE_TILE = Tile(64, 64, 128, 4, 3)
 # Up to 16 rows of a weight cut into several K pieces: the same 64 x 128 weight tile with the operands swapped
 # (wgmma m64n16: a quarter of the tensor-core work and of the x tile's shared memory), the same k16 steps in the
 # same order. H200, one row (aeb9c7a): QKV 21.3 -> 16.2 us, O 12.7 -> 12.0, down 34.1 -> 33.1; but one-piece
-# weights lost (gate-up 60.8 -> 65.5, LM head 243 -> 266), so they keep the 64-row tile.
+# weights lost then (gate-up 60.8 -> 65.5, LM head 243 -> 266), so they keep the 64-row tile. (Since one-piece
+# weights accumulate straight into the total, the LM head wins on it, 242.6 -> 235.9, and gate-up still loses:
+# kernels/NOTES.md, "Where the batch-1 cost goes next".)
 SMALL_TILE = Tile(16, 64, 128, 4, 3, swap=True)
 SMALL_MAX_M = 16
-# Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma; a second 128 x 128 fp32 accumulator (the running total
-# of the pieces) still fits 8 warps' registers, where 128 x 256 would spill.
+# Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma, and a second fp32 accumulator (the running total of the
+# pieces) for a weight of several pieces.
 PREFILL_TILE = Tile(128, 128, 64, 8, 3)
 # Long prefills, and any M > 64 of a one-piece weight (many column tiles): 128 x 256, H200 at 4,096 rows (dcde335,
 # us against PREFILL_TILE): gate-up 1,446 / 2,025, LM head 7,333 / 8,759, down 905 / 1,097, O 311 / 327, QKV 484 /
-# 474 (cuBLAS 1,239 / 6,405 / 600 / 178 / 266). Below 2,048 rows a weight of few column tiles keeps 128 x 128.
+# 474 (cuBLAS 1,239 / 6,405 / 600 / 178 / 266): even with two accumulators the wide tile wins but for QKV (2%
+# slower; one rule kept). Below 2,048 rows a weight of few column tiles keeps 128 x 128 (more programs).
 WIDE_TILE = Tile(128, 256, 64, 8, 3)
 WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
@@ -113,7 +116,8 @@ def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr):
 @triton.jit
 def _piece_dots(acc, x_rows, w_rows, lo, row_ok, col_ok, K: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
-    """acc plus the k16 tensor-core steps of the piece starting at lo, k ascending."""
+    """acc plus the k16 tensor-core steps of the piece starting at lo, k ascending. SWAP: acc is out^T, the weight
+    tile the dot's first operand."""
     for k0 in range(lo, tl.minimum(lo + CHUNK, K), BLOCK_K):
         if UPCAST_DOT:
             # The interpreter: numpy's float32 matmul rounds a row differently by its place in the tile (its
@@ -121,16 +125,13 @@ def _piece_dots(acc, x_rows, w_rows, lo, row_ok, col_ok, K: tl.constexpr, CHUNK:
             # step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is.
             for a in tl.static_range(0, BLOCK_K, 16):
                 x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K)
-                if SWAP:
-                    acc += tl.dot(w.to(tl.float64), tl.trans(x.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
-                else:
-                    acc += tl.dot(x.to(tl.float64), tl.trans(w.to(tl.float64)), out_dtype=tl.float64).to(tl.float32)
+                x, w = x.to(tl.float64), w.to(tl.float64)
+                lhs, rhs = (w, x) if SWAP else (x, w)
+                acc += tl.dot(lhs, tl.trans(rhs), out_dtype=tl.float64).to(tl.float32)
         else:
             x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K)
-            if SWAP:
-                acc = tl.dot(w, tl.trans(x), acc)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            lhs, rhs = (w, x) if SWAP else (x, w)
+            acc = tl.dot(lhs, tl.trans(rhs), acc)
     return acc
 
 
@@ -163,13 +164,14 @@ def _matmul_kernel(
         total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if CHUNK >= K:  # one piece: its dots straight into the total (0 + part is part, the same bits), so the
-        total = _piece_dots(total, x_rows, w_rows, 0, row_ok, col_ok, K, CHUNK, BLOCK_K, UPCAST_DOT, SWAP)  # tile
-        # holds one accumulator where several pieces need two
+    # One piece: its dots go straight into the total (0 + part is part: the same bits), so the tile holds one
+    # accumulator; several pieces each start from zero and are added to the total in order.
+    if CHUNK >= K:
+        total = _piece_dots(total, x_rows, w_rows, 0, row_ok, col_ok, K, CHUNK, BLOCK_K, UPCAST_DOT, SWAP)
     else:
         for piece in range(first, last):
             total += _piece_dots(tl.zeros_like(total), x_rows, w_rows, piece * CHUNK, row_ok, col_ok, K, CHUNK,
-                                 BLOCK_K, UPCAST_DOT, SWAP)  # fmt: skip  (every piece from zero)
+                                 BLOCK_K, UPCAST_DOT, SWAP)  # fmt: skip
     if SWAP:  # store through transposed offsets: element (col, row) of the accumulator is out[row, col]
         r_off, c_off = rows.to(tl.int64)[None, :], cols[:, None]
         mask = row_ok[None, :] & col_ok[:, None]
@@ -224,6 +226,23 @@ def _reduce_kernel(
              mask=mask)  # fmt: skip
 
 
+def sum_pieces(pieces: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 pieces [S, M, N] added in order to 0.0 and rounded once to dtype -> [M, N]: the reduce kernel that
+    ends matmul's split schedule (and the sum norm.add_rms_norm_partials makes), for a caller holding the pieces."""
+    check_tensor("pieces", pieces, ndim=3, dtypes=(torch.float32,))
+    check(dtype in FLOAT_DTYPES, f"dtype: {dtype} is not one of {FLOAT_DTYPES}")
+    count, m, n = pieces.shape
+    out = torch.empty((m, n), dtype=dtype, device=pieces.device)
+    if count and m and n:
+        _reduce_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 128))](
+            pieces, pieces, out, m, n, pieces.stride(0), pieces.stride(1), out.stride(0),
+            PIECES=count, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128, USE_PDL=False, num_warps=4,
+        )  # fmt: skip
+    else:
+        out.zero_()
+    return out
+
+
 def matmul(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -268,6 +287,8 @@ def matmul(
     check(chunk % K_ALIGN == 0 or chunk >= k, f"chunk: {chunk} must be a multiple of {K_ALIGN} (or cover K = {k})")
     pieces = triton.cdiv(k, chunk)
     t = tile or tile_for(m, pieces)
+    check(pieces == 1 or chunk % t.block_k == 0,
+          f"tile: block_k {t.block_k} must divide the piece length {chunk} (no k step may cross pieces)")  # fmt: skip
     if split is None:
         split = pieces > 1 and m <= DECODE_MAX_M
     split = split and pieces > 1

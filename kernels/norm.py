@@ -33,9 +33,10 @@ def _rms_norm_kernel(
         tl.extra.cuda.gdc_wait()
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
-    if SPLITS > 0:  # x is a split-K product's float32 partials [SPLITS, T, H]: summed in order, rounded once
-        acc = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        for s in tl.static_range(1, SPLITS):
+    if SPLITS > 0:  # x is a split-K product's float32 partials [SPLITS, T, H]: added in order to 0.0 (as
+        # invariant_matmul's reduce kernel adds them, -0.0 included), rounded once
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(SPLITS):
             acc += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=mask, other=0.0)
         x = acc.to(out_ptr.dtype.element_ty)
     else:

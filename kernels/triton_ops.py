@@ -61,6 +61,10 @@ def _is_partials(x: torch.Tensor) -> bool:
     return x.dim() == 3  # [S, T, N] float32 from _split_k_product; hidden rows are [T, H]
 
 
+# torch.bmm(..., out_dtype=) (bf16 in, float32 out) exists from torch 2.8; without it no projection is split.
+_BMM_TO_FLOAT32 = any("out_dtype" in str(s) for s in torch._C._jit_get_schemas_for_operator("aten::bmm"))
+
+
 def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
     """x [T, K] @ weight[N, K].T as float32 partials [splits, T, N], partial s over K slice s: one strided-batched
     cuBLAS GEMM over views of x and the weight (no copy), float32 out (bf16 products accumulated in float32)."""
@@ -95,9 +99,9 @@ class TritonOps:
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if _is_partials(x):
             if comm is None and residual is not None:  # the split-K reduce, the add and the norm in one launch
-                normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps, pdl=self._det_pdl(x[0]))
+                normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps, pdl=self._row_pdl(x[0]))
                 return self._project(normed, weight, bias), residual
-            x = self.materialize(x, weight.dtype)
+            x = self.materialize(x, weight.dtype if residual is None else residual.dtype)
         if comm is not None:
             # One row: reduce alone, the GEMV folds the add and the norm into its weight pass anyway. More rows:
             # the reduce, the add and the norm in one pass over the peers' rows where the size allows.
@@ -120,23 +124,25 @@ class TritonOps:
         return F.linear(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        check(x.dim() == 2, f"x: expected [T, K] rows, got shape {tuple(x.shape)}")
         if self.deterministic:
-            return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x), partials=self.split_k)
+            return invariant_matmul.matmul(x, weight, bias, pdl=self._row_pdl(x), partials=self.split_k)
         splits = self._splits(x, weight) if bias is None else 1
         return _split_k_product(x, weight, splits) if splits > 1 else self._project(x, weight, bias)
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias) as [T, N] rows."""
         if self.deterministic:
-            return invariant_matmul.matmul(x, weight, bias, pdl=self._det_pdl(x))
+            return invariant_matmul.matmul(x, weight, bias, pdl=self._row_pdl(x))
         if self._gemv(x):
             return gemv.gemv(x, weight, bias=bias, pdl=self.pdl)[0]
         return F.linear(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        check(gate_up.dim() == 2, f"gate_up: expected [T, 2I] rows, got shape {tuple(gate_up.shape)}")
         if self.deterministic:
             return invariant_matmul.matmul(gate_up, weight, prologue=invariant_matmul.PROLOGUE_SILU_MUL,
-                                           pdl=self._det_pdl(gate_up), partials=self.split_k)  # fmt: skip
+                                           pdl=self._row_pdl(gate_up), partials=self.split_k)  # fmt: skip
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         act = activation.silu_and_mul(gate_up)
@@ -148,17 +154,13 @@ class TritonOps:
         two halves gain 1.8-2.2 us on O and down at 2-16 rows and on down at 64; O at 64 rows loses 0.5)."""
         rows, k = x.shape
         # k % 16: each half's rows start 16-byte aligned, as cuBLAS wants
-        if not self.split_k or self.deterministic or rows < 2 or k < SPLIT_K_MIN or k % 16:
+        if not (self.split_k and _BMM_TO_FLOAT32) or self.deterministic or rows < 2 or k < SPLIT_K_MIN or k % 16:
             return 1
         return 2 if rows <= 16 or (rows <= 64 and k >= 2 * weight.shape[0]) else 1
 
     def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if not _is_partials(hidden):
-            return hidden
-        total = hidden[0].clone()
-        for part in hidden[1:]:  # in split order, as the norm kernel sums them
-            total += part
-        return total.to(dtype)
+        # the pieces added as the norm kernel adds them (in the deterministic mode: the reduce kernel's bits)
+        return invariant_matmul.sum_pieces(hidden, dtype) if _is_partials(hidden) else hidden
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
@@ -201,7 +203,7 @@ class TritonOps:
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if self.deterministic:
             raise ValueError(NO_INVARIANT_MOE)
-        x = self.materialize(x, router_weight.dtype)
+        x = self.materialize(x, router_weight.dtype if residual is None else residual.dtype)
         planes = None
         pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
         if moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.gate_up_bias.shape[1] // 2):
@@ -217,10 +219,10 @@ class TritonOps:
                                   x_planes=planes, pdl=pdl)  # fmt: skip
         return out, residual
 
-    # ---- deterministic mode: the same kernels and launch shapes for every batch ----------------------------
+    def _row_pdl(self, x: torch.Tensor) -> bool:
+        return self.pdl and x.shape[0] == 1  # the batch-1 chain (PDL only there), as the GEMV path launches it
 
-    def _det_pdl(self, x: torch.Tensor) -> bool:
-        return self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
+    # ---- deterministic mode: the same kernels and launch shapes for every batch ----------------------------
 
     def _det_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                          eps: float, weight: torch.Tensor, bias: torch.Tensor | None
@@ -229,7 +231,7 @@ class TritonOps:
             normed, residual = norm.rms_norm(x, norm_weight, eps), x
         else:
             normed, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
-        return invariant_matmul.matmul(normed, weight, bias, pdl=self._det_pdl(x)), residual
+        return invariant_matmul.matmul(normed, weight, bias, pdl=self._row_pdl(x)), residual
 
     def _det_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        meta: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
@@ -239,7 +241,7 @@ class TritonOps:
             raise ValueError("deterministic: attention sinks and sliding windows have no batch-invariant kernel "
                              "yet; serve this model without --deterministic")  # fmt: skip
         tokens = qkv.shape[0]
-        pdl = self._det_pdl(qkv)
+        pdl = self._row_pdl(qkv)
         q, k, v = split_qkv(qkv, layer)
         if layer.q_norm is not None and layer.k_norm is not None:
             q = norm.rms_norm(_rows(q), layer.q_norm, layer.norm_eps).view(q.shape)

@@ -82,6 +82,12 @@ def test_matmul_partials_are_the_pieces_the_reduce_adds(dtype: torch.dtype) -> N
     assert im.matmul(x, w, chunk=chunk, partials=True, split=False).shape == (5, n)
     assert im.matmul(x, w, nw, chunk=chunk, partials=True).shape == (5, n)
     assert im.matmul(_randn(65, k, dtype=dtype, seed=1), w, chunk=chunk, partials=True).shape == (65, n)
+    # The pieces summed outside a norm (Ops.materialize): the reduce kernel itself, so its bits.
+    assert torch.equal(im.sum_pieces(parts, dtype), im.matmul(x, w, chunk=chunk))
+    with pytest.raises(ValueError, match="pieces: dtype torch.bfloat16 not supported"):
+        im.sum_pieces(parts.bfloat16(), dtype)
+    with pytest.raises(ValueError, match="tile: block_k 256 must divide the piece length 128"):
+        im.matmul(x, w, chunk=chunk, tile=im.Tile(64, 64, 256, 4, 3))
 
 
 def test_chunk_size_is_a_property_of_the_weight() -> None:

@@ -92,6 +92,7 @@ def test_the_pieces_summed_by_the_norm_give_the_reduce_kernel_s_bits(monkeypatch
     equals the reduce kernel's path bit for bit (pieces of 32 here, so this small model's projections split)."""
     monkeypatch.setattr(invariant_matmul, "MIN_CHUNK", 32)
     monkeypatch.setattr(invariant_matmul, "K_ALIGN", 32)
+    monkeypatch.setattr(invariant_matmul, "SMALL_TILE", invariant_matmul.Tile(16, 64, 32, 4, 3, swap=True))
     monkeypatch.setattr(invariant_matmul, "DECODE_TILE", invariant_matmul.Tile(64, 64, 32, 4, 3))
     monkeypatch.setattr(invariant_matmul, "PREFILL_TILE", invariant_matmul.Tile(128, 128, 32, 8, 3))
     monkeypatch.setattr(invariant_matmul, "WIDE_TILE", invariant_matmul.Tile(128, 256, 32, 8, 3))
@@ -105,11 +106,14 @@ def test_the_pieces_summed_by_the_norm_give_the_reduce_kernel_s_bits(monkeypatch
 
     monkeypatch.setattr(invariant_matmul, "matmul", recording)
     pieces, reduced = _runner(TritonOps(deterministic=True)), _runner(TritonOps(deterministic=True, split_k=False))
+    reference = _runner(TorchOps())
     table, other_table = [3, 7, 1], [5, 9]
     for ids, starts, tables in (([PROMPT], [0], [table]), ([[12]], [19], [table]),
                                 ([[1, 2], [30]], [0, 20], [other_table, table])):  # fmt: skip
         got, want = _step(pieces, ids, starts, tables), _step(reduced, ids, starts, tables)
         assert torch.equal(got, want), f"{ids}: the norm's sum of the pieces differs from the reduce kernel's"
+        exact = _step(reference, ids, starts, tables)  # and both are the model's logits, not the same mistake
+        assert rel_err(got, exact) < (2e-3 if DEV.type == "cpu" else 5e-3), f"{ids}: {rel_err(got, exact):.2e}"
     assert any(handed), "no projection handed its pieces on: the test shapes did not split"
 
 

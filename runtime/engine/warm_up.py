@@ -8,7 +8,7 @@ keys"), so all that still varies between steps is what the launchers choose from
 - from the longest query chunk (max_q_len): attention's short-query path (≤ 4 tokens: key splits, no causal
   split), its BLOCK_M (next power of two of max_q_len·GQA group, 16..128) and long-prompt tiles (≥ 4096); the
   MoE's GEMV (≤ 4 tokens) or tile rows (tokens·top_k against 16 and 128 times the experts); the deterministic
-  matmul's tile (rows 1, ≤ 64, more) and the one-row GEMV and programmatic dependent launch (one row);
+  matmul's tile (rows ≤ 16, ≤ 64, < 2048, more) and the one-row GEMV and programmatic dependent launch (one row);
 - from the batch and the longest sequence: the number of key splits of a short query, a power of two
   (attention.choose_num_splits);
 - from the chunks that complete: the rows of the LM head.

@@ -141,7 +141,7 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
     def mm(a, i: int = 0, **kw):
         return im.matmul(a, ws[i % copies], prologue=prologue, **kw)
 
-    big = mm(x[:2048])  # the prefill tile, one program walking the pieces
+    big = mm(x[:2048])  # the wide prefill tile, one program walking the pieces
     checks = {f"M={m}": _mismatched(mm(x[:m]), big[:m]) for m in (1, 3, 16, 17, 64)}  # small tile to 16
     checks["M=3 decode tile"] = _mismatched(mm(x[:3], tile=im.DECODE_TILE), big[:3])
     checks["M=65 at slot 7"] = _mismatched(mm(x[7:72]), big[7:72])
