@@ -155,7 +155,7 @@ class Ops(Protocol):
     What `linear` and `act_linear` return is "hidden": the model hands it to the next `norm_linear` or `moe`, or
     returns it from its forward, and reads nothing else of it. A backend may keep it in its own form until then
     (TritonOps: a split-K product's float32 partials, summed by the next norm's launch); `materialize(hidden,
-    dtype)` gives its [T, H] rows in the model dtype, for a caller that indexes them."""
+    dtype)` gives its [T, H] rows, for a caller that indexes them."""
 
     name: str
 
@@ -175,7 +175,8 @@ class Ops(Protocol):
         ...
 
     def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """hidden as [T, H] rows of dtype (the model's)."""
+        """hidden as [T, H] rows: a backend's own form summed into dtype (the model's); rows are returned as they
+        are."""
         ...
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
