@@ -63,10 +63,10 @@ class Tile:
 DECODE_TILE = Tile(64, 64, 128, 4, 3)
 # Up to 16 rows of a weight cut into several K pieces: the same 64 x 128 weight tile with the operands swapped
 # (wgmma m64n16: a quarter of the tensor-core work and of the x tile's shared memory), the same k16 steps in the
-# same order. H200, one row (aeb9c7a): QKV 21.3 -> 16.2 us, O 12.7 -> 12.0, down 34.1 -> 33.1; but one-piece
-# weights lost then (gate-up 60.8 -> 65.5, LM head 243 -> 266), so they keep the 64-row tile. (Since one-piece
-# weights accumulate straight into the total, the LM head wins on it, 242.6 -> 235.9, and gate-up still loses:
-# kernels/NOTES.md, "Where the batch-1 cost goes next".)
+# same order. H200, one row (aeb9c7a): QKV 21.3 -> 16.2 us, O 12.7 -> 12.0, down 34.1 -> 33.1; one-piece weights
+# keep the 64-row tile: gate-up loses on the small one (60.8 -> 65.5; the 946733c probe: 59.7 -> 65.3). The LM head
+# read 243 -> 266 there, but that row's first timing reads high (54fd7ff: 280 and 249 for one tile), and the probe
+# has it winning, 242.6 -> 235.9 (kernels/NOTES.md, "Where the batch-1 cost goes next").
 SMALL_TILE = Tile(16, 64, 128, 4, 3, swap=True)
 SMALL_MAX_M = 16
 # Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma, and a second fp32 accumulator (the running total of the
@@ -95,13 +95,14 @@ def chunk_size(n: int, k: int) -> int:
     return min(k, triton.cdiv(triton.cdiv(k, pieces), K_ALIGN) * K_ALIGN)
 
 
-def tile_for(m: int, pieces: int) -> Tile:
-    """The launch's tile: a schedule choice (every tile gives the same bits), by rows and the weight's pieces."""
+def tile_for(m: int, pieces: int, itemsize: int = 2) -> Tile:
+    """The launch's tile: a schedule choice (every tile gives the same bits), by rows, the weight's pieces and the
+    element size (float32's 128 x 256 stages need 288 KB of shared memory, past the H200's 227 KB)."""
     if m <= SMALL_MAX_M and pieces > 1:
         return SMALL_TILE
     if m <= DECODE_MAX_M:
         return DECODE_TILE
-    return WIDE_TILE if pieces == 1 or m >= WIDE_MIN_M else PREFILL_TILE
+    return WIDE_TILE if (pieces == 1 or m >= WIDE_MIN_M) and itemsize <= 2 else PREFILL_TILE
 
 
 @triton.jit
@@ -286,7 +287,7 @@ def matmul(
     chunk = chunk or chunk_size(n, k)
     check(chunk % K_ALIGN == 0 or chunk >= k, f"chunk: {chunk} must be a multiple of {K_ALIGN} (or cover K = {k})")
     pieces = triton.cdiv(k, chunk)
-    t = tile or tile_for(m, pieces)
+    t = tile or tile_for(m, pieces, x.element_size())
     check(pieces == 1 or chunk % t.block_k == 0,
           f"tile: block_k {t.block_k} must divide the piece length {chunk} (no k step may cross pieces)")  # fmt: skip
     if split is None:

@@ -90,6 +90,13 @@ def test_matmul_partials_are_the_pieces_the_reduce_adds(dtype: torch.dtype) -> N
         im.matmul(x, w, chunk=chunk, tile=im.Tile(64, 64, 256, 4, 3))
 
 
+def test_tile_for_keeps_float32_off_the_wide_tile() -> None:
+    # The 128 x 256 tile's stages in float32 need 288 KB of shared memory, more than an H200 has.
+    assert im.tile_for(4096, 1, 2) == im.WIDE_TILE and im.tile_for(4096, 1, 4) == im.PREFILL_TILE
+    assert im.tile_for(100, 3) == im.PREFILL_TILE and im.tile_for(2048, 3) == im.WIDE_TILE
+    assert im.tile_for(1, 3) == im.SMALL_TILE and im.tile_for(1, 1) == im.DECODE_TILE == im.tile_for(64, 3)
+
+
 def test_chunk_size_is_a_property_of_the_weight() -> None:
     # The Llama-3.1-8B projections at decode: enough (column tile, piece) programs for 132 SMs.
     for n, k, pieces in ((6144, 4096, 3), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (128256, 4096, 1)):
