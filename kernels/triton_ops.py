@@ -127,7 +127,7 @@ class TritonOps:
         check(x.dim() == 2, f"x: expected [T, K] rows, got shape {tuple(x.shape)}")
         if self.deterministic:
             return invariant_matmul.matmul(x, weight, bias, pdl=self._row_pdl(x), partials=self.split_k)
-        splits = self._splits(x, weight) if bias is None else 1
+        splits = self._splits(x, weight, bias)
         return _split_k_product(x, weight, splits) if splits > 1 else self._project(x, weight, bias)
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -149,12 +149,13 @@ class TritonOps:
         splits = self._splits(act, weight)
         return _split_k_product(act, weight, splits) if splits > 1 else F.linear(act, weight)
 
-    def _splits(self, x: torch.Tensor, weight: torch.Tensor) -> int:
-        """K slices for a projection whose output goes to the next norm (H200, Llama-3.1-8B shape, NOTES.md v19:
-        two halves gain 1.8-2.2 us on O and down at 2-16 rows and on down at 64; O at 64 rows loses 0.5)."""
+    def _splits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+        """K slices for a default-mode projection whose output goes to the next norm (H200, Llama-3.1-8B shape,
+        NOTES.md v19: two halves gain 1.8-2.2 us on O and down at 2-16 rows and on down at 64; O at 64 rows loses
+        0.5). A bias would need adding before the norm's sum: such projections stay whole."""
         rows, k = x.shape
         # k % 16: each half's rows start 16-byte aligned, as cuBLAS wants
-        if not (self.split_k and _BMM_TO_FLOAT32) or self.deterministic or rows < 2 or k < SPLIT_K_MIN or k % 16:
+        if not (self.split_k and _BMM_TO_FLOAT32) or bias is not None or rows < 2 or k < SPLIT_K_MIN or k % 16:
             return 1
         return 2 if rows <= 16 or (rows <= 64 and k >= 2 * weight.shape[0]) else 1
 
