@@ -1,0 +1,181 @@
+"""One-off kernel probes behind kernels/NOTES.md v19 (issue 16) and the deterministic tiles v4-v5 (issue 17).
+
+    python3 -m envex.verify.kernel_bench.bench_probes --section splitk|prefill_tiles|pieces --out FILE.json
+
+- splitk: O and down at 2-64 rows followed by the add + RMSNorm: cuBLAS (with its own split-K) + the norm kernel,
+  against one bmm over S K-slices into float32 partials + `norm.add_rms_norm_partials`; graph-timed over 8 weight
+  copies (past the L2), kernel names at 5 rows.
+- prefill_tiles: the invariant matmul at 4,096 rows on candidate prefill tiles, each checked row for row against
+  PREFILL_TILE (bits must be identical) and timed against cuBLAS.
+- pieces: gate-up, LM head and QKV at 1 and 64 rows with 1-8 K pieces on the small and 64-row tiles, with the reduce
+  launch and with the pieces handed on, against the one-row GEMV.
+
+Llama-3.1-8B shapes, random bf16 weights, one GPU. Results are the raw JSON in verify/results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+H = 4096
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}  # fmt: skip  (N, K)
+
+
+def _copies(n: int, k: int) -> int:
+    return max(1, math.ceil(400e6 / (n * k * 2)))  # weights rotated past the 50 MB L2
+
+
+def _graph_us(fn, copies: int, iters: int = 50) -> float:
+    """µs per call of fn, which runs `copies` projections, replayed in a CUDA graph."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        g.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / iters / copies
+
+
+def _kernel_names(fn) -> list[str]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    return sorted({e.name[:60] for e in p.events() if e.device_type.name == "CUDA"})
+
+
+def splitk() -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from envex.kernels import norm
+
+    torch.manual_seed(0)
+    out: dict = {}
+    copies = 8
+    for pname, k in (("O", 4096), ("down", 14336)):
+        ws = [torch.randn(H, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        nw = torch.ones(H, device="cuda", dtype=torch.bfloat16)
+        for m in (2, 5, 9, 16, 64):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            r = torch.randn(m, H, device="cuda", dtype=torch.bfloat16)
+
+            def base(x=x, r=r, ws=ws, nw=nw) -> None:
+                for w in ws:
+                    norm.add_rms_norm(F.linear(x, w), r, nw, 1e-5)
+
+            row: dict = {"base": _graph_us(base, copies)}
+            ref = norm.add_rms_norm(F.linear(x, ws[0]), r, nw, 1e-5)[0].float()
+            for s in (1, 2, 4, 7, 8, 14):
+                if k % (s * 64):
+                    continue
+                xs = x.view(m, s, k // s).transpose(0, 1)
+                wts = [w.view(H, s, k // s).permute(1, 2, 0) for w in ws]
+
+                def var(xs=xs, wts=wts, r=r, nw=nw) -> None:
+                    for wt in wts:
+                        norm.add_rms_norm_partials(torch.bmm(xs, wt, out_dtype=torch.float32), r, nw, 1e-5)
+
+                row[f"S{s}"] = _graph_us(var, copies)
+                got = norm.add_rms_norm_partials(torch.bmm(xs, wts[0], out_dtype=torch.float32), r, nw, 1e-5)[0]
+                row[f"S{s}_err"] = float((got.float() - ref).abs().max())
+                if m == 5:
+                    row[f"S{s}_kernels"] = _kernel_names(var)
+            if m == 5:
+                row["base_kernels"] = _kernel_names(base)
+            out[f"{pname}_M{m}"] = row
+            print(pname, m, json.dumps({a: round(v, 2) if isinstance(v, float) else v for a, v in row.items()}),
+                  flush=True)  # fmt: skip
+    return out
+
+
+def prefill_tiles() -> list[dict]:
+    import torch
+
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    cands = [im.PREFILL_TILE, im.Tile(128, 128, 64, 8, 4), im.Tile(128, 256, 64, 8, 3), im.Tile(128, 256, 64, 8, 4),
+             im.Tile(256, 128, 64, 8, 3), im.Tile(128, 128, 128, 8, 3), im.Tile(128, 256, 32, 8, 4)]  # fmt: skip
+    m, rows = 4096, []
+    for name, (n, k) in SHAPES.items():
+        copies = _copies(n, k)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = im.matmul(x, ws[0], tile=im.PREFILL_TILE)
+        base = B.graph_time_ms(lambda i, x=x, ws=ws, c=copies: x @ ws[i % c].t(), copies * 2) * 1e3
+        for t in cands:
+            same = int((im.matmul(x, ws[0], tile=t) != ref).reshape(m, -1).any(1).sum())
+            us = B.graph_time_ms(lambda i, t=t, x=x, ws=ws, c=copies: im.matmul(x, ws[i % c], tile=t), copies * 2) * 1e3
+            rows.append(dict(shape=name, tile=list(vars(t).values()), us=round(us, 1), cublas_us=round(base, 1),
+                             tflops=round(2 * m * n * k / (us * 1e6), 1), mismatched_rows=same))  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pieces() -> list[dict]:
+    import torch
+
+    from envex.kernels import gemv
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    rows = []
+    for name in ("gate_up", "lm_head", "qkv"):
+        n, k = SHAPES[name]
+        copies = _copies(n, k)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        g = B.graph_time_ms(lambda i, x=x, ws=ws, c=copies: gemv.gemv(x[:1], ws[i % c]), copies * 2) * 1e3
+        rows.append(dict(shape=name, m=1, gemv_us=round(g, 1)))
+        print(json.dumps(rows[-1]), flush=True)
+        for count in (1, 2, 4, 8):
+            for m in (1, 64):
+                for tile in (im.SMALL_TILE, im.DECODE_TILE) if m == 1 else (im.DECODE_TILE,):
+                    for partials in (False, True) if count > 1 else (False,):
+                        us = B.graph_time_ms(lambda i, t=tile, c=k // count, p=partials, a=x[:m], ws=ws, n_c=copies:
+                                             im.matmul(a, ws[i % n_c], tile=t, chunk=c, partials=p), copies * 2) * 1e3
+                        rows.append(dict(shape=name, m=m, pieces=count, tile="small" if tile.swap else "64-row",
+                                         partials=partials, us=round(us, 1)))  # fmt: skip
+                        print(json.dumps(rows[-1]), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--section", required=True, choices=sorted(SECTIONS))
+    ap.add_argument("--out", type=Path, required=True, help="the JSON file to write")
+    args = ap.parse_args()
+    result = SECTIONS[args.section]()
+    args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
