@@ -167,6 +167,8 @@ SWEEP_SHAPES = {
                      "lm_head": (VOCAB // 2, 8192)},
     "llama8b-tp2": {"qkv": (3072, 4096), "o": (4096, 2048), "gate_up": (14336, 4096), "down": (4096, 7168),
                     "lm_head": (VOCAB // 2, 4096)},
+    # gpt-oss-120b's attention projections (its experts are MXFP4, bench_moe; its LM head reads at ~97% already)
+    "gpt-oss": {"qkv": (5120, 2880), "o": (2880, 4096)},
 }  # fmt: skip
 # The prologue each projection has in the fused decode step.
 GEMV_PROLOGUE = {"qkv": gemv.PROLOGUE_ADD_RMS, "o": gemv.PROLOGUE_NONE, "gate_up": gemv.PROLOGUE_ADD_RMS,

@@ -31,6 +31,7 @@ import triton.language as tl
 from envex.kernels import moe_mxfp4 as M
 from envex.kernels import mxfp4
 from envex.kernels._common import next_pow2
+from envex.kernels.norm import PLANE_PAD
 
 E, H, INTER, TOP_K = 128, 2880, 2880, 4
 
@@ -75,7 +76,7 @@ class Layer:
 
 
 def planes(x: torch.Tensor) -> torch.Tensor:
-    xp = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    xp = torch.empty((x.shape[0], x.shape[1] + PLANE_PAD), dtype=torch.float32, device=x.device)
     M._planes_kernel[(x.shape[0],)](x, xp, x.stride(0), xp.stride(0), K=x.shape[1], BLOCK=1024, num_warps=4)
     return xp
 
@@ -98,8 +99,8 @@ def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnre
         act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, out.shape[0] * blocks),
         out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
-        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
-        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        out.stride(0), M._swiglu_mul(1.702, 7.0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS,
+        PACKED=True, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
