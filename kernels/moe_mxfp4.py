@@ -238,8 +238,35 @@ def _input_mul(amax):
 
 
 @triton.jit
+def _step_loads(w_rows, s_rows, row_ok, g0, K: tl.constexpr, GB: tl.constexpr):
+    """The packed rows' words [R, 4·GB] and scale bytes [R, GB] of groups g0 .. g0 + GB (masked past K)."""
+    f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
+    words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & (f < K // 8)[None, :], other=0)
+    g = g0 + tl.arange(0, GB)
+    sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :], other=0)
+    return words, sc
+
+
+@triton.jit
+def _step_dot(acc, words, sc, x_base, x_mul, g0, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
+              F16: tl.constexpr):  # fmt: skip
+    """acc [R, GB] plus one step's words [R, 4·GB] and scales [R, GB] against the inputs of groups g0 .. g0 + GB
+    (_packed_rows_dot)."""
+    f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
+    x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], (f < K // 8)[None, :], K, GB)
+    words = tl.reshape(words, [R, GB, 4])
+    if F16:
+        p0 = _f16x2(x0 * x_mul, x4 * x_mul)
+        p1 = _f16x2(x1 * x_mul, x5 * x_mul)
+        p2 = _f16x2(x2 * x_mul, x6 * x_mul)
+        p3 = _f16x2(x3 * x_mul, x7 * x_mul)
+        return acc + _word_dots_f16(words, p0, p1, p2, p3) * _group_scale(sc)
+    return acc + _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
+
+
+@triton.jit
 def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, x_mul, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
-                     F16: tl.constexpr):  # fmt: skip
+                     F16: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     """R packed rows (word pointers w_rows, scale pointers s_rows) against K inputs stored as planes at x_base ->
     [R] float32 dot products. Each step loads [R, 4·GB] words and [1, 4·GB] of each input plane: a contiguous last
     axis that Triton's coalescing gives one 16-byte vector a thread along the warp for both, whatever its
@@ -247,24 +274,19 @@ def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, x_mul, K: tl.constexpr, R: 
     threads. F16 (16-bit activations, whose 8 or 11 significant bits fp16 holds): the inputs are multiplied by
     x_mul (a power of two, _input_mul) and paired into fp16 halves once a step for all R rows, _word_dots_f16
     multiplies on fp16 pairs, and the float32 sums are scaled back exactly; else float32 products (_word_dots)
-    and x_mul is not used. A loop, not unrolled: the code stays in the instruction cache."""
+    and x_mul is not used. PREFETCH: each step first issues the next step's weight loads (a register double
+    buffer), so that a program's three steps do not each wait a full memory latency. A loop, not unrolled: the
+    code stays in the instruction cache."""
     acc = tl.zeros([R, GB], dtype=tl.float32)
+    words, sc = _step_loads(w_rows, s_rows, row_ok, 0, K, GB)
     for g0 in range(0, K // 32, GB):
-        f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
-        f_ok = f < K // 8
-        words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
-        g = g0 + tl.arange(0, GB)
-        sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :], other=0)
-        words = tl.reshape(words, [R, GB, 4])
-        if F16:
-            p0 = _f16x2(x0 * x_mul, x4 * x_mul)
-            p1 = _f16x2(x1 * x_mul, x5 * x_mul)
-            p2 = _f16x2(x2 * x_mul, x6 * x_mul)
-            p3 = _f16x2(x3 * x_mul, x7 * x_mul)
-            acc += _word_dots_f16(words, p0, p1, p2, p3) * _group_scale(sc)
-        else:
-            acc += _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
+        if PREFETCH:  # the next step's weights in flight while this one computes (masked off after the last)
+            next_words, next_sc = _step_loads(w_rows, s_rows, row_ok, g0 + GB, K, GB)
+            acc = _step_dot(acc, words, sc, x_base, x_mul, g0, K, R, GB, F16)
+            words, sc = next_words, next_sc
+        else:  # (the loads before the loop are then dead code)
+            this_words, this_sc = _step_loads(w_rows, s_rows, row_ok, g0, K, GB)
+            acc = _step_dot(acc, this_words, this_sc, x_base, x_mul, g0, K, R, GB, F16)
     if F16:
         return tl.sum(acc, axis=1) / x_mul
     return tl.sum(acc, axis=1)
@@ -290,7 +312,7 @@ def _gate_up_gemv_kernel(
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -329,7 +351,7 @@ def _gate_up_gemv_kernel(
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
         y = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, _input_mul(tl.load(x_base + K)), K, 2 * BLOCK_I, GB,
-                             x_ptr.dtype.element_ty != tl.float32)  # fmt: skip
+                             x_ptr.dtype.element_ty != tl.float32, PREFETCH)  # fmt: skip
     else:
         kk2 = tl.arange(0, GB)
         acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
@@ -356,7 +378,7 @@ def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o, act_mul,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
@@ -380,7 +402,7 @@ def _down_gemv_kernel(
     if PACKED:
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
-        r = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, act_mul, INTER, BLOCK_N, GB, dt != tl.float32)
+        r = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, act_mul, INTER, BLOCK_N, GB, dt != tl.float32, PREFETCH)
     else:
         kk = tl.arange(0, GB)
         acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
