@@ -30,15 +30,13 @@ bytes (kernels/NOTES.md, "The batch-1 MoE again").
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from envex.kernels import mxfp4
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
-from envex.kernels.norm import PLANE_PAD, plane_offsets
+from envex.kernels.norm import plane_offsets
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
@@ -90,83 +88,26 @@ def _swiglu_oai(g, u, alpha, limit):
 
 
 @triton.jit
-def _e2m1_halves(words, i: tl.constexpr):
-    """int32 words of 8 e2m1 codes (code c in bits 4c..4c+3) -> int32 registers whose two fp16 halves are
-    2^-14 · e2m1 of codes i and 4 + i (i = 0..3). Each code's magnitude bits go to bits 9-11 of its 16-bit half and
-    its sign to bit 15: that half is the fp16 2^-14 · e2m1 (e2m1's subnormal 0.5 lands on fp16's subnormal 2^-15,
-    so no select). Two shifts and two logic ops per two codes."""
+def _e2m1_pair(words, i: tl.constexpr):
+    """int32 words of 8 e2m1 codes (code c in bits 4c..4c+3) -> the float32 values 2^-14 · e2m1 of codes i and
+    4 + i (i = 0..3), both halves of a word at once. Each code's magnitude bits go to bits 9-11 of its 16-bit half
+    and its sign to bit 15: that half is the fp16 2^-14 · e2m1 (e2m1's subnormal 0.5 lands on fp16's subnormal
+    2^-15, so no select), and widening fp16 to fp32 is exact. Two shifts and two logic ops per two codes."""
     if 4 * i <= 9:
         mag = words << (9 - 4 * i)
     else:
         mag = words >> (4 * i - 9)
-    return (mag & 0x0E000E00) | ((words << (12 - 4 * i)) & -2147450880)  # the sign mask 0x80008000 as int32
-
-
-@triton.jit
-def _f16_halves(v):
-    """int32 registers of two fp16 halves -> (low, high) as float32 (exact)."""
+    halves = (mag & 0x0E000E00) | ((words << (12 - 4 * i)) & -2147450880)  # the sign mask 0x80008000 as int32
     if _HALVES_ASM:
         # Both halves straight from the register (HADD2.F32 .H0_H0 / .H1_H1); through int16 tensors Triton first
         # packs the low halves of two words with a PRMT, half an extra logic op a value.
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
-            "=r,=r,r", [v], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+            "=r,=r,r", [halves], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
     else:
-        lo = v.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (v >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        lo = halves.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (halves >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
-
-
-@triton.jit
-def _e2m1_pair(words, i: tl.constexpr):
-    """The float32 values 2^-14 · e2m1 of codes i and 4 + i of each word (_e2m1_halves, widened)."""
-    return _f16_halves(_e2m1_halves(words, i))
-
-
-@triton.jit
-def _f16x2(lo, hi):
-    """Two float32 tensors -> int32 registers holding fp16(lo) in the low half and fp16(hi) in the high half."""
-    if _HALVES_ASM:
-        return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    lo16 = lo.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return lo16 | (hi.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
-
-
-@triton.jit
-def _hfma2(a, b, c):
-    """a · b + c on fp16 pairs held in int32 registers (one fma.rn.f16x2: both halves, one rounding each)."""
-    if _HALVES_ASM:
-        return tl.inline_asm_elementwise("fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    # The interpreter: each half's product is exact in float32 (11 x 11 significant bits); the sum rounded once
-    # to fp16 there is the fused multiply-add's result but where float32's own rounding of the sum decides a tie.
-    alo, ahi = _f16_halves(a)
-    blo, bhi = _f16_halves(b)
-    clo, chi = _f16_halves(c)
-    return _f16x2(alo * blo + clo, ahi * bhi + chi)
-
-
-@triton.jit
-def _hmul2(a, b):
-    """a · b on fp16 pairs held in int32 registers (mul.rn.f16x2)."""
-    if _HALVES_ASM:
-        return tl.inline_asm_elementwise("mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    alo, ahi = _f16_halves(a)
-    blo, bhi = _f16_halves(b)
-    return _f16x2(alo * blo, ahi * bhi)
-
-
-@triton.jit
-def _hadd2(a, b):
-    """a + b on fp16 pairs held in int32 registers (add.rn.f16x2)."""
-    if _HALVES_ASM:
-        return tl.inline_asm_elementwise("add.rn.f16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    alo, ahi = _f16_halves(a)
-    blo, bhi = _f16_halves(b)
-    return _f16x2(alo + blo, ahi + bhi)
 
 
 @triton.jit
@@ -187,23 +128,6 @@ def _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7):
     acc = acc + lo * x3
     acc = acc + hi * x7
     return tl.sum(acc, axis=-1)
-
-
-@triton.jit
-def _word_dots_f16(words, p0, p1, p2, p3):
-    """_word_dots on fp16 pairs: p_i the inputs i and 4 + i of each word as fp16 pairs (_f16x2), broadcast
-    against words. The products and their sum over a group run on fp16 pairs:
-    each lane of a pair adds 16 products (fma.rn.f16x2: two multiply-adds an instruction, where float32 took an
-    FMA and a widening each), and the two lanes are widened and added once a group. The caller scales the
-    inputs so that no product or sum can leave fp16's range (_packed_rows_dot)."""
-    acc = _hmul2(_e2m1_halves(words, 0), p0)
-    acc = _hfma2(_e2m1_halves(words, 1), p1, acc)
-    acc = _hfma2(_e2m1_halves(words, 2), p2, acc)
-    acc = _hfma2(_e2m1_halves(words, 3), p3, acc)
-    a, b = tl.split(tl.reshape(acc, acc.shape[:-1] + [2, 2]))  # words (0, 2) and (1, 3)
-    a, b = tl.split(_hadd2(a, b))
-    lo, hi = _f16_halves(_hadd2(a, b))  # (w0 + w1) + (w2 + w3)
-    return lo + hi
 
 
 @triton.jit
@@ -228,82 +152,32 @@ def _plane_loads(x_base, f, ok, K: tl.constexpr, GB: tl.constexpr):
 
 
 @triton.jit
-def _input_mul(amax):
-    """x_mul for _packed_rows_dot from a bound on the inputs' magnitude: 2^14 / 2^floor(log2(amax)), a power of two,
-    so that every scaled input is below 2^15 (fp16's largest is 65504) and a product with a 2^-14 · e2m1 half at
-    most 12: a lane's sum of 16 stays far inside fp16's range, while products of inputs within 2^-10 of the
-    largest keep fp16's full 11 bits."""
-    bits = tl.maximum(amax, 1e-30).to(tl.int32, bitcast=True) & 0x7F800000  # 2^floor(log2(amax)) as float bits
-    return 16384.0 / bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _step_loads(w_rows, s_rows, row_ok, g0, K: tl.constexpr, GB: tl.constexpr):
-    """The packed rows' words [R, 4·GB] and scale bytes [R, GB] of groups g0 .. g0 + GB (masked past K)."""
-    f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
-    words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & (f < K // 8)[None, :], other=0)
-    g = g0 + tl.arange(0, GB)
-    sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :], other=0)
-    return words, sc
-
-
-@triton.jit
-def _step_dot(acc, words, sc, x_base, x_mul, g0, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
-              F16: tl.constexpr):  # fmt: skip
-    """acc [R, GB] plus one step's words [R, 4·GB] and scales [R, GB] against the inputs of groups g0 .. g0 + GB
-    (_packed_rows_dot)."""
-    f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
-    x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], (f < K // 8)[None, :], K, GB)
-    words = tl.reshape(words, [R, GB, 4])
-    if F16:
-        p0 = _f16x2(x0 * x_mul, x4 * x_mul)
-        p1 = _f16x2(x1 * x_mul, x5 * x_mul)
-        p2 = _f16x2(x2 * x_mul, x6 * x_mul)
-        p3 = _f16x2(x3 * x_mul, x7 * x_mul)
-        return acc + _word_dots_f16(words, p0, p1, p2, p3) * _group_scale(sc)
-    return acc + _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
-
-
-@triton.jit
-def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, x_mul, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
-                     F16: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr):
     """R packed rows (word pointers w_rows, scale pointers s_rows) against K inputs stored as planes at x_base ->
-    [R] float32 dot products. Each step loads [R, 4·GB] words and [1, 4·GB] of each input plane: a contiguous last
-    axis that Triton's coalescing gives one 16-byte vector a thread along the warp for both, whatever its
-    tie-breaking, so the reshape to [R, GB, 4] leaves weights and inputs in one layout and no value changes
-    threads. F16 (16-bit activations, whose 8 or 11 significant bits fp16 holds): the inputs are multiplied by
-    x_mul (a power of two, _input_mul) and paired into fp16 halves once a step for all R rows, _word_dots_f16
-    multiplies on fp16 pairs, and the float32 sums are scaled back exactly; else float32 products (_word_dots)
-    and x_mul is not used. PREFETCH: each step first issues the next step's weight loads (a register double
-    buffer), so that a program's three steps do not each wait a full memory latency. A loop, not unrolled: the
-    code stays in the instruction cache."""
+    [R, GB] float32 partial sums (sum axis 1 for the dots). Each step loads [R, 4·GB] words and [1, 4·GB] of each
+    input plane: a contiguous last axis that Triton's coalescing gives one 16-byte vector a thread along the warp
+    for both, whatever its tie-breaking, so the reshape to [R, GB, 4] leaves weights and inputs in one layout and
+    no value changes threads. A loop, not unrolled: the code stays in the instruction cache."""
     acc = tl.zeros([R, GB], dtype=tl.float32)
-    words, sc = _step_loads(w_rows, s_rows, row_ok, 0, K, GB)
     for g0 in range(0, K // 32, GB):
-        if PREFETCH:  # the next step's weights in flight while this one computes (masked off after the last)
-            next_words, next_sc = _step_loads(w_rows, s_rows, row_ok, g0 + GB, K, GB)
-            acc = _step_dot(acc, words, sc, x_base, x_mul, g0, K, R, GB, F16)
-            words, sc = next_words, next_sc
-        else:  # (the loads before the loop are then dead code)
-            this_words, this_sc = _step_loads(w_rows, s_rows, row_ok, g0, K, GB)
-            acc = _step_dot(acc, this_words, this_sc, x_base, x_mul, g0, K, R, GB, F16)
-    if F16:
-        return tl.sum(acc, axis=1) / x_mul
-    return tl.sum(acc, axis=1)
+        f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
+        f_ok = f < K // 8
+        words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
+        g = g0 + tl.arange(0, GB)
+        sc = tl.load(s_rows[:, None] + g[None, :], mask=row_ok[:, None] & (g < K // 32)[None, :], other=0)
+        acc += _word_dots(tl.reshape(words, [R, GB, 4]), x0, x1, x2, x3, x4, x5, x6, x7) * _group_scale(sc)
+    return acc
 
 
 @triton.jit
 def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: tl.constexpr):
-    """x [T, K] -> float32 planes [T, K + PLANE_PAD] (see _plane_loads; column K: the row's largest |x|), one
-    program a row."""
+    """x [T, K] -> float32 planes [T, K] (see _plane_loads), one program a row."""
     t = tl.program_id(0).to(tl.int64)
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in tl.static_range(0, K, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         v = tl.load(x_ptr + t * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
         tl.store(out_ptr + t * stride_o + plane_offsets(k, K), v, mask=k < K)
-        amax = tl.maximum(amax, tl.abs(v))
-    tl.store(out_ptr + t * stride_o + K, tl.max(amax, axis=0))
 
 
 @triton.jit
@@ -312,13 +186,12 @@ def _gate_up_gemv_kernel(
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
-    input x arrives as float32 planes (xp, _plane_loads; x_ptr only gives the activation dtype), with the row's
-    largest |x| after them (column K: the packed path's input scale, _input_mul), and act leaves as float32 planes
-    too, for the down kernel.
+    input x arrives as float32 planes (xp, _plane_loads; x_ptr only gives the activation dtype) and act leaves as
+    float32 planes too, for the down kernel.
 
     PACKED: w is the expert blocks viewed as int32 words [E, 2I, K/8] (four words = one 32-value group, one
     16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
@@ -350,8 +223,8 @@ def _gate_up_gemv_kernel(
         # row starts in words; a group (4 words, 16 bytes) starts at a multiple of 4: one vector load
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
-        y = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, _input_mul(tl.load(x_base + K)), K, 2 * BLOCK_I, GB,
-                             x_ptr.dtype.element_ty != tl.float32, PREFETCH)  # fmt: skip
+        acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB)
+        y = tl.sum(acc, axis=1)
     else:
         kk2 = tl.arange(0, GB)
         acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
@@ -376,16 +249,15 @@ def _gate_up_gemv_kernel(
 @triton.jit
 def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
-    stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o, act_mul,
+    stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = True,
+    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
-    pair's act planes (as the gate-up kernel; act_mul: their input scale for 16-bit activations, _swiglu_mul).
-    Each program stores its weighted term in part [pairs, N]; the last of a token's TOP_K programs to finish (an
-    acq_rel counter, reset by that program for the next launch) adds the TOP_K terms in slot order: no float
-    atomics, the same sum whatever order the programs ran in."""
+    pair's act planes (as the gate-up kernel). Each program stores its weighted term in part [pairs, N]; the last
+    of a token's TOP_K programs to finish (an acq_rel counter, reset by that program for the next launch) adds the
+    TOP_K terms in slot order: no float atomics, the same sum whatever order the programs ran in."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -402,7 +274,8 @@ def _down_gemv_kernel(
     if PACKED:
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
-        r = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, act_mul, INTER, BLOCK_N, GB, dt != tl.float32, PREFETCH)
+        acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB)
+        r = tl.sum(acc, axis=1)
     else:
         kk = tl.arange(0, GB)
         acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
@@ -641,14 +514,6 @@ def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     return have
 
 
-def _swiglu_mul(alpha: float, limit: float) -> float:
-    """_input_mul (as a Python float) for the down GEMV's inputs, the clamped SwiGLU's outputs: |act| is at most
-    limit · (limit + 1) (gate clamped to limit, silu(g) <= g, up to [-limit, limit]), and above -(limit + 1) ·
-    0.2785 / alpha where the gate is negative (min of z · sigmoid(z))."""
-    bound = max(limit * (limit + 1), 0.2785 / alpha * (limit + 1), 1e-30)
-    return 16384.0 / 2.0 ** math.floor(math.log2(bound))
-
-
 def takes_gemv_path(tokens: int, hidden: int, inter: int, gemv_max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether fused_moe runs these tokens on the GEMV path (which reads its input as planes, norm.norm_planes)."""
     return tokens <= gemv_max_rows and hidden % 8 == 0 and inter % 8 == 0
@@ -738,18 +603,12 @@ def fused_moe(
         wts = torch.empty(pairs_n, dtype=torch.float32, device=x.device)
         xp = x_planes  # x as planes (_plane_loads), from norm.norm_planes where the caller has them
         if xp is None:
-            xp = torch.empty((t, h + PLANE_PAD), dtype=torch.float32, device=x.device)
+            xp = torch.empty((t, h), dtype=torch.float32, device=x.device)
             _planes_kernel[(t,)](x, xp, x.stride(0), xp.stride(0), K=h, BLOCK=min(next_pow2(h), 1024), num_warps=4)
-        check(xp.shape == (t, h + PLANE_PAD) and xp.dtype == torch.float32 and xp.stride(1) == 1
-              and xp.device == x.device,
-              f"x_planes: {tuple(xp.shape)} {xp.dtype} on {xp.device} is not x's [{t}, {h} + {PLANE_PAD}] as "
-              "contiguous float32 planes on x's device (norm.norm_planes)")  # fmt: skip
+        check(xp.shape == (t, h) and xp.dtype == torch.float32 and xp.stride(1) == 1 and xp.device == x.device,
+              f"x_planes: {tuple(xp.shape)} {xp.dtype} on {xp.device} is not x's [{t}, {h}] as contiguous float32 "
+              "planes on x's device")  # fmt: skip
         act_p = torch.empty((pairs_n, inter), dtype=torch.float32, device=x.device)
-        act_mul = 1.0  # float experts and float32 activations take float32 products (_packed_rows_dot)
-        if packed2 and x.dtype != torch.float32:
-            check(math.isfinite(limit) and limit > 0 and alpha > 0,
-                  f"alpha, limit: {alpha}, {limit}; the MXFP4 GEMV needs a finite SwiGLU limit > 0 and alpha > 0")
-            act_mul = _swiglu_mul(alpha, limit)
         gw1, gwe1 = _gemv_words(w1, we1, packed1)
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
@@ -764,7 +623,7 @@ def fused_moe(
         blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
         _down_gemv_kernel[(blocks, t, top_k)](
             act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks), out,
-            act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0), act_mul,
+            act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
             PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )  # fmt: skip

@@ -12,8 +12,6 @@ import triton.language as tl
 
 from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_launch
 
-PLANE_PAD = 4  # float32 columns after a row's planes (16-byte rows): the first holds the row's largest |value|
-
 
 @triton.jit
 def plane_offsets(k, K):
@@ -56,9 +54,8 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = (normed * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
-    if PLANES:  # also as float32 planes (plane_offsets: the MoE GEMV's input layout, moe_mxfp4), then max |y|
+    if PLANES:  # also as float32 planes (plane_offsets: the MoE GEMV's input layout, moe_mxfp4)
         tl.store(planes_ptr + row * stride_planes + plane_offsets(cols, H), y.to(tl.float32), mask=mask)
-        tl.store(planes_ptr + row * stride_planes + H, tl.max(tl.abs(y.to(tl.float32)), axis=0))
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
@@ -97,15 +94,14 @@ def add_rms_norm(
 
 def norm_planes(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, *,
                 pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(rms_norm(x + residual), x + residual, the normed rows again as float32 planes [T, H + PLANE_PAD]) in one
-    launch: the MoE GEMV's input layout (plane_offsets), each row's largest |value| in column H. residual None: x
-    alone is normed and returned as the sum. pdl: programmatic dependent launch (waits on the previous kernel
-    before reading)."""
+    """(rms_norm(x + residual), x + residual, the normed rows again as float32 planes) in one launch: the MoE
+    GEMV's input layout (plane_offsets). residual None: x alone is normed and returned as the sum. pdl:
+    programmatic dependent launch (waits on the previous kernel before reading)."""
     _check(x, weight, residual)
     check(x.shape[1] % 8 == 0, f"x: hidden size {x.shape[1]} must be a multiple of 8 for the plane layout")
     out = torch.empty_like(x)
     total = torch.empty_like(x) if residual is not None else x
-    planes = torch.empty((x.shape[0], x.shape[1] + PLANE_PAD), dtype=torch.float32, device=x.device)
+    planes = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     _launch(x, residual, weight, eps, out, total, planes, pdl=pdl)
     return out, total, planes
 

@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
-from envex.kernels import moe_mxfp4, mxfp4  # noqa: E402
+from envex.kernels import mxfp4  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
 from envex.tests.support.kernels import assert_close, compile_for_hopper  # noqa: E402
 from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
@@ -56,35 +56,6 @@ def test_gemv_decodes_every_code_in_every_nibble() -> None:
     assert_close("every code", out, want, torch.float32)
 
 
-@pytest.mark.parametrize("magnitude", [3e4, 1e-3])
-def test_gemv_fp16_products_keep_range_and_precision_at_any_input_scale(magnitude: float) -> None:
-    """bf16 activations run the GEMVs' products on fp16 pairs, the inputs scaled by a power of two from the row's
-    largest |x| (the planes' tail) and the SwiGLU's bound (down): rows of 3e4 (past fp16's largest value, and
-    every SwiGLU output at its clamp, the down input's bound) and of 1e-3 (products of 2^-14 · e2m1 with such
-    inputs would be fp16 subnormals) keep bf16 accuracy against float64."""
-    e, h, inter, top_k = 4, 64, 96, 2
-    (gu, bg, dn, bd), (gu64, bg64, dn64, bd64) = _experts(e, h, inter, packed=True, seed=12)
-    # no biases, so that the products alone make the output at both scales
-    weights, f64 = (gu, bg * 0, dn, bd * 0), (gu64, bg64 * 0, dn64, bd64 * 0)
-    g = torch.Generator().manual_seed(13)
-    x = (torch.randn(2, h, generator=g) * magnitude).to(torch.bfloat16).to(DEV)
-    logits = torch.randn(2, e, generator=g).to(DEV)
-    out = _moe(x, logits, top_k, weights)
-    assert torch.isfinite(out).all()
-    assert_close(f"moe gemv |x| ~ {magnitude}", out, _expected(x, logits, top_k, f64), torch.bfloat16)
-
-
-def test_swiglu_bound_gives_the_down_inputs_scale() -> None:
-    # gpt-oss: |act| <= 7 · 8 = 56 -> scaled by 2^14 / 32, so the largest input is 28,672 < 65,504 (fp16's max)
-    assert moe_mxfp4._swiglu_mul(1.702, 7.0) == 512.0
-    assert 56 * moe_mxfp4._swiglu_mul(1.702, 7.0) < 2**15
-    with pytest.raises(ValueError, match="limit"):
-        weights, _ = _experts(2, 64, 64, packed=True)
-        gu, bg, dn, bd = weights
-        moe_mxfp4.fused_moe(torch.ones(1, 64, dtype=torch.bfloat16, device=DEV), torch.zeros(1, 2, device=DEV), 1,
-                            gate_up=gu, gate_up_bias=bg, down=dn, down_bias=bd, alpha=1.702, limit=float("inf"))
-
-
 # Compiles the MoE kernels for Hopper (sm_90) with Triton's own ptxas, no GPU needed, in a process without the
 # interpreter (which runs _e2m1_pair's tensor form, not its inline PTX), every stride a multiple of 16 as Triton's
 # launcher specializes gpt-oss's. Per kernel: 16-byte weight and input-plane loads, the PTX widening of both
@@ -104,13 +75,12 @@ def build(fn, args, consts, warps):
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     ptx = k.asm["ptx"]
     return {"v4": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)), "cvt": ptx.count("cvt.f32.f16"),
-            "hfma2": ptx.count("fma.rn.f16x2"), "pack": ptx.count("cvt.rn.f16x2.f32"),
             "local": len(re.findall(r"(?:ld|st)\.local", ptx)), "wgmma": "wgmma.mma_async" in ptx,
             "lds": len(re.findall(r"ld\.shared", ptx)), "pdl": "griddepcontrol.wait" in ptx}
 
 w = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16")
 st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
-gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True, PREFETCH=True)
+gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True)
 out = {
     "gate_up": build(m._gate_up_gemv_kernel, dict(x_ptr="*bf16", xp_ptr="*fp32", logits_ptr="*bf16",
                      ids_ptr="*i32", wts_ptr="*fp32", **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st,
@@ -118,8 +88,8 @@ out = {
                      dict(K=2880, INTER=2880, E=128, TOP_K=4, BLOCK_E=128, BLOCK_I=m.GEMV_PAIRS, **gemv), 1),
     "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
                   count_ptr="*i32", out_ptr="*bf16",
-                  stride_act="i32", **st, stride_o="i32", act_mul="fp32"), dict(N=2880, INTER=2880, TOP_K=4,
-                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True, PREFETCH=True), 1),
+                  stride_act="i32", **st, stride_o="i32"), dict(N=2880, INTER=2880, TOP_K=4,
+                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True), 1),
     "down_grouped": build(m._down_grouped_kernel, dict(act_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
                           wts_ptr="*fp32", **w, out_ptr="*fp32", stride_act="i32", **st, stride_sn="i32",
                           stride_o="i32"), dict(N=2880, INTER=2880, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128,
@@ -132,11 +102,7 @@ print(json.dumps(out))
 def test_the_moe_kernels_compile_for_hopper() -> None:
     got = compile_for_hopper(_AOT)
     assert got["gate_up"]["v4"] >= 8 and got["down"]["v4"] >= 8, got  # a 16-byte group per row and thread
-    # bf16 activations: three fp16-pair multiply-adds a word (after a multiply), 16 rows x 4 words a step in
-    # gate-up and 8 x 4 in down; the inputs paired once a step (4 pairs x 4 words), a group's sum widened in PTX
-    assert got["gate_up"]["hfma2"] >= 192 and got["down"]["hfma2"] >= 96, got
-    assert got["gate_up"]["pack"] >= 16 and got["down"]["pack"] >= 16, got
-    assert got["gate_up"]["cvt"] >= 32 and got["down"]["cvt"] >= 16, got
+    assert got["gate_up"]["cvt"] >= 128 and got["down"]["cvt"] >= 128, got  # every half widened in PTX
     assert not any(k["local"] for k in got.values()), got
     assert got["gate_up"]["pdl"] and got["down"]["pdl"], got  # batch 1 launches them as dependents
     assert got["gate_up"]["lds"] <= 2 and got["down"]["lds"] <= 2, got  # the epilogue's at most, none in the loop

@@ -17,16 +17,9 @@ def f64(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def planes_of(x: torch.Tensor) -> torch.Tensor:
-    """Rows [T, H] as float32 planes [T, H + norm.PLANE_PAD], in torch: input c + 8j of a row at c·(H/8) + j
-    (norm.plane_offsets), then the row's largest |x|, then zeros (the kernels leave those columns unwritten:
-    compare [:, : H + 1])."""
-    from envex.kernels.norm import PLANE_PAD
-
+    """Rows [T, H] as float32 planes, in torch: input c + 8j of a row at c·(H/8) + j (norm.plane_offsets)."""
     t, h = x.shape
-    values = x.float().reshape(t, h // 8, 8).transpose(1, 2).reshape(t, h)
-    tail = torch.zeros(t, PLANE_PAD, device=x.device)
-    tail[:, 0] = x.float().abs().amax(dim=1)
-    return torch.cat([values, tail], dim=1)
+    return x.float().reshape(t, h // 8, 8).transpose(1, 2).reshape(t, h)
 
 
 def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> float:

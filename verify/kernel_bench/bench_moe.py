@@ -31,7 +31,6 @@ import triton.language as tl
 from envex.kernels import moe_mxfp4 as M
 from envex.kernels import mxfp4
 from envex.kernels._common import next_pow2
-from envex.kernels.norm import PLANE_PAD
 
 E, H, INTER, TOP_K = 128, 2880, 2880, 4
 
@@ -76,31 +75,31 @@ class Layer:
 
 
 def planes(x: torch.Tensor) -> torch.Tensor:
-    xp = torch.empty((x.shape[0], x.shape[1] + PLANE_PAD), dtype=torch.float32, device=x.device)
+    xp = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     M._planes_kernel[(x.shape[0],)](x, xp, x.stride(0), xp.stride(0), K=x.shape[1], BLOCK=1024, num_warps=4)
     return xp
 
 
-def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None, prefetch=True):
+def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None):
     """xp: the input as planes (M._planes_kernel); act: float32 planes [T · top_k, I]."""
     return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), xp.shape[0] * TOP_K)](
         L.norm_w[None], xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
         xp.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
         L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
-        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, PREFETCH=prefetch, num_warps=warps,
+        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
-def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None, prefetch=True):
+def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None):
     blocks = triton.cdiv(H, rows)
     part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
     return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
         act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, out.shape[0] * blocks),
         out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
-        out.stride(0), M._swiglu_mul(1.702, 7.0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS,
-        PACKED=True, PREFETCH=prefetch, num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
+        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
+        num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
@@ -223,11 +222,12 @@ def main() -> None:
                     rows.append({"name": name, "error": str(exc)[:300]})
                     print(f"  {name}: {str(exc)[:200]}", flush=True)
 
-        gu = [dict(pairs=p, prefetch=f, maxnreg=m) for p, f, m in (
-            (8, True, None), (8, False, None), (4, True, None), (4, False, None), (2, True, None), (8, True, 168))]
+        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
+            (8, 1, None), (4, 1, None), (8, 1, 112), (8, 1, 104), (8, 1, 96), (4, 1, 104), (4, 1, 96), (4, 1, 80))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
               TOP_K * gu_b, acts[0])
-        dn = [dict(rows=n, prefetch=f) for n, f in ((8, True), (8, False), (4, True), (4, False), (16, True))]
+        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in (
+            (4, 1, None), (8, 1, None), (8, 1, 96), (8, 1, 80), (4, 1, 64))]
         sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
