@@ -54,7 +54,8 @@ GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 def _topk_softmax(logits_ptr, t, stride_l, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_TK: tl.constexpr):  # fmt: skip
     """Token t's top_k experts (ties: the lower id) and their softmax weights over those k -> ([BLOCK_TK] int32,
-    [BLOCK_TK] float32); entries ≥ TOP_K are padding."""
+    [BLOCK_TK] float32); entries ≥ TOP_K are padding. A row with a NaN still gets ids below E (its weights are
+    NaN): a broken activation must not become an out-of-bounds expert read."""
     ee = tl.arange(0, BLOCK_E)
     v = tl.load(logits_ptr + t * stride_l + ee, mask=ee < E, other=float("-inf")).to(tl.float32)
     kk = tl.arange(0, BLOCK_TK)
@@ -62,7 +63,7 @@ def _topk_softmax(logits_ptr, t, stride_l, E: tl.constexpr, TOP_K: tl.constexpr,
     top_i = tl.zeros([BLOCK_TK], dtype=tl.int32)
     for i in tl.static_range(TOP_K):
         m = tl.max(v, axis=0)
-        idx = tl.min(tl.where(v == m, ee, BLOCK_E), axis=0)
+        idx = tl.minimum(tl.min(tl.where(v == m, ee, BLOCK_E), axis=0), E - 1)  # NaN: nothing equals m
         top_v = tl.where(kk == i, m, top_v)
         top_i = tl.where(kk == i, idx, top_i)
         v = tl.where(ee == idx, float("-inf"), v)

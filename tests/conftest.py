@@ -10,6 +10,11 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # one of pyproject's two workers: one core each, not two threads each
+    import torch
+
+    torch.set_num_threads(1)
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -84,6 +84,20 @@ def test_route_matches_reference() -> None:
     assert torch.allclose(w.sum(-1).cpu(), torch.ones(7, dtype=torch.float32))
 
 
+def test_route_keeps_expert_ids_in_range_on_nan_logits() -> None:
+    """A NaN in a row's router logits (a broken activation) gives NaN weights, never an id past the experts: the
+    expert kernels would read out of bounds. Rows without NaN route as before."""
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(2))
+    logits[1, 3] = float("nan")
+    logits[2] = float("nan")
+    ids, w = moe_mxfp4.route(logits.to(DEV), 4)
+    ids = ids.long().cpu()
+    assert ids.min() >= 0 and ids.max() < 20, ids
+    assert torch.isnan(w[2].cpu()).all()
+    w_ref, ids_ref = ref.moe_route(logits[[0, 3]].double(), 4)
+    assert torch.equal(ids[[0, 3]], ids_ref) and rel_err(w[[0, 3]], w_ref) < 1e-6
+
+
 @pytest.mark.parametrize("tokens,packed", [(1, True), (3, False), (9, True)])  # 1, 3: GEMV path; 9: grouped
 def test_fused_moe_float32(tokens: int, packed: bool) -> None:
     e, h, inter, top_k = 8, 64, 96, 4
