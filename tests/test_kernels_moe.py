@@ -44,8 +44,9 @@ def _moe(x, logits, top_k, weights, **kw):
 
 
 def _expected(x, logits, top_k, f64):
-    w, ids = ref.moe_route(logits.double(), top_k)
-    return ref.moe_experts(x.double(), w, ids, f64[0], f64[1], f64[2], f64[3], ALPHA, LIMIT)
+    """The float64 reference on the CPU (where the float64 experts are), returned on x's device."""
+    w, ids = ref.moe_route(logits.double().cpu(), top_k)
+    return ref.moe_experts(x.double().cpu(), w, ids, f64[0], f64[1], f64[2], f64[3], ALPHA, LIMIT).to(x.device)
 
 
 def test_mxfp4_format_matches_transformers_dequantization() -> None:
