@@ -45,13 +45,14 @@ class CompileKeys:
     """Records, per launch, the compile key Triton's JIT would use on an H200 (and, to show what the markings
     change, the key with every integer specialised)."""
 
+    ALWAYS_RUN = frozenset({"_route_kernel"})  # its expert ids index tensors, so it runs even when skipping
+
     def __init__(self) -> None:
         self.keys: set[tuple[Any, ...]] = set()
         # While set, a launch whose key is already recorded is not interpreted (only its key counts): the warm-up
         # meets each key many times, and its outputs are thrown away. Interpreting them all took ~9 minutes for
-        # the gpt-oss model on two cores. The router's top-k always runs: its expert ids index tensors.
+        # the gpt-oss model on two cores.
         self.skip_repeats = False
-        self.always_run = {"_route_kernel"}
         self.all_specialised: dict[str, set[tuple[Any, ...]]] = {}
         self._binders: dict[Any, tuple[Any, Any]] = {}
 
@@ -73,7 +74,7 @@ class CompileKeys:
         seen = key in self.keys
         self.keys.add(key)
         self.all_specialised.setdefault(name, set()).add(repr(plain(*args, **kwargs)[1]))
-        return not (seen and self.skip_repeats and name not in self.always_run)
+        return not (seen and self.skip_repeats and name not in self.ALWAYS_RUN)
 
     @classmethod
     def kernel(cls, key: tuple[Any, ...]) -> str:

@@ -273,6 +273,9 @@ def test_health_stays_fast_and_a_stream_starts_while_heavy_requests_run(url: str
     # measurement (the server runs in this process).
     bodies = [json.dumps(payload).encode() for _, payload, _, _ in heavy]
 
+    def p95(values: list[float]) -> float:
+        return statistics.quantiles(values, n=20)[-1]
+
     def one_round() -> tuple[list[float], Victims]:
         probes: list[float] = []
         stop = threading.Event()
@@ -305,9 +308,6 @@ def test_health_stays_fast_and_a_stream_starts_while_heavy_requests_run(url: str
         print(f"/health over {len(probes)} probes: max {max(probes) * 1000:.1f} ms, p95 {p95(probes) * 1000:.1f} "
               f"ms, median {statistics.median(probes) * 1000:.1f} ms; victim first tokens {victims.first_token_s}")
         return probes, victims
-
-    def p95(values: list[float]) -> float:
-        return statistics.quantiles(values, n=20)[-1]
 
     for _attempt in range(3):
         probes, victims = one_round()
