@@ -316,6 +316,12 @@ def _decode_fused_kernel(
                 tl.store(counter_ptr + b * N_KV + kvh, 0)
 
 
+def takes_long_tile(head_dim: int, keys: int, num_splits: int) -> bool:
+    """Whether a launch over up to `keys` keys in num_splits splits takes the 128-key tile with 3 stages: long
+    splits of 64-wide heads (gpt-oss at 131K: 84.7 -> 75.1 us a full layer; kernels/NOTES.md, "Long decode")."""
+    return head_dim <= 64 and triton.cdiv(keys, num_splits) >= LONG_SPLIT_KEYS
+
+
 def new_split_counters(batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
     """The zeroed int32 counters `decode_attention_fused(merge_in_kernel=True)` needs: one per (sequence, KV head).
     Allocate once per batch size and reuse (each launch leaves them at zero); one buffer serves every layer."""
@@ -425,7 +431,7 @@ def decode_attention_fused(
     short_n = 0
     if block_n is None:  # long splits of 64-wide heads: 128-key tiles, 3 stages (gpt-oss at 131K: 84.7 -> 75.1 us);
         # a split of the step that holds fewer than SHORT_SPLIT_KEYS keys then takes 64-key tiles at run time
-        long = head_dim <= 64 and triton.cdiv(keys, num_splits) >= LONG_SPLIT_KEYS
+        long = takes_long_tile(head_dim, keys, num_splits)
         block_n, num_stages, short_n = (128, num_stages or 3, 64) if long else (64, num_stages, 0)
     merge_in_kernel = merge_in_kernel and num_splits > 1 and q_len == 1  # the in-kernel merge: one token
     if num_splits > 1:

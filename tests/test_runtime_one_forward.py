@@ -145,6 +145,56 @@ def test_padded_batch_matches_single_steps_and_writes_only_its_slots() -> None:
         assert rel_err(single, batched[row : row + 1]) < 1e-3
 
 
+def test_a_short_context_graph_exists_only_where_attention_launches_differently(monkeypatch) -> None:
+    """As on an H200 (132 SMs): gpt-oss's 8 KV heads of 64 at 131K take 64 splits of 128-key tiles at batch 1, but
+    32 splits of 64-key tiles at 4K, so batch 1 gets a 4K graph too; 64 sequences launch alike at both lengths;
+    Llama's heads of 128 at 8K launch alike (32 splits), so one graph a size."""
+    from envex.kernels import attention
+    from envex.runtime.engine import cuda_graphs
+
+    monkeypatch.setattr(attention, "_sm_count", lambda _device: 132)
+    monkeypatch.setattr(cuda_graphs, "num_splits_for", lambda b, h, n, dev: attention.choose_num_splits(b, h, n, dev))
+
+    def lengths(batch: int, head_dim: int, max_len: int) -> tuple[int, ...]:
+        return cuda_graphs.context_lengths(max_len, lambda n: cuda_graphs.attention_shape(
+            batch, 8, head_dim, n, torch.device("cpu")))  # fmt: skip
+
+    assert cuda_graphs.attention_shape(1, 8, 64, 131072, torch.device("cpu")) == (64, True)
+    assert cuda_graphs.attention_shape(1, 8, 64, 4096, torch.device("cpu")) == (32, False)
+    assert lengths(1, 64, 131072) == (cuda_graphs.SHORT_CONTEXT, 131072)
+    assert lengths(64, 64, 131072) == (131072,)
+    assert lengths(1, 128, 8192) == (8192,)
+    assert lengths(1, 64, 4096) == (4096,)
+
+
+def test_a_step_whose_sequences_fit_replays_the_short_context_graph(monkeypatch) -> None:
+    """With a short context of 16 tokens that launches differently (forced here): a step whose sequences all hold
+    at most 16 keys runs the 16-token graph, one longer sequence sends it to the max_model_len graph, and both
+    give the eager step's logits."""
+    from envex.runtime.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "SHORT_CONTEXT", 16)
+    monkeypatch.setattr(cuda_graphs, "attention_shape", lambda b, h, d, n, dev: n)
+    runner = _runner(_model("llama"), TritonOps())
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    graphs = DecodeGraphs(runner, max_batch=2, capture=DEV.type == "cuda")
+    assert graphs.keys == [(1, 16), (1, MAX_LEN), (2, 16), (2, MAX_LEN)]
+    assert graphs.key_for(2, [15, 3]) == (2, 16) and graphs.key_for(2, [16, 3]) == (2, MAX_LEN)
+    seen: list[int] = []
+    forward = graphs._forward
+    monkeypatch.setattr(graphs, "_forward", lambda b, n=None: seen.append(n) or forward(b, n))
+    tables = [[3, 7, 1], [5, 2, 9]]
+    for positions in ([12, 15], [12, 20]):
+        ids = [4, 11]
+        want = _step(runner, [[i] for i in ids], positions, tables)  # writes the same K/V the graph step writes
+        got = graphs.run(ids, positions, tables).clone()
+        assert rel_err(got, want) < 1e-3, positions
+    if DEV.type == "cpu":  # eager: the step ran the forward of the graph it chose
+        assert seen == [16, MAX_LEN]
+
+
 def test_run_chunks_takes_only_pure_decode_steps() -> None:
     graphs = DecodeGraphs(_runner(_model("llama"), TritonOps()), max_batch=2, capture=DEV.type == "cuda")
 

@@ -157,9 +157,9 @@ def _triton_engine(model: Path, monkeypatch: pytest.MonkeyPatch, *, deterministi
 def _capture(graphs: DecodeGraphs) -> None:
     """What DecodeGraphs._capture_all runs before capturing each batch size (its kernels' compilation)."""
     with torch.inference_mode():
-        for b in graphs.sizes:
+        for b, n in graphs.keys:
             graphs._inputs[b].active.zero_()
-            graphs._forward(b)
+            graphs._forward(b, n)
 
 
 def _ids(n: int, salt: int) -> list[int]:

@@ -7,6 +7,11 @@ metadata (cache slots from the block tables and positions) is computed on the de
 key-split count of decode attention is fixed per graph. Host work per step is a few small copies into the static
 inputs; sampling stays with the engine.
 
+The split count and the attention's key tile follow the longest sequence a graph may meet. When a short context
+(SHORT_CONTEXT tokens) would launch attention differently from max_model_len, a batch size gets a second graph
+for it, which a step replays while all its sequences fit: a 131K server decoding 1K-token requests runs the
+1K launch shape (gpt-oss-120b, batch 1: kernels/NOTES.md, "Long decode").
+
 All graphs share one memory pool (captured largest first), so the ladder costs about one step's activations.
 
 Under tensor parallelism every rank captures the same ladder (its collectives inside), rank 0 sends each step's
@@ -22,6 +27,7 @@ from envex.runtime.engine.drafters import SpecInputs
 from envex.runtime.engine.model_runner import fill_pending
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+SHORT_CONTEXT = 4096  # tokens: the second graph's longest sequence, where its launch shape differs
 
 
 def graph_ladder(max_batch: int, ladder: tuple[int, ...] = DEFAULT_LADDER) -> tuple[int, ...]:
@@ -38,6 +44,26 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, device: torc
     from envex.kernels.attention import choose_num_splits  # Triton: only where graphs run
 
     return choose_num_splits(batch, num_kv_heads, max_seq_len, device)
+
+
+def attention_shape(batch: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device: torch.device
+                    ) -> tuple[int, bool] | None:  # fmt: skip
+    """What a graph's decode attention fixes from its longest sequence: (key splits, the long-split key tile);
+    None off CUDA."""
+    splits = num_splits_for(batch, num_kv_heads, max_seq_len, device)
+    if splits is None:
+        return None
+    from envex.kernels.decode_attention import takes_long_tile
+
+    return splits, takes_long_tile(head_dim, max_seq_len, splits)
+
+
+def context_lengths(max_model_len: int, shape_at) -> tuple[int, ...]:
+    """The longest sequences a batch size's graphs are captured for: max_model_len, and SHORT_CONTEXT first when
+    attention launches differently there (shape_at(length) -> attention_shape)."""
+    if max_model_len > SHORT_CONTEXT and shape_at(SHORT_CONTEXT) != shape_at(max_model_len):
+        return (SHORT_CONTEXT, max_model_len)
+    return (max_model_len,)
 
 
 class _Inputs:
@@ -64,40 +90,53 @@ class DecodeGraphs:
         self.capture = capture and self.device.type == "cuda"
         kv_heads = getattr(runner, "num_kv_heads", runner.model_config.num_key_value_heads)  # this rank's
         self.parallel = getattr(runner, "parallel", None)
+        # The graphs of one batch size share its input buffers; each (size, longest sequence) is one graph.
         self._inputs = {b: _Inputs(b, self.max_blocks, self.device) for b in self.sizes}
-        self._splits = {b: num_splits_for(b, kv_heads, self.max_model_len, self.device) for b in self.sizes}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        head_dim = runner.model_config.head_dim
+        self.lengths = {b: context_lengths(self.max_model_len, lambda n, b=b: attention_shape(
+            b, kv_heads, head_dim, n, self.device)) for b in self.sizes}  # fmt: skip
+        self.keys = [(b, n) for b in self.sizes for n in self.lengths[b]]
+        self._splits = {(b, n): num_splits_for(b, kv_heads, n, self.device) for b, n in self.keys}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, int], torch.Tensor] = {}
         if self.capture:
             self._capture_all()
 
-    def _forward(self, b: int) -> torch.Tensor:
+    def _forward(self, b: int, max_seq_len: int | None = None) -> torch.Tensor:
         x = self._inputs[b]
+        n = max_seq_len or self.max_model_len
         bs = self.block_size
         slots = x.block_tables.gather(1, (x.positions // bs)[:, None])[:, 0].long() * bs + x.positions % bs
         meta = AttentionMetadata(
             positions=x.positions, slot_mapping=torch.where(x.active, slots, -1), cu_seqlens_q=x.cu_seqlens_q,
             block_tables=x.block_tables, cos=self.runner.cos, sin=self.runner.sin, max_q_len=1,
-            max_seq_len=self.max_model_len, num_splits=self._splits[b],
+            max_seq_len=n, num_splits=self._splits[(b, n)],
         )  # fmt: skip
         return self.runner.forward_logits(x.input_ids, meta)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
         pool = None
-        for b in sorted(self.sizes, reverse=True):  # largest first: the others fit in its pool
+        for b, n in sorted(self.keys, reverse=True):  # largest first: the others fit in its pool
             self._inputs[b].active.zero_()  # warm-up and capture must not write into live KV blocks
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._forward(b)  # compiles the Triton kernels outside the capture
+                self._forward(b, n)  # compiles the Triton kernels outside the capture
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self._forward(b)
+                self._logits[(b, n)] = self._forward(b, n)
             pool = graph.pool()
-            self._graphs[b] = graph
+            self._graphs[(b, n)] = graph
         torch.cuda.synchronize(self.device)
+
+    def key_for(self, batch: int, positions: list[int]) -> tuple[int, int]:
+        """The graph a step of `batch` sequences at these positions replays: the smallest size that takes the
+        batch, and the shortest context that every sequence fits (a sequence at position p holds p + 1 keys)."""
+        b = next(s for s in self.sizes if s >= batch)
+        longest = max(positions, default=0) + 1
+        return b, next(n for n in self.lengths[b] if n >= longest)
 
     def fits(self, batch: int) -> bool:
         return 1 <= batch <= self.sizes[-1]
@@ -111,7 +150,7 @@ class DecodeGraphs:
         batch = len(input_ids)
         if not self.fits(batch):
             raise ValueError(f"batch: {batch} sequences, the largest captured decode graph takes {self.sizes[-1]}")
-        b = next(s for s in self.sizes if s >= batch)
+        b, n = self.key_for(batch, positions)
         x = self._inputs[b]
         width = max(len(t) for t in block_tables)
         if width > self.max_blocks:
@@ -133,10 +172,10 @@ class DecodeGraphs:
         if par is not None:  # rank 0's ids (sampled on its device) into every rank's graph input
             par.comm.broadcast(x.input_ids)
         if self.capture:
-            self._graphs[b].replay()
-            logits = self._logits[b]
+            self._graphs[(b, n)].replay()
+            logits = self._logits[(b, n)]
         else:
-            logits = self._forward(b)
+            logits = self._forward(b, n)
         return logits[:batch]
 
     def follow(self, data: list[int]) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """One-off kernel probes behind kernels/NOTES.md v19 (issue 16) and the deterministic tiles v4-v5 (issue 17).
 
-    python3 -m envex.verify.kernel_bench.bench_probes --section splitk|prefill_tiles|pieces --out FILE.json
+    python3 -m envex.verify.kernel_bench.bench_probes --section splitk|prefill_tiles|pieces|one_piece --out FILE.json
 
 - splitk: O and down at 2-64 rows followed by the add + RMSNorm: cuBLAS (with its own split-K) + the norm kernel,
   against one bmm over S K-slices into float32 partials + `norm.add_rms_norm_partials`; graph-timed over 8 weight
@@ -9,6 +9,8 @@
   PREFILL_TILE (bits must be identical) and timed against cuBLAS.
 - pieces: gate-up, LM head and QKV at 1 and 64 rows with 1-8 K pieces on the small and 64-row tiles, with the reduce
   launch and with the pieces handed on, against the one-row GEMV.
+- one_piece: QKV, O, down and gate-up with K in one piece: narrow decode tiles at 1 and 64 rows and the 128 x 256
+  tile at 4,096 rows, rows checked bit for bit against the 4,096-row launch, beside today's schedule and cuBLAS.
 
 Llama-3.1-8B shapes, random bf16 weights, one GPU. Results are the raw JSON in verify/results.
 """
@@ -165,7 +167,58 @@ def pieces() -> list[dict]:
     return rows
 
 
-SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces}
+def one_piece() -> list[dict]:
+    """Every projection as one K piece (one chain of k16 steps per element, no split): narrow decode tiles (64 x
+    rows on the wgmma's M side, 16-64 weight columns on N) at 1 and 64 rows, the 128 x 256 tile at 4,096 rows,
+    each row checked bit for bit against the 4,096-row launch; beside today's schedule, the GEMV and cuBLAS."""
+    import torch
+
+    from envex.kernels import gemv
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    narrow = [im.Tile(64, 16, 128, 4, 4), im.Tile(64, 16, 256, 4, 4), im.Tile(64, 32, 128, 4, 4),
+              im.Tile(64, 32, 256, 4, 3), im.DECODE_TILE]  # fmt: skip
+    rows: list[dict] = []
+
+    def timed(name: str, m: int, label: str, fn, copies: int, **extra) -> None:
+        us = B.graph_time_ms(fn, copies * 2) * 1e3
+        rows.append(dict(shape=name, m=m, schedule=label, us=round(us, 1), **extra))
+        print(json.dumps(rows[-1]), flush=True)
+
+    def probe(name: str, n: int, k: int) -> None:  # one shape; its tensors go when it returns
+        copies = _copies(n, k)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
+        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        full = im.matmul(x, ws[0], chunk=k, tile=im.WIDE_TILE)
+        timed(name, 1, "gemv", lambda i: gemv.gemv(x[:1], ws[i % copies]), copies)
+        for m in (1, 64):
+            timed(name, m, "today", lambda i, m=m: im.matmul(x[:m], ws[i % copies]), copies)
+            if im.chunk_size(n, k) < k:
+                timed(name, m, "today, pieces handed on",
+                      lambda i, m=m: im.matmul(x[:m], ws[i % copies], partials=True), copies)  # fmt: skip
+            for t in narrow if m == 1 else narrow[2:]:
+                label = f"one piece, tile {t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}"
+                try:
+                    got = im.matmul(x[:m], ws[0], chunk=k, tile=t)
+                    bad = int((got != full[:m]).reshape(m, -1).any(1).sum())
+                    timed(name, m, label, lambda i, m=m, t=t: im.matmul(x[:m], ws[i % copies], chunk=k, tile=t),
+                          copies, mismatched_rows=bad)  # fmt: skip
+                except Exception as exc:  # a tile Triton cannot build: record it, go on
+                    rows.append(dict(shape=name, m=m, schedule=label, error=str(exc)[:300]))
+                    print(json.dumps(rows[-1]), flush=True)
+        timed(name, 4096, "cublas", lambda i: x @ ws[i % copies].t(), copies)
+        timed(name, 4096, "today", lambda i: im.matmul(x, ws[i % copies]), copies)
+        timed(name, 4096, "one piece, 128x256",
+              lambda i: im.matmul(x, ws[i % copies], chunk=k, tile=im.WIDE_TILE), copies)  # fmt: skip
+
+    for name in ("qkv", "o", "down", "gate_up"):
+        probe(name, *SHAPES[name])
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece}
 
 
 def main() -> None:
