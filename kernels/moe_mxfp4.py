@@ -153,14 +153,16 @@ def _plane_loads(x_base, f, ok, K: tl.constexpr, GB: tl.constexpr):
 
 
 @triton.jit
-def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr):
+def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
+                     STAGES: tl.constexpr = 0):  # fmt: skip
     """R packed rows (word pointers w_rows, scale pointers s_rows) against K inputs stored as planes at x_base ->
     [R, GB] float32 partial sums (sum axis 1 for the dots). Each step loads [R, 4·GB] words and [1, 4·GB] of each
     input plane: a contiguous last axis that Triton's coalescing gives one 16-byte vector a thread along the warp
     for both, whatever its tie-breaking, so the reshape to [R, GB, 4] leaves weights and inputs in one layout and
-    no value changes threads. A loop, not unrolled: the code stays in the instruction cache."""
+    no value changes threads. A loop, not unrolled: the code stays in the instruction cache. STAGES > 0: the loop
+    software-pipelined by Triton over that many stages (bench_moe --variants measures it)."""
     acc = tl.zeros([R, GB], dtype=tl.float32)
-    for g0 in range(0, K // 32, GB):
+    for g0 in tl.range(0, K // 32, GB, num_stages=STAGES if STAGES > 0 else None):
         f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
         f_ok = f < K // 8
         words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
@@ -187,7 +189,7 @@ def _gate_up_gemv_kernel(
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -224,7 +226,7 @@ def _gate_up_gemv_kernel(
         # row starts in words; a group (4 words, 16 bytes) starts at a multiple of 4: one vector load
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
-        acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB)
+        acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB, STAGES)
         y = tl.sum(acc, axis=1)
     else:
         kk2 = tl.arange(0, GB)
@@ -252,7 +254,7 @@ def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 0,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
@@ -275,7 +277,7 @@ def _down_gemv_kernel(
     if PACKED:
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
-        acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB)
+        acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB, STAGES)
         r = tl.sum(acc, axis=1)
     else:
         kk = tl.arange(0, GB)
@@ -311,6 +313,90 @@ def _route_kernel(logits_ptr, ids_ptr, wts_ptr, stride_l, E: tl.constexpr, TOP_K
     kk = tl.arange(0, BLOCK_TK)
     tl.store(ids_ptr + t * TOP_K + kk, top_i, mask=kk < TOP_K)
     tl.store(wts_ptr + t * TOP_K + kk, top_w, mask=kk < TOP_K)
+
+
+@triton.jit
+def _norm_router_kernel(
+    x_ptr, res_ptr, nw_ptr, rw_ptr, rb_ptr, out_ptr, sum_ptr, planes_ptr, logits_ptr,
+    H, stride_x, stride_res, stride_out, stride_sum, stride_planes, stride_rw, stride_l, eps,
+    E: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """Router logits for R experts of one row, with the row's add + RMSNorm computed in the same program (each
+    program redoes it: 2·H activations from L2), so the MoE's norm and router are one launch. Program 0 of the row
+    also stores the sum, the normed row and its float32 planes, as norm.norm_planes does; the norm is its
+    arithmetic, the logits are each expert row's dot with the normed (rounded) row, plus the bias, rounded once."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    experts = pid * R + tl.arange(0, R)
+    e_ok = experts < E
+    # The router rows do not depend on the previous kernel: requested before waiting on it.
+    w = tl.load(rw_ptr + experts.to(tl.int64)[:, None] * stride_rw + cols[None, :],
+                mask=e_ok[:, None] & mask[None, :], other=0.0)  # fmt: skip
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    own = cols < tl.where(pid == 0, H, 0)  # program 0 stores the row's sum, norm and planes (a bound, not `& pid
+    # == 0`: the interpreter rejects masks built from scalar booleans)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:  # the sum rounded to the activation dtype, as HF adds (norm._rms_norm_kernel)
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_sum + cols, x, mask=own)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    y = (normed * tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y, mask=own)
+    tl.store(planes_ptr + row * stride_planes + plane_offsets(cols, H), y.to(tl.float32), mask=own)
+    logit = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+    if HAS_BIAS:
+        logit += tl.load(rb_ptr + experts, mask=e_ok, other=0.0).to(tl.float32)
+    tl.store(logits_ptr + row * stride_l + experts, logit.to(logits_ptr.dtype.element_ty), mask=e_ok)
+
+
+NORM_ROUTER_ROWS = 4  # router rows a program: 32 programs for gpt-oss's 128 experts
+
+
+def norm_router(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                router_weight: torch.Tensor, router_bias: torch.Tensor | None = None, *, pdl: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The batch-1 MoE's first launch: (rms_norm(x + residual), x + residual, the normed rows as float32 planes,
+    router logits [T, E] in x's dtype), what norm.norm_planes and a router projection give, in one launch (the
+    logits summed in another order than a GEMV's: equal within rounding). residual None: x alone is normed."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    t, h = x.shape
+    check(h % 8 == 0, f"x: hidden size {h} must be a multiple of 8 for the plane layout")
+    check(h <= 8192, f"x: hidden size {h} > 8192 is more than one program holds; use norm_planes and a GEMV")
+    check_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+    check(norm_weight.shape[0] == h, f"norm_weight: length {norm_weight.shape[0]} != hidden size {h}")
+    if residual is not None:
+        check_tensor("residual", residual, ndim=2, dtypes=(x.dtype,), device=x.device)
+        check(residual.shape == x.shape, f"residual: shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    check_tensor("router_weight", router_weight, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+    e = router_weight.shape[0]
+    check(router_weight.shape[1] == h and router_weight.stride(1) == 1,
+          f"router_weight: {tuple(router_weight.shape)} is not a row-major [E, {h}]")  # fmt: skip
+    if router_bias is not None:
+        check_tensor("router_bias", router_bias, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
+        check(router_bias.shape[0] == e, f"router_bias: length {router_bias.shape[0]} != {e} experts")
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else x
+    planes = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    logits = torch.empty((t, e), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out, total, planes, logits
+    res = residual if residual is not None else x
+    _norm_router_kernel[(triton.cdiv(e, NORM_ROUTER_ROWS), t)](
+        x, res, norm_weight, router_weight, router_bias if router_bias is not None else norm_weight, out, total,
+        planes, logits, h, x.stride(0), res.stride(0), out.stride(0), total.stride(0), planes.stride(0),
+        router_weight.stride(0), logits.stride(0), float(eps),
+        E=e, R=NORM_ROUTER_ROWS, BLOCK_H=next_pow2(h), HAS_RESIDUAL=residual is not None,
+        HAS_BIAS=router_bias is not None, USE_PDL=pdl, num_warps=8, **pdl_launch(pdl),
+    )  # fmt: skip
+    return out, total, planes, logits
 
 
 @triton.jit

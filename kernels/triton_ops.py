@@ -208,12 +208,15 @@ class TritonOps:
         planes = None
         pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
         if moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.gate_up_bias.shape[1] // 2):
-            h, residual, planes = norm.norm_planes(x, residual, norm_weight, eps, pdl=pdl)  # its input planes too
-        elif residual is None:
-            h, residual = norm.rms_norm(x, norm_weight, eps), x
+            # the add, the norm (with the GEMVs' input planes) and the router in one launch
+            h, residual, planes, logits = moe_mxfp4.norm_router(x, residual, norm_weight, eps, router_weight,
+                                                                router_bias, pdl=pdl)  # fmt: skip
         else:
-            h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
-        logits = self._project(h, router_weight, router_bias)  # [T, E]
+            if residual is None:
+                h, residual = norm.rms_norm(x, norm_weight, eps), x
+            else:
+                h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
+            logits = self._project(h, router_weight, router_bias)  # [T, E]
         out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
                                   down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,

@@ -27,6 +27,39 @@ def test_planes_kernel_and_norm_planes_write_the_same_layout() -> None:
     assert torch.equal(xp, planes_of(normed)) and torch.equal(planes, xp)
 
 
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norm_router_is_the_norm_its_planes_and_the_router_in_one_launch(with_residual: bool, rows: int) -> None:
+    """norm_router against norm.norm_planes and the router product: the sum, the normed rows and their planes bit
+    for bit (the same arithmetic), the logits within rounding (another summation order); 10 experts in programs of
+    NORM_ROUTER_ROWS, so the last program is partly past the experts."""
+    g = torch.Generator().manual_seed(11)
+    h, e = 96, 10
+    x = torch.randn(rows, h, generator=g).to(torch.bfloat16).to(DEV)
+    res = torch.randn(rows, h, generator=g).to(torch.bfloat16).to(DEV) if with_residual else None
+    nw = (1 + 0.3 * torch.randn(h, generator=g)).to(torch.bfloat16).to(DEV)
+    rw = (torch.randn(e, h, generator=g) / 10).to(torch.bfloat16).to(DEV)
+    rb = torch.randn(e, generator=g).to(torch.bfloat16).to(DEV)
+    out, total, planes, logits = moe_mxfp4.norm_router(x, res, nw, 1e-5, rw, rb)
+    want_out, want_total, want_planes = norm.norm_planes(x, res, nw, 1e-5)
+    assert torch.equal(out, want_out) and torch.equal(total, want_total) and torch.equal(planes, want_planes)
+    want = out.double() @ rw.double().t() + rb.double()
+    assert logits.dtype == x.dtype and logits.shape == (rows, e)
+    assert_close("router logits", logits, want, torch.bfloat16)
+    _, _, _, no_bias = moe_mxfp4.norm_router(x, res, nw, 1e-5, rw)
+    assert_close("router logits without bias", no_bias, out.double() @ rw.double().t(), torch.bfloat16)
+
+
+def test_norm_router_refuses_a_router_of_another_width() -> None:
+    x = torch.randn(1, 64, device=DEV).to(torch.bfloat16)
+    nw = torch.ones(64, device=DEV, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="router_weight"):
+        moe_mxfp4.norm_router(x, None, nw, 1e-5, torch.zeros(4, 32, device=DEV, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="router_bias"):
+        moe_mxfp4.norm_router(x, None, nw, 1e-5, torch.zeros(4, 64, device=DEV, dtype=torch.bfloat16),
+                              torch.zeros(5, device=DEV, dtype=torch.bfloat16))  # fmt: skip
+
+
 def test_gemv_path_takes_the_norms_planes_and_leaves_its_counters_at_zero() -> None:
     e, h, inter, top_k = 6, 64, 96, 4
     weights, f64 = _experts(e, h, inter, packed=True, seed=5)
