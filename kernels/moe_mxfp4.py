@@ -153,16 +153,15 @@ def _plane_loads(x_base, f, ok, K: tl.constexpr, GB: tl.constexpr):
 
 
 @triton.jit
-def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
-                     STAGES: tl.constexpr = 0):  # fmt: skip
+def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr):
     """R packed rows (word pointers w_rows, scale pointers s_rows) against K inputs stored as planes at x_base ->
     [R, GB] float32 partial sums (sum axis 1 for the dots). Each step loads [R, 4·GB] words and [1, 4·GB] of each
     input plane: a contiguous last axis that Triton's coalescing gives one 16-byte vector a thread along the warp
     for both, whatever its tie-breaking, so the reshape to [R, GB, 4] leaves weights and inputs in one layout and
-    no value changes threads. A loop, not unrolled: the code stays in the instruction cache. STAGES > 0: the loop
-    software-pipelined by Triton over that many stages (bench_moe --variants measures it)."""
+    no value changes threads. A loop, not unrolled: the code stays in the instruction cache (and not pipelined
+    through shared memory by Triton: 2 or 3 stages were slower, kernels/NOTES.md)."""
     acc = tl.zeros([R, GB], dtype=tl.float32)
-    for g0 in tl.range(0, K // 32, GB, num_stages=STAGES if STAGES > 0 else None):
+    for g0 in range(0, K // 32, GB):
         f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row
         f_ok = f < K // 8
         words = tl.load(w_rows[:, None] + f[None, :], mask=row_ok[:, None] & f_ok[None, :], other=0)
@@ -189,7 +188,7 @@ def _gate_up_gemv_kernel(
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 0,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -226,7 +225,7 @@ def _gate_up_gemv_kernel(
         # row starts in words; a group (4 words, 16 bytes) starts at a multiple of 4: one vector load
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
-        acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB, STAGES)
+        acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB)
         y = tl.sum(acc, axis=1)
     else:
         kk2 = tl.arange(0, GB)
@@ -254,7 +253,7 @@ def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False, STAGES: tl.constexpr = 0,
+    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
@@ -277,7 +276,7 @@ def _down_gemv_kernel(
     if PACKED:
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
-        acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB, STAGES)
+        acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB)
         r = tl.sum(acc, axis=1)
     else:
         kk = tl.arange(0, GB)

@@ -80,25 +80,25 @@ def planes(x: torch.Tensor) -> torch.Tensor:
     return xp
 
 
-def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None, stages=0):
+def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None):
     """xp: the input as planes (M._planes_kernel); act: float32 planes [T · top_k, I]."""
     return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), xp.shape[0] * TOP_K)](
         L.norm_w[None], xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
         xp.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
         L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
-        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, STAGES=stages, num_warps=warps,
+        BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, num_warps=warps,
         **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
 
-def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None, stages=0):
+def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None):
     blocks = triton.cdiv(H, rows)
     part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
     return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
         act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, out.shape[0] * blocks),
         out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
-        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True, STAGES=stages,
+        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
         num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
@@ -225,15 +225,14 @@ def main() -> None:
                     rows.append({"name": name, "error": str(exc)[:300]})
                     print(f"  {name}: {str(exc)[:200]}", flush=True)
 
-        # stages: the K loop software-pipelined by Triton (cp.async into shared memory), 2026-12-02
-        gu = [dict(pairs=p, warps=w, maxnreg=m, stages=st) for p, w, m, st in (
-            (8, 1, None, 0), (4, 1, None, 0), (2, 1, None, 0), (8, 1, None, 2), (8, 1, None, 3), (4, 1, None, 2),
-            (4, 1, None, 3), (8, 2, None, 2), (8, 1, 168, 2))]  # fmt: skip
+        # (a `stages` variant, the K loop software-pipelined by Triton through shared memory, ran on 2026-12-02 at
+        # 0ca1dca: slower at 2 and 3 stages for both kernels; kernels/NOTES.md)
+        gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
+            (8, 1, None), (4, 1, None), (2, 1, None), (8, 1, 112), (8, 1, 104), (8, 1, 96), (4, 1, 104), (4, 1, 96))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
               TOP_K * gu_b, acts[0])
-        dn = [dict(rows=n, warps=w, maxnreg=m, stages=st) for n, w, m, st in (
-            (8, 1, None, 0), (4, 1, None, 0), (8, 1, None, 2), (8, 1, None, 3), (4, 1, None, 2), (4, 1, None, 3),
-            (8, 2, None, 2))]  # fmt: skip
+        dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in (
+            (8, 1, None), (4, 1, None), (8, 1, 96), (8, 1, 80), (4, 1, 64))]
         sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
