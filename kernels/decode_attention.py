@@ -52,7 +52,6 @@ from envex.kernels.attention import (
 
 # A split of fewer keys than this takes 64-key tiles in a launch built with 128-key ones (run-time choice).
 SHORT_SPLIT_KEYS = 1024
-WINDOW_MIN_SPLIT_KEYS = 128  # the fewest keys a split of a sliding-window layer's decode holds
 # Query rows (new tokens x GQA group) one program holds: a verify step of more goes to attention.paged_attention.
 MAX_QUERY_ROWS = 64
 
@@ -317,14 +316,6 @@ def _decode_fused_kernel(
                 tl.store(counter_ptr + b * N_KV + kvh, 0)
 
 
-def decode_splits(batch: int, num_kv_heads: int, keys: int, window: int | None, device: torch.device) -> int:
-    """Key splits of a decode launch over up to `keys` keys. A sliding window's splits hold at least
-    WINDOW_MIN_SPLIT_KEYS keys: gpt-oss's 128-key window then runs as one split a head, with no merge launch (two
-    splits of one 64-key tile each would save no time and add the merge, kernels/NOTES.md)."""
-    min_keys = WINDOW_MIN_SPLIT_KEYS if window is not None else 64
-    return choose_num_splits(batch, num_kv_heads, keys, device, min_keys=min_keys)
-
-
 def takes_long_tile(head_dim: int, keys: int, num_splits: int) -> bool:
     """Whether a launch over up to `keys` keys in num_splits splits takes the 128-key tile with 3 stages: long
     splits of 64-wide heads (gpt-oss at 131K: 84.7 -> 75.1 us a full layer; kernels/NOTES.md, "Long decode")."""
@@ -436,7 +427,7 @@ def decode_attention_fused(
         return out
     keys = max_seq_len if window is None else min(max_seq_len, window)
     if num_splits is None:
-        num_splits = decode_splits(batch, num_kv_heads, keys, window, dev)
+        num_splits = choose_num_splits(batch, num_kv_heads, keys, dev)
     short_n = 0
     if block_n is None:  # long splits of 64-wide heads: 128-key tiles, 3 stages (gpt-oss at 131K: 84.7 -> 75.1 us);
         # a split of the step that holds fewer than SHORT_SPLIT_KEYS keys then takes 64-key tiles at run time

@@ -286,17 +286,3 @@ def test_one_long_sequence_gets_splits_of_at_most_2k_keys(monkeypatch: pytest.Mo
     cpu = torch.device("cpu")
     assert [attention.choose_num_splits(1, 8, n, cpu) for n in (1024, 10240, 65536, 131072)] == [16, 32, 32, 64]
     assert attention.choose_num_splits(2, 8, 131072, cpu) == 16 and attention.choose_num_splits(64, 8, 131072, cpu) == 1
-
-
-def test_a_window_layers_decode_splits_hold_at_least_128_keys(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpt-oss's 128-key window decodes as one split a head at batch 1 (no merge launch), where a full layer of the
-    same 128 keys takes two; a 4,096-key window still splits, 32 ways, as a full layer would."""
-    from envex.kernels import attention, decode_attention
-
-    monkeypatch.setattr(attention, "_sm_count", lambda _device: 132)
-    cpu = torch.device("cpu")
-    assert decode_attention.decode_splits(1, 8, 128, 128, cpu) == 1
-    assert decode_attention.decode_splits(1, 8, 128, None, cpu) == 2
-    assert decode_attention.decode_splits(1, 8, 4096, 4096, cpu) == 32 == decode_attention.decode_splits(
-        1, 8, 4096, None, cpu)  # fmt: skip
-    assert decode_attention.decode_splits(4, 8, 100, 128, cpu) == 1

@@ -133,7 +133,6 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         max_len = min(self.max_model_len, self.blocks.num_free_blocks * self.blocks.block_size)
         from envex.kernels.attention import choose_num_splits  # Triton: the ops are Triton's
-        from envex.kernels.decode_attention import decode_splits
 
         # The KV heads attention sees (the model's, or one tensor-parallel rank's share, split or replicated) and
         # the layers' windows; the keys a split count is chosen from, as the launchers take them: a full layer's
@@ -145,10 +144,7 @@ class LLMEngine:
         windows = sorted({None, *(w for r in runners for w in r.model_config.layer_windows)}, key=lambda w: w or 0)
 
         def split_counts(batch: int, q: int, n: int) -> tuple[int, ...]:
-            if q == 1:  # decode: the fused launcher's rule (a window's splits hold at least 128 keys)
-                return tuple(decode_splits(batch, h, n if w is None else min(n, w), w, self.device)
-                             for h in heads for w in windows)  # fmt: skip
-            keys = [n if w is None else min(n, w + q) for w in windows]
+            keys = [n if w is None else min(n, w + (q if q > 1 else 0)) for w in windows]
             return tuple(choose_num_splits(batch, h, k, self.device) for h in heads for k in keys)
 
         plan = warm_up_steps(max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
