@@ -4,7 +4,8 @@ directly, dequantized tile by tile in registers, with the clamped SwiGLU fused i
 Two paths, chosen by the number of token rows T (`fused_moe`):
 
 - T ≤ GEMV_MAX_ROWS (decode): a GEMV over the chosen experts only, inputs as float32 planes (input c + 8j of a
-  row at c·(K/8) + j: `norm.norm_planes` writes them with the norm, or `_planes_kernel`). `_gate_up_gemv_kernel`
+  row at c·(K/8) + j: `norm_router` writes them with the norm and the router logits, in one launch, or
+  `_planes_kernel`). `_gate_up_gemv_kernel`
   runs one column of one-warp programs per (token, expert slot); each program redoes the token's top-k over the
   router logits (E values, in L2), so routing costs no launch, and the first column stores the chosen ids and
   weights for the next kernel; it writes the activations as planes too. `_down_gemv_kernel` runs one warp per
