@@ -13,10 +13,8 @@ one fixed arithmetic:
 
 How that arithmetic is scheduled may depend on M without changing a bit:
 - SPLIT (decode batches, M <= 64, more than one piece): one program per (row tile, column tile, piece) writes
-  its piece's fp32 sum, and the last of a tile's programs to arrive (an acq_rel counter) adds the pieces in
-  order, as `_reduce_kernel` does, and stores the rows: no reduce launch (or a consumer takes the pieces,
-  `partials`). This gives a batch-1 step enough programs to stream the weight at bandwidth (O and down
-  projections have only 64 column tiles of 64 rows);
+  its piece's fp32 sum; `_reduce_kernel` adds the pieces in order. This gives a batch-1 step enough programs to
+  stream the weight at bandwidth (O and down projections have only 64 column tiles of 64 rows);
 - FULL (larger M): one program per (row tile, column tile) walks the pieces itself, with a fresh accumulator
   per piece added to a running total: the same additions, no partial buffer.
 
@@ -45,15 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import (
-    FLOAT_DTYPES,
-    INTERPRETING,
-    arrival_counters,
-    check,
-    check_tensor,
-    padded_rows,
-    pdl_launch,
-)
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, padded_rows, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
 
@@ -146,29 +136,13 @@ def _piece_dots(acc, x_rows, w_rows, lo, row_ok, col_ok, K: tl.constexpr, CHUNK:
     return acc
 
 
-@triton.jit
-def _sum_pieces(part_ptr, offs, mask, bias_ptr, c_off, b_mask, PIECES: tl.constexpr, stride_ps,
-                HAS_BIAS: tl.constexpr, CG: tl.constexpr):  # fmt: skip
-    """The pieces' fp32 sums at offs added in piece order to 0.0, then the bias: the one rounding's input, the same
-    additions wherever they run (the reduce kernel, or a split tile's last program)."""
-    total = tl.zeros(offs.shape, dtype=tl.float32)
-    for piece in tl.static_range(PIECES):
-        if CG:  # written by other programs of this launch: past L1, which is not coherent
-            total += tl.load(part_ptr + piece * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            total += tl.load(part_ptr + piece * stride_ps + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + c_off, mask=b_mask, other=0.0).to(tl.float32)
-    return total
-
-
 @triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, FIXUP: tl.constexpr = False,
+    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # x comes from the previous kernel of the step
         tl.extra.cuda.gdc_launch_dependents()
@@ -207,21 +181,6 @@ def _matmul_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + first * stride_ps + r_off * stride_pm + c_off, total, mask=mask)
-        if FIXUP:  # the tile's last program to arrive adds the pieces and stores the rows
-            # The ordering is the split-K semaphore's (decode_attention's in-kernel merge has it in full): the CTA
-            # barrier puts every thread's store before the one-thread acq_rel atomic, the program that reads
-            # PIECES - 1 has acquired every other program's release, and it reads the pieces past L1. It resets
-            # the counter for the next launch, which starts after this one completes (stream order, or gdc_wait).
-            tl.debug_barrier()
-            count = count_ptr + pid_m * tl.num_programs(1) + pid_n
-            pieces: tl.constexpr = (K + CHUNK - 1) // CHUNK
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == pieces - 1:
-                tl.debug_barrier()
-                total = _sum_pieces(part_ptr, r_off * stride_pm + c_off, mask, bias_ptr, c_off,
-                                    col_ok[:, None] if SWAP else col_ok[None, :], pieces, stride_ps, HAS_BIAS,
-                                    True)  # fmt: skip
-                tl.store(out_ptr + r_off * stride_om + c_off, total.to(out_ptr.dtype.element_ty), mask=mask)
-                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:  # in fp32 before the one rounding, as the reduce kernel does
             total += tl.load(bias_ptr + c_off, mask=col_ok[:, None] if SWAP else col_ok[None, :],
@@ -259,9 +218,11 @@ def _reduce_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
-    # in piece order from 0.0: the additions the FULL kernel makes
-    total = _sum_pieces(part_ptr, offs, mask, bias_ptr, cols[None, :], (cols < N)[None, :], PIECES, stride_ps,
-                        HAS_BIAS, False)  # fmt: skip
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for piece in range(PIECES):  # in piece order from 0.0: the additions the FULL kernel makes
+        total += tl.load(part_ptr + piece * stride_ps + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
 
@@ -336,14 +297,19 @@ def matmul(
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), pieces if split else 1)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
-    handed = split and partials and bias is None  # the consumer adds the pieces: no fix-up
-    fixup = split and not handed  # the last program of each tile adds them (no reduce launch)
-    counters = arrival_counters("invariant_matmul", x.device, grid[0] * grid[1]) if fixup else part
     _matmul_kernel[grid](
-        x, weight, bias_arg, out, part, counters, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
-        K=k, CHUNK=chunk, HAS_BIAS=bias is not None and (fixup or not split), SPLIT=split,
+        K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, FIXUP=fixup, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
-    return part[:, :m] if handed else out
+    if split and partials and bias is None:
+        return part[:, :m]
+    if split:
+        _reduce_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 128))](
+            part, bias_arg, out, m, n, part.stride(0), part.stride(1), out.stride(0),
+            PIECES=pieces, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=128, USE_PDL=pdl, num_warps=4,
+            **pdl_launch(pdl),
+        )  # fmt: skip
+    return out

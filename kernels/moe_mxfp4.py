@@ -36,15 +36,7 @@ import triton
 import triton.language as tl
 
 from envex.kernels import mxfp4
-from envex.kernels._common import (
-    FLOAT_DTYPES,
-    INTERPRETING,
-    arrival_counters,
-    check,
-    check_tensor,
-    next_pow2,
-    pdl_launch,
-)
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
 from envex.kernels.norm import plane_offsets
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
@@ -589,6 +581,26 @@ def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Te
     return w.view(torch.int32), stride_we // 4
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters that graphs captured earlier may still address
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The down GEMV's per-(token, row block) arrival counters: zeros, made outside any CUDA graph (each kernel
+    leaves them zero again, so graph replays find them so too). A larger need takes a new buffer; the old ones are
+    kept, as graphs captured earlier may still use them. One set per device: two fused_moe calls must not run at
+    once on two streams of one device (the engine's side stream only warms up, synchronised)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+              "fused_moe: run the batch-1 MoE once before capturing a CUDA graph (it allocates its counters)")
+        if have is not None:
+            _RETIRED.append(have)
+        have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
+
+
 def takes_gemv_path(tokens: int, hidden: int, inter: int, gemv_max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether fused_moe runs these tokens on the GEMV path (which reads its input as planes, norm.norm_planes)."""
     return tokens <= gemv_max_rows and hidden % 8 == 0 and inter % 8 == 0
@@ -696,9 +708,8 @@ def fused_moe(
         )  # fmt: skip
         part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
-        counters = arrival_counters("fused_moe", x.device, max(t, GEMV_MAX_ROWS) * blocks)
         _down_gemv_kernel[(blocks, t, top_k)](
-            act_p, ids, wts, gw2, s2, down_bias, part, counters, out,
+            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks), out,
             act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
             PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),

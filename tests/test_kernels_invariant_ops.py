@@ -134,14 +134,13 @@ def shapes(fn, args, consts, warps, stages):
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     return sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
 
-mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32",
-          M="i32", N="i32",
+mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32",
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
 for name, t, split in (("small", im.SMALL_TILE, True), ("decode", im.DECODE_TILE, True),
                        ("prefill", im.PREFILL_TILE, False), ("wide", im.WIDE_TILE, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, FIXUP=split)
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap)
     out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
 kv = dict(stride_kb="i32", stride_ks="i32", stride_kh="i32", stride_bt="i32")
