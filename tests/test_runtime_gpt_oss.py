@@ -85,8 +85,11 @@ def checkpoints(tmp_path_factory):
     cfg["quantization_config"] = GPT_OSS_120B["quantization_config"]
     (packed_dir / "config.json").write_text(json.dumps(cfg))
     _write_tokenizer(packed_dir)
-    packed_hf = transformers.GptOssForCausalLM.from_pretrained(  # HF dequantizes MXFP4 on a CPU
-        str(packed_dir), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    # HF dequantizes MXFP4 on a CPU; transformers 5.17 (the GPU machine's) does it to bf16 whatever `dtype` asks,
+    # 5.24 to the dtype: .float() makes both the float32 model (MXFP4 values are exact in bf16, so nothing is lost).
+    packed_hf = transformers.GptOssForCausalLM.from_pretrained(
+        str(packed_dir), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32,
+    ).float().eval()  # fmt: skip
     return model, float_dir, packed_dir, packed_hf
 
 
