@@ -358,6 +358,7 @@ def _norm_router_kernel(
 
 
 NORM_ROUTER_ROWS = 4  # router rows a program: 32 programs for gpt-oss's 128 experts
+NORM_ROUTER_MAX_HIDDEN = 8192  # the widest row one norm_router program holds (gpt-oss: 2,880)
 
 
 def norm_router(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -369,7 +370,8 @@ def norm_router(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     t, h = x.shape
     check(h % 8 == 0, f"x: hidden size {h} must be a multiple of 8 for the plane layout")
-    check(h <= 8192, f"x: hidden size {h} > 8192 is more than one program holds; use norm_planes and a GEMV")
+    check(h <= NORM_ROUTER_MAX_HIDDEN,
+          f"x: hidden size {h} > {NORM_ROUTER_MAX_HIDDEN} is more than one program holds; use norm_planes and a GEMV")
     check_tensor("norm_weight", norm_weight, ndim=1, dtypes=FLOAT_DTYPES, device=x.device)
     check(norm_weight.shape[0] == h, f"norm_weight: length {norm_weight.shape[0]} != hidden size {h}")
     if residual is not None:

@@ -207,10 +207,14 @@ class TritonOps:
         x = self.materialize(x, router_weight.dtype if residual is None else residual.dtype)
         planes = None
         pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
-        if moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.gate_up_bias.shape[1] // 2):
+        gemv_path = moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.gate_up_bias.shape[1] // 2)
+        if gemv_path and x.shape[1] <= moe_mxfp4.NORM_ROUTER_MAX_HIDDEN:
             # the add, the norm (with the GEMVs' input planes) and the router in one launch
             h, residual, planes, logits = moe_mxfp4.norm_router(x, residual, norm_weight, eps, router_weight,
                                                                 router_bias, pdl=pdl)  # fmt: skip
+        elif gemv_path:  # a row wider than one program holds: the norm with its planes, then the router
+            h, residual, planes = norm.norm_planes(x, residual, norm_weight, eps, pdl=pdl)
+            logits = self._project(h, router_weight, router_bias)
         else:
             if residual is None:
                 h, residual = norm.rms_norm(x, norm_weight, eps), x

@@ -101,3 +101,42 @@ def test_gemv_rounds_gate_up_to_the_activation_dtype_whatever_the_bias_dtype() -
     a = _moe(x, logits, 4, (gu, bg16, dn, bd16))
     b = _moe(x, logits, 4, (gu, bg16.float(), dn, bd16.float()))
     assert torch.equal(a, b)
+
+
+def test_the_moe_entry_takes_norm_and_router_apart_for_rows_wider_than_one_program(monkeypatch) -> None:
+    """TritonOps.moe at batch 1: norm_router where the row fits one program; past NORM_ROUTER_MAX_HIDDEN (made 32
+    here) the norm with its planes and the router projection, launched apart. Both give the same bits (the norm's
+    arithmetic is the same, and these logits are far from ties), and the residual sum is the torch backend's within
+    bf16 rounding."""
+    from envex.kernels.ops import MoEWeights, TorchOps
+    from envex.kernels.triton_ops import TritonOps
+
+    e, h, inter, top_k = 6, 64, 64, 4
+    (gu, bg, dn, bd), _ = _experts(e, h, inter, packed=True, seed=12)
+    experts = MoEWeights(gate_up_bias=bg, down_bias=bd, gate_up_blocks=gu[0], gate_up_scales=gu[1],
+                         down_blocks=dn[0], down_scales=dn[1])  # fmt: skip
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(1, h, generator=g).to(torch.bfloat16).to(DEV)
+    res = torch.randn(1, h, generator=g).to(torch.bfloat16).to(DEV)
+    nw = (1 + 0.2 * torch.randn(h, generator=g)).to(torch.bfloat16).to(DEV)
+    rw = torch.randn(e, h, generator=g).to(torch.bfloat16).to(DEV)  # logits far apart: one routing for all
+    rb = torch.randn(e, generator=g).to(torch.bfloat16).to(DEV)
+    args = (x, res, nw, 1e-5, rw, rb, experts, top_k)
+    _, want_res = TorchOps().moe(*args)
+    launched: list[str] = []
+    monkeypatch.setattr(moe_mxfp4, "norm_router", _recording(moe_mxfp4.norm_router, "norm_router", launched))
+    monkeypatch.setattr(norm, "norm_planes", _recording(norm.norm_planes, "norm_planes", launched))
+    fused, fused_res = TritonOps().moe(*args)
+    monkeypatch.setattr(moe_mxfp4, "NORM_ROUTER_MAX_HIDDEN", 32)
+    apart, apart_res = TritonOps().moe(*args)
+    assert launched == ["norm_router", "norm_planes"]
+    assert torch.equal(fused, apart) and torch.equal(fused_res, apart_res)
+    assert_close("residual sum", fused_res, want_res, torch.bfloat16)
+
+
+def _recording(fn, name: str, calls: list[str]):
+    def wrapper(*args, **kwargs):
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return wrapper
