@@ -37,7 +37,7 @@ import triton.language as tl
 
 from envex.kernels import mxfp4
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
-from envex.kernels.norm import plane_offsets
+from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
@@ -341,14 +341,10 @@ def _norm_router_kernel(
     own = cols < tl.where(pid == 0, H, 0)  # program 0 stores the row's sum, norm and planes (a bound, not `& pid
     # == 0`: the interpreter rejects masks built from scalar booleans)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:  # the sum rounded to the activation dtype, as HF adds (norm._rms_norm_kernel)
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    if HAS_RESIDUAL:  # the norm kernel's arithmetic (norm.residual_sum, norm.rms_normed): the same bits
+        x = residual_sum(x, tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0))
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=own)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
-    y = (normed * tl.load(nw_ptr + cols, mask=mask, other=0.0).to(tl.float32)).to(out_ptr.dtype.element_ty)
+    y = rms_normed(x, tl.load(nw_ptr + cols, mask=mask, other=0.0), H, eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=own)
     tl.store(planes_ptr + row * stride_planes + plane_offsets(cols, H), y.to(tl.float32), mask=own)
     logit = tl.sum(w.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)

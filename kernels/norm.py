@@ -21,6 +21,24 @@ def plane_offsets(k, K):
 
 
 @triton.jit
+def residual_sum(x, r):
+    """x + r as HF adds them, in the activation dtype: added in fp32 and rounded once (what a bf16 add does on the
+    GPU, and what the CPU interpreter gets right)."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+
+
+@triton.jit
+def rms_normed(x, w, H, eps, out_dtype: tl.constexpr):
+    """RMSNorm of one row x [BLOCK_H] (zeros past H) with weight w, rounded to out_dtype. HF casts x·rstd back to
+    the input dtype before multiplying by the weight; that rounding step is kept. Every kernel that norms a row
+    calls this, so their rows are bit-identical."""
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    return (normed * w.to(tl.float32)).to(out_dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, planes_ptr,
     H, stride_x, stride_res, stride_out, stride_sum, stride_planes, eps, stride_split,
@@ -41,18 +59,10 @@ def _rms_norm_kernel(
         x = acc.to(out_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        # HF adds in the activation dtype, so the sum is rounded before the norm sees it. (Added in fp32 and
-        # rounded once, which is what a bf16 add does on the GPU, and what the CPU interpreter gets right.)
-        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    if HAS_RESIDUAL:  # HF adds in the activation dtype: the sum is rounded before the norm sees it
+        x = residual_sum(x, tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0))
         tl.store(sum_ptr + row * stride_sum + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    # HF casts x·rstd back to the input dtype before multiplying by the weight; keep that rounding step.
-    normed = (xf * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (normed * w).to(out_ptr.dtype.element_ty)
+    y = rms_normed(x, tl.load(w_ptr + cols, mask=mask, other=0.0), H, eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y, mask=mask)
     if PLANES:  # also as float32 planes (plane_offsets: the MoE GEMV's input layout, moe_mxfp4)
         tl.store(planes_ptr + row * stride_planes + plane_offsets(cols, H), y.to(tl.float32), mask=mask)
