@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
-import triton.language as tl
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) multiplies bf16 `tl.dot` operands as
 # raw uint16 bit patterns (triton 3.9 interpreter.create_dot), so kernels that use tl.dot upcast their operands
@@ -15,49 +13,6 @@ import triton.language as tl
 INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_PREFETCH_ASM = tl.constexpr(not INTERPRETING)  # the interpreter has no cache to warm: l2_prefetch does nothing
-
-# l2_prefetch's forms (kernels/NOTES.md, "Warming L2 for the next projection")
-PREFETCH_LINES, PREFETCH_LINES_LAST, PREFETCH_BULK = 1, 2, 3
-
-
-_PREFETCH_LINE = tl.constexpr("{ .reg .pred p; setp.lt.s32 p, $2, $3; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-_PREFETCH_LINE_LAST = tl.constexpr(
-    "{ .reg .pred p; setp.lt.s32 p, $2, $3; @p prefetch.global.L2::evict_last [$1]; mov.b32 $0, 0; }")
-_PREFETCH_SPAN = tl.constexpr(
-    "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }")
-
-
-@triton.jit
-def l2_prefetch(base, nbytes, part, parts, MODE: tl.constexpr, LANES: tl.constexpr):
-    """Ask L2 for program `part`'s share (of `parts` equal shares) of the nbytes at base (16-byte aligned), fire and
-    forget: nothing waits on it and no register holds it, so an issue-bound kernel can warm L2 with a weight the
-    next launch reads. MODE: PREFETCH_LINES / PREFETCH_LINES_LAST, one `prefetch.global.L2` (::evict_last) a
-    128-byte line, LANES lines a step; PREFETCH_BULK, one `cp.async.bulk.prefetch.L2` of the whole share a lane
-    (LANES slices). A prefetch cannot fault or change a value."""
-    if _PREFETCH_ASM:
-        b = base.to(tl.pointer_type(tl.int8))
-        lanes = tl.arange(0, LANES)
-        if MODE == 3:
-            share = tl.cdiv(tl.cdiv(nbytes, parts * LANES), 16) * 16
-            start = (part * LANES + lanes).to(tl.int64) * share
-            size = tl.minimum(tl.maximum(nbytes - start, 0), share).to(tl.int32)
-            tl.inline_asm_elementwise(_PREFETCH_SPAN, "=r,l,r", [b + start, size], dtype=tl.int32, is_pure=False,
-                                      pack=1)  # fmt: skip
-        else:
-            lines = tl.cdiv(nbytes, 128)
-            share = tl.cdiv(lines, parts)
-            first = part * share
-            last = tl.minimum(first + share, lines)
-            for i in range(first, last, LANES):
-                line = i + lanes
-                args = [b + line.to(tl.int64) * 128, line, tl.zeros_like(line) + last]
-                if MODE == 2:
-                    tl.inline_asm_elementwise(_PREFETCH_LINE_LAST, "=r,l,r,r", args, dtype=tl.int32, is_pure=False,
-                                              pack=1)  # fmt: skip
-                else:
-                    tl.inline_asm_elementwise(_PREFETCH_LINE, "=r,l,r,r", args, dtype=tl.int32, is_pure=False,
-                                              pack=1)  # fmt: skip
 
 
 def check(cond: bool, message: str) -> None:

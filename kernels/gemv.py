@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, PREFETCH_BULK, check, check_tensor, l2_prefetch, pdl_launch
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
@@ -47,10 +47,10 @@ def _silu_mul_as_hf(g, u):
 
 @triton.jit
 def _gemv_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr, pf_ptr, pf_bytes,
+    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, PF_LANES: tl.constexpr = 128,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -90,9 +90,6 @@ def _gemv_kernel(
                 sumsq += x * x
                 x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
-    if PREFETCH != 0:  # its own weight all requested: warm L2 for the next projection (l2_prefetch)
-        l2_prefetch(pf_ptr, pf_bytes, m * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                    PREFETCH, PF_LANES)  # fmt: skip
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
@@ -103,10 +100,10 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemv_persistent_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr, pf_ptr, pf_bytes,
+    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr = 0, PF_LANES: tl.constexpr = 128,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """A fixed number of programs each computes the whole input row once (prologue included) and keeps it in
     registers while it streams BLOCK_N-row weight tiles, the next tile requested before the current is reduced.
@@ -153,8 +150,6 @@ def _gemv_persistent_kernel(
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
-    if PREFETCH != 0:  # its own weight all read: warm L2 for the next projection (l2_prefetch)
-        l2_prefetch(pf_ptr, pf_bytes, m * nprog + pid, nprog * tl.num_programs(1), PREFETCH, PF_LANES)
 
 
 # (BLOCK_N, BLOCK_K, num_warps[, programs_per_sm]): a 4th entry > 0 selects the persistent kernel with that many
@@ -220,8 +215,6 @@ def gemv(
     bias: torch.Tensor | None = None,
     config: tuple[int, ...] | None = None,
     pdl: bool = False,
-    prefetch: torch.Tensor | None = None,
-    prefetch_mode: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
 
@@ -229,9 +222,7 @@ def gemv(
     to y before its rounding. Meant for small
     M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M. pdl: launch with
     programmatic dependent launch (Hopper), so this kernel's weight stream overlaps the previous kernel's tail;
-    only for a chain of kernels that all wait on their predecessor (the fused decode step). prefetch: a contiguous
-    tensor the next launches read, which each program asks L2 for once its own weight is read (prefetch_mode:
-    _common.l2_prefetch's MODE; 0 ignores it).
+    only for a chain of kernels that all wait on their predecessor (the fused decode step).
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     n, k = weight.shape
@@ -260,28 +251,21 @@ def gemv(
     bb = b if b is not None else a
     nw = norm_weight if norm_weight is not None else weight
     bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
-    if prefetch is not None and prefetch_mode:
-        check(prefetch.is_contiguous() and prefetch.device == a.device,
-              "prefetch: must be a contiguous tensor on a's device")  # fmt: skip
-        pf, pf_bytes = prefetch.view(-1).view(torch.uint8), prefetch.nbytes
-    else:
-        pf, pf_bytes, prefetch_mode = a, 0, 0
     block_n, block_k, num_warps, *rest = config or tuned_config(n, k, prologue)
-    pf_lanes = 1 if prefetch_mode == PREFETCH_BULK else 32 * num_warps
     if rest and rest[0] > 0:
         programs = min(triton.cdiv(n, block_n), rest[0] * _sm_count(a.device))
         _gemv_persistent_kernel[(programs, m)](
-            a, bb, nw, weight, bias_arg, out, h, pf, pf_bytes, n, a.stride(0), bb.stride(0), weight.stride(0),
-            out.stride(0), h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl, PREFETCH=prefetch_mode, PF_LANES=pf_lanes,
+            a, bb, nw, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
+            h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl,
             num_warps=num_warps, **pdl_launch(pdl),
         )  # fmt: skip
         return out, (h if prologue == PROLOGUE_ADD_RMS else None)
     block_k = min(block_k, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
-        a, bb, nw, weight, bias_arg, out, h, pf, pf_bytes, n, a.stride(0), bb.stride(0), weight.stride(0),
-        out.stride(0), h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, USE_PDL=pdl, PREFETCH=prefetch_mode, PF_LANES=pf_lanes, num_warps=num_warps,
+        a, bb, nw, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
+        h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, USE_PDL=pdl, num_warps=num_warps,
         **pdl_launch(pdl),
     )  # fmt: skip
     return out, (h if prologue == PROLOGUE_ADD_RMS else None)

@@ -36,17 +36,7 @@ import triton
 import triton.language as tl
 
 from envex.kernels import mxfp4
-from envex.kernels._common import (
-    FLOAT_DTYPES,
-    INTERPRETING,
-    PREFETCH_BULK,
-    PREFETCH_LINES,
-    check,
-    check_tensor,
-    l2_prefetch,
-    next_pow2,
-    pdl_launch,
-)
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
 from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
@@ -59,10 +49,6 @@ GEMV_GROUPS = 32
 GEMV_PAIRS = 8
 GEMV_DOWN_ROWS = 8
 GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
-# fused_moe(prefetch=): how the GEMVs warm L2 (_common.l2_prefetch's MODE; 0: not at all) and the share of the
-# bytes the gate-up GEMV asks for (the down GEMV the rest); kernels/NOTES.md, "Warming L2 for the next projection".
-PREFETCH_MODE = PREFETCH_LINES
-PREFETCH_SPLIT = 0.5
 
 
 @triton.jit
@@ -199,11 +185,11 @@ def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: t
 
 @triton.jit
 def _gate_up_gemv_kernel(
-    x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr, pf_ptr, pf_bytes,
+    x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PF_LANES: tl.constexpr = 32,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -213,16 +199,12 @@ def _gate_up_gemv_kernel(
     PACKED: w is the expert blocks viewed as int32 words [E, 2I, K/8] (four words = one 32-value group, one
     16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
     thread, and the 8 inputs of each of its words come as 8 tiles of the words' own shape and layout (one 16-byte
-    load each), so no value changes threads. Float: w [E, 2I, K]. PREFETCH: each program asks L2 for its share
-    of the pf_bytes at pf_ptr (l2_prefetch; the next layer's QKV weight)."""
-    pid_n = tl.program_id(0)
-    pair = tl.program_id(1)
-    if PREFETCH != 0:  # depends on nothing: before the wait
-        l2_prefetch(pf_ptr, pf_bytes, pair * tl.num_programs(0) + pid_n, tl.num_programs(0) * tl.num_programs(1),
-                    PREFETCH, PF_LANES)  # fmt: skip
+    load each), so no value changes threads. Float: w [E, 2I, K]."""
     if USE_PDL:  # everything here depends on the previous kernels: wait at once, let the next one launch
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
     t = pair // TOP_K
     slot = pair % TOP_K
     top_i, top_w = _topk_softmax(logits_ptr, t, stride_l, E, TOP_K, BLOCK_E, BLOCK_TK)
@@ -269,26 +251,22 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr, pf_ptr, pf_bytes,
+    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, PF_LANES: tl.constexpr = 32,
+    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
     pair's act planes (as the gate-up kernel). Each program stores its weighted term in part [pairs, N]; the last
     of a token's TOP_K programs to finish (an acq_rel counter, reset by that program for the next launch) adds the
-    TOP_K terms in slot order: no float atomics, the same sum whatever order the programs ran in. PREFETCH: as the
-    gate-up kernel."""
-    pid_n = tl.program_id(0)
-    t = tl.program_id(1)
-    slot = tl.program_id(2)
-    if PREFETCH != 0:
-        l2_prefetch(pf_ptr, pf_bytes, (slot * tl.num_programs(1) + t) * tl.num_programs(0) + pid_n,
-                    tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2), PREFETCH, PF_LANES)  # fmt: skip
+    TOP_K terms in slot order: no float atomics, the same sum whatever order the programs ran in."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    pid_n = tl.program_id(0)
+    t = tl.program_id(1)
+    slot = tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n64 = n.to(tl.int64)
@@ -680,15 +658,12 @@ def fused_moe(
     gemv_max_rows: int = GEMV_MAX_ROWS,
     x_planes: torch.Tensor | None = None,
     pdl: bool = False,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ_k softmax-weighted down(swiglu(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
     dtype: reference.moe_route followed by reference.moe_experts. x [T, H] (normed); logits [T, E]; gate_up
     [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float or MXFP4 (blocks, scales); biases [E, 2I] and
     [E, H]. The GEMV path (T ≤ gemv_max_rows, H and I multiples of 8) only: x_planes, x again as float32 planes
-    (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic dependents;
-    prefetch, a contiguous tensor the next launches read (the next layer's QKV weight), which the GEMVs ask L2 for
-    while they run (PREFETCH_MODE, PREFETCH_SPLIT)."""
+    (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic dependents."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     t, h = x.shape
@@ -719,33 +694,23 @@ def fused_moe(
               f"x_planes: {tuple(xp.shape)} {xp.dtype} on {xp.device} is not x's [{t}, {h}] as contiguous float32 "
               "planes on x's device")  # fmt: skip
         act_p = torch.empty((pairs_n, inter), dtype=torch.float32, device=x.device)
-        pf_mode, pf, pf_bytes, pf_first = 0, x, 0, 0
-        if prefetch is not None and PREFETCH_MODE:
-            check(prefetch.is_contiguous() and prefetch.device == x.device,
-                  "prefetch: must be a contiguous tensor on x's device")  # fmt: skip
-            pf_mode, pf, pf_bytes = PREFETCH_MODE, prefetch, prefetch.nbytes
-            pf_first = (int(pf_bytes * PREFETCH_SPLIT) // 16) * 16  # bytes the gate-up GEMV asks for
-        pf_u8 = pf.view(-1).view(torch.uint8) if pf_mode else pf
         gw1, gwe1 = _gemv_words(w1, we1, packed1)
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
         _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
-            x, xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p, pf_u8, pf_first,
+            x, xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
             xp.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act_p.stride(0),
             float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
-            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl,
-            PREFETCH=pf_mode if pf_first else 0, PF_LANES=1 if pf_mode == PREFETCH_BULK else 32, num_warps=1,
+            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl, num_warps=1,
             **pdl_launch(pdl),
         )  # fmt: skip
         part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
         _down_gemv_kernel[(blocks, t, top_k)](
-            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks),
-            out, pf_u8[pf_first:] if pf_mode else pf_u8, pf_bytes - pf_first,
+            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks), out,
             act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
-            PACKED=packed2, USE_PDL=pdl, PREFETCH=pf_mode if pf_bytes > pf_first else 0,
-            PF_LANES=1 if pf_mode == PREFETCH_BULK else 32, num_warps=1, **pdl_launch(pdl),
+            PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )  # fmt: skip
         return out
     act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)

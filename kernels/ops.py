@@ -160,12 +160,10 @@ class Ops(Protocol):
     name: str
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None,
-                    prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(linear(rms_norm(x + residual)), x + residual); with residual None, (linear(rms_norm(x)), x).
-        comm: x is this rank's partial sum (a row-parallel projection's output): it is all-reduced first.
-        prefetch: a weight a later launch reads (the O projection's, after attention), a hint that a backend may
-        start loading it into cache once this projection's weight is read; it never changes the result."""
+        comm: x is this rank's partial sum (a row-parallel projection's output): it is all-reduced first."""
         ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,12 +185,11 @@ class Ops(Protocol):
         ...
 
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int,
-            prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(moe(rms_norm(x + residual)), x + residual): router logits = linear(h, router_weight, router_bias), the
         top_k experts of each token weighted by the softmax of their logits (reference.moe_route), each expert
-        down(swiglu_oai(gate_up(h))). prefetch: a weight the next projection reads (the next layer's QKV), a hint
-        that a backend may start loading it into cache meanwhile; it never changes the result."""
+        down(swiglu_oai(gate_up(h)))."""
         ...
 
 
@@ -221,8 +218,8 @@ class TorchOps:
         self._linear = reference.linear_invariant if deterministic else F.linear
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None,
-                    prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if comm is not None:
             x = comm.all_reduce(x)
         if residual is None:
@@ -256,8 +253,8 @@ class TorchOps:
         return out.reshape(-1, layer.q_size)
 
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int,
-            prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if self.deterministic:
             raise ValueError(NO_INVARIANT_MOE)
         if residual is None:

@@ -14,8 +14,7 @@ Each entry point picks its kernel from the rows it is given:
   the varlen paged_attention kernel. Sinks and a sliding window are constexpr variants of both; a window layer
   picks its key splits from the window, not from the graph's max_model_len;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
-  expert projections, MXFP4 dequantized in registers). In the batch-1 chain the expert GEMVs, bound by issue
-  rather than bytes, also ask L2 for the weight the model names as `prefetch` (the next layer's QKV).
+  expert projections, MXFP4 dequantized in registers).
 deterministic (EngineConfig.deterministic): one path for every batch instead, so a row's bits never depend on its
 batch: the row-wise norm kernels, invariant_matmul for every projection (SwiGLU in a pass before it),
 rotary_and_store_kv and invariant_attention for decode and prefill alike (the `_det_*` methods). Where the
@@ -40,7 +39,7 @@ from envex.kernels import (
     norm,
     rotary,
 )
-from envex.kernels._common import PREFETCH_LINES, check
+from envex.kernels._common import check
 from envex.kernels.ops import (
     NO_INVARIANT_MOE,
     AttentionLayer,
@@ -50,9 +49,6 @@ from envex.kernels.ops import (
     split_qkv,
 )
 
-# How a batch-1 GEMV given `prefetch` warms L2 for it (_common.l2_prefetch's MODE; 0: it does not); NOTES.md,
-# "Warming L2 for the next projection".
-GEMV_PREFETCH_MODE = PREFETCH_LINES
 # Smallest K (input width) whose projection TritonOps splits into halves for the next norm to sum.
 SPLIT_K_MIN = 4096
 
@@ -99,8 +95,8 @@ class TritonOps:
         return x.shape[0] == 1
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None,
-                    prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if _is_partials(x):
             if comm is None and residual is not None:  # the split-K reduce, the add and the norm in one launch
                 normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps, pdl=self._row_pdl(x[0]))
@@ -119,8 +115,7 @@ class TritonOps:
         if self._gemv(x):
             prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
-                                 bias=bias, pdl=self.pdl, prefetch=prefetch,
-                                 prefetch_mode=GEMV_PREFETCH_MODE if self.pdl else 0)  # fmt: skip
+                                 bias=bias, pdl=self.pdl)  # fmt: skip
             return y, (x if total is None else total)
         if residual is None:
             normed, residual = norm.rms_norm(x, norm_weight, eps), x
@@ -205,8 +200,8 @@ class TritonOps:
         return out.view(tokens, layer.q_size)
 
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int,
-            prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if self.deterministic:
             raise ValueError(NO_INVARIANT_MOE)
         x = self.materialize(x, router_weight.dtype if residual is None else residual.dtype)
@@ -229,7 +224,7 @@ class TritonOps:
         out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
                                   down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,
-                                  x_planes=planes, pdl=pdl, prefetch=prefetch if pdl else None)  # fmt: skip
+                                  x_planes=planes, pdl=pdl)  # fmt: skip
         return out, residual
 
     def _row_pdl(self, x: torch.Tensor) -> bool:

@@ -91,19 +91,17 @@ class GptOssLayer(nn.Module):
                                    sliding_window=window)  # fmt: skip
 
     def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                next_weight: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """hidden, residual [T, H] -> the MoE output and the residual stream before it (added by the next norm).
-        next_weight: the next layer's QKV weight, which the MoE may prefetch (Ops.moe)."""
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """hidden, residual [T, H] -> the MoE output and the residual stream before it (added by the next norm)."""
         qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
-                                        self.qkv_proj_weight, self.qkv_proj_bias,
-                                        prefetch=self.o_proj_weight)  # [T, q + 2kv]
+                                        self.qkv_proj_weight, self.qkv_proj_bias)  # [T, q + 2kv]
         if self.attn.sliding_window is not None and meta.window is not None:
             meta = meta.window  # this layer's K/V live in the window pool (runtime/engine/window_kv.py)
         attn = ops.attention(qkv, *kv_cache, meta, self.attn)  # [T, q]
         hidden = ops.linear(attn, self.o_proj_weight, self.o_proj_bias)
         return ops.moe(hidden, residual, self.post_attention_layernorm_weight, self.eps, self.router_weight,
-                       self.router_bias, self.experts, self.top_k, prefetch=next_weight)  # fmt: skip
+                       self.router_bias, self.experts, self.top_k)  # fmt: skip
 
 
 class GptOssForCausalLM(nn.Module):
@@ -122,9 +120,8 @@ class GptOssForCausalLM(nn.Module):
         """input_ids [T] -> (hidden, residual) [T, H] after the last layer, before the final norm."""
         hidden = self.embed_tokens_weight[input_ids]
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            following = self.layers[i + 1].qkv_proj_weight if i + 1 < len(self.layers) else None
-            hidden, residual = layer(ops, hidden, residual, kv_cache, meta, following)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(ops, hidden, residual, kv_cache, meta)
         assert residual is not None, "a model has at least one layer"
         return hidden, residual
 

@@ -13,8 +13,6 @@ magnitudes) and its router, timed in CUDA graphs (kernels/NOTES.md, "gpt-oss"):
 - a streaming read of exactly the 4 chosen experts' bytes (the floor for those bytes on this GPU);
 - --variants: the two GEMV kernels over their rows a program and register caps (maxnreg), with the registers and
   spills ptxas gave and the largest difference from the default tile's result;
-- --prefetch: the entry point asking L2 for the next layer's QKV weight (each l2_prefetch form, and how the
-  bytes are shared between the two GEMVs), alone and followed by that QKV GEMV;
 - --ncu-pass: no timing; each kernel launched a few times for `ncu` (the device command wraps the script).
 """
 
@@ -85,7 +83,7 @@ def planes(x: torch.Tensor) -> torch.Tensor:
 def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1, maxnreg=None):
     """xp: the input as planes (M._planes_kernel); act: float32 planes [T · top_k, I]."""
     return M._gate_up_gemv_kernel[(triton.cdiv(INTER, pairs), xp.shape[0] * TOP_K)](
-        L.norm_w[None], xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act, xp, 0,
+        L.norm_w[None], xp, logits, ids, wts, L.gu_words, L.gu_scales, L.gu_bias, act,
         xp.stride(0), logits.stride(0), L.gu_words.stride(0), L.gu_blocks.stride(1), L.gu_scales.stride(0),
         L.gu_bias.stride(0), act.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
         BLOCK_TK=next_pow2(TOP_K), BLOCK_I=pairs, GB=M.GEMV_GROUPS, PACKED=True, num_warps=warps,
@@ -98,7 +96,7 @@ def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnre
     part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
     return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
         act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, out.shape[0] * blocks),
-        out, out, 0,
+        out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
         out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
         num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
@@ -111,7 +109,6 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--ncu-pass", action="store_true")
-    ap.add_argument("--prefetch", action="store_true", help="the expert GEMVs warming L2 for the next QKV GEMV")
     args = ap.parse_args()
     from envex.kernels.triton_ops import TritonOps
     from envex.verify.kernel_bench import _bench_lib as B
@@ -211,56 +208,6 @@ def main() -> None:
             L, normed[r], logits[r], idss[r], wtss[r], acts[r]), TOP_K * gu_b, hot=hot)  # fmt: skip
         row("down GEMV baseline", lambda r: down(L, acts[r], idss[r], wtss[r], out), TOP_K * dn_b, hot=hot)
         row("stream: the 4 experts' gate-up words only", stream, TOP_K * L.gu_blocks[0].nbytes, hot=hot)
-    if args.prefetch:
-        # The expert GEMVs asking L2 for the next layer's QKV weight (fused_moe(prefetch=)), then that QKV GEMV (the
-        # add + RMSNorm prologue, bias), as a decode step runs them; 8 QKV weights rotate, so without the prefetch
-        # each comes from HBM.
-        from envex.kernels import gemv as G
-        from envex.kernels._common import PREFETCH_BULK, PREFETCH_LINES, PREFETCH_LINES_LAST
-
-        qkv_w = [(torch.randn(5120, H, device=dev) * H**-0.5).to(dt) for _ in range(rot)]
-        qkv_b = (torch.randn(5120, device=dev) * 0.02).to(dt)
-        h_in = [torch.randn(1, H, device=dev, dtype=dt) for _ in range(rot)]
-
-        def qkv(r: int) -> None:
-            G.gemv(h_in[r], qkv_w[r], prologue=G.PROLOGUE_ADD_RMS, b=res[r], norm_weight=L.norm_w, eps=1e-5,
-                   bias=qkv_b, pdl=True)  # fmt: skip
-
-        def moe(r: int, pf: bool) -> None:
-            ops.moe(xs[r], res[r], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K,
-                    prefetch=qkv_w[(r + 1) % rot] if pf else None)  # fmt: skip
-
-        qkv_bytes = qkv_w[0].nbytes
-        row("QKV GEMV [5120 x 2880] + add/RMSNorm + bias", qkv, qkv_bytes)
-        row("QKV GEMV [5120 x 2880] + add/RMSNorm + bias", qkv, qkv_bytes, hot=True)
-        saved = M.PREFETCH_MODE, M.PREFETCH_SPLIT
-        for mode, split in ((0, 0.5), (PREFETCH_LINES, 0.5), (PREFETCH_LINES, 1.0), (PREFETCH_LINES, 0.0),
-                            (PREFETCH_LINES_LAST, 0.5), (PREFETCH_BULK, 0.5)):
-            M.PREFETCH_MODE, M.PREFETCH_SPLIT = mode, split
-            tag = f"prefetch mode={mode} gate-up share={split}"
-            row(f"{tag}: entry point alone", lambda r: moe(r, True), moe_bytes)
-            row(f"{tag}: entry point, then the next QKV GEMV", lambda r: (moe(r, True), qkv((r + 1) % rot)),
-                moe_bytes + qkv_bytes)  # fmt: skip
-        M.PREFETCH_MODE, M.PREFETCH_SPLIT = saved
-        # The QKV GEMV asking L2 for the O weight once its own is read, then the O GEMV (in a step attention runs
-        # between them: 4-6 us with little to read at 1K)
-        o_w = [(torch.randn(H, 4096, device=dev) * 4096**-0.5).to(dt) for _ in range(rot)]
-        o_b = (torch.randn(H, device=dev) * 0.02).to(dt)
-        attn = [torch.randn(1, 4096, device=dev, dtype=dt) for _ in range(rot)]
-
-        def o_proj(r: int) -> None:
-            G.gemv(attn[r], o_w[r], bias=o_b, pdl=True)
-
-        def qkv_then_o(r: int, mode: int) -> None:
-            G.gemv(h_in[r], qkv_w[r], prologue=G.PROLOGUE_ADD_RMS, b=res[r], norm_weight=L.norm_w, eps=1e-5,
-                   bias=qkv_b, pdl=True, prefetch=o_w[r], prefetch_mode=mode)  # fmt: skip
-            o_proj(r)
-
-        row("O GEMV [2880 x 4096] + bias", o_proj, o_w[0].nbytes)
-        row("O GEMV [2880 x 4096] + bias", o_proj, o_w[0].nbytes, hot=True)
-        for mode in (0, PREFETCH_LINES, PREFETCH_LINES_LAST, PREFETCH_BULK):
-            row(f"QKV GEMV (prefetch mode={mode} of O), then O GEMV", lambda r, m=mode: qkv_then_o(r, m),
-                qkv_bytes + o_w[0].nbytes)  # fmt: skip
     if args.variants:
         def sweep(kind: str, variants, launch, nbytes: float, result: torch.Tensor) -> None:
             launch(0, variants[0])
