@@ -226,13 +226,14 @@ def main() -> None:
                     print(f"  {name}: {str(exc)[:200]}", flush=True)
 
         # (a `stages` variant, the K loop software-pipelined by Triton through shared memory, ran on 2026-12-02 at
-        # 0ca1dca: slower at 2 and 3 stages for both kernels; kernels/NOTES.md)
+        # 0ca1dca: slower at 2 and 3 stages for both kernels; register caps (maxnreg 96-112) and 2 pairs or 4 rows
+        # a program, earlier: slower too; kernels/NOTES.md)
         gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
-            (8, 1, None), (4, 1, None), (2, 1, None), (8, 1, 112), (8, 1, 104), (8, 1, 96), (4, 1, 104), (4, 1, 96))]
+            (8, 1, None), (4, 1, None), (8, 2, None), (16, 2, None), (16, 1, None), (16, 4, None))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),
               TOP_K * gu_b, acts[0])
         dn = [dict(rows=n, warps=w, maxnreg=m) for n, w, m in (
-            (8, 1, None), (4, 1, None), (8, 1, 96), (8, 1, 80), (4, 1, 64))]
+            (8, 1, None), (16, 1, None), (16, 2, None), (8, 2, None), (32, 2, None), (32, 4, None))]
         sweep("down", dn, lambda r, v: down(L, acts[r], idss[r], wtss[r], out, **v), TOP_K * dn_b, out)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(report, indent=1))
