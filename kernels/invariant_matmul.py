@@ -43,15 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import (
-    FLOAT_DTYPES,
-    INTERPRETING,
-    check,
-    check_tensor,
-    padded_rows,
-    pdl_launch,
-    pow2_floor,
-)
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, padded_rows, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
 
@@ -87,10 +79,6 @@ PREFILL_TILE = Tile(128, 128, 64, 8, 3)
 WIDE_TILE = Tile(128, 256, 64, 8, 3)
 WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
-# In a PDL chain (batch 1) each program asks L2 for the first WARM_K k of its weight tile before it waits on the
-# previous launch, most often a one-program norm that leaves HBM idle (kernels/NOTES.md, "Warming L2 before the
-# wait"). A power of two; 0: off. Never changes a bit.
-WARM_K = 512
 
 # The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A decode step
 # wants >= TARGET_PROGRAMS (column tile, piece) programs for the 132 SMs of an H200; pieces are whole multiples of
@@ -148,29 +136,17 @@ def _piece_dots(acc, x_rows, w_rows, lo, row_ok, col_ok, K: tl.constexpr, CHUNK:
     return acc
 
 
-_L2_LINE = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
-_PREFETCH_ASM = tl.constexpr(not INTERPRETING)  # the interpreter has no cache to warm
-
-
-@triton.jit
-def _warm_l2(w_rows, lo, col_ok, K: tl.constexpr, SPAN: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for k in [lo, lo + SPAN) of the weight rows w_rows ([BLOCK_N, 1] pointers), a 128-byte line
-    (LINE elements) at a time: fire and forget, nothing waits on it or holds it in a register."""
-    if _PREFETCH_ASM:
-        ks = lo + tl.arange(0, SPAN // LINE) * LINE
-        ok = (col_ok[:, None] & (ks < K)[None, :]).to(tl.int32)
-        tl.inline_asm_elementwise(_L2_LINE, "=r,l,r", [w_rows + ks[None, :], ok], dtype=tl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, WARM: tl.constexpr = 0, LINE: tl.constexpr = 64,
+    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False,
 ):  # fmt: skip
+    if USE_PDL:  # x comes from the previous kernel of the step
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -185,11 +161,6 @@ def _matmul_kernel(
     else:
         first = 0
         last = tl.cdiv(K, CHUNK)
-    if WARM > 0:  # the weight does not depend on the previous kernel: its first WARM k into L2 before waiting
-        _warm_l2(w_rows, first * CHUNK, col_ok, K, WARM, LINE)
-    if USE_PDL:  # x comes from the previous kernel of the step
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     if SWAP:  # the accumulators hold out^T: [BLOCK_N, BLOCK_M]
         total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -326,15 +297,12 @@ def matmul(
     grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), pieces if split else 1)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
-    line = 128 // weight.element_size()  # elements a 128-byte L2 line
-    warm = min(WARM_K, pow2_floor(chunk)) if pdl else 0
-    warm = warm if warm >= line else 0
     _matmul_kernel[grid](
         x, weight, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, WARM=warm, LINE=line, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
         return part[:, :m]
