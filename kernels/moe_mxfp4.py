@@ -112,6 +112,136 @@ def _e2m1_pair(words, i: tl.constexpr):
     return lo, hi
 
 
+_MMA_F16 = tl.constexpr("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, "
+                        "{$8, $9}, {$10, $11, $12, $13};")
+
+
+@triton.jit
+def _mma_16x8x16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """One warp's m16n8k16 tensor-core product D = A·B + C on per-lane fragments ([32] tensors, lane i holding
+    element i): a_r fp16x2 words of A (rows g, g + 8 of lane g·4 + q; k 2q, 2q + 1 and 2q + 8, 2q + 9), b_r fp16x2
+    of B (column g), c_r / the result float32 (rows g, g + 8; columns 2q, 2q + 1)."""
+    return tl.inline_asm_elementwise(_MMA_F16, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+                                     [a0, a1, a2, a3, b0, b1, c0, c1, c2, c3],
+                                     dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16x2(lo, hi):
+    """Two float32 [32] tensors -> fp16x2 words (lo in the low half), rounded to nearest."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _e2m1_halves(words, i: tl.constexpr):
+    """_e2m1_pair's fp16x2 word before widening: codes i and 4 + i as the halves 2^-14 · e2m1."""
+    if 4 * i <= 9:
+        mag = words << (9 - 4 * i)
+    else:
+        mag = words >> (4 * i - 9)
+    return (mag & 0x0E000E00) | ((words << (12 - 4 * i)) & -2147450880)
+
+
+@triton.jit
+def _group_mma(wa, wb, x_base, w, ok, K: tl.constexpr, XPAIRS: tl.constexpr):
+    """One 32-value group of 16 rows on the tensor cores: wa / wb, word q of the group in rows g and g + 8 (lane
+    g·4 + q), w that word's index in the row -> the group's dots of rows g and g + 8 (times 2^-14), each lane.
+    XPAIRS: x_base holds the inputs as fp16x2 words, (x[8w + i], x[8w + 4 + i]) at 4w + i; else float32 planes."""
+    if XPAIRS:
+        xw = tl.load(x_base + 4 * w[:, :, None] + tl.arange(0, 4)[None, None, :], mask=ok[:, :, None],
+                     other=0)  # [W, 32, 4]: the lane's four pairs, one 16-byte load
+        even, odd = tl.split(tl.reshape(xw, [wa.shape[0], 32, 2, 2]))  # pairs 0, 2 and 1, 3
+        b0, b2 = tl.split(even)
+        b1, b3 = tl.split(odd)
+    else:
+        kw: tl.constexpr = K // 8
+        x0 = tl.load(x_base + w, mask=ok, other=0.0)
+        x1 = tl.load(x_base + kw + w, mask=ok, other=0.0)
+        x2 = tl.load(x_base + 2 * kw + w, mask=ok, other=0.0)
+        x3 = tl.load(x_base + 3 * kw + w, mask=ok, other=0.0)
+        x4 = tl.load(x_base + 4 * kw + w, mask=ok, other=0.0)
+        x5 = tl.load(x_base + 5 * kw + w, mask=ok, other=0.0)
+        x6 = tl.load(x_base + 6 * kw + w, mask=ok, other=0.0)
+        x7 = tl.load(x_base + 7 * kw + w, mask=ok, other=0.0)
+        b0, b1, b2, b3 = _f16x2(x0, x4), _f16x2(x1, x5), _f16x2(x2, x6), _f16x2(x3, x7)
+    z = tl.zeros(wa.shape, dtype=tl.float32)
+    c0, c1, c2, c3 = _mma_16x8x16(_e2m1_halves(wa, 0), _e2m1_halves(wb, 0), _e2m1_halves(wa, 1),
+                                  _e2m1_halves(wb, 1), b0, b1, z, z, z, z)
+    c0, c1, c2, c3 = _mma_16x8x16(_e2m1_halves(wa, 2), _e2m1_halves(wb, 2), _e2m1_halves(wa, 3),
+                                  _e2m1_halves(wb, 3), b2, b3, c0, c1, c2, c3)
+    return c0, c2
+
+
+@triton.jit
+def _gate_up_mma_kernel(
+    x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
+    stride_xp, stride_l, stride_we, stride_se, stride_be, stride_act, alpha, limit,
+    K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_TK: tl.constexpr, STEP: tl.constexpr, USE_PDL: tl.constexpr = False, XPAIRS: tl.constexpr = False,
+    NUM_W: tl.constexpr = 1,
+):  # fmt: skip
+    """_gate_up_gemv_kernel's result for 8 (gate, up) pairs (16 rows) a program, the products on the tensor
+    cores: lane g·4 + q holds word q of each group of rows g and g + 8, decodes it to fp16x2 A fragments and the
+    inputs to B fragments (each column the same x), two m16n8k16 a group, the group's scale applied to the fresh
+    result. NUM_W warps split the groups of a row. Packed weights only; a prototype (kernels/NOTES.md)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    t = pair // TOP_K
+    slot = pair % TOP_K
+    top_i, top_w = _topk_softmax(logits_ptr, t, stride_l, E, TOP_K, BLOCK_E, BLOCK_TK)
+    kk = tl.arange(0, BLOCK_TK)
+    e = tl.sum(tl.where(kk == slot, top_i, 0), axis=0)
+    w_slot = tl.sum(tl.where(kk == slot, top_w, 0.0), axis=0)
+    publish = kk < tl.where(pid_n == 0, 1, 0)
+    tl.store(ids_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.int32) + e, mask=publish)
+    tl.store(wts_ptr + pair + kk, tl.zeros([BLOCK_TK], dtype=tl.float32) + w_slot, mask=publish)
+
+    lane = tl.arange(0, 32)[None, :]  # [NUM_W, 32]: warp v takes groups v·PER.. of the row, lane g·4 + q
+    g = lane // 4
+    q = lane % 4
+    NG: tl.constexpr = K // 32
+    PER: tl.constexpr = (NG + NUM_W - 1) // NUM_W
+    v = tl.arange(0, NUM_W)[:, None]
+    e64 = e.to(tl.int64)
+    row_a = pid_n * 16 + g
+    row_b = row_a + 8
+    wa_row = w_ptr + e64 * stride_we + row_a.to(tl.int64) * (K // 8) + q
+    wb_row = w_ptr + e64 * stride_we + row_b.to(tl.int64) * (K // 8) + q
+    sa_row = s_ptr + e64 * stride_se + row_a.to(tl.int64) * (K // 32)
+    sb_row = s_ptr + e64 * stride_se + row_b.to(tl.int64) * (K // 32)
+    if XPAIRS:
+        x_base = xp_ptr + t.to(tl.int64) * stride_xp + 4 * q[:, :, None]
+    else:
+        x_base = xp_ptr + t.to(tl.int64) * stride_xp + q
+    acc_a = tl.zeros([NUM_W, 32], dtype=tl.float32)
+    acc_b = tl.zeros([NUM_W, 32], dtype=tl.float32)
+    for g0 in range(0, PER, STEP):
+        for j in tl.static_range(STEP):
+            grp = v * PER + g0 + j  # [NUM_W, 1]
+            ok = (grp < NG) & (g0 + j < PER)
+            wa = tl.load(wa_row + 4 * grp, mask=ok, other=0)
+            wb = tl.load(wb_row + 4 * grp, mask=ok, other=0)
+            ca, cb = _group_mma(wa, wb, x_base, 4 * grp, ok, K, XPAIRS)
+            acc_a += ca * _group_scale(tl.load(sa_row + grp, mask=ok, other=0))
+            acc_b += cb * _group_scale(tl.load(sb_row + grp, mask=ok, other=0))
+    # lanes 4g..4g + 3 hold rows g and g + 8 alike: rows 0-15 of the tile
+    first = tl.reshape(q, [8, 4]) == 0
+    ya = tl.sum(tl.where(first, tl.reshape(tl.sum(acc_a, axis=0), [8, 4]), 0.0), axis=1)
+    yb = tl.sum(tl.where(first, tl.reshape(tl.sum(acc_b, axis=0), [8, 4]), 0.0), axis=1)
+    y = tl.reshape(tl.join(ya, yb).permute(1, 0), [16])
+    rows = pid_n * 16 + tl.arange(0, 16)
+    dt = x_ptr.dtype.element_ty
+    y = (y + tl.load(b_ptr + e64 * stride_be + rows).to(tl.float32)).to(dt)
+    g_val, u_val = tl.split(tl.reshape(y, [8, 2]))
+    a = _swiglu_oai(g_val.to(tl.float32), u_val.to(tl.float32), alpha, limit)
+    jj = pid_n * 8 + tl.arange(0, 8)
+    tl.store(act_ptr + pair.to(tl.int64) * stride_act + plane_offsets(jj, INTER), a.to(dt).to(tl.float32))
+
+
 @triton.jit
 def _word_dots(words, x0, x1, x2, x3, x4, x5, x6, x7):
     """Σ over each group's 4 words of its 32 codes times their inputs -> [..., GB] float32, times 2^-14 (the
