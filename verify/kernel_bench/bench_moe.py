@@ -109,7 +109,6 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--ncu-pass", action="store_true")
-    ap.add_argument("--mma", action="store_true", help="the tensor-core gate-up prototype against the GEMV")
     args = ap.parse_args()
     from envex.kernels.triton_ops import TritonOps
     from envex.verify.kernel_bench import _bench_lib as B
@@ -209,41 +208,6 @@ def main() -> None:
             L, normed[r], logits[r], idss[r], wtss[r], acts[r]), TOP_K * gu_b, hot=hot)  # fmt: skip
         row("down GEMV baseline", lambda r: down(L, acts[r], idss[r], wtss[r], out), TOP_K * dn_b, hot=hot)
         row("stream: the 4 experts' gate-up words only", stream, TOP_K * L.gu_blocks[0].nbytes, hot=hot)
-    if args.mma:
-        # The tensor-core gate-up prototype (M._gate_up_mma_kernel) against the GEMV, over its unrolled groups a
-        # step, warps a program and input forms; the largest difference from the GEMV's activations
-        def x_pairs(x: torch.Tensor) -> torch.Tensor:  # [1, K] -> fp16x2 words (x[8w + i], x[8w + 4 + i]) at 4w + i
-            h8 = x.to(torch.float16).view(-1, 2, 4)  # [K/8, (low, high), i]
-            return h8.transpose(1, 2).contiguous().view(torch.int32).view(1, -1)
-
-        pairs_in = [x_pairs(x) for x in xs]
-
-        def gate_up_mma(r: int, step: int, xpairs: bool, nw: int = 1) -> Any:
-            xp, lg, ids_, wts_, a_ = (pairs_in if xpairs else normed)[r], logits[r], idss[r], wtss[r], acts[r]
-            return M._gate_up_mma_kernel[(INTER // 8, xp.shape[0] * TOP_K)](
-                L.norm_w[None], xp, lg, ids_, wts_, L.gu_words, L.gu_scales, L.gu_bias, a_,
-                xp.stride(0), lg.stride(0), L.gu_words.stride(0), L.gu_scales.stride(0), L.gu_bias.stride(0),
-                a_.stride(0), 1.702, 7.0, K=H, INTER=INTER, E=E, TOP_K=TOP_K, BLOCK_E=next_pow2(E),
-                BLOCK_TK=next_pow2(TOP_K), STEP=step, XPAIRS=xpairs, NUM_W=nw, num_warps=nw)  # fmt: skip
-
-        gate_up(L, normed[0], logits[0], idss[0], wtss[0], acts[0])
-        want = acts[0].clone()
-        for step, xpairs, nw in ((10, False, 1), (30, False, 1), (6, True, 1), (10, True, 1), (15, True, 1),
-                                 (5, True, 2), (9, True, 2), (15, True, 2), (6, True, 4), (12, True, 4),
-                                 (23, True, 4), (9, False, 2), (6, False, 4)):
-            try:
-                k = gate_up_mma(0, step, xpairs, nw)
-                diff = (acts[0] - want).abs().max().item()
-                rel = ((acts[0] - want).norm() / want.norm()).item()
-                for hot in (False, True):
-                    row(f"gate-up on the tensor cores, {nw} warps, {step} groups a step, x "
-                        f"{'fp16 pairs' if xpairs else 'planes'}", lambda r, s=step, p=xpairs, n=nw: gate_up_mma(
-                            r, s, p, n), TOP_K * gu_b, hot=hot)  # fmt: skip
-                    rows[-1].update(regs=k.n_regs, spills=k.n_spills, max_abs_diff=diff, rel_diff=rel)
-                print(f"      regs {k.n_regs} spills {k.n_spills} max |diff| {diff:.3g} rel {rel:.3g}", flush=True)
-            except Exception as exc:
-                rows.append({"name": f"gate-up mma step {step} pairs {xpairs} warps {nw}", "error": str(exc)[:300]})
-                print(f"  gate-up mma step {step}: {str(exc)[:300]}", flush=True)
     if args.variants:
         def sweep(kind: str, variants, launch, nbytes: float, result: torch.Tensor) -> None:
             launch(0, variants[0])
