@@ -46,25 +46,11 @@ def _silu_mul_as_hf(g, u):
 
 
 @triton.jit
-def _row_input(ptrs, ok, stride_s, SPLITS: tl.constexpr, dtype: tl.constexpr):
-    """The input values at ptrs; SPLITS > 0: float32 partials [SPLITS, M, K] (stride_s apart) added in order to
-    0.0 and rounded once to dtype, as norm.add_rms_norm_partials and invariant_matmul.sum_pieces add them."""
-    if SPLITS > 0:
-        acc = tl.zeros(ptrs.shape, dtype=tl.float32)
-        for s in tl.static_range(SPLITS):
-            acc += tl.load(ptrs + s * stride_s, mask=ok, other=0.0)
-        x = acc.to(dtype)
-    else:
-        x = tl.load(ptrs, mask=ok, other=0.0)
-    return x  # one return: Triton 3.6 rejects returns of two types even under a constexpr branch
-
-
-@triton.jit
 def _gemv_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
-    N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps, stride_as,
+    N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 0,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
@@ -94,7 +80,7 @@ def _gemv_kernel(
             u = tl.load(a_ptr + m * stride_am + K + cols, mask=k_ok, other=0.0)
             x = _silu_mul_as_hf(g, u)
         else:
-            a = _row_input(a_ptr + m * stride_am + cols, k_ok, stride_as, SPLITS, h_ptr.dtype.element_ty)
+            a = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
             if PROLOGUE == 1:
                 bb = tl.load(b_ptr + m * stride_bm + cols, mask=k_ok, other=0.0)
                 a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
@@ -115,9 +101,9 @@ def _gemv_kernel(
 @triton.jit
 def _gemv_persistent_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
-    N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps, stride_as,
+    N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr, SPLITS: tl.constexpr = 0,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """A fixed number of programs each computes the whole input row once (prologue included) and keeps it in
     registers while it streams BLOCK_N-row weight tiles, the next tile requested before the current is reduced.
@@ -140,7 +126,7 @@ def _gemv_persistent_kernel(
         u = tl.load(a_ptr + m * stride_am + K + kk, mask=k_ok, other=0.0)
         x = _silu_mul_as_hf(g, u)
     else:
-        a = _row_input(a_ptr + m * stride_am + kk, k_ok, stride_as, SPLITS, h_ptr.dtype.element_ty)
+        a = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
         if PROLOGUE == 1:
             bb = tl.load(b_ptr + m * stride_bm + kk, mask=k_ok, other=0.0)
             a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
@@ -232,9 +218,7 @@ def gemv(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M,N] = prologue(a) @ weight[N,K]^T; returns (y, a + b) for PROLOGUE_ADD_RMS, else (y, None).
 
-    a: [M,K] ([M,2K] for PROLOGUE_SILU_MUL), or for PROLOGUE_ADD_RMS float32 partials [S, M, K] of a (a split
-    product's pieces, the MoE's expert terms), added in order to 0.0 and rounded to b's dtype first; y and a + b
-    are then in b's dtype. b: [M,K] (ADD_RMS); norm_weight: [K] (ADD_RMS, RMS); bias: [N], added
+    a: [M,K] ([M,2K] for PROLOGUE_SILU_MUL); b: [M,K] (ADD_RMS); norm_weight: [K] (ADD_RMS, RMS); bias: [N], added
     to y before its rounding. Meant for small
     M (each row re-reads the weight, from L2 when M is small); use torch matmul for large M. pdl: launch with
     programmatic dependent launch (Hopper), so this kernel's weight stream overlaps the previous kernel's tail;
@@ -242,15 +226,6 @@ def gemv(
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     n, k = weight.shape
-    splits = 0
-    if a.dim() == 3:  # float32 partials of a
-        check(prologue == PROLOGUE_ADD_RMS and b is not None,
-              "a: float32 partials [S, M, K] are taken with PROLOGUE_ADD_RMS and its residual b only")  # fmt: skip
-        check_tensor("a", a, ndim=3, dtypes=(torch.float32,), device=weight.device)
-        check(a.shape[0] >= 1, "a: partials need at least one piece, [S >= 1, M, K]")
-        splits, stride_as, a = a.shape[0], a.stride(0), a[0]
-    else:
-        stride_as = 0
     check_tensor("a", a, ndim=2, dtypes=FLOAT_DTYPES, device=weight.device)
     want_k = 2 * k if prologue == PROLOGUE_SILU_MUL else k
     check(a.shape[1] == want_k, f"a: last dim {a.shape[1]} != {want_k} expected for weight [{n}, {k}]")
@@ -258,7 +233,7 @@ def gemv(
     if prologue == PROLOGUE_ADD_RMS:
         check(b is not None, "b: the residual is required for PROLOGUE_ADD_RMS")
         assert b is not None
-        check_tensor("b", b, ndim=2, dtypes=FLOAT_DTYPES if splits else (a.dtype,), device=a.device)
+        check_tensor("b", b, ndim=2, dtypes=(a.dtype,), device=a.device)
         check(b.shape == a.shape, f"b: shape {tuple(b.shape)} != a shape {tuple(a.shape)}")
     if prologue in (PROLOGUE_ADD_RMS, PROLOGUE_RMS):
         check(norm_weight is not None, "norm_weight: required for the RMS prologues")
@@ -269,9 +244,8 @@ def gemv(
         check_tensor("bias", bias, ndim=1, dtypes=FLOAT_DTYPES, device=a.device)
         check(bias.shape[0] == n, f"bias: length {bias.shape[0]} != N = {n}")
     m = a.shape[0]
-    dtype = b.dtype if splits and b is not None else a.dtype
-    out = torch.empty((m, n), dtype=dtype, device=a.device)
-    h = torch.empty((m, k), dtype=dtype, device=a.device) if prologue == PROLOGUE_ADD_RMS else out
+    out = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    h = torch.empty((m, k), dtype=a.dtype, device=a.device) if prologue == PROLOGUE_ADD_RMS else out
     if m == 0 or n == 0:
         return out, (h if prologue == PROLOGUE_ADD_RMS else None)
     bb = b if b is not None else a
@@ -282,16 +256,16 @@ def gemv(
         programs = min(triton.cdiv(n, block_n), rest[0] * _sm_count(a.device))
         _gemv_persistent_kernel[(programs, m)](
             a, bb, nw, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
-            h.stride(0), float(eps), stride_as, K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-            BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl, SPLITS=splits,
+            h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+            BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl,
             num_warps=num_warps, **pdl_launch(pdl),
         )  # fmt: skip
         return out, (h if prologue == PROLOGUE_ADD_RMS else None)
     block_k = min(block_k, triton.next_power_of_2(k))
     _gemv_kernel[(triton.cdiv(n, block_n), m)](
         a, bb, nw, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
-        h.stride(0), float(eps), stride_as, K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-        BLOCK_K=block_k, USE_PDL=pdl, SPLITS=splits, num_warps=num_warps,
+        h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, USE_PDL=pdl, num_warps=num_warps,
         **pdl_launch(pdl),
     )  # fmt: skip
     return out, (h if prologue == PROLOGUE_ADD_RMS else None)

@@ -9,9 +9,8 @@ Two paths, chosen by the number of token rows T (`fused_moe`):
   runs one column of one-warp programs per (token, expert slot); each program redoes the token's top-k over the
   router logits (E values, in L2), so routing costs no launch, and the first column stores the chosen ids and
   weights for the next kernel; it writes the activations as planes too. `_down_gemv_kernel` runs one warp per
-  (rows, token, slot) and stores its weighted term as a float32 partial [top_k, T, H]; the next launch adds a
-  token's top_k terms in slot order and rounds once (the next layer's norm or QKV GEMV prologue, or
-  invariant_matmul.sum_pieces): no float atomics, the same sum whatever order they ran in.
+  (rows, token, slot); the last of a token's top_k programs to finish adds their terms in slot order (an
+  acq_rel arrival counter): no float atomics, the same sum whatever order they ran in.
 - larger T (prefill, wide decode batches): grouped by expert. The (token, slot) pairs are sorted by expert into
   tiles of BLOCK_M rows (`align_by_expert`, device-only: sized for the worst case, so there is no host sync and
   a CUDA graph can hold it), and `_gate_up_grouped_kernel` / `_down_grouped_kernel` multiply each tile with its
@@ -38,7 +37,6 @@ import triton.language as tl
 
 from envex.kernels import mxfp4
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
-from envex.kernels.invariant_matmul import sum_pieces
 from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
@@ -253,17 +251,16 @@ def _gate_up_gemv_kernel(
 
 @triton.jit
 def _down_gemv_kernel(
-    x_ptr, act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr,
-    stride_act, stride_we, stride_wn, stride_se, stride_be,
+    act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
+    stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
     PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
-    """part[slot, t, n] = weight · (down_e(act[pair]) + bias_e)[n] for token t's expert in `slot`, BLOCK_N outputs n
-    a program: one warp a (rows, token, slot), BLOCK_N rows of the slot's expert over all of INTER, the inputs from
-    that pair's act planes (as the gate-up kernel). The TOP_K terms of a token are float32 partials [TOP_K, T, N],
-    which the next launch adds in slot order from 0.0 and rounds once (norm.add_rms_norm_partials, the GEMV's
-    prologue, or invariant_matmul.sum_pieces): no float atomics, the same sum whatever order the programs ran in.
-    x_ptr only gives the activation dtype each expert's output is rounded to."""
+    """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
+    n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
+    pair's act planes (as the gate-up kernel). Each program stores its weighted term in part [pairs, N]; the last
+    of a token's TOP_K programs to finish (an acq_rel counter, reset by that program for the next launch) adds the
+    TOP_K terms in slot order: no float atomics, the same sum whatever order the programs ran in."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -273,6 +270,7 @@ def _down_gemv_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     n64 = n.to(tl.int64)
+    dt = out_ptr.dtype.element_ty
     pair = t * TOP_K + slot
     e64 = tl.load(ids_ptr + pair).to(tl.int64)
     a_row = act_ptr + pair.to(tl.int64) * stride_act
@@ -294,9 +292,17 @@ def _down_gemv_kernel(
         r = tl.sum(acc, axis=1)
     r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
     # HF rounds each expert's output before weighting it
-    dt = x_ptr.dtype.element_ty
-    row = (slot * tl.num_programs(1) + t).to(tl.int64)
-    tl.store(part_ptr + row * N + n64, tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32), mask=n_ok)
+    tl.store(part_ptr + pair.to(tl.int64) * N + n64, tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32), mask=n_ok)
+    tl.debug_barrier()  # every thread's term is stored before the counter moves
+    count = count_ptr + t * tl.num_programs(0) + pid_n
+    arrived = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")
+    if arrived == TOP_K - 1:  # the last one: every term is visible (acquire); add them in slot order
+        y = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for s in tl.static_range(TOP_K):
+            y += tl.load(part_ptr + (t * TOP_K + s).to(tl.int64) * N + n64, mask=n_ok, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+        tl.store(out_ptr + t.to(tl.int64) * stride_o + n, y.to(dt), mask=n_ok)
+        tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -573,6 +579,26 @@ def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Te
     return w.view(torch.int32), stride_we // 4
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters that graphs captured earlier may still address
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """The down GEMV's per-(token, row block) arrival counters: zeros, made outside any CUDA graph (each kernel
+    leaves them zero again, so graph replays find them so too). A larger need takes a new buffer; the old ones are
+    kept, as graphs captured earlier may still use them. One set per device: two fused_moe calls must not run at
+    once on two streams of one device (the engine's side stream only warms up, synchronised)."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+              "fused_moe: run the batch-1 MoE once before capturing a CUDA graph (it allocates its counters)")
+        if have is not None:
+            _RETIRED.append(have)
+        have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[device] = have
+    return have
+
+
 def takes_gemv_path(tokens: int, hidden: int, inter: int, gemv_max_rows: int = GEMV_MAX_ROWS) -> bool:
     """Whether fused_moe runs these tokens on the GEMV path (which reads its input as planes, norm.norm_planes)."""
     return tokens <= gemv_max_rows and hidden % 8 == 0 and inter % 8 == 0
@@ -632,17 +658,12 @@ def fused_moe(
     gemv_max_rows: int = GEMV_MAX_ROWS,
     x_planes: torch.Tensor | None = None,
     pdl: bool = False,
-    partials: bool = False,
 ) -> torch.Tensor:
     """Σ_k softmax-weighted down(swiglu(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
     dtype: reference.moe_route followed by reference.moe_experts. x [T, H] (normed); logits [T, E]; gate_up
     [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float or MXFP4 (blocks, scales); biases [E, 2I] and
     [E, H]. The GEMV path (T ≤ gemv_max_rows, H and I multiples of 8) only: x_planes, x again as float32 planes
-    (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic dependents;
-    partials (the GEMV path; the grouped one returns [T, H] whatever it is asked): return the top_k weighted
-    expert outputs as float32 partials [top_k, T, H] for the next launch to add in slot order and round
-    (norm.add_rms_norm_partials, gemv's prologue), instead of adding them here in a launch of their own
-    (invariant_matmul.sum_pieces: the same bits)."""
+    (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic dependents."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     t, h = x.shape
@@ -660,7 +681,7 @@ def fused_moe(
     check(packed1 == packed2, "gate_up/down: both MXFP4 or both float")
     out = torch.empty_like(x)
     if t == 0:
-        return torch.empty((top_k, 0, h), dtype=torch.float32, device=x.device) if partials else out
+        return out
     pairs_n = t * top_k
     if takes_gemv_path(t, h, inter, gemv_max_rows):
         ids = torch.empty(pairs_n, dtype=torch.int32, device=x.device)
@@ -683,13 +704,15 @@ def fused_moe(
             BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl, num_warps=1,
             **pdl_launch(pdl),
         )  # fmt: skip
-        part = torch.empty((top_k, t, h), dtype=torch.float32, device=x.device)
-        _down_gemv_kernel[(triton.cdiv(h, GEMV_DOWN_ROWS), t, top_k)](
-            x, act_p, ids, wts, gw2, s2, down_bias, part, act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0),
+        part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
+        blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
+        _down_gemv_kernel[(blocks, t, top_k)](
+            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks), out,
+            act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
             PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )  # fmt: skip
-        return part if partials else sum_pieces(part, x.dtype)
+        return out
     act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)
     ids, wts = route(logits, top_k)
     # Each program dequantizes its expert's weight tile once for its BLOCK_M pairs, which is most of its work:

@@ -14,8 +14,7 @@ Each entry point picks its kernel from the rows it is given:
   the varlen paged_attention kernel. Sinks and a sliding window are constexpr variants of both; a window layer
   picks its key splits from the window, not from the graph's max_model_len;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
-  expert projections, MXFP4 dequantized in registers). At up to 4 rows its output is the experts' float32
-  partials, added by the next norm or, at one row, in the prologue of the next layer's QKV GEMV.
+  expert projections, MXFP4 dequantized in registers).
 deterministic (EngineConfig.deterministic): one path for every batch instead, so a row's bits never depend on its
 batch: the row-wise norm kernels, invariant_matmul for every projection (SwiGLU in a pass before it),
 rotary_and_store_kv and invariant_attention for decode and prefill alike (the `_det_*` methods). Where the
@@ -99,12 +98,6 @@ class TritonOps:
                     weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         if _is_partials(x):
-            if comm is None and residual is not None and self._gemv(x[0]) and not self.deterministic:
-                # one row: the GEMV adds the pieces in its prologue, before the residual add and the norm
-                y, total = gemv.gemv(x, weight, prologue=gemv.PROLOGUE_ADD_RMS, b=residual, norm_weight=norm_weight,
-                                     eps=eps, bias=bias, pdl=self.pdl)  # fmt: skip
-                assert total is not None
-                return y, total
             if comm is None and residual is not None:  # the split-K reduce, the add and the norm in one launch
                 normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps, pdl=self._row_pdl(x[0]))
                 return self._project(normed, weight, bias), residual
@@ -228,12 +221,10 @@ class TritonOps:
             else:
                 h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
             logits = self._project(h, router_weight, router_bias)  # [T, E]
-        # On the GEMV path the experts' weighted outputs stay float32 partials [top_k, T, H], which the next norm
-        # (or the next layer's QKV GEMV) adds in slot order: the same bits as a sum here, one serial step fewer.
         out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
                                   down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,
-                                  x_planes=planes, pdl=pdl, partials=gemv_path)  # fmt: skip
+                                  x_planes=planes, pdl=pdl)  # fmt: skip
         return out, residual
 
     def _row_pdl(self, x: torch.Tensor) -> bool:

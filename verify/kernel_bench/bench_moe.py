@@ -92,11 +92,13 @@ def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1,
 
 
 def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None):
-    """out: the float32 partials [TOP_K, T, H] (each slot's weighted term)."""
-    return M._down_gemv_kernel[(triton.cdiv(H, rows), out.shape[1], TOP_K)](
-        L.dn_bias, act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, out,
+    blocks = triton.cdiv(H, rows)
+    part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
+    return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
+        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, out.shape[0] * blocks),
+        out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
-        N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
+        out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
         num_warps=warps, **({"maxnreg": maxnreg} if maxnreg else {}),
     )  # fmt: skip
 
@@ -124,7 +126,7 @@ def main() -> None:
     ids = torch.empty(TOP_K, dtype=torch.int32, device=dev)
     wts = torch.empty(TOP_K, dtype=torch.float32, device=dev)
     act = torch.empty(TOP_K, INTER, dtype=torch.float32, device=dev)
-    out = torch.empty(TOP_K, 1, H, dtype=torch.float32, device=dev)  # the down GEMV's partials
+    out = torch.empty(1, H, dtype=dt, device=dev)
     from envex.kernels import norm
     from envex.kernels.ops import MoEWeights
 
