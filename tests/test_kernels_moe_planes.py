@@ -140,3 +140,27 @@ def _recording(fn, name: str, calls: list[str]):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("warm", [True, False])
+def test_one_launch_moe_gives_the_two_kernels_bits(monkeypatch, warm: bool) -> None:
+    """gpt-oss's width at one token: the one-launch kernel (gate-up, a device-wide barrier, down) against the two
+    GEMV launches, bit for bit, three calls in a row (the barrier counter only grows between them)."""
+    e, h, inter, top_k = 16, 2880, 2880, 4
+    weights, f64 = _experts(e, h, inter, packed=True, seed=14)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(1, h, generator=g).to(torch.bfloat16).to(DEV)
+    logits = torch.randn(1, e, generator=g).to(DEV)
+    monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH", False)
+    want = _moe(x, logits, top_k, weights)
+    monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH", True)
+    monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH_WARM", warm)
+    assert torch.equal(_moe(x, logits, top_k, weights), want)
+    barrier = moe_mxfp4._BARRIERS[x.device, 360 * top_k]  # made by the first call (which also launched it dry once)
+    before = barrier.item()
+    for _ in range(2):
+        assert torch.equal(_moe(x, logits, top_k, weights), want)
+    assert barrier.item() - before == 2 * 360 * top_k, "one arrival a program a launch"
+    assert_close("moe one launch", want, _expected(x, logits, top_k, f64), torch.bfloat16)

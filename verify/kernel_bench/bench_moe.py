@@ -109,6 +109,9 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--variants", action="store_true")
     ap.add_argument("--ncu-pass", action="store_true")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="the entry point with the two GEMV launches against one launch (moe_mxfp4.ONE_LAUNCH), "
+                    "for each of a few settings")
     args = ap.parse_args()
     from envex.kernels.triton_ops import TritonOps
     from envex.verify.kernel_bench import _bench_lib as B
@@ -208,6 +211,32 @@ def main() -> None:
             L, normed[r], logits[r], idss[r], wtss[r], acts[r]), TOP_K * gu_b, hot=hot)  # fmt: skip
         row("down GEMV baseline", lambda r: down(L, acts[r], idss[r], wtss[r], out), TOP_K * dn_b, hot=hot)
         row("stream: the 4 experts' gate-up words only", stream, TOP_K * L.gu_blocks[0].nbytes, hot=hot)
+    if args.one_launch:
+        settings = [dict(ONE_LAUNCH=False)] + [
+            dict(ONE_LAUNCH=True, ONE_LAUNCH_WARM=w, ONE_LAUNCH_SPIN_NS=ns, ONE_LAUNCH_MAXNREG=n)
+            for w, ns, n in ((True, 0, 128), (False, 0, 128), (True, 0, 168), (True, 200, 128))]
+        saved = {k: getattr(M, k) for k in settings[1]}
+        M.ONE_LAUNCH = False  # the two launches' output: what every setting must give, bit for bit
+        want = ops.moe(xs[0], res[0], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K)[0].clone()
+        for setting in settings:
+            name = "entry " + " ".join(f"{k.removeprefix('ONE_LAUNCH_').lower()}={v}" for k, v in setting.items())
+            for k, v in setting.items():
+                setattr(M, k, v)
+            try:
+                got = ops.moe(xs[0], res[0], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K)[0]
+                same = bool(torch.equal(got, want))
+                built = [v for k, v in M._RESIDENT.items() if k[6:] == (
+                    M.ONE_LAUNCH_WARM, M.ONE_LAUNCH_SPIN_NS, M.ONE_LAUNCH_MAXNREG)] if M.ONE_LAUNCH else []
+                for hot in (False, True):
+                    row(name, lambda r: ops.moe(xs[r], res[r], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K),
+                        moe_bytes, hot=hot)  # fmt: skip
+                    rows[-1].update(same_bits=same, fits_regs_spills=built)
+                print(f"      same bits {same}; (programs that fit, regs, spills) {built}", flush=True)
+            except Exception as exc:  # a setting Triton cannot build: record it, go on
+                rows.append({"name": name, "error": str(exc)[:300]})
+                print(f"  {name}: {str(exc)[:300]}", flush=True)
+        for k, v in saved.items():
+            setattr(M, k, v)
     if args.variants:
         def sweep(kind: str, variants, launch, nbytes: float, result: torch.Tensor) -> None:
             launch(0, variants[0])
