@@ -214,7 +214,8 @@ def main() -> None:
     if args.one_launch:
         settings = [dict(ONE_LAUNCH=False)] + [
             dict(ONE_LAUNCH=True, ONE_LAUNCH_WARM=w, ONE_LAUNCH_SPIN_NS=ns, ONE_LAUNCH_MAXNREG=n)
-            for w, ns, n in ((True, 0, 128), (False, 0, 128), (True, 0, 168), (True, 200, 128))]
+            for w, ns, n in ((True, 0, 168), (False, 0, 168), (True, 100, 168), (True, 400, 168), (True, 0, 128),
+                             (True, 0, 160), (True, 0, None))]
         saved = {k: getattr(M, k) for k in settings[1]}
         M.ONE_LAUNCH = False  # the two launches' output: what every setting must give, bit for bit
         want = ops.moe(xs[0], res[0], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K)[0].clone()
