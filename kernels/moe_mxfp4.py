@@ -57,6 +57,7 @@ ONE_LAUNCH = True
 ONE_LAUNCH_WARM = True
 ONE_LAUNCH_MAXNREG = 168
 ONE_LAUNCH_SPIN_NS = 0  # > 0: each spin of the barrier's wait sleeps this many ns (nanosleep) before reading again
+ONE_LAUNCH_POLL_LOAD = False  # the barrier's wait reads the counter with volatile loads, not atomics
 
 
 @triton.jit
@@ -344,7 +345,7 @@ def _one_launch_kernel(
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, GB1: tl.constexpr, GB2: tl.constexpr,
     PACKED: tl.constexpr, WARM: tl.constexpr, WARM_LINES: tl.constexpr, SPIN_NS: tl.constexpr = 0,
-    USE_PDL: tl.constexpr = False,
+    POLL_LOAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token's MoE experts in one launch: program p runs gate-up tile p, waits at a device-wide barrier until
     every program's activations are stored, then runs down tile p: the two GEMV kernels' tiles and arithmetic (the
@@ -377,18 +378,30 @@ def _one_launch_kernel(
             _warm_rows(w2_ptr + e64 * stride_we2 + n64 * (INTER // 8), (n64 < K).to(tl.int32), INTER // 8,
                        WARM_LINES)  # fmt: skip
     tl.debug_barrier()  # every thread's activations are stored before the counter moves
-    arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")
+    arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")  # release: this program's activations
     target = (arrived // nprog + 1) * nprog
-    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+    seen = _poll(bar_ptr, POLL_LOAD)
     while seen < target:
-        if SPIN_NS > 0:  # fewer atomics in flight while the last programs arrive
+        if SPIN_NS > 0:  # fewer reads in flight while the last programs arrive
             tl.inline_asm_elementwise(_NANOSLEEP, "=r,r", [tl.full([1], SPIN_NS, tl.int32)], dtype=tl.int32,
                                       is_pure=False, pack=1)  # fmt: skip
-        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        seen = _poll(bar_ptr, POLL_LOAD)
+    if POLL_LOAD:  # acquire: every program's activations (each arrival released them; the counter only grows)
+        tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     if p < dn_blocks * TOP_K:
         _down_tile(p % dn_blocks, p * 0, p // dn_blocks, dn_blocks, act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, b2_ptr,
                    part_ptr, count_ptr, out_ptr, stride_act, stride_we2, stride_wn2, stride_se2, stride_be2, stride_o,
                    K, INTER, TOP_K, BLOCK_N, GB2, PACKED)  # fmt: skip
+
+
+@triton.jit
+def _poll(ptr, LOAD: tl.constexpr):
+    """The barrier counter: a volatile load (LOAD; the caller acquires once it is through) or an acquire atomic."""
+    if LOAD:
+        seen = tl.load(ptr, volatile=True)
+    else:
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    return seen
 
 
 _NANOSLEEP = tl.constexpr("{ nanosleep.u32 $1; mov.b32 $0, 0; }")
@@ -839,11 +852,12 @@ def fused_moe(
                     K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e), BLOCK_TK=next_pow2(top_k),
                     BLOCK_I=GEMV_PAIRS, BLOCK_N=GEMV_DOWN_ROWS, GB1=GEMV_GROUPS, GB2=GEMV_GROUPS, PACKED=True,
                     WARM=ONE_LAUNCH_WARM, WARM_LINES=next_pow2(triton.cdiv(inter // 8, 32)),
-                    SPIN_NS=ONE_LAUNCH_SPIN_NS, USE_PDL=pdl,
+                    SPIN_NS=ONE_LAUNCH_SPIN_NS, POLL_LOAD=ONE_LAUNCH_POLL_LOAD, USE_PDL=pdl,
                     num_warps=1, maxnreg=ONE_LAUNCH_MAXNREG, **pdl_launch(pdl),
                 )  # fmt: skip
 
-            key = (x.device, h, inter, e, top_k, pdl, ONE_LAUNCH_WARM, ONE_LAUNCH_SPIN_NS, ONE_LAUNCH_MAXNREG)
+            key = (x.device, h, inter, e, top_k, pdl, ONE_LAUNCH_WARM, ONE_LAUNCH_SPIN_NS, ONE_LAUNCH_MAXNREG,
+                   ONE_LAUNCH_POLL_LOAD)
             if programs <= _resident_programs(key, x.device, launch):
                 launch(programs, 0)
                 return out
