@@ -58,6 +58,8 @@ ONE_LAUNCH_WARM = True
 ONE_LAUNCH_MAXNREG = 168
 ONE_LAUNCH_SPIN_NS = 0  # > 0: each spin of the barrier's wait sleeps this many ns (nanosleep) before reading again
 ONE_LAUNCH_POLL_LOAD = False  # the barrier's wait reads the counter with volatile loads, not atomics
+# a cooperative launch: the driver refuses a grid that cannot be resident at once (an error, not a hung barrier)
+ONE_LAUNCH_COOPERATIVE = False
 
 
 @triton.jit
@@ -853,11 +855,12 @@ def fused_moe(
                     BLOCK_I=GEMV_PAIRS, BLOCK_N=GEMV_DOWN_ROWS, GB1=GEMV_GROUPS, GB2=GEMV_GROUPS, PACKED=True,
                     WARM=ONE_LAUNCH_WARM, WARM_LINES=next_pow2(triton.cdiv(inter // 8, 32)),
                     SPIN_NS=ONE_LAUNCH_SPIN_NS, POLL_LOAD=ONE_LAUNCH_POLL_LOAD, USE_PDL=pdl,
-                    num_warps=1, maxnreg=ONE_LAUNCH_MAXNREG, **pdl_launch(pdl),
+                    num_warps=1, maxnreg=ONE_LAUNCH_MAXNREG, launch_cooperative_grid=ONE_LAUNCH_COOPERATIVE,
+                    **pdl_launch(pdl),
                 )  # fmt: skip
 
             key = (x.device, h, inter, e, top_k, pdl, ONE_LAUNCH_WARM, ONE_LAUNCH_SPIN_NS, ONE_LAUNCH_MAXNREG,
-                   ONE_LAUNCH_POLL_LOAD)
+                   ONE_LAUNCH_POLL_LOAD, ONE_LAUNCH_COOPERATIVE)
             if programs <= _resident_programs(key, x.device, launch):
                 launch(programs, 0)
                 return out
