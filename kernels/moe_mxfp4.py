@@ -56,10 +56,10 @@ GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 ONE_LAUNCH = True
 ONE_LAUNCH_WARM = True
 ONE_LAUNCH_MAXNREG = 168
-ONE_LAUNCH_SPIN_NS = 0  # > 0: each spin of the barrier's wait sleeps this many ns (nanosleep) before reading again
+ONE_LAUNCH_SPIN_NS = 800  # > 0: each spin of the barrier's wait sleeps this many ns (nanosleep) before reading again
 ONE_LAUNCH_POLL_LOAD = False  # the barrier's wait reads the counter with volatile loads, not atomics
 # a cooperative launch: the driver refuses a grid that cannot be resident at once (an error, not a hung barrier)
-ONE_LAUNCH_COOPERATIVE = False
+ONE_LAUNCH_COOPERATIVE = True
 
 
 @triton.jit
