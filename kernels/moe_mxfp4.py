@@ -51,13 +51,13 @@ GEMV_DOWN_ROWS = 8
 GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 # One token's packed experts as one launch with a device-wide barrier between gate-up and down (_one_launch_kernel),
 # where every program fits on the GPU at once; ONE_LAUNCH_WARM: its programs ask L2 for their down rows first.
-# ONE_LAUNCH_MAXNREG: a register cap, so that a 1,440-program launch (gpt-oss) fits an H200 at 16 warps an SM (the
-# two kernels alone take 124 and 99 registers with the device's Triton 3.6; fused, ptxas keeps the larger need).
+# ONE_LAUNCH_MAXNREG: a register cap; Triton 3.6 builds the fused kernel at 168 registers, 12 one-warp programs an
+# SM (1,584 on an H200: gpt-oss needs 1,440); a cap of 128 spilled and cost 8 us (kernels/NOTES.md). The settings
+# below are the fastest of the H200 sweep (bench_moe --one-launch).
 ONE_LAUNCH = True
 ONE_LAUNCH_WARM = True
 ONE_LAUNCH_MAXNREG = 168
 ONE_LAUNCH_SPIN_NS = 800  # > 0: each spin of the barrier's wait sleeps this many ns (nanosleep) before reading again
-ONE_LAUNCH_POLL_LOAD = False  # the barrier's wait reads the counter with volatile loads, not atomics
 # a cooperative launch: the driver refuses a grid that cannot be resident at once (an error, not a hung barrier)
 ONE_LAUNCH_COOPERATIVE = True
 
@@ -347,7 +347,7 @@ def _one_launch_kernel(
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_N: tl.constexpr, GB1: tl.constexpr, GB2: tl.constexpr,
     PACKED: tl.constexpr, WARM: tl.constexpr, WARM_LINES: tl.constexpr, SPIN_NS: tl.constexpr = 0,
-    POLL_LOAD: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """One token's MoE experts in one launch: program p runs gate-up tile p, waits at a device-wide barrier until
     every program's activations are stored, then runs down tile p: the two GEMV kernels' tiles and arithmetic (the
@@ -382,28 +382,16 @@ def _one_launch_kernel(
     tl.debug_barrier()  # every thread's activations are stored before the counter moves
     arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu")  # release: this program's activations
     target = (arrived // nprog + 1) * nprog
-    seen = _poll(bar_ptr, POLL_LOAD)
+    seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")  # acquire: every program's activations
     while seen < target:
-        if SPIN_NS > 0:  # fewer reads in flight while the last programs arrive
+        if SPIN_NS > 0:  # fewer atomics in flight while the last programs arrive
             tl.inline_asm_elementwise(_NANOSLEEP, "=r,r", [tl.full([1], SPIN_NS, tl.int32)], dtype=tl.int32,
                                       is_pure=False, pack=1)  # fmt: skip
-        seen = _poll(bar_ptr, POLL_LOAD)
-    if POLL_LOAD:  # acquire: every program's activations (each arrival released them; the counter only grows)
-        tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
+        seen = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
     if p < dn_blocks * TOP_K:
         _down_tile(p % dn_blocks, p * 0, p // dn_blocks, dn_blocks, act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, b2_ptr,
                    part_ptr, count_ptr, out_ptr, stride_act, stride_we2, stride_wn2, stride_se2, stride_be2, stride_o,
                    K, INTER, TOP_K, BLOCK_N, GB2, PACKED)  # fmt: skip
-
-
-@triton.jit
-def _poll(ptr, LOAD: tl.constexpr):
-    """The barrier counter: a volatile load (LOAD; the caller acquires once it is through) or an acquire atomic."""
-    if LOAD:
-        seen = tl.load(ptr, volatile=True)
-    else:
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    return seen
 
 
 _NANOSLEEP = tl.constexpr("{ nanosleep.u32 $1; mov.b32 $0, 0; }")
@@ -854,13 +842,13 @@ def fused_moe(
                     K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e), BLOCK_TK=next_pow2(top_k),
                     BLOCK_I=GEMV_PAIRS, BLOCK_N=GEMV_DOWN_ROWS, GB1=GEMV_GROUPS, GB2=GEMV_GROUPS, PACKED=True,
                     WARM=ONE_LAUNCH_WARM, WARM_LINES=next_pow2(triton.cdiv(inter // 8, 32)),
-                    SPIN_NS=ONE_LAUNCH_SPIN_NS, POLL_LOAD=ONE_LAUNCH_POLL_LOAD, USE_PDL=pdl,
+                    SPIN_NS=ONE_LAUNCH_SPIN_NS, USE_PDL=pdl,
                     num_warps=1, maxnreg=ONE_LAUNCH_MAXNREG, launch_cooperative_grid=ONE_LAUNCH_COOPERATIVE,
                     **pdl_launch(pdl),
                 )  # fmt: skip
 
             key = (x.device, h, inter, e, top_k, pdl, ONE_LAUNCH_WARM, ONE_LAUNCH_SPIN_NS, ONE_LAUNCH_MAXNREG,
-                   ONE_LAUNCH_POLL_LOAD, ONE_LAUNCH_COOPERATIVE)
+                   ONE_LAUNCH_COOPERATIVE)
             if programs <= _resident_programs(key, x.device, launch):
                 launch(programs, 0)
                 return out

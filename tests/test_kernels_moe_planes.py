@@ -144,10 +144,8 @@ def _recording(fn, name: str, calls: list[str]):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(("warm", "poll_load", "spin_ns", "cooperative"),
-                         [(True, False, 800, True), (True, False, 0, False), (False, True, 400, False)])
-def test_one_launch_moe_gives_the_two_kernels_bits(monkeypatch, warm: bool, poll_load: bool, spin_ns: int,
-                                                   cooperative: bool) -> None:
+@pytest.mark.parametrize(("warm", "spin_ns", "cooperative"), [(True, 800, True), (True, 0, False), (False, 400, False)])
+def test_one_launch_moe_gives_the_two_kernels_bits(monkeypatch, warm: bool, spin_ns: int, cooperative: bool) -> None:
     """gpt-oss's width at one token: the one-launch kernel (gate-up, a device-wide barrier, down) against the two
     GEMV launches, bit for bit, three calls in a row (the barrier counter only grows between them)."""
     e, h, inter, top_k = 16, 2880, 2880, 4
@@ -159,7 +157,6 @@ def test_one_launch_moe_gives_the_two_kernels_bits(monkeypatch, warm: bool, poll
     want = _moe(x, logits, top_k, weights)
     monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH", True)
     monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH_WARM", warm)
-    monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH_POLL_LOAD", poll_load)
     monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH_SPIN_NS", spin_ns)
     monkeypatch.setattr(moe_mxfp4, "ONE_LAUNCH_COOPERATIVE", cooperative)
     assert torch.equal(_moe(x, logits, top_k, weights), want)

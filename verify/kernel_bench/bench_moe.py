@@ -213,11 +213,10 @@ def main() -> None:
         row("stream: the 4 experts' gate-up words only", stream, TOP_K * L.gu_blocks[0].nbytes, hot=hot)
     if args.one_launch:
         settings = [dict(ONE_LAUNCH=False)] + [
-            dict(ONE_LAUNCH=True, ONE_LAUNCH_WARM=w, ONE_LAUNCH_SPIN_NS=ns, ONE_LAUNCH_POLL_LOAD=ld,
-                 ONE_LAUNCH_MAXNREG=168, ONE_LAUNCH_COOPERATIVE=co)
-            for w, ns, ld, co in ((True, 400, False, False), (True, 0, True, False), (True, 200, True, False),
-                                  (True, 400, True, False), (True, 800, True, False), (True, 800, False, False),
-                                  (False, 400, True, False), (True, 400, False, True), (True, 400, True, True))]
+            dict(ONE_LAUNCH=True, ONE_LAUNCH_WARM=w, ONE_LAUNCH_SPIN_NS=ns, ONE_LAUNCH_MAXNREG=n,
+                 ONE_LAUNCH_COOPERATIVE=co)
+            for w, ns, n, co in ((True, 800, 168, True), (True, 800, 168, False), (False, 800, 168, True),
+                                 (True, 0, 168, True), (True, 400, 168, True), (True, 800, 128, True))]
         saved = {k: getattr(M, k) for k in settings[1]}
         M.ONE_LAUNCH = False  # the two launches' output: what every setting must give, bit for bit
         want = ops.moe(xs[0], res[0], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K)[0].clone()
@@ -229,8 +228,8 @@ def main() -> None:
                 got = ops.moe(xs[0], res[0], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K)[0]
                 same = bool(torch.equal(got, want))
                 built = [v for k, v in M._RESIDENT.items() if k[6:] == (
-                    M.ONE_LAUNCH_WARM, M.ONE_LAUNCH_SPIN_NS, M.ONE_LAUNCH_MAXNREG, M.ONE_LAUNCH_POLL_LOAD,
-                    M.ONE_LAUNCH_COOPERATIVE)] if M.ONE_LAUNCH else []
+                    M.ONE_LAUNCH_WARM, M.ONE_LAUNCH_SPIN_NS, M.ONE_LAUNCH_MAXNREG, M.ONE_LAUNCH_COOPERATIVE)
+                ] if M.ONE_LAUNCH else []
                 for hot in (False, True):
                     row(name, lambda r: ops.moe(xs[r], res[r], L.norm_w, 1e-5, L.router_w, L.router_b, ex, TOP_K),
                         moe_bytes, hot=hot)  # fmt: skip
