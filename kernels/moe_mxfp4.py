@@ -723,11 +723,17 @@ def _resident_programs(key: tuple, device: torch.device, launch) -> int:
     if key not in _RESIDENT:
         k = launch(1, 1)
         props = torch.cuda.get_device_properties(device)
-        per_sm = min(32, 65536 // (-(-max(1, k.n_regs) // 8) * 8 * 32))
-        if k.metadata.shared:  # (plus the 1 KB a block the driver reserves)
-            per_sm = min(per_sm, props.shared_memory_per_multiprocessor // (k.metadata.shared + 1024))
+        per_sm = one_warp_blocks_per_sm(k.n_regs, k.metadata.shared, props.shared_memory_per_multiprocessor)
         _RESIDENT[key] = (per_sm * props.multi_processor_count, k.n_regs, k.n_spills)
     return _RESIDENT[key][0]
+
+
+def one_warp_blocks_per_sm(regs: int, shared: int, shared_per_sm: int) -> int:
+    """How many one-warp blocks of a kernel with these registers a thread and bytes of shared memory a block an
+    SM of compute capability 9.0 holds at once: 64K registers (a warp's allocated in units of 8 a thread), the
+    shared memory (plus the 1 KB the driver reserves a block) and at most 32 blocks."""
+    fit = min(32, 65536 // (-(-max(1, regs) // 8) * 8 * 32))
+    return min(fit, shared_per_sm // (shared + 1024)) if shared else fit
 
 
 def takes_gemv_path(tokens: int, hidden: int, inter: int, gemv_max_rows: int = GEMV_MAX_ROWS) -> bool:

@@ -166,3 +166,14 @@ def test_one_launch_moe_gives_the_two_kernels_bits(monkeypatch, warm: bool, spin
         assert torch.equal(_moe(x, logits, top_k, weights), want)
     assert barrier.item() - before == 2 * 360 * top_k, "one arrival a program a launch"
     assert_close("moe one launch", want, _expected(x, logits, top_k, f64), torch.bfloat16)
+
+
+@pytest.mark.parametrize(("regs", "shared", "blocks"), [
+    (168, 1024, 12),  # the one-launch kernel on the H200 (Triton 3.6): 12 x 132 SMs = 1,584 >= gpt-oss's 1,440
+    (128, 0, 16), (124, 0, 16),  # a warp's registers are allocated in units of 8 a thread
+    (255, 0, 8), (64, 0, 32), (8, 0, 32),  # at most 32 blocks an SM
+    (64, 48 * 1024, 4),  # shared memory: 233,472 // (49,152 + 1,024)
+])
+def test_one_warp_blocks_per_sm(regs: int, shared: int, blocks: int) -> None:
+    """The one-launch MoE's residency check: a grid is launched as one only where every program fits at once."""
+    assert moe_mxfp4.one_warp_blocks_per_sm(regs, shared, 233_472) == blocks
