@@ -351,11 +351,13 @@ def _one_launch_kernel(
 ):  # fmt: skip
     """One token's MoE experts in one launch: program p runs gate-up tile p, waits at a device-wide barrier until
     every program's activations are stored, then runs down tile p: the two GEMV kernels' tiles and arithmetic (the
-    same bits), without the launch boundary between them. Every program must be resident at once (the launcher
-    checks the grid against the SMs' room). WARM: before the barrier, ask L2 for the down tile's weight rows (its
-    expert is known from the top-k), so the down phase starts on L2 hits. bar_ptr: an int64 counter that only grows
-    (launch g waits for it to reach (g + 1) · programs), so it is never reset. dry != 0: return at once (the
-    launcher's first launch, which only compiles the kernel and reads its registers)."""
+    same bits), without the launch boundary between them. Every program must be resident at once: the launcher
+    checks the grid against the SMs' room and launches it cooperatively (the driver refuses a grid that does not
+    fit). WARM: before the barrier, ask L2 for the down tile's weight rows (its expert is known from the top-k).
+    bar_ptr: an int64 counter that only grows (launch g waits for it to reach (g + 1) · programs), so it is never
+    reset; launches on one counter must not overlap (they do not: each waits on the chain before it, and the engine
+    runs one stream a device). SPIN_NS: a nanosleep between polls (fewer atomics while the last programs arrive).
+    dry != 0: return at once (the launcher's first launch, which only builds the kernel and reads its resources)."""
     if USE_PDL:  # before the dry return too: a dry launch that did not wait would let the next one skip the wait
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
