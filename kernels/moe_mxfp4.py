@@ -837,9 +837,9 @@ def fused_moe(
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
+        counters = _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks)
         if t == 1 and packed1 and packed2 and ONE_LAUNCH and not INTERPRETING:
             programs = max(triton.cdiv(inter, GEMV_PAIRS), blocks) * top_k
-            counters = _arrival_counters(x.device, GEMV_MAX_ROWS * blocks)
 
             def launch(grid: int, dry: int):
                 return _one_launch_kernel[(grid,)](
@@ -869,7 +869,7 @@ def fused_moe(
             **pdl_launch(pdl),
         )  # fmt: skip
         _down_gemv_kernel[(blocks, t, top_k)](
-            act_p, ids, wts, gw2, s2, down_bias, part, _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks), out,
+            act_p, ids, wts, gw2, s2, down_bias, part, counters, out,
             act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
             PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
