@@ -274,12 +274,12 @@ def _attention_prefill_time(row: _Rows, batch: int, q_len: int) -> None:
     row("attention", f"prefill {batch}x{q_len}", invariant_us=us, default_us=base, cost=us / base - 1)
 
 
-def _kernels(report: dict, out: Path, sweep: bool, attention: bool = True) -> None:
+def _kernels(report: dict, out: Path, sweep: bool, attention: bool = True, matmul: bool = True) -> None:
     import torch
 
     row = _Rows(report, out)
     read = report["bandwidth"]["read_TBps"]
-    for name in SHAPES:
+    for name in SHAPES if matmul else ():
         _matmul(row, name, read, sweep)
         torch.cuda.empty_cache()
     if not attention:
@@ -297,6 +297,7 @@ def main() -> None:
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--sweep", action="store_true", help="also time decode tiles and piece counts (tuning)")
     ap.add_argument("--matmul-only", action="store_true", help="the projections only, not attention")
+    ap.add_argument("--attention-only", action="store_true", help="attention only, not the projections")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -308,7 +309,7 @@ def main() -> None:
                     "bandwidth": B.measure_bandwidth(gib=2.0)}  # fmt: skip
     print(json.dumps(report), flush=True)
     try:
-        _kernels(report, args.out, args.sweep, attention=not args.matmul_only)
+        _kernels(report, args.out, args.sweep, attention=not args.matmul_only, matmul=not args.attention_only)
     finally:
         (args.out / "invariance.json").write_text(json.dumps(report, indent=1))
     bad = [r for r in report.get("rows", []) if r.get("mismatched_rows")]
