@@ -164,10 +164,15 @@ def _split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_acc_ptr, part_ml_ptr, seq_lens_ptr, pos_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_as, stride_at, stride_ah,
     stride_ms, stride_mt, stride_mh, num_progs,
+    k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, stride_kt, stride_khh, stride_vt, stride_vh, stride_cos,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, FROM_POSITIONS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, ROTARY: tl.constexpr = False,
 ):  # fmt: skip
+    """ROTARY: q, k and v are the token's raw (unrotated) rows, as rotary.rotary_and_store_kv takes them: every
+    program rotates its q heads with that kernel's arithmetic, and the program that owns the last split also
+    rotates the new key and writes it and the new value to the cache (slot < 0: no write) before reading its tiles
+    back from the cache, so the bits are those of the rotary launch followed by this kernel."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -183,7 +188,34 @@ def _split_kernel(
     d_ok = d < HEAD_DIM
     mask = row_ok[:, None] & d_ok[None, :]
     t = b.to(tl.int64)  # one query token per sequence: token index = sequence index
-    q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + d[None, :], mask=mask, other=0.0)
+    if ROTARY:
+        HALF: tl.constexpr = HEAD_DIM // 2
+        hc = tl.arange(0, HALF)[None, :]
+        pos = tl.load(pos_ptr + b).to(tl.int64)
+        c = tl.load(cos_ptr + pos * stride_cos + hc)
+        sn = tl.load(sin_ptr + pos * stride_cos + hc)
+        q_lo, q_hi = _rotated(q_ptr + t * stride_qt + head[:, None] * stride_qh, row_ok[:, None], hc, c, sn, HALF,
+                              q_ptr.dtype.element_ty)  # fmt: skip
+        q = tl.reshape(tl.permute(tl.join(q_lo, q_hi), (0, 2, 1)), [BLOCK_M, HEAD_DIM])  # [halves] -> [M, D]
+        slot = tl.load(slot_ptr + b)
+        owner = (tl.cdiv(seq_len, SPLIT) - 1) % num_progs
+        n_new = tl.where((prog == owner) & (slot >= 0), 1, 0)  # rows of the new key this program writes: 0 or 1
+        one = tl.arange(0, 2)[:, None]  # a 2-row tile (row 1 never written): the new key is one row
+        new_ok = one < n_new
+        row = tl.maximum(slot, 0).to(tl.int64)  # the cache slot: block row // PAGE, offset row % PAGE
+        k_row = k_cache_ptr + (row // PAGE) * stride_kb + (row % PAGE) * stride_ks + kvh * stride_kh
+        v_row = v_cache_ptr + (row // PAGE) * stride_kb + (row % PAGE) * stride_ks + kvh * stride_kh
+        klo, khi = _rotated(k_ptr + t * stride_kt + kvh * stride_khh + one * 0, new_ok, hc, c, sn, HALF,
+                            k_ptr.dtype.element_ty)  # fmt: skip
+        cache_ty = k_cache_ptr.dtype.element_ty
+        tl.store(k_row + one * 0 + hc, klo.to(cache_ty), mask=new_ok)
+        tl.store(k_row + one * 0 + HALF + hc, khi.to(cache_ty), mask=new_ok)
+        dd = tl.arange(0, HEAD_DIM)[None, :]
+        vv = tl.load(v_ptr + t * stride_vt + kvh * stride_vh + one * 0 + dd, mask=new_ok, other=0.0)
+        tl.store(v_row + one * 0 + dd, vv.to(v_cache_ptr.dtype.element_ty), mask=new_ok)
+        tl.debug_barrier()  # the new key and value are in the cache before any thread reads its tiles
+    else:
+        q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + d[None, :], mask=mask, other=0.0)
     for s in range(prog, tl.cdiv(seq_len, SPLIT), num_progs):
         lo = s * SPLIT
         m_s, l_s, acc_s = _split_state(q, q_pos, lo, tl.minimum(lo + SPLIT, seq_len), b, kvh, d, d_ok, qk_scale,
@@ -206,6 +238,15 @@ def _split_saved(part_acc_ptr, part_ml_ptr, s, n_splits, t, head, g, d, GROUP: t
                     mask=mask, other=0.0)  # fmt: skip
     ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
     return acc_s, tl.load(ml, mask=g_ok, other=float("-inf")), tl.load(ml + 1, mask=g_ok, other=0.0)
+
+
+@triton.jit
+def _rotated(src, ok, hc, c, sn, HALF: tl.constexpr, out_ty: tl.constexpr):
+    """rotary._rotate_heads's arithmetic on rows at src ([R, 1] pointers; ok [R, 1]): the two rotated halves,
+    rounded to out_ty."""
+    x1 = tl.load(src + hc, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + hc, mask=ok, other=0.0).to(tl.float32)
+    return (x1 * c - x2 * sn).to(out_ty), (x2 * c + x1 * sn).to(out_ty)
 
 
 @triton.jit
@@ -308,6 +349,19 @@ def paged_attention(
         )  # fmt: skip
         return out
     check(num_tokens == batch, f"q: a decode step has one token per sequence, got {num_tokens} for batch {batch}")
+    return _decode(q, k_cache, v_cache, out, seq_lens, positions, block_tables, qk_scale, max_seq_len=max_seq_len,
+                   num_programs=num_programs, split_keys=split_keys, pdl=pdl)
+
+
+def _decode(q, k_cache, v_cache, out, seq_lens, positions, block_tables, qk_scale, *, max_seq_len, num_programs,
+            split_keys, pdl, rotary=None) -> torch.Tensor:
+    """The decode schedule: split programs, then the ordered merge. rotary: (k, v, cos, sin, slot_mapping), q, k
+    and v unrotated (decode_attention_rotary)."""
+    batch, n_q, head_dim = q.shape
+    n_kv, page = k_cache.shape[2], k_cache.shape[1]
+    group = n_q // n_kv
+    block_d = next_pow2(head_dim)
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     splits = triton.cdiv(max_seq_len, split_keys)
     if num_programs is None:
         num_programs = triton.cdiv(2 * _sm_count(q.device), batch * n_kv)
@@ -323,9 +377,10 @@ def paged_attention(
         q.stride(0), q.stride(1), *kv_strides,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), num_programs,
+        *_rotary_args(q, pos, rotary),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=page,
         SPLIT=split_keys, FROM_POSITIONS=from_positions, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        num_warps=NUM_WARPS, num_stages=2, **pdl_launch(pdl),
+        ROTARY=rotary is not None, num_warps=NUM_WARPS, num_stages=2, **pdl_launch(pdl),
     )  # fmt: skip
     _merge_kernel[(batch, n_kv)](
         part_acc, part_ml, out, lens, pos, qk_scale,
@@ -335,3 +390,61 @@ def paged_attention(
         FROM_POSITIONS=from_positions, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
     )  # fmt: skip
     return out
+
+
+def _rotary_args(q: torch.Tensor, pos: torch.Tensor, rotary) -> tuple:
+    """The split kernel's k, v, cos, sin, slots and their strides (unused placeholders without rotary)."""
+    if rotary is None:
+        return (q, q, q, q, pos, 0, 0, 0, 0, 0)
+    k, v, cos, sin, slots = rotary
+    return (k, v, cos, sin, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0))
+
+
+def decode_attention_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int,
+    num_programs: int | None = None,
+    split_keys: int = SPLIT_KEYS,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """A decode step's rotary, K/V write and attention in the split launch (then the merge): the bits of
+    rotary.rotary_and_store_kv followed by paged_attention, one launch fewer. q [B, Hq, D], k and v [B, Hkv, D]
+    unrotated, one token a sequence at `positions`; the other arguments as those two functions take them. D must
+    be a power of two (the rotated halves are joined in registers)."""
+    num_tokens, n_q, head_dim, page, n_kv = check_paged_attention_inputs(q, k_cache, v_cache)
+    check(head_dim == next_pow2(head_dim),
+          f"q: head_dim {head_dim} is not a power of two; use rotary_and_store_kv and paged_attention")
+    check(n_q // n_kv <= BLOCK_M, f"q: a GQA group of {n_q // n_kv} heads exceeds the {BLOCK_M}-row tile")
+    for name, x in (("k", k), ("v", v)):
+        check_tensor(name, x, ndim=3, dtypes=(q.dtype,), device=q.device)
+        check(x.shape == (num_tokens, n_kv, head_dim) and x.stride(2) == 1,
+              f"{name}: {tuple(x.shape)} is not [{num_tokens}, {n_kv}, {head_dim}] with unit last stride")
+    check(q.stride(2) == 1, "q: the last dim must have unit stride")
+    for name, x in (("cos", cos), ("sin", sin)):
+        check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=q.device)
+        check(x.shape[1] == head_dim // 2 and x.stride(1) == 1, f"{name}: [max_pos, {head_dim // 2}] expected")
+    check(cos.stride(0) == sin.stride(0), "cos/sin: must share one row stride; pass .contiguous() for both")
+    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
+        check_tensor(name, x, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+        check(x.shape[0] == num_tokens, f"{name}: {x.shape[0]} entries for {num_tokens} tokens")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=q.device)
+    check(block_tables.shape[0] == num_tokens, f"block_tables: {block_tables.shape[0]} rows for {num_tokens} tokens")
+    check(split_keys >= BLOCK_N and split_keys % BLOCK_N == 0,
+          f"split_keys: {split_keys} is not a positive multiple of {BLOCK_N}")
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    return _decode(q, k_cache, v_cache, out, None, positions, block_tables, float(scale) * LOG2E,
+                   max_seq_len=max_seq_len, num_programs=num_programs, split_keys=split_keys, pdl=pdl,
+                   rotary=(k, v, cos, sin, slot_mapping))

@@ -39,7 +39,7 @@ from envex.kernels import (
     norm,
     rotary,
 )
-from envex.kernels._common import check
+from envex.kernels._common import check, next_pow2
 from envex.kernels.ops import (
     NO_INVARIANT_MOE,
     AttentionLayer,
@@ -254,6 +254,11 @@ class TritonOps:
         if layer.q_norm is not None and layer.k_norm is not None:
             q = norm.rms_norm(_rows(q), layer.q_norm, layer.norm_eps).view(q.shape)
             k = norm.rms_norm(_rows(k), layer.k_norm, layer.norm_eps).view(k.shape)
+        if meta.is_decode and layer.head_dim == next_pow2(layer.head_dim):  # rotary inside the split launch
+            return invariant_attention.decode_attention_rotary(
+                q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                layer.scale, max_seq_len=meta.max_seq_len, num_programs=meta.num_splits, pdl=pdl,
+            ).view(tokens, layer.q_size)  # fmt: skip
         q, _ = rotary.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
                                           meta.slot_mapping, pdl=pdl)  # fmt: skip
         out = invariant_attention.paged_attention(

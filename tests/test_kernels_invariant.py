@@ -196,6 +196,52 @@ def test_attention_row_is_the_same_in_prefill_chunks_and_decode(dtype: torch.dty
     assert torch.equal(mixed, full[259:260])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_with_rotary_gives_the_rotary_launch_and_attention_bits(dtype: torch.dtype) -> None:
+    """decode_attention_rotary (rotary and the K/V write inside the split launch) against rotary_and_store_kv and
+    paged_attention: the same outputs and the same caches, bit for bit, at split edges, with 1-3 split programs
+    and a padding token (slot -1: nothing written)."""
+    from envex.kernels import rotary
+
+    n_q, n_kv, d = 6, 2, 32
+    lengths = [129, 300, 5]  # the new token opens a split, sits inside one, and in a short sequence
+    kc, vc, tables = _cache(lengths, n_kv, d, dtype, seed=21)
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
+    pos = torch.tensor([n - 1 for n in lengths], device=DEV)
+    slots = torch.tensor([tables[b][p // PAGE] * PAGE + p % PAGE for b, p in enumerate(pos.tolist())], device=DEV)
+    slots[2] = -1  # a padding row of a graph's batch
+    g = torch.Generator().manual_seed(22)
+    cos, sin = torch.randn(400, d // 2, generator=g).to(DEV), torch.randn(400, d // 2, generator=g).to(DEV)
+    qkv = torch.randn(3, (n_q + 2 * n_kv) * d, generator=g).to(dtype).to(DEV)
+    q, k, v = qkv.view(3, n_q + 2 * n_kv, d).split([n_q, n_kv, n_kv], dim=1)
+    for programs in (1, 2, 3):
+        kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        q_rot, _ = rotary.rotary_and_store_kv(q, k, v, pos, cos, sin, kc1, vc1, slots)
+        want = ia.paged_attention(q_rot, kc1, vc1, torch.arange(4, dtype=torch.int32, device=DEV), None, bt, 0.125,
+                                  max_q_len=1, max_seq_len=320, positions=pos, num_programs=programs,
+                                  split_keys=SPLIT)  # fmt: skip
+        got = ia.decode_attention_rotary(q, k, v, pos, cos, sin, kc2, vc2, slots, bt, 0.125, max_seq_len=320,
+                                         num_programs=programs, split_keys=SPLIT)  # fmt: skip
+        assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1), f"caches differ with {programs} split programs"
+        assert torch.equal(got[:2], want[:2]), f"outputs differ with {programs} split programs"
+    assert not torch.equal(kc1, kc), "the new keys were written"
+
+
+def test_decode_with_rotary_rejects_bad_inputs() -> None:
+    kc, vc, tables = _cache([4], 1, 16, torch.float32, seed=0)
+    q, k = torch.zeros(1, 2, 16, device=DEV), torch.zeros(1, 1, 16, device=DEV)
+    cs = torch.zeros(8, 8, device=DEV)
+    one = torch.zeros(1, dtype=torch.int64, device=DEV)
+    bt = torch.tensor([tables[0]], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="v: "):
+        ia.decode_attention_rotary(q, k, k[:, :, :8], one, cs, cs, kc, vc, one, bt, 0.25, max_seq_len=8)
+    with pytest.raises(ValueError, match="cos: "):
+        ia.decode_attention_rotary(q, k, k, one, cs[:, :4], cs, kc, vc, one, bt, 0.25, max_seq_len=8)
+    with pytest.raises(ValueError, match="slot_mapping: 2 entries"):
+        ia.decode_attention_rotary(q, k, k, one, cs, cs, kc, vc, one.repeat(2), bt, 0.25, max_seq_len=8)
+
+
 def test_attention_rejects_a_decode_step_without_lengths() -> None:
     kc, vc, tables = _cache([4], 1, 16, torch.float32, seed=0)
     q = _randn(2, 1, 16, dtype=torch.float32, seed=0)
