@@ -229,18 +229,6 @@ def _split_kernel(
 
 
 @triton.jit
-def _split_saved(part_acc_ptr, part_ml_ptr, s, n_splits, t, head, g, d, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh):  # fmt: skip
-    """Split s's saved state (acc, m, l) for the GQA group's heads; past the last split: an empty state."""
-    g_ok = g < tl.where(s < n_splits, GROUP, 0)  # (a bound, not `& (s < n)`: the interpreter rejects scalar masks)
-    mask = g_ok[:, None] & (d < HEAD_DIM)[None, :]
-    acc_s = tl.load(part_acc_ptr + s * stride_as + t * stride_at + head[:, None] * stride_ah + d[None, :],
-                    mask=mask, other=0.0)  # fmt: skip
-    ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
-    return acc_s, tl.load(ml, mask=g_ok, other=float("-inf")), tl.load(ml + 1, mask=g_ok, other=0.0)
-
-
-@triton.jit
 def _rotated(src, ok, hc, c, sn, HALF: tl.constexpr, out_ty: tl.constexpr):
     """rotary._rotate_heads's arithmetic on rows at src ([R, 1] pointers; ok [R, 1]): the two rotated halves,
     rounded to out_ty."""
@@ -271,13 +259,12 @@ def _merge_kernel(
     m = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P2], dtype=tl.float32)
     acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
-    n_splits = tl.cdiv(seq_len, SPLIT)
-    acc_n, m_n, l_n = _split_saved(part_acc_ptr, part_ml_ptr, 0, n_splits, t, head, g, d, GROUP, HEAD_DIM,
-                                   stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh)  # fmt: skip
-    for s in range(0, n_splits):  # split order, as _full_kernel folds them; split s + 1 requested before folding s
-        acc_s, m_s, l_s = acc_n, m_n, l_n
-        acc_n, m_n, l_n = _split_saved(part_acc_ptr, part_ml_ptr, s + 1, n_splits, t, head, g, d, GROUP, HEAD_DIM,
-                                       stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh)  # fmt: skip
+    for s in range(0, tl.cdiv(seq_len, SPLIT)):  # split order, as _full_kernel folds them
+        acc_s = tl.load(part_acc_ptr + s * stride_as + t * stride_at + head[:, None] * stride_ah + d[None, :],
+                        mask=mask, other=0.0)  # fmt: skip
+        ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
+        m_s = tl.load(ml, mask=g_ok, other=float("-inf"))
+        l_s = tl.load(ml + 1, mask=g_ok, other=0.0)
         m, l_i, acc = _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
