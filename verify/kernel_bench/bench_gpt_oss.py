@@ -2,7 +2,7 @@
 profile of one layer, and speed and memory of the whole model through the OpenAI server on dummy weights.
 
     python3 -m envex.verify.kernel_bench.bench_gpt_oss --out $OUT --commit C \\
-        [--sections check,noise,check32,profile,attn131k,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
+        [--sections check,noise,check32,profile,chain,attn131k,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
 
 Sections, in this order, each written to gpt_oss.json as soon as it is done:
 
@@ -343,6 +343,89 @@ def profile_layers(engine: Any, *, context: int = 1024, rotations: int = 8) -> l
     return rows
 
 
+def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[str, Any]:
+    """The batch-1 decode chain as the forward runs it (`layers` gpt-oss layers of the exact width, dummy weights,
+    then the final norm and LM head), one CUDA graph with programmatic dependent launch between the kernels, timed
+    with each GEMV config of QKV, O and the LM head in turn (the others at their defaults) and with the one-launch
+    MoE's L2 request for the down rows on and off. A config is measured alone elsewhere (bench_h200); in the chain
+    its ramp and tail overlap its neighbours', which is what a served step sees."""
+    from envex.kernels import gemv, moe_mxfp4
+    from envex.kernels.ops import AttentionMetadata
+    from envex.runtime.engine import EngineConfig, LLMEngine
+    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.kernel_bench.bench_server import write_model_dir
+
+    shape = dict(SHAPES["gpt-oss-120b"], num_hidden_layers=layers,
+                 layer_types=["sliding_attention", "full_attention"] * (layers // 2))  # fmt: skip
+    path = models / f"gpt-oss-120b-{layers}l-dummy"
+    write_model_dir(path, shape, weights=False)
+    engine = LLMEngine(EngineConfig(model=str(path), load_format="dummy", device="cuda", dtype="bfloat16",
+                                    max_model_len=4096, num_kv_blocks=256, max_num_seqs=8,
+                                    enable_prefix_caching=False))  # fmt: skip
+    runner = engine.runner
+    model, ops, dev, dt = runner.model, runner.ops, runner.device, runner.dtype
+    c = model.config
+    bs = runner.block_size
+    blocks = -(-(context + 1) // bs)
+    caches = [(torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt),
+               torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt))
+              for _ in range(layers)]  # fmt: skip
+    table = torch.arange(blocks, device=dev, dtype=torch.int32)[None]
+    meta = AttentionMetadata(positions=torch.tensor([context], device=dev),
+                             slot_mapping=torch.tensor([context], device=dev),
+                             cu_seqlens_q=torch.tensor([0, 1], device=dev, dtype=torch.int32), block_tables=table,
+                             cos=runner.cos, sin=runner.sin, max_q_len=1, max_seq_len=context + 1)  # fmt: skip
+    ids = torch.tensor([7], device=dev)
+    h, kq = c.hidden_size, c.q_size + 2 * c.kv_size
+
+    def step(_: int) -> None:
+        hidden, residual = model.forward(ops, ids, caches, meta)
+        model.compute_logits(ops, hidden, residual)
+
+    def timed(label: str) -> float:
+        us = B.graph_time_ms(step, n_inner=4, replays=9) * 1e3
+        print(f"  chain {label:<44} {us:8.2f} us", flush=True)
+        return us
+
+    keys = {"qkv": (kq, h, gemv.PROLOGUE_ADD_RMS), "o": (h, c.q_size, gemv.PROLOGUE_NONE),
+            "lm_head": (c.vocab_size, h, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
+    candidates = {
+        "qkv": [(2, 0, 8, 4), (1, 0, 8, 4), (1, 0, 4, 4), (2, 0, 4, 4), (2, 0, 8, 2), (4, 0, 8, 2), (2, 0, 16, 2),
+                (1, 0, 8, 8), (8, 512, 4), (4, 1024, 4), (2, 1024, 4)],
+        "o": [(2, 2048, 8), (1, 4096, 8), (2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 512, 4), (2, 0, 8, 4),
+              (1, 0, 8, 4), (2, 0, 16, 2)],
+        "lm_head": [gemv.tuned_config(*keys["lm_head"]), (1, 0, 8, 4), (2, 0, 8, 2), (4, 0, 8, 2), (4, 0, 16, 2),
+                    (2, 0, 4, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4)],
+    }  # fmt: skip
+    report: dict[str, Any] = {"layers": layers, "context": context, "rows": []}
+    base = timed("defaults")
+    report["defaults_us"] = base
+    saved = dict(gemv.H200_CONFIGS)
+    try:
+        for name, cfgs in candidates.items():
+            best = (base, gemv.tuned_config(*keys[name]))
+            for cfg in cfgs:
+                gemv.H200_CONFIGS[keys[name]] = cfg
+                try:
+                    us = timed(f"{name} {cfg}")
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is a row, not the end
+                    report["rows"].append({"proj": name, "config": cfg, "error": str(exc)[:200]})
+                    continue
+                report["rows"].append({"proj": name, "config": cfg, "us": us})
+                best = min(best, (us, cfg))
+            gemv.H200_CONFIGS.clear()
+            gemv.H200_CONFIGS.update(saved)
+            report[f"best_{name}"] = {"config": best[1], "us": best[0], "key": keys[name]}
+        for warm in (False, True):
+            moe_mxfp4.ONE_LAUNCH_WARM = warm
+            report["rows"].append({"proj": "moe_warm", "config": warm, "us": timed(f"one-launch WARM={warm}")})
+    finally:
+        gemv.H200_CONFIGS.clear()
+        gemv.H200_CONFIGS.update(saved)
+    report["defaults_again_us"] = timed("defaults again")
+    return report
+
+
 def long_decode_attention(bw: float, *, keys: int = 131072) -> dict[str, Any]:
     """A full-attention layer's decode at batch 1 over `keys` cached keys (gpt-oss's 8 KV heads of 64, 64 query
     heads, sinks): decode_attention_fused as the engine launches it (key splits merged by a second launch), over
@@ -539,6 +622,11 @@ def main() -> None:
             report["profile"] = profile_layers(engine)
             save()
         del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "chain" in sections:
+        report["chain"] = chain_sweep(args.models)
+        save()
         gc.collect()
         torch.cuda.empty_cache()
     if "attn131k" in sections:
