@@ -53,9 +53,10 @@ GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 # where every program fits on the GPU at once; ONE_LAUNCH_WARM: its programs ask L2 for their down rows first.
 # ONE_LAUNCH_MAXNREG: a register cap; Triton 3.6 builds the fused kernel at 168 registers, 12 one-warp programs an
 # SM (1,584 on an H200: gpt-oss needs 1,440); a cap of 128 spilled and cost 8 us (kernels/NOTES.md). The settings
-# below are the fastest of the H200 sweep (bench_moe --one-launch).
+# below are the fastest of the H200 sweep (bench_moe --one-launch); WARM off from the decode chain (bench_gpt_oss
+# --sections chain, d0d7626: 516.9 against 518.7 us for 4 layers + LM head).
 ONE_LAUNCH = True
-ONE_LAUNCH_WARM = True
+ONE_LAUNCH_WARM = False
 ONE_LAUNCH_MAXNREG = 168
 ONE_LAUNCH_SPIN_NS = 800  # > 0: each spin of the barrier's wait sleeps this many ns (nanosleep) before reading again
 # a cooperative launch: the driver refuses a grid that cannot be resident at once (an error, not a hung barrier)
