@@ -391,11 +391,14 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
             "lm_head": (c.vocab_size, h, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
     candidates = {
         "qkv": [(2, 0, 8, 4), (1, 0, 8, 4), (1, 0, 4, 4), (2, 0, 4, 4), (2, 0, 8, 2), (4, 0, 8, 2), (2, 0, 16, 2),
-                (1, 0, 8, 8), (8, 512, 4), (4, 1024, 4), (2, 1024, 4)],
+                (1, 0, 8, 8), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (2, 0, 8, 3), (2, 0, 8, 5), (2, 0, 8, 6),
+                (4, 0, 8, 4), (2, 0, 4, 6)],
         "o": [(2, 2048, 8), (1, 4096, 8), (2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 512, 4), (2, 0, 8, 4),
-              (1, 0, 8, 4), (2, 0, 16, 2)],
+              (1, 0, 8, 4), (2, 0, 16, 2), (2, 0, 8, 3), (2, 0, 8, 5), (2, 0, 8, 6), (4, 0, 8, 4), (4, 0, 8, 2),
+              (2, 0, 4, 4), (2, 0, 4, 6)],
         "lm_head": [gemv.tuned_config(*keys["lm_head"]), (1, 0, 8, 4), (2, 0, 8, 2), (4, 0, 8, 2), (4, 0, 16, 2),
-                    (2, 0, 4, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4)],
+                    (2, 0, 4, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (2, 0, 8, 3), (2, 0, 8, 5), (2, 0, 8, 6),
+                    (4, 0, 8, 4)],
     }  # fmt: skip
     report: dict[str, Any] = {"layers": layers, "context": context, "rows": []}
     base = timed("defaults")
@@ -416,9 +419,15 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
             gemv.H200_CONFIGS.clear()
             gemv.H200_CONFIGS.update(saved)
             report[f"best_{name}"] = {"config": best[1], "us": best[0], "key": keys[name]}
+        warm0, spin0 = moe_mxfp4.ONE_LAUNCH_WARM, moe_mxfp4.ONE_LAUNCH_SPIN_NS
         for warm in (False, True):
             moe_mxfp4.ONE_LAUNCH_WARM = warm
             report["rows"].append({"proj": "moe_warm", "config": warm, "us": timed(f"one-launch WARM={warm}")})
+        moe_mxfp4.ONE_LAUNCH_WARM = warm0
+        for ns in (200, 400, 800, 1600):
+            moe_mxfp4.ONE_LAUNCH_SPIN_NS = ns
+            report["rows"].append({"proj": "moe_spin", "config": ns, "us": timed(f"one-launch SPIN_NS={ns}")})
+        moe_mxfp4.ONE_LAUNCH_SPIN_NS = spin0
     finally:
         gemv.H200_CONFIGS.clear()
         gemv.H200_CONFIGS.update(saved)
