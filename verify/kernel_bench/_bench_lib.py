@@ -19,6 +19,47 @@ LLAMA31_8B = dict(
 )  # fmt: skip
 
 
+def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph_len: int = 4096,
+                 **settings) -> tuple[Callable[[int], None], object]:  # fmt: skip
+    """A batch-1 decode step as a served graph runs it: `layers` layers of `shape` (dummy weights, an engine with
+    `settings`), then the final norm and LM head, at `context` cached keys, with the attention's split count and
+    longest sequence of the `graph_len` decode graph. Returns (step, engine); step(i) launches one step."""
+    from envex.kernels.ops import AttentionMetadata
+    from envex.runtime.engine import EngineConfig, LLMEngine
+    from envex.runtime.engine.cuda_graphs import num_splits_for
+    from envex.verify.kernel_bench.bench_server import write_model_dir
+
+    shape = dict(shape, num_hidden_layers=layers)
+    if "layer_types" in shape:
+        shape["layer_types"] = shape["layer_types"][:layers]
+    path = models / f"{shape['model_type']}-{layers}l-dummy"
+    write_model_dir(path, shape, weights=False)
+    engine = LLMEngine(EngineConfig(model=str(path), load_format="dummy", device="cuda", dtype="bfloat16",
+                                    max_model_len=graph_len, num_kv_blocks=512, max_num_seqs=8,
+                                    enable_prefix_caching=False, **settings))  # fmt: skip
+    runner = engine.runner
+    model, ops, dev, dt = runner.model, runner.ops, runner.device, runner.dtype
+    c = model.config
+    bs = runner.block_size
+    blocks = -(-(context + 1) // bs)
+    caches = [(torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt),
+               torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt))
+              for _ in range(layers)]  # fmt: skip
+    meta = AttentionMetadata(
+        positions=torch.tensor([context], device=dev), slot_mapping=torch.tensor([context], device=dev),
+        cu_seqlens_q=torch.tensor([0, 1], device=dev, dtype=torch.int32),
+        block_tables=torch.arange(blocks, device=dev, dtype=torch.int32)[None], cos=runner.cos, sin=runner.sin,
+        max_q_len=1, max_seq_len=graph_len, num_splits=num_splits_for(1, c.num_key_value_heads, graph_len, dev),
+        q_per_seq=1)  # fmt: skip
+    ids = torch.tensor([7], device=dev)
+
+    def step(_: int) -> None:
+        hidden, residual = model.forward(ops, ids, caches, meta)
+        model.compute_logits(ops, hidden, residual)
+
+    return step, engine
+
+
 def sync() -> None:
     torch.cuda.synchronize()
 

@@ -344,43 +344,18 @@ def profile_layers(engine: Any, *, context: int = 1024, rotations: int = 8) -> l
 
 
 def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[str, Any]:
-    """The batch-1 decode chain as the forward runs it (`layers` gpt-oss layers of the exact width, dummy weights,
-    then the final norm and LM head), one CUDA graph with programmatic dependent launch between the kernels, timed
-    with each GEMV config of QKV, O and the LM head in turn (the others at their defaults) and with the one-launch
-    MoE's L2 request for the down rows on and off. A config is measured alone elsewhere (bench_h200); in the chain
-    its ramp and tail overlap its neighbours', which is what a served step sees."""
+    """The batch-1 decode chain as a served graph runs it (`layers` gpt-oss layers of the exact width, dummy
+    weights, then the final norm and LM head; 1K keys in the 4K graph's attention launch), one CUDA graph with
+    programmatic dependent launch between the kernels, timed with each GEMV config of QKV, O and the LM head in turn
+    (the others at their defaults), and with the one-launch MoE's and norm_router's settings. A config is measured
+    alone elsewhere (bench_h200); in the chain its ramp and tail overlap its neighbours', which is what a served
+    step sees. The server has the last word (kernels/NOTES.md, "Settings picked in the decode chain")."""
     from envex.kernels import gemv, moe_mxfp4
-    from envex.kernels.ops import AttentionMetadata
-    from envex.runtime.engine import EngineConfig, LLMEngine
     from envex.verify.kernel_bench import _bench_lib as B
-    from envex.verify.kernel_bench.bench_server import write_model_dir
 
-    shape = dict(SHAPES["gpt-oss-120b"], num_hidden_layers=layers,
-                 layer_types=["sliding_attention", "full_attention"] * (layers // 2))  # fmt: skip
-    path = models / f"gpt-oss-120b-{layers}l-dummy"
-    write_model_dir(path, shape, weights=False)
-    engine = LLMEngine(EngineConfig(model=str(path), load_format="dummy", device="cuda", dtype="bfloat16",
-                                    max_model_len=4096, num_kv_blocks=256, max_num_seqs=8,
-                                    enable_prefix_caching=False))  # fmt: skip
-    runner = engine.runner
-    model, ops, dev, dt = runner.model, runner.ops, runner.device, runner.dtype
-    c = model.config
-    bs = runner.block_size
-    blocks = -(-(context + 1) // bs)
-    caches = [(torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt),
-               torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt))
-              for _ in range(layers)]  # fmt: skip
-    table = torch.arange(blocks, device=dev, dtype=torch.int32)[None]
-    meta = AttentionMetadata(positions=torch.tensor([context], device=dev),
-                             slot_mapping=torch.tensor([context], device=dev),
-                             cu_seqlens_q=torch.tensor([0, 1], device=dev, dtype=torch.int32), block_tables=table,
-                             cos=runner.cos, sin=runner.sin, max_q_len=1, max_seq_len=context + 1)  # fmt: skip
-    ids = torch.tensor([7], device=dev)
+    step, engine = B.decode_chain(models, SHAPES["gpt-oss-120b"], layers=layers, context=context)
+    c = engine.runner.model.config
     h, kq = c.hidden_size, c.q_size + 2 * c.kv_size
-
-    def step(_: int) -> None:
-        hidden, residual = model.forward(ops, ids, caches, meta)
-        model.compute_logits(ops, hidden, residual)
 
     def timed(label: str) -> float:
         us = B.graph_time_ms(step, n_inner=4, replays=9) * 1e3
@@ -389,16 +364,10 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
 
     keys = {"qkv": (kq, h, gemv.PROLOGUE_ADD_RMS), "o": (h, c.q_size, gemv.PROLOGUE_NONE),
             "lm_head": (c.vocab_size, h, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
-    candidates = {
-        "qkv": [(2, 0, 8, 4), (1, 0, 8, 4), (1, 0, 4, 4), (2, 0, 4, 4), (2, 0, 8, 2), (4, 0, 8, 2), (2, 0, 16, 2),
-                (1, 0, 8, 8), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (2, 0, 8, 3), (2, 0, 8, 5), (2, 0, 8, 6),
-                (4, 0, 8, 4), (2, 0, 4, 6)],
-        "o": [(2, 2048, 8), (1, 4096, 8), (2, 1024, 4), (4, 1024, 4), (4, 512, 4), (8, 512, 4), (2, 0, 8, 4),
-              (1, 0, 8, 4), (2, 0, 16, 2), (2, 0, 8, 3), (2, 0, 8, 5), (2, 0, 8, 6), (4, 0, 8, 4), (4, 0, 8, 2),
-              (2, 0, 4, 4), (2, 0, 4, 6)],
-        "lm_head": [gemv.tuned_config(*keys["lm_head"]), (1, 0, 8, 4), (2, 0, 8, 2), (4, 0, 8, 2), (4, 0, 16, 2),
-                    (2, 0, 4, 4), (8, 512, 4), (4, 1024, 4), (2, 1024, 4), (2, 0, 8, 3), (2, 0, 8, 5), (2, 0, 8, 6),
-                    (4, 0, 8, 4)],
+    candidates = {  # the earlier sweeps' leaders (d0d7626, 0964986) and their neighbours
+        "qkv": [(2, 0, 8, 4), (2, 0, 4, 4), (2, 0, 4, 6), (2, 0, 4, 8), (2, 0, 8, 5), (4, 0, 8, 2), (4, 0, 8, 4)],
+        "o": [(2, 0, 8, 4), (2, 2048, 8), (4, 512, 4), (1, 0, 8, 4), (2, 0, 4, 4), (2, 0, 4, 6), (2, 0, 8, 3)],
+        "lm_head": [(2, 0, 8, 4), (4, 0, 8, 2), (2, 0, 4, 4), (4, 0, 8, 4), (2, 0, 8, 6)],
     }  # fmt: skip
     report: dict[str, Any] = {"layers": layers, "context": context, "rows": []}
     base = timed("defaults")
@@ -428,6 +397,12 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
             moe_mxfp4.ONE_LAUNCH_SPIN_NS = ns
             report["rows"].append({"proj": "moe_spin", "config": ns, "us": timed(f"one-launch SPIN_NS={ns}")})
         moe_mxfp4.ONE_LAUNCH_SPIN_NS = spin0
+        rows0 = moe_mxfp4.NORM_ROUTER_ROWS
+        for rows in (2, 4, 8):
+            moe_mxfp4.NORM_ROUTER_ROWS = rows
+            report["rows"].append({"proj": "norm_router_rows", "config": rows,
+                                   "us": timed(f"norm_router rows={rows}")})  # fmt: skip
+        moe_mxfp4.NORM_ROUTER_ROWS = rows0
     finally:
         gemv.H200_CONFIGS.clear()
         gemv.H200_CONFIGS.update(saved)

@@ -298,6 +298,51 @@ def _kernels(report: dict, out: Path, sweep: bool, attention: bool = True, matmu
         _attention_prefill_time(row, batch, q_len)
 
 
+def _chain(report: dict, models: Path) -> None:
+    """The deterministic batch-1 decode chain of the Llama-3.1-8B shape (4 layers, dummy weights, final norm and LM
+    head, 1K keys in the 4K graph's launch) timed with each decode tile in turn: a tile is a schedule, never the
+    arithmetic (the equality rows above check that on every shape), so any of them may run; the fastest in the
+    chain is the candidate to serve (bench_server decides)."""
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.kernel_bench.bench_server import SHAPES as SERVED
+
+    step, _ = B.decode_chain(models, SERVED["llama8b"], layers=4, deterministic=True)
+
+    def timed(label: str) -> float:
+        us = B.graph_time_ms(step, n_inner=4, replays=9) * 1e3
+        print(f"  chain {label:<52} {us:8.2f} us", flush=True)
+        return us
+
+    T = im.Tile
+    candidates = {
+        "SMALL_TILE": [T(16, 64, 128, 4, 2, True), T(16, 64, 128, 4, 4, True), T(16, 64, 128, 4, 5, True),
+                       T(16, 128, 128, 4, 3, True), T(16, 64, 64, 4, 4, True), T(16, 64, 64, 4, 6, True),
+                       T(16, 128, 64, 4, 4, True)],
+        "DECODE_TILE": [T(64, 64, 128, 4, 2), T(64, 64, 128, 4, 4), T(64, 128, 128, 4, 3), T(64, 128, 128, 8, 3),
+                        T(64, 64, 64, 4, 4), T(64, 64, 64, 4, 6), T(64, 128, 64, 4, 4)],
+    }  # fmt: skip
+    chain: dict = {"defaults_us": timed("defaults"), "rows": []}
+    report["chain"] = chain
+    for name, tiles in candidates.items():
+        saved = getattr(im, name)
+        best = (chain["defaults_us"], saved)
+        try:
+            for t in tiles:
+                setattr(im, name, t)
+                try:
+                    us = timed(f"{name} {t}")
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a row, not the end
+                    chain["rows"].append({"name": name, "tile": repr(t), "error": str(exc)[:200]})
+                    continue
+                chain["rows"].append({"name": name, "tile": repr(t), "us": us})
+                best = min(best, (us, t), key=lambda b: b[0])
+        finally:
+            setattr(im, name, saved)
+        chain[f"best_{name}"] = {"tile": repr(best[1]), "fields": list(best[1].__dict__.values()), "us": best[0]}
+    chain["defaults_again_us"] = timed("defaults again")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -305,6 +350,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time decode tiles and piece counts (tuning)")
     ap.add_argument("--matmul-only", action="store_true", help="the projections only, not attention")
     ap.add_argument("--attention-only", action="store_true", help="attention only, not the projections")
+    ap.add_argument("--chain", action="store_true", help="only the decode chain's tile sweep (4 Llama-8B layers)")
+    ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -316,7 +363,10 @@ def main() -> None:
                     "bandwidth": B.measure_bandwidth(gib=2.0)}  # fmt: skip
     print(json.dumps(report), flush=True)
     try:
-        _kernels(report, args.out, args.sweep, attention=not args.matmul_only, matmul=not args.attention_only)
+        if args.chain:
+            _chain(report, args.models)
+        else:
+            _kernels(report, args.out, args.sweep, attention=not args.matmul_only, matmul=not args.attention_only)
     finally:
         (args.out / "invariance.json").write_text(json.dumps(report, indent=1))
     bad = [r for r in report.get("rows", []) if r.get("mismatched_rows")]
