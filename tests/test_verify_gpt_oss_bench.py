@@ -51,3 +51,33 @@ def test_noise_floor_on_a_tiny_model(tmp_path) -> None:
     assert noise["envex"]["greedy"] == {"identical": 2, "top5_rule": 2, "verdict": "pass", "prompts": 2}
     assert noise["hf_bf16"]["mean_kl"] > 1e-7  # bf16 rounding moves the logits
     assert 0 <= noise["hf_bf16"]["greedy"]["identical"] <= noise["hf_bf16"]["greedy"]["top5_rule"] <= 2
+
+
+TINY_LLAMA = {**SHAPES["llama8b"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256, "eos_token_id": 299}
+
+
+@pytest.mark.parametrize("shape", [TINY, TINY_LLAMA], ids=["gpt-oss", "llama"])
+def test_the_decode_chain_is_one_decode_step(tmp_path, shape) -> None:
+    """The chain the benches time (`_bench_lib.decode_chain`) is a real decode step: its logits are those of the
+    same token decoded with the sequence's exact length as the bound, not the graph's, and it writes the token's
+    K/V at the slot after the context in every layer."""
+    import dataclasses
+
+    import torch
+
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    context = 40
+    chain = B.decode_chain(tmp_path, shape, layers=2, context=context, graph_len=128, device="cpu", dtype="float32")
+    before = [k.clone() for k, _ in chain.caches]
+    logits = chain.step(0)
+    runner = chain.engine.runner
+    assert logits.shape == (1, shape["vocab_size"]) and torch.isfinite(logits).all()
+    exact = dataclasses.replace(chain.meta, max_seq_len=context + 1)
+    hidden, residual = runner.model.forward(runner.ops, chain.ids, chain.caches, exact)
+    assert torch.equal(runner.model.compute_logits(runner.ops, hidden, residual), logits)
+    bs = runner.block_size
+    for (k, _), old in zip(chain.caches, before, strict=True):
+        changed = (k != old).flatten(2).any(-1).nonzero().tolist()  # (block, offset) rows that the step wrote
+        assert changed == [[context // bs, context % bs]]

@@ -20,10 +20,11 @@ LLAMA31_8B = dict(
 
 
 def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph_len: int = 4096,
-                 **settings) -> tuple[Callable[[int], None], object]:  # fmt: skip
+                 device: str = "cuda", dtype: str = "bfloat16", **settings) -> SimpleNamespace:  # fmt: skip
     """A batch-1 decode step as a served graph runs it: `layers` layers of `shape` (dummy weights, an engine with
     `settings`), then the final norm and LM head, at `context` cached keys, with the attention's split count and
-    longest sequence of the `graph_len` decode graph. Returns (step, engine); step(i) launches one step."""
+    longest sequence of the `graph_len` decode graph. Returns step (step(i) launches one step and returns its
+    logits [1, V]), engine, caches, meta and ids."""
     from envex.kernels.ops import AttentionMetadata
     from envex.runtime.engine import EngineConfig, LLMEngine
     from envex.runtime.engine.cuda_graphs import num_splits_for
@@ -34,7 +35,7 @@ def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph
         shape["layer_types"] = shape["layer_types"][:layers]
     path = models / f"{shape['model_type']}-{layers}l-dummy"
     write_model_dir(path, shape, weights=False)
-    engine = LLMEngine(EngineConfig(model=str(path), load_format="dummy", device="cuda", dtype="bfloat16",
+    engine = LLMEngine(EngineConfig(model=str(path), load_format="dummy", device=device, dtype=dtype,
                                     max_model_len=graph_len, num_kv_blocks=512, max_num_seqs=8,
                                     enable_prefix_caching=False, **settings))  # fmt: skip
     runner = engine.runner
@@ -53,11 +54,11 @@ def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph
         q_per_seq=1)  # fmt: skip
     ids = torch.tensor([7], device=dev)
 
-    def step(_: int) -> None:
+    def step(_: int) -> torch.Tensor:
         hidden, residual = model.forward(ops, ids, caches, meta)
-        model.compute_logits(ops, hidden, residual)
+        return model.compute_logits(ops, hidden, residual)
 
-    return step, engine
+    return SimpleNamespace(step=step, engine=engine, caches=caches, meta=meta, ids=ids)
 
 
 def sync() -> None:

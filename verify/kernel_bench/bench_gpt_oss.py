@@ -353,8 +353,8 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
     from envex.kernels import gemv, moe_mxfp4
     from envex.verify.kernel_bench import _bench_lib as B
 
-    step, engine = B.decode_chain(models, SHAPES["gpt-oss-120b"], layers=layers, context=context)
-    c = engine.runner.model.config
+    chain = B.decode_chain(models, SHAPES["gpt-oss-120b"], layers=layers, context=context)
+    step, c = chain.step, chain.engine.runner.model.config
     h, kq = c.hidden_size, c.q_size + 2 * c.kv_size
 
     def timed(label: str) -> float:

@@ -307,7 +307,7 @@ def _chain(report: dict, models: Path) -> None:
     from envex.verify.kernel_bench import _bench_lib as B
     from envex.verify.kernel_bench.bench_server import SHAPES as SERVED
 
-    step, _ = B.decode_chain(models, SERVED["llama8b"], layers=4, deterministic=True)
+    step = B.decode_chain(models, SERVED["llama8b"], layers=4, deterministic=True).step
 
     def timed(label: str) -> float:
         us = B.graph_time_ms(step, n_inner=4, replays=9) * 1e3
