@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from envex.kernels import rotary
 from envex.kernels._common import (
     INTERPRETING,
     check,
@@ -413,18 +414,10 @@ def decode_attention_rotary(
     check(head_dim == next_pow2(head_dim),
           f"q: head_dim {head_dim} is not a power of two; use rotary_and_store_kv and paged_attention")
     check(n_q // n_kv <= BLOCK_M, f"q: a GQA group of {n_q // n_kv} heads exceeds the {BLOCK_M}-row tile")
-    for name, x in (("k", k), ("v", v)):
-        check_tensor(name, x, ndim=3, dtypes=(q.dtype,), device=q.device)
-        check(x.shape == (num_tokens, n_kv, head_dim) and x.stride(2) == 1,
-              f"{name}: {tuple(x.shape)} is not [{num_tokens}, {n_kv}, {head_dim}] with unit last stride")
-    check(q.stride(2) == 1, "q: the last dim must have unit stride")
-    for name, x in (("cos", cos), ("sin", sin)):
-        check_tensor(name, x, ndim=2, dtypes=(torch.float32,), device=q.device)
-        check(x.shape[1] == head_dim // 2 and x.stride(1) == 1, f"{name}: [max_pos, {head_dim // 2}] expected")
-    check(cos.stride(0) == sin.stride(0), "cos/sin: must share one row stride; pass .contiguous() for both")
-    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
-        check_tensor(name, x, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
-        check(x.shape[0] == num_tokens, f"{name}: {x.shape[0]} entries for {num_tokens} tokens")
+    rotary.check_token_inputs(q, k, v, positions, cos, sin, slot_mapping)
+    check(k.shape[1] == n_kv, f"k: {k.shape[1]} KV heads, the caches hold {n_kv}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+        check(x.stride(-1) == 1, f"{name}: the last dim must have unit stride")
     check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=q.device)
     check(block_tables.shape[0] == num_tokens, f"block_tables: {block_tables.shape[0]} rows for {num_tokens} tokens")
     check(split_keys >= BLOCK_N and split_keys % BLOCK_N == 0,

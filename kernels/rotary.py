@@ -66,6 +66,27 @@ def _rotary_store_kernel(
     tl.store(v_cache_ptr + row + heads * HEAD_DIM + cols, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def check_token_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, slot_mapping: torch.Tensor) -> None:  # fmt: skip
+    """The checks on a step's rows that every launcher of this rotary makes (here and inside
+    invariant_attention.decode_attention_rotary): q [T, Hq, D], k and v [T, Hkv, D] of q's dtype, D even, one
+    position and one slot a token, cos/sin [max_pos, D/2] float32 sharing one row stride."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
+    num_tokens, _, head_dim = q.shape
+    check(head_dim % 2 == 0, f"q: head_dim {head_dim} must be even for rotate_half rotary")
+    check(k.shape == (num_tokens, k.shape[1], head_dim), f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
+    check(v.shape == k.shape, f"v: shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
+    for name, x in (("positions", positions), ("slot_mapping", slot_mapping)):
+        check_tensor(name, x, ndim=1, dtypes=(torch.int64, torch.int32), device=q.device)
+        check(x.shape[0] == num_tokens, f"{name}: {x.shape[0]} entries for {num_tokens} tokens")
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_tensor(name, t, ndim=2, dtypes=(torch.float32,), device=q.device)
+        check(t.shape[1] == head_dim // 2, f"{name}: last dim {t.shape[1]} != head_dim/2 = {head_dim // 2}")
+    check(cos.stride(0) == sin.stride(0), "cos/sin: must share one row stride; pass .contiguous() for both")
+
+
 def rotary_and_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -84,26 +105,13 @@ def rotary_and_store_kv(
     cos/sin: [max_pos, D/2] float32. Caches: contiguous [num_blocks, block_size, Hkv, D]. A negative slot skips
     the cache write for that token. Returns new tensors (q_rot, k_rot); q, k and v are not modified.
     """
-    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor("k", k, ndim=3, dtypes=(q.dtype,), device=q.device)
-    check_tensor("v", v, ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_token_inputs(q, k, v, positions, cos, sin, slot_mapping)
     num_tokens, n_q, head_dim = q.shape
     n_kv = k.shape[1]
-    check(head_dim % 2 == 0, f"q: head_dim {head_dim} must be even for rotate_half rotary")
-    check(k.shape == (num_tokens, n_kv, head_dim), f"k: shape {tuple(k.shape)} does not match q {tuple(q.shape)}")
-    check(v.shape == k.shape, f"v: shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    check_tensor("positions", positions, ndim=1, dtypes=(torch.int64, torch.int32), device=q.device)
-    check(positions.shape[0] == num_tokens, f"positions: {positions.shape[0]} entries for {num_tokens} tokens")
-    for name, t in (("cos", cos), ("sin", sin)):
-        check_tensor(name, t, ndim=2, dtypes=(torch.float32,), device=q.device)
-        check(t.shape[1] == head_dim // 2, f"{name}: last dim {t.shape[1]} != head_dim/2 = {head_dim // 2}")
-    check(cos.stride(0) == sin.stride(0), "cos/sin: must share one row stride; pass .contiguous() for both")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, c, ndim=4, device=q.device)
         check(c.is_contiguous(), f"{name}: must be contiguous [num_blocks, block_size, Hkv, D]")
         check(c.shape[2:] == (n_kv, head_dim), f"{name}: trailing dims {tuple(c.shape[2:])} != ({n_kv}, {head_dim})")
-    check_tensor("slot_mapping", slot_mapping, ndim=1, dtypes=(torch.int64, torch.int32), device=q.device)
-    check(slot_mapping.shape[0] == num_tokens, f"slot_mapping: {slot_mapping.shape[0]} entries for {num_tokens} tokens")
 
     q_rot = torch.empty((num_tokens, n_q, head_dim), dtype=q.dtype, device=q.device)
     k_rot = torch.empty((num_tokens, n_kv, head_dim), dtype=q.dtype, device=q.device)
