@@ -81,3 +81,29 @@ def test_the_decode_chain_is_one_decode_step(tmp_path, shape) -> None:
     for (k, _), old in zip(chain.caches, before, strict=True):
         changed = (k != old).flatten(2).any(-1).nonzero().tolist()  # (block, offset) rows that the step wrote
         assert changed == [[context // bs, context % bs]]
+
+
+def test_a_sweep_restores_the_setting_it_varies_even_when_a_value_fails() -> None:
+    """The chain sweeps vary one tuning setting at a time (a module constant, or an entry of a config table) and
+    must leave it as they found it: the next setting's row is timed against the defaults."""
+    from types import SimpleNamespace
+
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    module, table = SimpleNamespace(SPIN=800), {("qkv",): (2, 0, 8, 4)}
+    seen = []
+
+    def timed(label: str) -> float:
+        seen.append((label, module.SPIN, table.get(("o",))))
+        if "bad" in label:
+            raise RuntimeError("out of shared memory")
+        return float(len(seen))
+
+    rows = B.sweep(timed, "SPIN", (200, "bad"), module, "SPIN")
+    assert rows == [(200, 1.0, ""), ("bad", None, "out of shared memory")] and module.SPIN == 800
+    assert seen == [("SPIN 200", 200, None), ("SPIN bad", "bad", None)]
+    assert B.sweep(timed, "o", [(4, 512, 4)], table, ("o",)) == [((4, 512, 4), 3.0, "")]
+    assert seen[-1] == ("o (4, 512, 4)", 800, (4, 512, 4))
+    assert table == {("qkv",): (2, 0, 8, 4)}  # an entry the table did not have is removed again
+    B.sweep(timed, "qkv", [(1, 0, 8, 4)], table, ("qkv",))
+    assert table == {("qkv",): (2, 0, 8, 4)}

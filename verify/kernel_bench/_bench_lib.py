@@ -61,6 +61,45 @@ def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph
     return SimpleNamespace(step=step, engine=engine, caches=caches, meta=meta, ids=ids)
 
 
+def chain_timer(step: Callable[[int], object], width: int = 44) -> Callable[[str], float]:
+    """timed(label): one step's graph time in µs (4 steps a graph, median of 9 replays), printed beside label."""
+
+    def timed(label: str) -> float:
+        us = graph_time_ms(step, n_inner=4, replays=9) * 1e3
+        print(f"  chain {label:<{width}} {us:8.2f} us", flush=True)
+        return us
+
+    return timed
+
+
+def sweep(timed: Callable[[str], float], label: str, values, target, key) -> list[tuple[object, float | None, str]]:
+    """timed() with target's `key` (an item of a dict target, else an attribute: a module's tuning constant) set
+    to each value in turn, and as it was afterwards, even on an error. Returns (value, µs, "") per value, or
+    (value, None, error) for a value that does not compile or fit."""
+    is_dict = isinstance(target, dict)
+    had = key in target if is_dict else True
+    saved = target.get(key) if is_dict else getattr(target, key)
+    out: list[tuple[object, float | None, str]] = []
+    try:
+        for value in values:
+            if is_dict:
+                target[key] = value
+            else:
+                setattr(target, key, value)
+            try:
+                out.append((value, timed(f"{label} {value}"), ""))
+            except Exception as exc:  # noqa: BLE001 - a value that does not compile or fit is a row, not the end
+                out.append((value, None, str(exc)[:200]))
+    finally:
+        if not is_dict:
+            setattr(target, key, saved)
+        elif had:
+            target[key] = saved
+        else:
+            target.pop(key, None)
+    return out
+
+
 def sync() -> None:
     torch.cuda.synchronize()
 

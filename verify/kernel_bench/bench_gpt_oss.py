@@ -357,10 +357,7 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
     step, c = chain.step, chain.engine.runner.model.config
     h, kq = c.hidden_size, c.q_size + 2 * c.kv_size
 
-    def timed(label: str) -> float:
-        us = B.graph_time_ms(step, n_inner=4, replays=9) * 1e3
-        print(f"  chain {label:<44} {us:8.2f} us", flush=True)
-        return us
+    timed = B.chain_timer(step)
 
     keys = {"qkv": (kq, h, gemv.PROLOGUE_ADD_RMS), "o": (h, c.q_size, gemv.PROLOGUE_NONE),
             "lm_head": (c.vocab_size, h, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
@@ -372,40 +369,19 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
     report: dict[str, Any] = {"layers": layers, "context": context, "rows": []}
     base = timed("defaults")
     report["defaults_us"] = base
-    saved = dict(gemv.H200_CONFIGS)
-    try:
-        for name, cfgs in candidates.items():
-            best = (base, gemv.tuned_config(*keys[name]))
-            for cfg in cfgs:
-                gemv.H200_CONFIGS[keys[name]] = cfg
-                try:
-                    us = timed(f"{name} {cfg}")
-                except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit is a row, not the end
-                    report["rows"].append({"proj": name, "config": cfg, "error": str(exc)[:200]})
-                    continue
-                report["rows"].append({"proj": name, "config": cfg, "us": us})
+    for name, cfgs in candidates.items():
+        best = (base, gemv.tuned_config(*keys[name]))
+        for cfg, us, err in B.sweep(timed, name, cfgs, gemv.H200_CONFIGS, keys[name]):
+            report["rows"].append({"proj": name, "config": cfg, **({"error": err} if err else {"us": us})})
+            if not err:
                 best = min(best, (us, cfg))
-            gemv.H200_CONFIGS.clear()
-            gemv.H200_CONFIGS.update(saved)
-            report[f"best_{name}"] = {"config": best[1], "us": best[0], "key": keys[name]}
-        warm0, spin0 = moe_mxfp4.ONE_LAUNCH_WARM, moe_mxfp4.ONE_LAUNCH_SPIN_NS
-        for warm in (False, True):
-            moe_mxfp4.ONE_LAUNCH_WARM = warm
-            report["rows"].append({"proj": "moe_warm", "config": warm, "us": timed(f"one-launch WARM={warm}")})
-        moe_mxfp4.ONE_LAUNCH_WARM = warm0
-        for ns in (200, 400, 800, 1600):
-            moe_mxfp4.ONE_LAUNCH_SPIN_NS = ns
-            report["rows"].append({"proj": "moe_spin", "config": ns, "us": timed(f"one-launch SPIN_NS={ns}")})
-        moe_mxfp4.ONE_LAUNCH_SPIN_NS = spin0
-        rows0 = moe_mxfp4.NORM_ROUTER_ROWS
-        for rows in (2, 4, 8):
-            moe_mxfp4.NORM_ROUTER_ROWS = rows
-            report["rows"].append({"proj": "norm_router_rows", "config": rows,
-                                   "us": timed(f"norm_router rows={rows}")})  # fmt: skip
-        moe_mxfp4.NORM_ROUTER_ROWS = rows0
-    finally:
-        gemv.H200_CONFIGS.clear()
-        gemv.H200_CONFIGS.update(saved)
+        report[f"best_{name}"] = {"config": best[1], "us": best[0], "key": keys[name]}
+    settings = (("moe_warm", "ONE_LAUNCH_WARM", (False, True)),
+                ("moe_spin", "ONE_LAUNCH_SPIN_NS", (200, 400, 800, 1600)),
+                ("norm_router_rows", "NORM_ROUTER_ROWS", (2, 4, 8)))  # fmt: skip
+    for proj, attr, values in settings:
+        for value, us, err in B.sweep(timed, attr, values, moe_mxfp4, attr):
+            report["rows"].append({"proj": proj, "config": value, **({"error": err} if err else {"us": us})})
     report["defaults_again_us"] = timed("defaults again")
     return report
 

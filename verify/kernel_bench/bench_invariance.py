@@ -309,10 +309,7 @@ def _chain(report: dict, models: Path) -> None:
 
     step = B.decode_chain(models, SERVED["llama8b"], layers=4, deterministic=True).step
 
-    def timed(label: str) -> float:
-        us = B.graph_time_ms(step, n_inner=4, replays=9) * 1e3
-        print(f"  chain {label:<52} {us:8.2f} us", flush=True)
-        return us
+    timed = B.chain_timer(step, width=52)
 
     T = im.Tile
     candidates = {
@@ -325,20 +322,11 @@ def _chain(report: dict, models: Path) -> None:
     chain: dict = {"defaults_us": timed("defaults"), "rows": []}
     report["chain"] = chain
     for name, tiles in candidates.items():
-        saved = getattr(im, name)
-        best = (chain["defaults_us"], saved)
-        try:
-            for t in tiles:
-                setattr(im, name, t)
-                try:
-                    us = timed(f"{name} {t}")
-                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is a row, not the end
-                    chain["rows"].append({"name": name, "tile": repr(t), "error": str(exc)[:200]})
-                    continue
-                chain["rows"].append({"name": name, "tile": repr(t), "us": us})
+        best = (chain["defaults_us"], getattr(im, name))
+        for t, us, err in B.sweep(timed, name, tiles, im, name):
+            chain["rows"].append({"name": name, "tile": repr(t), **({"error": err} if err else {"us": us})})
+            if not err:
                 best = min(best, (us, t), key=lambda b: b[0])
-        finally:
-            setattr(im, name, saved)
         chain[f"best_{name}"] = {"tile": repr(best[1]), "fields": list(best[1].__dict__.values()), "us": best[0]}
     chain["defaults_again_us"] = timed("defaults again")
 
