@@ -179,9 +179,9 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 2048, PROLOGUE_NONE): (2, 1024, 4),
     (4096, 7168, PROLOGUE_SILU_MUL): (2, 0, 16, 2),
     # gpt-oss-120b's QKV (K = 2880: the persistent kernel's register tile is 4096 wide; bench_h200 --shapes gpt-oss,
-    # 9454f3c: the nearest 8B config gave 11.7 us). O: the persistent kernel, the best in the decode chain
-    # (bench_gpt_oss --sections chain, d0d7626: 516.3 against 518.6 us for 4 layers + LM head), where (2, 2048, 8),
-    # the best timed alone, overlaps its neighbours less.
+    # 9454f3c: the nearest 8B config gave 11.7 us). O: the persistent kernel, picked in the decode chain
+    # (bench_gpt_oss --sections chain, d0d7626) over (2, 2048, 8), the best timed alone, and kept with the MoE's
+    # ONE_LAUNCH_WARM = False on the served figure: 400.5 against 397.8 tok/s (kernels/NOTES.md).
     (5120, 2880, PROLOGUE_ADD_RMS): (2, 0, 8, 4),
     (2880, 4096, PROLOGUE_NONE): (2, 0, 8, 4),
 }

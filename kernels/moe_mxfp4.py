@@ -53,8 +53,8 @@ GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 # where every program fits on the GPU at once; ONE_LAUNCH_WARM: its programs ask L2 for their down rows first.
 # ONE_LAUNCH_MAXNREG: a register cap; Triton 3.6 builds the fused kernel at 168 registers, 12 one-warp programs an
 # SM (1,584 on an H200: gpt-oss needs 1,440); a cap of 128 spilled and cost 8 us (kernels/NOTES.md). The settings
-# below are the fastest of the H200 sweep (bench_moe --one-launch); WARM off from the decode chain (bench_gpt_oss
-# --sections chain, d0d7626: 516.9 against 518.7 us for 4 layers + LM head).
+# below are the fastest of the H200 sweep (bench_moe --one-launch); WARM off was picked in the decode chain
+# (bench_gpt_oss --sections chain, d0d7626) and kept with gemv's O config on the served figure (kernels/NOTES.md).
 ONE_LAUNCH = True
 ONE_LAUNCH_WARM = False
 ONE_LAUNCH_MAXNREG = 168
