@@ -14,7 +14,8 @@ combine the splits in one fixed order. The arithmetic of one query row:
 Two schedules compute exactly that:
 - decode (one token per sequence): `_split_kernel`, one program per (sequence, KV head, split program); program
   p computes splits p, p + P, p + 2P, ... (P from the batch or fixed by a CUDA graph: any P gives the same bits,
-  it only spreads the work) and writes each split's state; `_merge_kernel` folds them in split order;
+  it only spreads the work) and writes each split's state; `_merge_kernel` folds them in split order. With one
+  split program (P = 1: large batches) the program makes the merge's folds itself (FOLD): no states, no merge;
 - everything else (prefill chunks, mixed steps, speculative verify): `_full_kernel`, one program per (query tile,
   sequence, KV head), walking the splits and folding in registers. A tile's rows sit at different positions; for
   a row, keys past its position are masked, so the extra keys and whole splits a longer row makes it visit fold
@@ -166,14 +167,17 @@ def _split_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_as, stride_at, stride_ah,
     stride_ms, stride_mt, stride_mh, num_progs,
     k_ptr, v_ptr, cos_ptr, sin_ptr, slot_ptr, stride_kt, stride_khh, stride_vt, stride_vh, stride_cos,
+    out_ptr, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT: tl.constexpr, FROM_POSITIONS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, ROTARY: tl.constexpr = False,
+    UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr, ROTARY: tl.constexpr = False, FOLD: tl.constexpr = False,
 ):  # fmt: skip
     """ROTARY: q, k and v are the token's raw (unrotated) rows, as rotary.rotary_and_store_kv takes them: every
     program rotates its q heads with that kernel's arithmetic, and the program that owns the last split also
     rotates the new key and writes it and the new value to the cache (slot < 0: no write) before reading its tiles
-    back from the cache, so the bits are those of the rotary launch followed by this kernel."""
+    back from the cache, so the bits are those of the rotary launch followed by this kernel.
+    FOLD (one program a sequence and KV head, num_progs == 1): the program folds its splits in order in registers
+    and writes the output, the merge kernel's folds from the same states: no split states, no merge launch."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -217,16 +221,26 @@ def _split_kernel(
         tl.debug_barrier()  # the new key and value are in the cache before any thread reads its tiles
     else:
         q = tl.load(q_ptr + t * stride_qt + head[:, None] * stride_qh + d[None, :], mask=mask, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for s in range(prog, tl.cdiv(seq_len, SPLIT), num_progs):
         lo = s * SPLIT
         m_s, l_s, acc_s = _split_state(q, q_pos, lo, tl.minimum(lo + SPLIT, seq_len), b, kvh, d, d_ok, qk_scale,
                                        k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
                                        stride_kh, stride_bt, BLOCK_M, BLOCK_N, BLOCK_D, PAGE, UPCAST_DOT)  # fmt: skip
-        tl.store(part_acc_ptr + s * stride_as + t * stride_at + head[:, None] * stride_ah + d[None, :], acc_s,
+        if FOLD:
+            m, l_i, acc = _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale)
+        else:
+            tl.store(part_acc_ptr + s * stride_as + t * stride_at + head[:, None] * stride_ah + d[None, :], acc_s,
+                     mask=mask)  # fmt: skip
+            ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
+            tl.store(ml, m_s, mask=row_ok)
+            tl.store(ml + 1, l_s, mask=row_ok)
+    if FOLD:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
-        ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
-        tl.store(ml, m_s, mask=row_ok)
-        tl.store(ml + 1, l_s, mask=row_ok)
 
 
 @triton.jit
@@ -354,9 +368,11 @@ def _decode(q, k_cache, v_cache, out, seq_lens, positions, block_tables, qk_scal
     if num_programs is None:
         num_programs = triton.cdiv(2 * _sm_count(q.device), batch * n_kv)
     num_programs = max(1, min(num_programs, splits))
+    fold = num_programs == 1  # every split in one program: it folds them itself (FOLD), no merge launch
     rows = padded_rows(batch)  # split strides divisible by 16 for every batch
-    part_acc = torch.empty((splits, rows, n_q, block_d), dtype=torch.float32, device=q.device)
-    part_ml = torch.empty((splits, rows, n_q, 2), dtype=torch.float32, device=q.device)
+    shape = (1, 1, 1) if fold else (splits, rows, n_q)
+    part_acc = torch.empty((*shape, block_d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((*shape, 2), dtype=torch.float32, device=q.device)
     from_positions = seq_lens is None
     lens = positions if seq_lens is None else seq_lens  # the unused one is never read
     pos = positions if positions is not None else lens
@@ -365,11 +381,13 @@ def _decode(q, k_cache, v_cache, out, seq_lens, positions, block_tables, qk_scal
         q.stride(0), q.stride(1), *kv_strides,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), num_programs,
-        *_rotary_args(q, pos, rotary),
+        *_rotary_args(q, pos, rotary), out, out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PAGE=page,
         SPLIT=split_keys, FROM_POSITIONS=from_positions, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        ROTARY=rotary is not None, num_warps=NUM_WARPS, num_stages=2, **pdl_launch(pdl),
+        ROTARY=rotary is not None, FOLD=fold, num_warps=NUM_WARPS, num_stages=2, **pdl_launch(pdl),
     )  # fmt: skip
+    if fold:
+        return out
     _merge_kernel[(batch, n_kv)](
         part_acc, part_ml, out, lens, pos, qk_scale,
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),

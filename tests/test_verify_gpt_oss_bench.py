@@ -57,11 +57,12 @@ TINY_LLAMA = {**SHAPES["llama8b"], "hidden_size": 64, "intermediate_size": 128, 
               "num_key_value_heads": 2, "vocab_size": 300, "max_position_embeddings": 256, "eos_token_id": 299}
 
 
-@pytest.mark.parametrize("shape", [TINY, TINY_LLAMA], ids=["gpt-oss", "llama"])
-def test_the_decode_chain_is_one_decode_step(tmp_path, shape) -> None:
+@pytest.mark.parametrize(("shape", "batch"), [(TINY, 1), (TINY_LLAMA, 1), (TINY_LLAMA, 3)],
+                         ids=["gpt-oss", "llama", "llama-batch-3"])  # fmt: skip
+def test_the_decode_chain_is_one_decode_step(tmp_path, shape, batch) -> None:
     """The chain the benches time (`_bench_lib.decode_chain`) is a real decode step: its logits are those of the
-    same token decoded with the sequence's exact length as the bound, not the graph's, and it writes the token's
-    K/V at the slot after the context in every layer."""
+    same tokens decoded with the sequences' exact length as the bound, not the graph's, and it writes each
+    sequence's K/V at the slot after its context, in its own blocks, in every layer."""
     import dataclasses
 
     import torch
@@ -69,18 +70,59 @@ def test_the_decode_chain_is_one_decode_step(tmp_path, shape) -> None:
     from envex.verify.kernel_bench import _bench_lib as B
 
     context = 40
-    chain = B.decode_chain(tmp_path, shape, layers=2, context=context, graph_len=128, device="cpu", dtype="float32")
+    chain = B.decode_chain(tmp_path, shape, layers=2, context=context, graph_len=128, device="cpu", dtype="float32",
+                           batch=batch)  # fmt: skip
     before = [k.clone() for k, _ in chain.caches]
     logits = chain.step(0)
     runner = chain.engine.runner
-    assert logits.shape == (1, shape["vocab_size"]) and torch.isfinite(logits).all()
+    assert logits.shape == (batch, shape["vocab_size"]) and torch.isfinite(logits).all()
     exact = dataclasses.replace(chain.meta, max_seq_len=context + 1)
     hidden, residual = runner.model.forward(runner.ops, chain.ids, chain.caches, exact)
     assert torch.equal(runner.model.compute_logits(runner.ops, hidden, residual), logits)
     bs = runner.block_size
+    blocks = chain.meta.block_tables.shape[1]
     for (k, _), old in zip(chain.caches, before, strict=True):
         changed = (k != old).flatten(2).any(-1).nonzero().tolist()  # (block, offset) rows that the step wrote
-        assert changed == [[context // bs, context % bs]]
+        assert changed == [[b * blocks + context // bs, context % bs] for b in range(batch)]
+
+
+def test_without_removes_the_launches_and_puts_back_what_it_replaced(tmp_path) -> None:
+    """`_bench_lib.without` (the ablation rows of bench_invariance): inside the block a function runs once per
+    argument shape and its result is reused, a Triton kernel launches nothing, an ops method is the object's own
+    again afterwards; `only` leaves the calls it refuses alone."""
+    from types import SimpleNamespace
+
+    import torch
+    import triton
+
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    calls = []
+    module = SimpleNamespace(f=lambda x: calls.append(tuple(x.shape)) or x * 2)
+    real = module.f
+    with B.without(module, "f"):
+        first = module.f(torch.ones(2))
+        assert module.f(torch.zeros(2)) is first and calls == [(2,)]
+        assert torch.equal(module.f(torch.ones(3)), torch.full((3,), 2.0)) and calls == [(2,), (3,)]
+    assert module.f is real
+    with B.without(module, "f", only=lambda x: x.shape == (3,)):
+        assert torch.equal(module.f(torch.ones(2)), torch.full((2,), 2.0))
+        module.f(torch.ones(2))
+        module.f(torch.ones(3))
+    assert calls == [(2,), (3,), (2,), (2,), (3,)]
+    out = torch.zeros(4)
+    with B.without(im, "_reduce_kernel"):
+        im._reduce_kernel[(1, 1)](out, out, out, 1, 4, 0, 0, 0, PIECES=1, HAS_BIAS=False, BLOCK_M=16, BLOCK_N=128,
+                                  USE_PDL=False)  # fmt: skip
+    assert isinstance(im._reduce_kernel, triton.runtime.jit.KernelInterface)
+    assert torch.equal(out, torch.zeros(4))
+    chain = B.decode_chain(tmp_path, TINY_LLAMA, layers=1, context=8, graph_len=64, device="cpu", dtype="float32")
+    ops = chain.engine.runner.ops
+    with B.without(ops, "attention"):
+        assert "attention" in vars(ops)
+        chain.step(0)
+    assert "attention" not in vars(ops)
 
 
 def test_a_sweep_restores_the_setting_it_varies_even_when_a_value_fails() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -20,11 +21,12 @@ LLAMA31_8B = dict(
 
 
 def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph_len: int = 4096,
-                 device: str = "cuda", dtype: str = "bfloat16", **settings) -> SimpleNamespace:  # fmt: skip
-    """A batch-1 decode step as a served graph runs it: `layers` layers of `shape` (dummy weights, an engine with
-    `settings`), then the final norm and LM head, at `context` cached keys, with the attention's split count and
-    longest sequence of the `graph_len` decode graph. Returns step (step(i) launches one step and returns its
-    logits [1, V]), engine, caches, meta and ids."""
+                 device: str = "cuda", dtype: str = "bfloat16", batch: int = 1,
+                 **settings) -> SimpleNamespace:  # fmt: skip
+    """A decode step of `batch` sequences as a served graph runs it: `layers` layers of `shape` (dummy weights, an
+    engine with `settings`), then the final norm and LM head, every sequence at `context` cached keys (its own
+    blocks), with the attention's split count and longest sequence of the `graph_len` decode graph of that batch.
+    Returns step (step(i) launches one step and returns its logits [batch, V]), engine, caches, meta and ids."""
     from envex.kernels.ops import AttentionMetadata
     from envex.runtime.engine import EngineConfig, LLMEngine
     from envex.runtime.engine.cuda_graphs import num_splits_for
@@ -36,23 +38,24 @@ def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph
     path = models / f"{shape['model_type']}-{layers}l-dummy"
     write_model_dir(path, shape, weights=False)
     engine = LLMEngine(EngineConfig(model=str(path), load_format="dummy", device=device, dtype=dtype,
-                                    max_model_len=graph_len, num_kv_blocks=512, max_num_seqs=8,
+                                    max_model_len=graph_len, num_kv_blocks=512, max_num_seqs=max(8, batch),
                                     enable_prefix_caching=False, **settings))  # fmt: skip
     runner = engine.runner
     model, ops, dev, dt = runner.model, runner.ops, runner.device, runner.dtype
     c = model.config
     bs = runner.block_size
     blocks = -(-(context + 1) // bs)
-    caches = [(torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt),
-               torch.randn(blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt))
+    caches = [(torch.randn(batch * blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt),
+               torch.randn(batch * blocks, bs, c.num_key_value_heads, c.head_dim, device=dev, dtype=dt))
               for _ in range(layers)]  # fmt: skip
+    seqs = torch.arange(batch, device=dev)
     meta = AttentionMetadata(
-        positions=torch.tensor([context], device=dev), slot_mapping=torch.tensor([context], device=dev),
-        cu_seqlens_q=torch.tensor([0, 1], device=dev, dtype=torch.int32),
-        block_tables=torch.arange(blocks, device=dev, dtype=torch.int32)[None], cos=runner.cos, sin=runner.sin,
-        max_q_len=1, max_seq_len=graph_len, num_splits=num_splits_for(1, c.num_key_value_heads, graph_len, dev),
-        q_per_seq=1)  # fmt: skip
-    ids = torch.tensor([7], device=dev)
+        positions=torch.full((batch,), context, device=dev), slot_mapping=seqs * blocks * bs + context,
+        cu_seqlens_q=torch.arange(batch + 1, device=dev, dtype=torch.int32),
+        block_tables=torch.arange(batch * blocks, device=dev, dtype=torch.int32).view(batch, blocks),
+        cos=runner.cos, sin=runner.sin, max_q_len=1, max_seq_len=graph_len,
+        num_splits=num_splits_for(batch, c.num_key_value_heads, graph_len, dev), q_per_seq=1)  # fmt: skip
+    ids = torch.full((batch,), 7, device=dev)
 
     def step(_: int) -> torch.Tensor:
         hidden, residual = model.forward(ops, ids, caches, meta)
@@ -98,6 +101,44 @@ def sweep(timed: Callable[[str], float], label: str, values, target, key) -> lis
         else:
             target.pop(key, None)
     return out
+
+
+@contextlib.contextmanager
+def without(target, name: str, only: Callable[..., bool] | None = None):
+    """Inside the block, target.name (a module's function or kernel, or an ops object's method) launches nothing:
+    its first call for each argument shape runs it and keeps the result, later calls return that result. With
+    `only(*args, **kwargs)`, the calls it refuses run as before. A chain timed inside the block, against the chain
+    outside it, gives what the removed launches cost the step where they sit (their results are stale; the time
+    is what is measured). A Triton kernel (`kernel[grid](...)`) becomes a launch that does nothing."""
+    real = getattr(target, name)
+    if isinstance(real, triton.runtime.jit.KernelInterface):
+        replacement = _NoLaunch()
+    else:
+        kept: dict = {}
+
+        def replacement(*args, **kwargs):
+            if only is not None and not only(*args, **kwargs):
+                return real(*args, **kwargs)
+            key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
+                        for a in (*args, *kwargs.values()))  # fmt: skip
+            if key not in kept:
+                kept[key] = real(*args, **kwargs)
+            return kept[key]
+
+    own = name in vars(target)  # a method of an ops object is its class's: the instance attribute goes again
+    setattr(target, name, replacement)
+    try:
+        yield
+    finally:
+        if own:
+            setattr(target, name, real)
+        else:
+            delattr(target, name)
+
+
+class _NoLaunch:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
 
 
 def sync() -> None:

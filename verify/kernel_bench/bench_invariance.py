@@ -331,6 +331,72 @@ def _chain(report: dict, models: Path) -> None:
     chain["defaults_again_us"] = timed("defaults again")
 
 
+def _ablate(report: dict, models: Path, batches: tuple[int, ...] = (1, 64)) -> None:
+    """Where the decode step's time goes, in the deterministic mode and the default one: the chain (4 Llama-8B
+    layers, dummy weights, final norm and LM head, 1K keys a sequence in the 4K graph's launch) timed whole, then
+    with one kind of launch removed (`_bench_lib.without`). full - without = what those launches cost the step
+    where they sit, overlap with their neighbours included: the figure that a change to them can win at most."""
+    import contextlib
+
+    import torch
+
+    from envex.kernels import invariant_attention, norm
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.kernel_bench.bench_server import SHAPES as SERVED
+
+    shape = SERVED["llama8b"]
+    h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    kv_rows = 2 * h // shape["num_attention_heads"] * shape["num_key_value_heads"]
+
+    def weight(rows: int, cols: int):
+        def only(*args, **kwargs) -> bool:
+            return any(isinstance(a, torch.Tensor) and tuple(a.shape) == (rows, cols)
+                       for a in (*args, *kwargs.values()))  # fmt: skip
+
+        return only
+
+    qkv, gate_up, lm_head = weight(h + kv_rows, h), weight(2 * inter, h), weight(vocab, h)
+    report["ablation"] = rows = []
+    for batch in batches:
+        for det in (True, False):
+            chain = B.decode_chain(models, shape, layers=4, batch=batch, deterministic=det)
+            ops = chain.engine.runner.ops
+            removals = {
+                "attention": [(ops, "attention", None)], "qkv (norm + matmul)": [(ops, "norm_linear", qkv)],
+                "o": [(ops, "linear", None)], "gate_up (norm + matmul)": [(ops, "norm_linear", gate_up)],
+                "down (swiglu + matmul)": [(ops, "act_linear", None)],
+                "lm_head (norm + matmul)": [(ops, "norm_linear", lm_head)],
+            }
+            if det:
+                removals |= {
+                    "norms": [(norm, "rms_norm", None), (norm, "add_rms_norm", None),
+                              (norm, "add_rms_norm_partials", None)],
+                    "qkv matmul": [(im, "matmul", qkv)], "gate_up matmul": [(im, "matmul", gate_up)],
+                    "lm_head matmul": [(im, "matmul", lm_head)], "swiglu pass": [(im, "_silu_mul_kernel", None)],
+                    "qkv reduce": [(im, "_reduce_kernel", None)], "attention merge": [
+                        (invariant_attention, "_merge_kernel", None)],
+                }  # fmt: skip
+            mode = "det" if det else "default"
+            timed = B.chain_timer(chain.step, width=40)
+            full = timed(f"{mode} b{batch} full")
+            for label, parts in removals.items():
+                with contextlib.ExitStack() as stack:
+                    for target, name, only in parts:
+                        stack.enter_context(B.without(target, name, only))
+                    try:
+                        us = timed(f"{mode} b{batch} without {label}")
+                    except Exception as exc:  # noqa: BLE001 - a row that fails is reported, the rest still run
+                        rows.append({"mode": mode, "batch": batch, "removed": label, "error": str(exc)[:200]})
+                        continue
+                rows.append({"mode": mode, "batch": batch, "removed": label, "full_us": full, "without_us": us,
+                             "cost_us": full - us})  # fmt: skip
+            rows.append({"mode": mode, "batch": batch, "removed": "nothing (again)", "full_us": timed(
+                f"{mode} b{batch} full again")})  # fmt: skip
+            del chain, ops, timed
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out"))
@@ -339,6 +405,8 @@ def main() -> None:
     ap.add_argument("--matmul-only", action="store_true", help="the projections only, not attention")
     ap.add_argument("--attention-only", action="store_true", help="attention only, not the projections")
     ap.add_argument("--chain", action="store_true", help="only the decode chain's tile sweep (4 Llama-8B layers)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="only the decode chain with each kind of launch removed, both modes, batch 1 and 64")
     ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -351,7 +419,9 @@ def main() -> None:
                     "bandwidth": B.measure_bandwidth(gib=2.0)}  # fmt: skip
     print(json.dumps(report), flush=True)
     try:
-        if args.chain:
+        if args.ablate:
+            _ablate(report, args.models)
+        elif args.chain:
             _chain(report, args.models)
         else:
             _kernels(report, args.out, args.sweep, attention=not args.matmul_only, matmul=not args.attention_only)
