@@ -256,6 +256,16 @@ def _rotated(src, ok, hc, c, sn, HALF: tl.constexpr, out_ty: tl.constexpr):
 
 
 @triton.jit
+def _split_saved(acc_at, ml_at, s, n, mask, g_ok, stride_as, stride_ms):
+    """Split s's saved state (m, l, acc) for the merge; nothing is read for s >= n."""
+    ok = g_ok & (tl.zeros_like(g_ok.to(tl.int32)) + s < n)  # a vector: the interpreter masks with no scalar
+    acc_s = tl.load(acc_at + s * stride_as, mask=mask & ok[:, None], other=0.0)
+    m_s = tl.load(ml_at + s * stride_ms, mask=ok, other=float("-inf"))
+    l_s = tl.load(ml_at + s * stride_ms + 1, mask=ok, other=0.0)
+    return m_s, l_s, acc_s
+
+
+@triton.jit
 def _merge_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, pos_ptr, qk_scale,
     stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh, stride_ot, stride_oh,
@@ -277,13 +287,23 @@ def _merge_kernel(
     m = tl.full([GROUP_P2], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_P2], dtype=tl.float32)
     acc = tl.zeros([GROUP_P2, BLOCK_D], dtype=tl.float32)
-    for s in range(0, tl.cdiv(seq_len, SPLIT)):  # split order, as _full_kernel folds them
-        acc_s = tl.load(part_acc_ptr + s * stride_as + t * stride_at + head[:, None] * stride_ah + d[None, :],
-                        mask=mask, other=0.0)  # fmt: skip
-        ml = part_ml_ptr + s * stride_ms + t * stride_mt + head * stride_mh
-        m_s = tl.load(ml, mask=g_ok, other=float("-inf"))
-        l_s = tl.load(ml + 1, mask=g_ok, other=0.0)
-        m, l_i, acc = _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale)
+    acc_at = part_acc_ptr + t * stride_at + head[:, None] * stride_ah + d[None, :]
+    ml_at = part_ml_ptr + t * stride_mt + head * stride_mh
+    n = tl.cdiv(seq_len, SPLIT)
+    # In split order, as _full_kernel folds them. Four splits' states are requested before the first of them is
+    # folded: a fold waits on one L2 round trip per four splits, not per split (a sequence at 10K keys has 80).
+    for s in range(0, n, 4):
+        m0, l0, a0 = _split_saved(acc_at, ml_at, s, n, mask, g_ok, stride_as, stride_ms)
+        m1, l1, a1 = _split_saved(acc_at, ml_at, s + 1, n, mask, g_ok, stride_as, stride_ms)
+        m2, l2, a2 = _split_saved(acc_at, ml_at, s + 2, n, mask, g_ok, stride_as, stride_ms)
+        m3, l3, a3 = _split_saved(acc_at, ml_at, s + 3, n, mask, g_ok, stride_as, stride_ms)
+        m, l_i, acc = _fold(m, l_i, acc, m0, l0, a0, qk_scale)
+        if s + 1 < n:  # a split past the last is not folded at all (a no-op fold could turn -0.0 into +0.0)
+            m, l_i, acc = _fold(m, l_i, acc, m1, l1, a1, qk_scale)
+        if s + 2 < n:
+            m, l_i, acc = _fold(m, l_i, acc, m2, l2, a2, qk_scale)
+        if s + 3 < n:
+            m, l_i, acc = _fold(m, l_i, acc, m3, l3, a3, qk_scale)
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip

@@ -134,7 +134,7 @@ def _cache(lengths: list[int], n_kv: int, d: int, dtype: torch.dtype, seed: int)
 
 
 def _attend(q_rows: list[torch.Tensor], starts: list[int], tables: list[list[int]], kc, vc, *, programs=None,
-            positions_only: bool = False) -> list[torch.Tensor]:  # fmt: skip
+            positions_only: bool = False, split: int = SPLIT) -> list[torch.Tensor]:  # fmt: skip
     """One step: sequence b's queries q_rows[b] [q_len, Hq, D] at positions starts[b].. -> outputs per sequence."""
     q = torch.cat(q_rows)
     q_lens = [len(r) for r in q_rows]
@@ -146,7 +146,7 @@ def _attend(q_rows: list[torch.Tensor], starts: list[int], tables: list[list[int
     positions = torch.tensor([s for s, n in zip(starts, q_lens, strict=True) for s in range(s, s + n)], device=DEV)
     out = ia.paged_attention(q, kc, vc, cu, None if positions_only else lens, bt, 0.125, max_q_len=max(q_lens),
                              max_seq_len=max(seq_lens) + 37, positions=positions, num_programs=programs,
-                             split_keys=SPLIT)  # fmt: skip
+                             split_keys=split)  # fmt: skip
     return list(out.split(q_lens))
 
 
@@ -194,6 +194,22 @@ def test_attention_row_is_the_same_in_prefill_chunks_and_decode(dtype: torch.dty
     # A decode row next to a prefill chunk (a mixed step) takes the prefill schedule: still the same bits.
     mixed = _attend([_randn(7, n_q, d, dtype=dtype, seed=8), q[259:260]], [0, 259], [short, seq], kc, vc)[1]
     assert torch.equal(mixed, full[259:260])
+
+
+def test_decode_merges_many_splits_as_the_prefill_tile_folds_them() -> None:
+    """The merge kernel requests four splits' states at a time, then folds them in order: a decode row of 8, 9 and
+    10 splits (whole groups of four, and one and two past them), merged after 3 split programs or folded by one,
+    must equal its row of a prefill chunk, bit for bit (in float32: a bf16 output would hide a fold's last bits)."""
+    n_q, n_kv, d, length = 4, 2, 32, 600
+    kc, vc, tables = _cache([length, 40], n_kv, d, torch.float32, seed=31)
+    q = _randn(length, n_q, d, dtype=torch.float32, seed=32)
+    full = _attend([q[448:]], [448], [tables[0]], kc, vc, split=64)[0]  # a chunk after 448 cached keys
+    other = _randn(1, n_q, d, dtype=torch.float32, seed=33)
+    for pos in (511, 575, 599):
+        for programs in (1, 3):
+            got = _attend([other, q[pos : pos + 1]], [39, pos], [tables[1], tables[0]], kc, vc, programs=programs,
+                          split=64)[1]  # fmt: skip
+            assert torch.equal(got, full[pos - 448 : pos - 447]), f"decode at {pos}, {programs} split programs"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
