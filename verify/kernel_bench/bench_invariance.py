@@ -406,7 +406,8 @@ def main() -> None:
     ap.add_argument("--attention-only", action="store_true", help="attention only, not the projections")
     ap.add_argument("--chain", action="store_true", help="only the decode chain's tile sweep (4 Llama-8B layers)")
     ap.add_argument("--ablate", action="store_true",
-                    help="only the decode chain with each kind of launch removed, both modes, batch 1 and 64")
+                    help="only the decode chain with each kind of launch removed, both modes, at --batches")
+    ap.add_argument("--batches", default="1,64", help="the decode batches --ablate times (comma-separated)")
     ap.add_argument("--models", type=Path, default=Path("/tmp/envex-models"))
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -420,7 +421,7 @@ def main() -> None:
     print(json.dumps(report), flush=True)
     try:
         if args.ablate:
-            _ablate(report, args.models)
+            _ablate(report, args.models, tuple(int(b) for b in args.batches.split(",")))
         elif args.chain:
             _chain(report, args.models)
         else:
