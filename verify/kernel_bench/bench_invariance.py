@@ -1,6 +1,11 @@
 """Batch invariance on the GPU (issue 17): the deterministic mode's kernels row against row, and served tokens.
 
-    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT [--sweep]
+    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT [--sweep | --matmul-only | --attention-only]
+    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT --chain       (decode tiles in the chain)
+    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT --ablate [--batches 1,64]
+
+`--ablate` times the decode chain (4 Llama-3.1-8B layers, final norm, LM head, one CUDA graph) in both modes, whole
+and with each kind of launch removed (`_bench_lib.without`): what each costs the step where it sits.
 
 The kernel section (this module's main) checks and times, at the Llama-3.1-8B shapes in bf16:
 - invariant_matmul for each projection: a row computed at M = 1, 3, 64 (decode tile, split pieces), inside a
