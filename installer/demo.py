@@ -93,10 +93,9 @@ def build_envex_wheel(out_dir: Path, root: Path | None = None) -> Path:
 
 def model_card_for(path: Path, served_name: str) -> ModelCard:
     """The card of a GGUF file, from its metadata (architecture, sizes, window)."""
-    from envex.runtime.loader import load_model_info
+    from envex.runtime.loader import load_model_config
 
-    info = load_model_info(str(path))
-    c = info.config
+    c = load_model_config(str(path))
     attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
     layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
     embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)

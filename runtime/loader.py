@@ -122,20 +122,39 @@ def load_model_info(spec: str) -> LoadedModel:
     return _load_model_info(resolve_model(spec))
 
 
+def load_model_config(spec: str) -> ModelConfig:
+    """Resolve `spec` and read its config only (no tokenizer: building a GGUF's takes seconds)."""
+    return ModelConfig.from_hf(_hf_config(resolve_model(spec)))
+
+
+def _hf_config(source: ModelSource) -> dict[str, Any]:
+    """The model's config.json fields: from a GGUF's metadata, or the directory's config.json with
+    generation_config.json's eos list (what generate() stops on)."""
+    if source.kind == "gguf":
+        from envex.runtime.gguf_loader import hf_config, read_metadata
+
+        return hf_config(read_metadata(source.path), source.path)
+    cfg = _read_json(source.path / "config.json")
+    gen_path = source.path / "generation_config.json"
+    if gen_path.is_file():
+        gen_eos = _read_json(gen_path).get("eos_token_id")
+        if gen_eos is not None:
+            cfg = {**cfg, "eos_token_id": gen_eos}
+    return cfg
+
+
 @functools.lru_cache(maxsize=4)
 def _load_model_info(source: ModelSource) -> LoadedModel:
     # Cached: parsing a GGUF's vocabulary takes seconds, and engines of several configs may share one model.
     spec = str(source.path)
+    cfg = _hf_config(source)
     if source.kind == "gguf":
-        from envex.runtime.gguf_loader import hf_config, read_metadata, tokenizer_parts
+        from envex.runtime.gguf_loader import tokenizer_parts
 
-        meta = read_metadata(source.path)
-        cfg = hf_config(meta, source.path)
         backend, tok_config = tokenizer_parts(source.path)
     else:
         from tokenizers import Tokenizer as RustTokenizer
 
-        cfg = _read_json(source.path / "config.json")
         tok_file = source.path / "tokenizer.json"
         if not tok_file.is_file():
             raise ModelNotFoundError(f"model {spec!r}: tokenizer.json is missing from {source.path}")
@@ -146,11 +165,6 @@ def _load_model_info(source: ModelSource) -> LoadedModel:
         if template_file.is_file():
             template = _read_file(template_file, MAX_TEMPLATE_BYTES, "chat template")
             tok_config["chat_template"] = template.decode("utf-8")
-        gen_path = source.path / "generation_config.json"
-        if gen_path.is_file():  # generation_config's eos list is what generate() stops on
-            gen_eos = _read_json(gen_path).get("eos_token_id")
-            if gen_eos is not None:
-                cfg = {**cfg, "eos_token_id": gen_eos}
     config = ModelConfig.from_hf(cfg)
     tokenizer = Tokenizer(backend, tok_config, eos_token_ids=config.eos_token_ids)
     return LoadedModel(source=source, config=config, hf_config=cfg, tokenizer=tokenizer)
