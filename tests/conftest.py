@@ -11,6 +11,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # one of pyproject's two workers: one core each, not two threads each
+    # Also for every process a test starts (servers, installs, gate runners inherit the environment): a torch
+    # process with two OpenMP threads, one on the core the other worker is using, ran ~3x slower than with one
+    # (the embedded model's decode, 4 sequences x 32 tokens: 29.3 s against 10.6 s; 10.4 s with two idle cores).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
@@ -42,3 +46,43 @@ def hf_reference():
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     return model
+
+
+# Test files and tests that take minutes on a 2-core machine, longest first (seconds on the two busy workers when
+# measured). xdist's loadscope hands out whole files, by default those with the most tests first, which started
+# the one-test e2e file last: for its whole run the other worker had nothing left to do. A stale entry only costs
+# time; a file not listed keeps xdist's order, after these.
+LONGEST_FIRST = (
+    "tests/test_installer_e2e.py",  # 449
+    "tests/test_runtime_warm_up.py::test_the_gpt_oss_warm_up_compiles_every_variant_too",  # 207
+    "tests/test_runtime_reference.py",  # 179 (its greedy test alone)
+    "tests/test_kernel_bundles_device_script.py",  # 143
+    "tests/test_runtime_warm_up.py::test_the_warm_up_compiles_every_variant_a_varied_workload_meets",  # ~120
+    "tests/test_runtime_warm_up.py::test_the_deterministic_warm_up_compiles_every_variant_too",  # ~115
+)
+# Files whose tests share no costly module fixture: each test is a unit of its own, so both workers can take some.
+PER_TEST_FILES = ("tests/test_runtime_warm_up.py",)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pyproject's `--dist loadscope`, with the units in LONGEST_FIRST's order and PER_TEST_FILES split by test."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LongestFirst(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.split("::", 1)[0] in PER_TEST_FILES:
+                return nodeid
+            return super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # The first call comes after schedule() has filled the work queue: move the listed units to its front.
+            if not getattr(self, "_ordered", False):
+                self._ordered = True
+                rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
+                for scope in sorted(self.workqueue, key=lambda s: rank.get(s, len(rank))):
+                    self.workqueue.move_to_end(scope)
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
