@@ -50,17 +50,15 @@ def hf_tokenizer():
     return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
-def hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    """Greedy decoding with HF's own forward and KV cache, never stopping at EOS (generate()'s min_new_tokens
-    would mask EOS instead, which is a different function)."""
-    out: list[int] = []
+def hf_next_tokens(model, ids: list[int], continuation: list[int]) -> list[int]:
+    """HF's greedy choice after the prompt and after each prefix of `continuation`: one forward of HF's own model
+    over prompt + continuation[:-1] (teacher forcing). Greedy decoding's token t is the argmax after the prompt
+    and tokens 0..t-1, so a continuation equal to this list is exactly HF's greedy output, and the first token
+    where ours differs is where HF's greedy output differs, never stopping at EOS. One forward per prompt, where
+    decoding one token at a time took 64 (152 s against 13 s for the 20 prompts on one core)."""
     with torch.no_grad():
-        res = model(torch.tensor([ids]), use_cache=True)
-        for _ in range(n):
-            token = int(res.logits[0, -1].argmax())
-            out.append(token)
-            res = model(torch.tensor([[token]]), past_key_values=res.past_key_values, use_cache=True)
-    return out
+        logits = model(torch.tensor([ids + continuation[:-1]]), use_cache=False).logits[0, len(ids) - 1 :]
+    return logits.argmax(-1).tolist()
 
 
 @pytest.mark.slow
@@ -70,9 +68,9 @@ def test_greedy_tokens_identical_to_transformers(embedded_engine, hf_reference):
     ours = engine.generate(encoded, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     assert len(PROMPTS) >= 20
     for ids, got in zip(encoded, ours, strict=True):
-        ref = hf_greedy(hf_reference, ids, 64)
+        assert len(got.token_ids) == 64 and got.finish_reason == "length"
+        ref = hf_next_tokens(hf_reference, ids, got.token_ids)
         assert got.token_ids == ref, f"diverged for prompt {engine.tokenizer.decode(ids)!r}"
-        assert got.finish_reason == "length"
 
 
 def test_capital_of_france(embedded_engine):
