@@ -45,6 +45,7 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwe
 # (u32 element type, u64 count, the elements; an array of arrays is flattened, as GGUFReader does).
 _MAGIC, _VERSIONS, _DEFAULT_ALIGNMENT = b"GGUF", (2, 3), 32
 _STRING, _ARRAY = 8, 9
+_MAX_NESTING = 16  # arrays of arrays: GGUF's own files nest one level; a damaged file must not exhaust the stack
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 # Tensor types GGUFReader hands over as plain arrays (the rest are blocks of bytes, dequantized by `gguf`).
 _PLAIN_TENSORS = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
@@ -111,7 +112,9 @@ class _Cursor:
         self.pos = end
         return text
 
-    def value(self, value_type: int) -> Any:
+    def value(self, value_type: int, depth: int = 0) -> Any:
+        if depth > _MAX_NESTING:
+            raise GGUFError(f"metadata arrays nested more than {_MAX_NESTING} deep at byte {self.pos}")
         if value_type in _SCALARS:
             return self.unpack(_SCALARS[value_type])[0]
         if value_type == _STRING:
@@ -123,7 +126,7 @@ class _Cursor:
                 values = np.frombuffer(self.buf, dtype, count, self.pos).tolist()
                 self.pos += count * dtype.itemsize
                 return values
-            items = [self.value(item_type) for _ in range(count)]
+            items = [self.value(item_type, depth + 1) for _ in range(count)]
             return [v for item in items for v in item] if item_type == _ARRAY else items
         raise GGUFError(f"unknown metadata value type {value_type} at byte {self.pos}")
 
