@@ -84,8 +84,6 @@ def serve(
         "--tensor-parallel", min=1, help="split the model over this many GPUs of this host (one process each)")] = 1,
 ) -> None:
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
-    from envex.runtime.server.serve import serve as run_server
-
     extra_routers: list = []
     if launch is not None and deterministic:
         raise fail("--deterministic: a release serves the settings its gates passed with (launch.json's "
@@ -109,6 +107,8 @@ def serve(
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,
                                deterministic=deterministic, tensor_parallel=tensor_parallel,
                                draft_model=draft_model, num_speculative_tokens=speculative_tokens)
+    from envex.runtime.server.serve import serve as run_server  # after the checks: a refusal needs no web stack
+
     try:
         run_server(config, host=host, port=port, api_key=api_key, extra_routers=extra_routers)
     except (ValueError, OSError) as exc:
