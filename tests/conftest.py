@@ -48,17 +48,17 @@ def hf_reference():
     return model
 
 
-# Test files and tests that take minutes on a 2-core machine, longest first (seconds on the two busy workers when
-# measured). xdist's loadscope hands out whole files, by default those with the most tests first, which started
-# the one-test e2e file last: for its whole run the other worker had nothing left to do. A stale entry only costs
-# time; a file not listed keeps xdist's order, after these.
+# Test files and tests that take minutes on a 2-core machine, longest first (seconds in the full run at 0b3f930).
+# xdist's loadscope hands out whole files, by default those with the most tests first, which started the one-test
+# e2e file (then 449 s) near the end: for most of its run the other worker had nothing left to do. A stale entry
+# only costs time; a file not listed keeps xdist's order, after these.
 LONGEST_FIRST = (
-    "tests/test_installer_e2e.py",  # 449
-    "tests/test_runtime_warm_up.py::test_the_gpt_oss_warm_up_compiles_every_variant_too",  # 207
-    "tests/test_runtime_reference.py",  # 179 (its greedy test alone)
-    "tests/test_kernel_bundles_device_script.py",  # 143
-    "tests/test_runtime_warm_up.py::test_the_warm_up_compiles_every_variant_a_varied_workload_meets",  # ~120
-    "tests/test_runtime_warm_up.py::test_the_deterministic_warm_up_compiles_every_variant_too",  # ~115
+    "tests/test_runtime_warm_up.py::test_the_gpt_oss_warm_up_compiles_every_variant_too",  # 196
+    "tests/test_installer_e2e.py",  # 190
+    "tests/test_runtime_warm_up.py::test_the_deterministic_warm_up_compiles_every_variant_too",  # 103
+    "tests/test_runtime_warm_up.py::test_the_warm_up_compiles_every_variant_a_varied_workload_meets",  # 91
+    "tests/test_runtime_reference.py",  # 41 + 33 (the session engine and HF model) + 10 tests of seconds
+    "tests/test_kernel_bundles_device_script.py",  # 80
 )
 # Files whose tests share no costly module fixture: each test is a unit of its own, so both workers can take some.
 PER_TEST_FILES = ("tests/test_runtime_warm_up.py",)
