@@ -144,8 +144,8 @@ for name, t, split in (("small", im.SMALL_TILE, True), ("decode", im.DECODE_TILE
     out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
 kv = dict(stride_kb="i32", stride_ks="i32", stride_kh="i32", stride_bt="i32")
-common = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=ia.BLOCK_M, BLOCK_N=ia.BLOCK_N, PAGE=16, SPLIT=256,
-              UPCAST_DOT=False)
+common = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=ia.BLOCK_M, BLOCK_N=ia.BLOCK_N, PAGE=16,
+              SPLIT=ia.SPLIT_KEYS, UPCAST_DOT=False)
 out["full"] = shapes(ia._full_kernel, {**attn, "out_ptr": "*bf16", "cu_q_ptr": "*i32", "seq_lens_ptr": "*i32",
                      "block_tables_ptr": "*i32", "qk_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
                      "stride_ot": "i32", "stride_oh": "i32", **kv}, {**common, "USE_PDL": False}, ia.NUM_WARPS, 3)
@@ -154,10 +154,10 @@ split = {**attn, "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "seq_lens_ptr"
          "stride_as": "i32", "stride_at": "i32", "stride_ah": "i32", "stride_ms": "i32", "stride_mt": "i32",
          "stride_mh": "i32", "num_progs": "i32", "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*fp32",
          "sin_ptr": "*fp32", "slot_ptr": "*i64", "stride_kt": "i32", "stride_khh": "i32", "stride_vt": "i32",
-         "stride_vh": "i32", "stride_cos": "i32"}
-for name, rotary in (("split", False), ("split_rotary", True)):
+         "stride_vh": "i32", "stride_cos": "i32", "out_ptr": "*bf16", "stride_ot": "i32", "stride_oh": "i32"}
+for name, rotary, fold in (("split", False, False), ("split_rotary", True, False), ("split_fold", True, True)):
     out[name] = shapes(ia._split_kernel, split, {**common, "FROM_POSITIONS": True, "USE_PDL": True,
-                       "ROTARY": rotary}, ia.NUM_WARPS, 2)
+                       "ROTARY": rotary, "FOLD": fold}, ia.NUM_WARPS, 2)
 print(json.dumps(out))
 """
 
@@ -165,7 +165,8 @@ print(json.dumps(out))
 def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_schedule() -> None:
     shapes = compile_for_hopper(_AOT)
     # Attention: the decode and prefill schedules issue the same tensor-core instructions (QK and PV).
-    assert shapes["split"] == shapes["split_rotary"] == shapes["full"] == ["m64n128k16", "m64n64k16"], shapes
+    assert shapes["split"] == shapes["split_rotary"] == shapes["split_fold"] == shapes["full"] == [
+        "m64n128k16", "m64n64k16"], shapes  # fmt: skip
     # Matmul: every tile is m64 x k16 steps; only the instruction's N and, for the small tile, which operand holds
     # the weight differ (the assumption the H200 run checks).
     assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
