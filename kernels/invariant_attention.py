@@ -100,6 +100,12 @@ def _split_state(q, q_pos, lo, hi, b, kvh, d, d_ok, qk_scale, k_cache_ptr, v_cac
 
 
 @triton.jit
+def _normalized(acc, l_i):
+    """out = ACC / L, the last step of every schedule (a row that saw no key keeps its zeros)."""
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale):
     """Fold split state (m_s, l_s, acc_s) into the running (m, l, acc); the same operations in both schedules."""
     m_new = tl.maximum(m, m_s)
@@ -150,7 +156,7 @@ def _full_kernel(
                                        k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks,
                                        stride_kh, stride_bt, BLOCK_M, BLOCK_N, BLOCK_D, PAGE, UPCAST_DOT)  # fmt: skip
         m, l_i, acc = _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = _normalized(acc, l_i)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask)  # fmt: skip
 
@@ -241,7 +247,7 @@ def _split_kernel(
             tl.store(ml, m_s, mask=row_ok)
             tl.store(ml + 1, l_s, mask=row_ok)
     if FOLD:
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o = _normalized(acc, l_i)
         tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=mask)  # fmt: skip
 
@@ -304,7 +310,7 @@ def _merge_kernel(
             m, l_i, acc = _fold(m, l_i, acc, m2, l2, a2, qk_scale)
         if s + 3 < n:
             m, l_i, acc = _fold(m, l_i, acc, m3, l3, a3, qk_scale)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = _normalized(acc, l_i)
     tl.store(out_ptr + t * stride_ot + head[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
 
