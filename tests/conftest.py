@@ -78,11 +78,13 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _assign_work_unit(self, node) -> None:
             # The first call comes after schedule() has filled the work queue: move the listed units to its front.
-            if not getattr(self, "_ordered", False):
+            # (workqueue is xdist's own, unpinned: where a release renames it, only the order is lost.)
+            queue = getattr(self, "workqueue", None)
+            if not getattr(self, "_ordered", False) and hasattr(queue, "move_to_end"):
                 self._ordered = True
                 rank = {scope: i for i, scope in enumerate(LONGEST_FIRST)}
-                for scope in sorted(self.workqueue, key=lambda s: rank.get(s, len(rank))):
-                    self.workqueue.move_to_end(scope)
+                for scope in sorted(queue, key=lambda s: rank.get(s, len(rank))):
+                    queue.move_to_end(scope)
             super()._assign_work_unit(node)
 
     return LongestFirst(config, log)
