@@ -77,3 +77,24 @@ def padded_rows(n: int) -> int:
     integer argument on divisibility by 16 (and on == 1), so a stride that is a multiple of a step's row count
     would make each step shape its own compiled variant; a padded one is always in the same class."""
     return -(-int(n) // 16) * 16
+
+
+_COUNTERS: dict[tuple[str, torch.device], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown counters that graphs captured earlier may still address
+
+
+def arrival_counters(owner: str, device: torch.device, n: int, *, least: int = 4096) -> torch.Tensor:
+    """At least n zeroed int32 arrival counters for the kernels of `owner` (the last program of a group to arrive
+    does the group's ordered sum and resets its counter, so every launch leaves them zero and a CUDA graph replay
+    finds them so). Made outside any graph capture (`least` of them the first time); a larger need takes a new
+    buffer and keeps the old one, which graphs captured earlier may still use. One buffer per owner and device: an
+    owner's launches must not overlap on two streams of one device."""
+    have = _COUNTERS.get((owner, device))
+    if have is None or have.numel() < n:
+        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
+              f"{owner}: run it once before capturing a CUDA graph (it allocates its arrival counters)")  # fmt: skip
+        if have is not None:
+            _RETIRED.append(have)
+        have = torch.zeros(max(n, least), dtype=torch.int32, device=device)
+        _COUNTERS[(owner, device)] = have
+    return have

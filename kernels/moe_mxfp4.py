@@ -36,7 +36,15 @@ import triton
 import triton.language as tl
 
 from envex.kernels import mxfp4
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels._common import (
+    FLOAT_DTYPES,
+    INTERPRETING,
+    arrival_counters,
+    check,
+    check_tensor,
+    next_pow2,
+    pdl_launch,
+)
 from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
@@ -685,26 +693,6 @@ def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Te
     return w.view(torch.int32), stride_we // 4
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counters that graphs captured earlier may still address
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The down GEMV's per-(token, row block) arrival counters: zeros, made outside any CUDA graph (each kernel
-    leaves them zero again, so graph replays find them so too). A larger need takes a new buffer; the old ones are
-    kept, as graphs captured earlier may still use them. One set per device: two fused_moe calls must not run at
-    once on two streams of one device (the engine's side stream only warms up, synchronised)."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        check(device.type != "cuda" or not torch.cuda.is_current_stream_capturing(),
-              "fused_moe: run the batch-1 MoE once before capturing a CUDA graph (it allocates its counters)")
-        if have is not None:
-            _RETIRED.append(have)
-        have = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[device] = have
-    return have
-
-
 _BARRIERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _RESIDENT: dict[tuple, tuple[int, int, int]] = {}  # key -> (programs that fit at once, registers, spilled bytes)
 
@@ -838,7 +826,7 @@ def fused_moe(
         gw2, gwe2 = _gemv_words(w2, we2, packed2)
         part = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
         blocks = triton.cdiv(h, GEMV_DOWN_ROWS)
-        counters = _arrival_counters(x.device, max(t, GEMV_MAX_ROWS) * blocks)
+        counters = arrival_counters("fused_moe", x.device, max(t, GEMV_MAX_ROWS) * blocks)
         if t == 1 and packed1 and packed2 and ONE_LAUNCH and not INTERPRETING:
             programs = max(triton.cdiv(inter, GEMV_PAIRS), blocks) * top_k
 

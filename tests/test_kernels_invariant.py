@@ -90,6 +90,27 @@ def test_matmul_partials_are_the_pieces_the_reduce_adds(dtype: torch.dtype) -> N
         im.matmul(x, w, chunk=chunk, tile=im.Tile(64, 64, 256, 4, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_tile_s_last_program_adds_the_pieces_as_the_reduce_launch_does(dtype: torch.dtype) -> None:
+    """Above 64 rows a weight of several pieces runs FIXUP: a program a (piece, tile), and the last of a tile's
+    programs to arrive adds its pieces in order. Its rows are the bits of one program walking the pieces and of the
+    reduce launch (float32 too, where an addition out of order shows), and it leaves its arrival counters at zero
+    for the next launch or graph replay."""
+    from envex.kernels import _common
+
+    n, k, chunk = 200, 400, 128  # four pieces (the last 16 long), two 128-wide column tiles, the second ragged
+    x, w, b = _randn(130, k, dtype=dtype, seed=10), _randn(n, k, dtype=dtype, seed=11), _randn(n, dtype=dtype, seed=12)
+    fixed = im.matmul(x, w, b, chunk=chunk)
+    assert torch.equal(fixed, im.matmul(x, w, b, chunk=chunk, split=False)), "FIXUP differs from one program"
+    assert torch.equal(fixed, im.matmul(x, w, b, chunk=chunk, fixup=False)), "FIXUP differs from the reduce launch"
+    assert torch.equal(im.matmul(x[:5], w, chunk=chunk, fixup=True),  # asked for on the decode tile, no bias
+                       im.matmul(x[:5], w, chunk=chunk, fixup=False))  # fmt: skip
+    assert_close("FIXUP", fixed, ref.linear(*f64(x, w, b)), dtype)
+    assert not _common._COUNTERS[("invariant_matmul", fixed.device)].any(), "an arrival counter was left set"
+    # partials asked for above 64 rows: FIXUP has added them, so the rows come back.
+    assert im.matmul(x, w, chunk=chunk, partials=True).shape == (130, n)
+
+
 def test_tile_for_keeps_float32_off_the_wide_tile() -> None:
     # The 128 x 256 tile's stages in float32 need 288 KB of shared memory, more than an H200 has.
     assert im.tile_for(4096, 1, 2) == im.WIDE_TILE and im.tile_for(4096, 1, 4) == im.PREFILL_TILE

@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
 
-from envex.kernels import moe_mxfp4, norm  # noqa: E402
+from envex.kernels import _common, moe_mxfp4, norm  # noqa: E402
 from envex.tests.support.kernels import assert_close, planes_of  # noqa: E402
 from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_gemv_path_takes_the_norms_planes_and_leaves_its_counters_at_zero() -> N
     logits = torch.randn(1, e, generator=g).to(DEV)
     first = _moe(x, logits, top_k, weights)  # planes made by fused_moe (_planes_kernel)
     assert_close("moe gemv T=1", first, _expected(x, logits, top_k, f64), torch.bfloat16)
-    counters = moe_mxfp4._COUNTERS[x.device]
+    counters = _common._COUNTERS[("fused_moe", x.device)]
     assert not counters.any(), "the last program of each (token, rows) must reset its counter"
     # the planes handed in (as TritonOps.moe does with norm.norm_planes's) give the same bits, twice over
     assert torch.equal(_moe(x, logits, top_k, weights, x_planes=planes_of(x)), first)

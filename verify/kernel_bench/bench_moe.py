@@ -30,7 +30,7 @@ import triton.language as tl
 
 from envex.kernels import moe_mxfp4 as M
 from envex.kernels import mxfp4
-from envex.kernels._common import next_pow2
+from envex.kernels._common import arrival_counters, next_pow2
 
 E, H, INTER, TOP_K = 128, 2880, 2880, 4
 
@@ -94,8 +94,9 @@ def gate_up(L: Layer, xp, logits, ids, wts, act, *, pairs=M.GEMV_PAIRS, warps=1,
 def down(L: Layer, act, ids, wts, out, *, rows=M.GEMV_DOWN_ROWS, warps=1, maxnreg=None):
     blocks = triton.cdiv(H, rows)
     part = torch.empty(out.shape[0] * TOP_K, H, dtype=torch.float32, device=out.device)
+    counters = arrival_counters("fused_moe", out.device, out.shape[0] * blocks)
     return M._down_gemv_kernel[(blocks, out.shape[0], TOP_K)](
-        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, M._arrival_counters(out.device, out.shape[0] * blocks),
+        act, ids, wts, L.dn_words, L.dn_scales, L.dn_bias, part, counters,
         out,
         act.stride(0), L.dn_words.stride(0), L.dn_blocks.stride(1), L.dn_scales.stride(0), L.dn_bias.stride(0),
         out.stride(0), N=H, INTER=INTER, TOP_K=TOP_K, BLOCK_N=rows, GB=M.GEMV_GROUPS, PACKED=True,
