@@ -69,6 +69,10 @@ class Tile:
     num_warps: int
     num_stages: int
     swap: bool = False  # weight rows on the tensor-core M side: out^T = W · x^T, the rows x on its N side
+    # Launch order of the tiles above 64 rows (FULL and FIXUP): groups of group_m row tiles sweep the column tiles,
+    # so a group's x rows and the weight tiles it is on stay in L2 together. The default (every row tile in one
+    # group) runs the row tiles of a column tile first.
+    group_m: int = 1 << 20
 
 
 # Decode: 64 x 64 output tiles, 128-wide k steps, one warpgroup; 3 stages of 32 KB (x and weight tiles) let two
@@ -166,6 +170,17 @@ def _sum_pieces(part_ptr, offs, mask, bias_ptr, cols, col_ok, PIECES: tl.constex
     return total
 
 
+@triton.jit
+def _grouped(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the launch's tile-th program: groups of GROUP_M row tiles, each group's row
+    tiles first within a column tile, then the next column tile (Triton's matmul tutorial order)."""
+    row_tiles = tl.cdiv(M, BLOCK_M)
+    in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first = (tile // in_group) * GROUP_M
+    size = tl.minimum(row_tiles - first, GROUP_M)
+    return first + (tile % in_group) % size, (tile % in_group) // size
+
+
 @triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
@@ -173,16 +188,16 @@ def _matmul_kernel(
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, FIXUP: tl.constexpr = False, FIX_N: tl.constexpr = 64,
+    GROUP_M: tl.constexpr = 1 << 20,
 ):  # fmt: skip
     if USE_PDL:  # x comes from the previous kernel of the step
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    if FIXUP:  # grid (piece, row tile, column tile): a tile's pieces run side by side and meet in L2
-        pid_m = tl.program_id(1)
-        pid_n = tl.program_id(2)
-    else:
+    if SPLIT and not FIXUP:  # grid (row tile, column tile, piece)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+    else:  # grid (piece, tile) for FIXUP, (tile,) for FULL: a tile's pieces run side by side and meet in L2
+        pid_m, pid_n = _grouped(tl.program_id(1 if FIXUP else 0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -221,7 +236,7 @@ def _matmul_kernel(
             # acquired every other program's release, and it reads the pieces past L1. It resets the counter for
             # the next launch, which starts after this one completes (stream order, or gdc_wait).
             tl.debug_barrier()
-            count = count_ptr + pid_m * tl.num_programs(2) + pid_n
+            count = count_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n
             pieces: tl.constexpr = (K + CHUNK - 1) // CHUNK
             if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == pieces - 1:
                 tl.debug_barrier()
@@ -348,7 +363,7 @@ def matmul(
     fixup = split and not t.swap and (m > DECODE_MAX_M if fixup is None else fixup)
     bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
     tiles = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    grid = (pieces, *tiles) if fixup else (*tiles, pieces if split else 1)
+    grid = (pieces, tiles[0] * tiles[1]) if fixup else (*tiles, pieces) if split else (tiles[0] * tiles[1],)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
     counters = arrival_counters("invariant_matmul", x.device, tiles[0] * tiles[1], least=FIXUP_LEAST) if fixup else part
@@ -357,8 +372,8 @@ def matmul(
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and (fixup or not split), SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, FIXUP=fixup, FIX_N=min(t.block_n, FIXUP_N), num_warps=t.num_warps, num_stages=t.num_stages,
-        **pdl_launch(pdl),
+        SWAP=t.swap, FIXUP=fixup, FIX_N=min(t.block_n, FIXUP_N), GROUP_M=t.group_m, num_warps=t.num_warps,
+        num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if fixup:
         return out

@@ -7,6 +7,7 @@ On the CPU the kernels run under the Triton interpreter, whose dots are float64 
 (the tensor cores' k step), so the schedules are checked here and the hardware's side on a GPU.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -105,6 +106,9 @@ def test_each_tile_s_last_program_adds_the_pieces_as_the_reduce_launch_does(dtyp
     assert torch.equal(fixed, im.matmul(x, w, b, chunk=chunk, fixup=False)), "FIXUP differs from the reduce launch"
     assert torch.equal(im.matmul(x[:5], w, chunk=chunk, fixup=True),  # asked for on the decode tile, no bias
                        im.matmul(x[:5], w, chunk=chunk, fixup=False))  # fmt: skip
+    by_column = dataclasses.replace(im.PREFILL_TILE, group_m=1)  # another launch order of the 2 x 2 tiles
+    assert torch.equal(fixed, im.matmul(x, w, b, chunk=chunk, tile=by_column))
+    assert torch.equal(fixed, im.matmul(x, w, b, chunk=chunk, tile=by_column, split=False))
     assert_close("FIXUP", fixed, ref.linear(*f64(x, w, b)), dtype)
     assert not _common._COUNTERS[("invariant_matmul", fixed.device)].any(), "an arrival counter was left set"
     # partials asked for above 64 rows: FIXUP has added them, so the rows come back.

@@ -150,7 +150,8 @@ for name, t, split, fixup in (("small", im.SMALL_TILE, True, False), ("decode", 
                               ("prefill", im.PREFILL_TILE, False, False), ("wide", im.WIDE_TILE, False, False),
                               ("wide_fixup", im.WIDE_TILE, True, True)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, FIXUP=fixup, FIX_N=im.FIXUP_N)
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, FIXUP=fixup, FIX_N=im.FIXUP_N,
+             GROUP_M=t.group_m)
     out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages, name)
 out["stack"] = STACK
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -143,7 +144,7 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
     prologue = im.PROLOGUE_SILU_MUL if silu else im.PROLOGUE_NONE
     copies = max(1, math.ceil(400e6 / (n * k * 2)))  # rotate weights past the 50 MB L2
     ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
-    x = torch.randn(4096, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
 
     def mm(a, i: int = 0, **kw):
         return im.matmul(a, ws[i % copies], prologue=prologue, **kw)
@@ -164,7 +165,7 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
     row("matmul", f"{name} equality", mismatched_rows=sum(checks.values()), checks=checks,
         rel_err=rel_err(big[:64], act @ ws[0].float().t()), pieces=pieces)  # fmt: skip
     floor_us = n * k * 2 / (read_tbps * 1e6)
-    for m in (1, 64, 512, 4096):
+    for m in (1, 64, 512, 4096, 8192):
         a = x[:m]
         inv = B.graph_time_ms(lambda i, a=a: mm(a, i), copies * 2) * 1e3
         if m == 1:
@@ -178,6 +179,12 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
             extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
         if m > 64 and pieces > 1:  # FIXUP against one program walking the pieces (FULL), in the same run
             extra["full_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, split=False), copies * 2) * 1e3
+        if m >= 4096:  # the wide tile's launch order (groups of row tiles) and a fourth stage: schedule, same bits
+            wide = im.tile_for(m, pieces)
+            for label, t in [(f"group{g}_us", dataclasses.replace(wide, group_m=g)) for g in (8, 16, 32)] + [
+                    ("stages4_us", dataclasses.replace(wide, num_stages=4))]:  # fmt: skip
+                extra[label] = B.graph_time_ms(lambda i, a=a, t=t: mm(a, i, tile=t), copies * 2) * 1e3
+                extra[label.replace("_us", "_mismatched")] = _mismatched(mm(a, tile=t), mm(a))
         row("matmul", f"{name} M={m}", invariant_us=inv, default_us=base * 1e3, cost=inv / (base * 1e3) - 1,
             **extra)  # fmt: skip
     if not sweep:
