@@ -13,15 +13,10 @@ one fixed arithmetic:
 
 How that arithmetic is scheduled may depend on M without changing a bit:
 - SPLIT (decode batches, M <= 64, more than one piece): one program per (row tile, column tile, piece) writes
-  its piece's fp32 sum; `_reduce_kernel` adds the pieces in order (or the next norm does: `partials`). This gives
-  a batch-1 step enough programs to stream the weight at bandwidth (O and down projections have only 64 column
-  tiles of 64 rows);
-- FIXUP (larger M, more than one piece): SPLIT's programs, a tile's pieces side by side in the grid, and the last
-  of a tile's programs to arrive (an acq_rel counter) adds its pieces in order, as `_reduce_kernel` does, and
-  stores the rows. Each program holds one accumulator: a program walking the pieces needs a second one for their
-  running total, which on the 128 x 256 tile (128 fp32 registers a thread each) spills;
-- FULL (one piece, or asked for): one program per (row tile, column tile) walks the pieces itself, with a fresh
-  accumulator per piece added to a running total: the same additions, no partial buffer.
+  its piece's fp32 sum; `_reduce_kernel` adds the pieces in order. This gives a batch-1 step enough programs to
+  stream the weight at bandwidth (O and down projections have only 64 column tiles of 64 rows);
+- FULL (larger M): one program per (row tile, column tile) walks the pieces itself, with a fresh accumulator
+  per piece added to a running total: the same additions, no partial buffer.
 
 Tiles: SMALL_TILE for M <= 16 on a weight of several pieces (the operands swapped: 64 weight rows on the wgmma's
 M side, the x rows on its N side, m64n16), DECODE_TILE for M <= 64 (a 64-row tile: the smallest wgmma takes 64
@@ -48,15 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import (
-    FLOAT_DTYPES,
-    INTERPRETING,
-    arrival_counters,
-    check,
-    check_tensor,
-    padded_rows,
-    pdl_launch,
-)
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, padded_rows, pdl_launch
 
 PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
 
@@ -69,9 +56,9 @@ class Tile:
     num_warps: int
     num_stages: int
     swap: bool = False  # weight rows on the tensor-core M side: out^T = W · x^T, the rows x on its N side
-    # Launch order of the tiles above 64 rows (FULL and FIXUP): groups of group_m row tiles sweep the column tiles,
-    # so a group's x rows and the weight tiles it is on stay in L2 together. The default (every row tile in one
-    # group) runs the row tiles of a column tile first.
+    # Launch order of one program per tile (FULL): groups of group_m row tiles sweep the column tiles, so a
+    # group's x rows and the weight tiles it is on stay in L2 together. The default (every row tile in one group)
+    # runs the row tiles of a column tile first.
     group_m: int = 1 << 20
 
 
@@ -86,17 +73,18 @@ DECODE_TILE = Tile(64, 64, 128, 4, 3)
 # has it winning, 242.6 -> 235.9 (kernels/NOTES.md, "Where the batch-1 cost goes next").
 SMALL_TILE = Tile(16, 64, 128, 4, 3, swap=True)
 SMALL_MAX_M = 16
-# Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma.
+# Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma, and a second fp32 accumulator (the running total of the
+# pieces) for a weight of several pieces.
 PREFILL_TILE = Tile(128, 128, 64, 8, 3)
 # Long prefills, and any M > 64 of a one-piece weight (many column tiles): 128 x 256, H200 at 4,096 rows (dcde335,
 # us against PREFILL_TILE): gate-up 1,446 / 2,025, LM head 7,333 / 8,759, down 905 / 1,097, O 311 / 327, QKV 484 /
 # 474 (cuBLAS 1,239 / 6,405 / 600 / 178 / 266): even with two accumulators the wide tile wins but for QKV (2%
 # slower; one rule kept). Below 2,048 rows a weight of few column tiles keeps 128 x 128 (more programs).
-WIDE_TILE = Tile(128, 256, 64, 8, 3)
+# Launched in groups of 16 row tiles: at 8,192 rows (a full prefill step) -2.7% for gate-up, 3,327 -> 3,237 us,
+# and 1-5% for the others (H200, 15628a6, verify/results/...-15628a6-invariance-fixup.json; 8 and 32 were not better).
+WIDE_TILE = Tile(128, 256, 64, 8, 3, group_m=16)
 WIDE_MIN_M = 2048
-DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces with a reduce launch) are used
-FIXUP_N = 64  # columns the last program of a FIXUP tile adds at a time (a [BLOCK_M, 64] fp32 slab per piece)
-FIXUP_LEAST = 1 << 16  # arrival counters made at once: (row tile, column tile) pairs up to 8,192 rows x 131K columns
+DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
 
 # The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A decode step
 # wants >= TARGET_PROGRAMS (column tile, piece) programs for the 132 SMs of an H200; pieces are whole multiples of
@@ -155,22 +143,6 @@ def _piece_dots(acc, x_rows, w_rows, lo, row_ok, col_ok, K: tl.constexpr, CHUNK:
 
 
 @triton.jit
-def _sum_pieces(part_ptr, offs, mask, bias_ptr, cols, col_ok, PIECES: tl.constexpr, stride_ps,
-                HAS_BIAS: tl.constexpr, CG: tl.constexpr):  # fmt: skip
-    """The pieces' fp32 sums at offs added in piece order to 0.0, then the bias (cols: a [1, n] row): the one
-    rounding's input, the same additions wherever they run (the reduce kernel, or a FIXUP tile's last program)."""
-    total = tl.zeros(offs.shape, dtype=tl.float32)
-    for piece in tl.static_range(PIECES):
-        if CG:  # written by other programs of this launch: past L1, which is not coherent
-            total += tl.load(part_ptr + piece * stride_ps + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            total += tl.load(part_ptr + piece * stride_ps + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    return total
-
-
-@triton.jit
 def _grouped(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row tile, column tile) of the launch's tile-th program: groups of GROUP_M row tiles, each group's row
     tiles first within a column tile, then the next column tile (Triton's matmul tutorial order)."""
@@ -183,21 +155,20 @@ def _grouped(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 @triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, FIXUP: tl.constexpr = False, FIX_N: tl.constexpr = 64,
-    GROUP_M: tl.constexpr = 1 << 20,
+    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20,
 ):  # fmt: skip
     if USE_PDL:  # x comes from the previous kernel of the step
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    if SPLIT and not FIXUP:  # grid (row tile, column tile, piece)
+    if SPLIT:  # grid (row tile, column tile, piece)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-    else:  # grid (piece, tile) for FIXUP, (tile,) for FULL: a tile's pieces run side by side and meet in L2
-        pid_m, pid_n = _grouped(tl.program_id(1 if FIXUP else 0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    else:  # grid (tile,), in groups of row tiles
+        pid_m, pid_n = _grouped(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
@@ -205,7 +176,7 @@ def _matmul_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     if SPLIT:  # this program's piece only; its fp32 sum goes to the partial buffer
-        first = tl.program_id(0) if FIXUP else tl.program_id(2)
+        first = tl.program_id(2)
         last = first + 1
     else:
         first = 0
@@ -230,25 +201,6 @@ def _matmul_kernel(
         mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT:
         tl.store(part_ptr + first * stride_ps + r_off * stride_pm + c_off, total, mask=mask)
-        if FIXUP:  # the tile's last program to arrive adds the pieces and stores the rows
-            # The split-K semaphore's ordering (decode_attention's in-kernel merge has it in full): the CTA barrier
-            # puts every thread's store before the one-thread acq_rel atomic, the program that reads PIECES - 1 has
-            # acquired every other program's release, and it reads the pieces past L1. It resets the counter for
-            # the next launch, which starts after this one completes (stream order, or gdc_wait).
-            tl.debug_barrier()
-            count = count_ptr + pid_m * tl.cdiv(N, BLOCK_N) + pid_n
-            pieces: tl.constexpr = (K + CHUNK - 1) // CHUNK
-            if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == pieces - 1:
-                tl.debug_barrier()
-                # FIX_N columns at a time: the accumulator is dead, and a slab per piece keeps the sum small.
-                r64 = rows.to(tl.int64)[:, None]
-                for c0 in tl.static_range(0, BLOCK_N, FIX_N):
-                    fc = pid_n * BLOCK_N + c0 + tl.arange(0, FIX_N)[None, :]
-                    fmask = row_ok[:, None] & (fc < N)
-                    fix = _sum_pieces(part_ptr, r64 * stride_pm + fc, fmask, bias_ptr, fc, fc < N, pieces, stride_ps,
-                                      HAS_BIAS, True)  # fmt: skip
-                    tl.store(out_ptr + r64 * stride_om + fc, fix.to(out_ptr.dtype.element_ty), mask=fmask)
-                tl.atomic_xchg(count, 0, sem="relaxed", scope="gpu")
     else:
         if HAS_BIAS:  # in fp32 before the one rounding, as the reduce kernel does
             total += tl.load(bias_ptr + c_off, mask=col_ok[:, None] if SWAP else col_ok[None, :],
@@ -286,9 +238,11 @@ def _reduce_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     offs = rows.to(tl.int64)[:, None] * stride_pm + cols[None, :]
-    # in piece order from 0.0: the additions the FULL kernel makes
-    total = _sum_pieces(part_ptr, offs, mask, bias_ptr, cols[None, :], (cols < N)[None, :], PIECES, stride_ps,
-                        HAS_BIAS, False)  # fmt: skip
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for piece in range(PIECES):  # in piece order from 0.0: the additions the FULL kernel makes
+        total += tl.load(part_ptr + piece * stride_ps + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :], total.to(out_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
 
@@ -318,22 +272,19 @@ def matmul(
     prologue: int = PROLOGUE_NONE,
     tile: Tile | None = None,
     split: bool | None = None,
-    fixup: bool | None = None,
     chunk: int | None = None,
     pdl: bool = False,
     partials: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = prologue(x) @ weight[N, K]^T (+ bias [N]), in x's dtype, batch-invariant row by row.
 
-    x: [M, K], or [M, 2K] (gate | up) for PROLOGUE_SILU_MUL. tile / split / fixup: override the launch (tests and
-    the device check use them to compute the same rows through every schedule: split=False is FULL, fixup=True
-    SPLIT's pieces added by each tile's last program, fixup=False by the reduce launch); None: chosen from M, which
-    changes the schedule only, never the result. chunk: the K piece length (None: chunk_size(N, K); tests pass a small
+    x: [M, K], or [M, 2K] (gate | up) for PROLOGUE_SILU_MUL. tile / split: override the launch (tests and the
+    device check use them to compute the same rows through every schedule); None: chosen from M, which changes
+    the schedule only, never the result. chunk: the K piece length (None: chunk_size(N, K); tests pass a small
     one to get several pieces from a small K). pdl: programmatic dependent launch (Hopper), inside a chain of
-    kernels that each wait on their predecessor. partials: where the schedule splits with a reduce launch (and
-    there is no bias), return the pieces' float32 sums [pieces, M, N] unreduced, for a consumer that adds them in
-    piece order and rounds once, as the reduce kernel would (norm.add_rms_norm_partials): the same bits, one launch
-    fewer. FIXUP has added them already and returns the rows.
+    kernels that each wait on their predecessor. partials: where the schedule splits (and there is no bias), return
+    the pieces' float32 sums [pieces, M, N] unreduced, for a consumer that adds them in piece order and rounds
+    once, as the reduce kernel would (norm.add_rms_norm_partials): the same bits, one launch fewer.
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     n, k = weight.shape
@@ -359,24 +310,21 @@ def matmul(
     t = tile or tile_for(m, pieces, x.element_size())
     check(pieces == 1 or chunk % t.block_k == 0,
           f"tile: block_k {t.block_k} must divide the piece length {chunk} (no k step may cross pieces)")  # fmt: skip
-    split = pieces > 1 and (split is None or split)
-    fixup = split and not t.swap and (m > DECODE_MAX_M if fixup is None else fixup)
+    if split is None:
+        split = pieces > 1 and m <= DECODE_MAX_M
+    split = split and pieces > 1
     bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
-    tiles = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n))
-    grid = (pieces, tiles[0] * tiles[1]) if fixup else (*tiles, pieces) if split else (tiles[0] * tiles[1],)
+    tiles = triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n)
+    grid = (*tiles, pieces) if split else (tiles[0] * tiles[1],)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
-    counters = arrival_counters("invariant_matmul", x.device, tiles[0] * tiles[1], least=FIXUP_LEAST) if fixup else part
     _matmul_kernel[grid](
-        x, weight, bias_arg, out, part, counters, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
-        K=k, CHUNK=chunk, HAS_BIAS=bias is not None and (fixup or not split), SPLIT=split,
+        K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, FIXUP=fixup, FIX_N=min(t.block_n, FIXUP_N), GROUP_M=t.group_m, num_warps=t.num_warps,
-        num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
-    if fixup:
-        return out
     if split and partials and bias is None:
         return part[:, :m]
     if split:

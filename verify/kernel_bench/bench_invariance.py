@@ -9,12 +9,11 @@ and with each kind of launch removed (`_bench_lib.without`): what each costs the
 
 The kernel section (this module's main) checks and times, at the Llama-3.1-8B shapes in bf16:
 - invariant_matmul for each projection: a row computed at M = 1, 3, 64 (decode tile, split pieces), inside a
-  2048-row prefill (wide tile, each tile's pieces added by its last program: FIXUP), at shifted slots, with
-  split off (one program walking the pieces) and with a reduce launch must be bit-identical (`mismatched_rows`,
-  target 0; this is where the one assumption, tensor-core k steps rounding alike in every tile, is tested); error
-  against fp32; graph-timed against the default path's kernel (the GEMV at M = 1, cuBLAS above) at M = 1, 64,
-  512 and 4096, and above 64 rows against the one-program schedule (`full_us`); with --sweep, decode tiles and
-  piece counts at M = 1 and 64 (for tuning);
+  2048-row prefill (wide tile walking the pieces), at shifted slots and with split off must be bit-identical
+  (`mismatched_rows`, target 0; this is where the one assumption, tensor-core k steps rounding alike in every
+  tile, is tested); error against fp32; graph-timed against the default path's kernel (the GEMV at M = 1, cuBLAS
+  above) at M = 1, 64, 512, 4096 and 8192, and at the two largest in other launch orders (groups of 8-32 row
+  tiles) and with a fourth stage; with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
 - invariant_attention: a 1,500-token sequence's rows from one prefill chunk, from chunks after cached prefixes,
   and as decode steps in batches with 1-33 split programs, bit-identical (target 0); decode timed with rotary
   against the fused decode kernel at B = 1 (1K, 10K) and B = 64 (1K), prefill against attention.paged_attention.
@@ -149,13 +148,11 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
     def mm(a, i: int = 0, **kw):
         return im.matmul(a, ws[i % copies], prologue=prologue, **kw)
 
-    big = mm(x[:2048])  # the wide prefill tile (a weight of several pieces: FIXUP, each tile's last program adds them)
+    big = mm(x[:2048])  # the wide prefill tile, one program walking the pieces
     checks = {f"M={m}": _mismatched(mm(x[:m]), big[:m]) for m in (1, 3, 16, 17, 64)}  # small tile to 16
     checks["M=3 decode tile"] = _mismatched(mm(x[:3], tile=im.DECODE_TILE), big[:3])
     checks["M=65 at slot 7"] = _mismatched(mm(x[7:72]), big[7:72])
     checks["M=64 one program"] = _mismatched(mm(x[:64], split=False), big[:64])
-    checks["M=2048 one program"] = _mismatched(mm(x[:2048], split=False), big)  # FULL: one program walks the pieces
-    checks["M=2048 reduce launch"] = _mismatched(mm(x[:2048], fixup=False), big)
     checks["M=200 prefill tile"] = _mismatched(mm(x[:200]), big[:200])
     checks["M=64 prefill tile"] = _mismatched(mm(x[:64], tile=im.PREFILL_TILE), big[:64])
     checks["M=64 wide tile"] = _mismatched(mm(x[:64], tile=im.WIDE_TILE), big[:64])
@@ -177,8 +174,6 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
         extra = {"tflops": 2 * m * n * k / (inv * 1e6)} if m > 64 else {"of_floor": floor_us / inv}
         if m == 1:  # the 64-row tile the small one replaced, in the same run
             extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
-        if m > 64 and pieces > 1:  # FIXUP against one program walking the pieces (FULL), in the same run
-            extra["full_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, split=False), copies * 2) * 1e3
         if m >= 4096:  # the wide tile's launch order (groups of row tiles) and a fourth stage: schedule, same bits
             wide = im.tile_for(m, pieces)
             for label, t in [(f"group{g}_us", dataclasses.replace(wide, group_m=g)) for g in (8, 16, 32)] + [

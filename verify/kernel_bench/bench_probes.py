@@ -1,6 +1,8 @@
 """One-off kernel probes behind kernels/NOTES.md v19 (issue 16) and the deterministic tiles v4-v5 (issue 17).
 
-    python3 -m envex.verify.kernel_bench.bench_probes --section splitk|prefill_tiles|pieces|one_piece --out FILE.json
+    python3 -m envex.verify.kernel_bench.bench_probes --section NAME --out FILE.json
+
+(NAME: splitk, prefill_tiles, pieces, one_piece, swapped)
 
 - splitk: O and down at 2-64 rows followed by the add + RMSNorm: cuBLAS (with its own split-K) + the norm kernel,
   against one bmm over S K-slices into float32 partials + `norm.add_rms_norm_partials`; graph-timed over 8 weight
@@ -218,7 +220,59 @@ def one_piece() -> list[dict]:
     return rows
 
 
-SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece}
+def swapped() -> list[dict]:
+    """One K piece for every weight, with the batch-1 side on swapped tiles (64 weight rows on the wgmma's M side,
+    the x rows on N: no 64-row x tile) deep enough to stream a weight of few column tiles (QKV 96, O and down 64
+    programs) at bandwidth, at 1 and 16 rows; 64 rows on the decode tile and a narrow one. Each row checked bit for
+    bit against the 128 x 256 tile at 4,096 rows; beside today's schedule (several pieces) and the GEMV."""
+    import torch
+
+    from envex.kernels import gemv
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    small = [im.SMALL_TILE, im.Tile(16, 64, 128, 4, 5, swap=True), im.Tile(16, 64, 256, 4, 3, swap=True),
+             im.Tile(16, 64, 256, 4, 4, swap=True), im.Tile(16, 64, 512, 4, 2, swap=True),
+             im.Tile(16, 64, 64, 4, 8, swap=True)]  # fmt: skip
+    decode = [im.DECODE_TILE, im.Tile(64, 32, 128, 4, 4), im.Tile(64, 64, 128, 4, 4), im.Tile(64, 64, 256, 4, 2)]
+    rows: list[dict] = []
+
+    def timed(name: str, m: int, label: str, fn, copies: int, **extra) -> None:
+        us = B.graph_time_ms(fn, copies * 2) * 1e3
+        rows.append(dict(shape=name, m=m, schedule=label, us=round(us, 2), **extra))
+        print(json.dumps(rows[-1]), flush=True)
+
+    def probe(name: str, n: int, k: int) -> None:
+        copies = _copies(n, k)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
+        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+        full = im.matmul(x, ws[0], chunk=k, tile=im.WIDE_TILE)
+        timed(name, 1, "gemv", lambda i: gemv.gemv(x[:1], ws[i % copies]), copies)
+        for m in (1, 16, 64):
+            timed(name, m, "today", lambda i, m=m: im.matmul(x[:m], ws[i % copies], partials=True), copies)
+            for t in small if m <= 16 else decode:
+                swap = " swap" if t.swap else ""
+                label = f"one piece, tile {t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}{swap}"
+                try:
+                    got = im.matmul(x[:m], ws[0], chunk=k, tile=t)
+                    bad = int((got != full[:m]).reshape(m, -1).any(1).sum())
+                    timed(name, m, label, lambda i, m=m, t=t: im.matmul(x[:m], ws[i % copies], chunk=k, tile=t),
+                          copies, mismatched_rows=bad)  # fmt: skip
+                except Exception as exc:  # a tile Triton cannot build: record it, go on
+                    rows.append(dict(shape=name, m=m, schedule=label, error=str(exc)[:300]))
+                    print(json.dumps(rows[-1]), flush=True)
+        timed(name, 4096, "today", lambda i: im.matmul(x, ws[i % copies]), copies)
+        timed(name, 4096, "one piece, 128x256", lambda i: im.matmul(x, ws[i % copies], chunk=k, tile=im.WIDE_TILE),
+              copies)  # fmt: skip
+
+    for name in ("qkv", "o", "down"):
+        probe(name, *SHAPES[name])
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece,
+            "swapped": swapped}
 
 
 def main() -> None:
