@@ -73,10 +73,17 @@ DECODE_TILE = Tile(64, 64, 128, 4, 3)
 # has it winning, 242.6 -> 235.9 (kernels/NOTES.md, "Where the batch-1 cost goes next").
 SMALL_TILE = Tile(16, 64, 128, 4, 3, swap=True)
 SMALL_MAX_M = 16
+# A one-piece weight of few column tiles (under MANY_COLUMNS; QKV of Llama-3.1-8B, 96) streams its whole K in each
+# program, so deeper pipelines: H200, b185546 (`bench_probes --section swapped`, us, QKV in one piece / in three
+# with the pieces handed on): 1 row 15.0 / 14.5 (five stages here; three: 18.5), 64 rows 18.1 / 20.6.
+DEEP_SMALL_TILE = Tile(16, 64, 128, 4, 5, swap=True)
+DEEP_DECODE_TILE = Tile(64, 64, 128, 4, 4)
+MANY_COLUMNS = 256  # column tiles of 64 from which a one-piece weight fills the GPU on the plain tiles
 # Prefill: 128 x 128 tiles, two warpgroups of m64 wgmma, and a second fp32 accumulator (the running total of the
-# pieces) for a weight of several pieces.
+# pieces) for a weight of several pieces (on the 128 x 256 tile two accumulators take all 255 registers and spill:
+# 416 bytes a thread, compiled for sm_90 with Triton 3.9).
 PREFILL_TILE = Tile(128, 128, 64, 8, 3)
-# Long prefills, and any M > 64 of a one-piece weight (many column tiles): 128 x 256, H200 at 4,096 rows (dcde335,
+# Long prefills, and any M > 64 of a one-piece weight of many column tiles: 128 x 256, H200 at 4,096 rows (dcde335,
 # us against PREFILL_TILE): gate-up 1,446 / 2,025, LM head 7,333 / 8,759, down 905 / 1,097, O 311 / 327, QKV 484 /
 # 474 (cuBLAS 1,239 / 6,405 / 600 / 178 / 266): even with two accumulators the wide tile wins but for QKV (2%
 # slower; one rule kept). Below 2,048 rows a weight of few column tiles keeps 128 x 128 (more programs).
@@ -86,9 +93,13 @@ WIDE_TILE = Tile(128, 256, 64, 8, 3, group_m=16)
 WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
 
-# The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A decode step
-# wants >= TARGET_PROGRAMS (column tile, piece) programs for the 132 SMs of an H200; pieces are whole multiples of
-# K_ALIGN (every tile's block_k divides it) and at least MIN_CHUNK long.
+# The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A weight of at
+# least ONE_PIECE_COLUMNS column tiles of 64 is one piece: its column tiles alone give a batch-1 step enough
+# programs on the deep tiles, and a prefill program then holds one accumulator (H200, b185546: QKV at 4,096 rows
+# 318 us in one piece against 458 in three). Fewer column tiles (O and down: 64) want >= TARGET_PROGRAMS
+# (column tile, piece) programs for the 132 SMs of an H200 (in one piece their batch-1 step lost 1.7 and 2.6 us);
+# pieces are whole multiples of K_ALIGN (every tile's block_k divides it) and at least MIN_CHUNK long.
+ONE_PIECE_COLUMNS = 96
 TARGET_PROGRAMS = 256
 COLUMN_UNIT = 64
 MIN_CHUNK = 1024
@@ -97,18 +108,21 @@ K_ALIGN = 128
 
 def chunk_size(n: int, k: int) -> int:
     """The length of the K pieces each output element sums separately, from the weight's shape alone."""
-    pieces = max(1, min(triton.cdiv(TARGET_PROGRAMS, triton.cdiv(n, COLUMN_UNIT)), k // MIN_CHUNK))
+    columns = triton.cdiv(n, COLUMN_UNIT)
+    pieces = 1 if columns >= ONE_PIECE_COLUMNS else max(1, min(triton.cdiv(TARGET_PROGRAMS, columns), k // MIN_CHUNK))
     return min(k, triton.cdiv(triton.cdiv(k, pieces), K_ALIGN) * K_ALIGN)
 
 
-def tile_for(m: int, pieces: int, itemsize: int = 2) -> Tile:
-    """The launch's tile: a schedule choice (every tile gives the same bits), by rows, the weight's pieces and the
-    element size (float32's 128 x 256 stages need 288 KB of shared memory, past the H200's 227 KB)."""
-    if m <= SMALL_MAX_M and pieces > 1:
-        return SMALL_TILE
+def tile_for(m: int, n: int, pieces: int, itemsize: int = 2) -> Tile:
+    """The launch's tile: a schedule choice (every tile gives the same bits), by rows, the weight's column count
+    and pieces and the element size (float32's 128 x 256 stages need 288 KB of shared memory, past the H200's 227
+    KB; the deep 64-row tile's four stages 256 KB)."""
+    many = triton.cdiv(n, COLUMN_UNIT) >= MANY_COLUMNS
+    if m <= SMALL_MAX_M and not many:
+        return SMALL_TILE if pieces > 1 else DEEP_SMALL_TILE
     if m <= DECODE_MAX_M:
-        return DECODE_TILE
-    return WIDE_TILE if (pieces == 1 or m >= WIDE_MIN_M) and itemsize <= 2 else PREFILL_TILE
+        return DEEP_DECODE_TILE if pieces == 1 and not many and itemsize <= 2 else DECODE_TILE
+    return WIDE_TILE if (m >= WIDE_MIN_M or (pieces == 1 and many)) and itemsize <= 2 else PREFILL_TILE
 
 
 @triton.jit
@@ -307,7 +321,7 @@ def matmul(
     chunk = chunk or chunk_size(n, k)
     check(chunk % K_ALIGN == 0 or chunk >= k, f"chunk: {chunk} must be a multiple of {K_ALIGN} (or cover K = {k})")
     pieces = triton.cdiv(k, chunk)
-    t = tile or tile_for(m, pieces, x.element_size())
+    t = tile or tile_for(m, n, pieces, x.element_size())
     check(pieces == 1 or chunk % t.block_k == 0,
           f"tile: block_k {t.block_k} must divide the piece length {chunk} (no k step may cross pieces)")  # fmt: skip
     if split is None:

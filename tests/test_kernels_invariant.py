@@ -63,6 +63,7 @@ def test_matmul_rows_do_not_depend_on_the_batch(dtype: torch.dtype) -> None:
     # A one-piece weight above 64 rows takes the 128 x 256 tile; its rows too are the rows computed alone.
     one_piece = im.matmul(x[:70], w, b, chunk=k)
     assert torch.equal(one_piece[rows], torch.cat([im.matmul(x[i : i + 1], w, b, chunk=k) for i in rows]))
+    assert torch.equal(one_piece[:33], im.matmul(x[:33], w, b, chunk=k))  # the deep decode tile (17-64 rows)
     # The batch shifted by 3 puts every row at another place in its tile.
     shifted = im.matmul(torch.cat([_randn(3, k, dtype=dtype, seed=9), x[:67]]), w, b, chunk=chunk)[3:]
     assert torch.equal(shifted[rows[:5]], alone[:5])
@@ -107,14 +108,20 @@ def test_the_tiles_launch_order_does_not_change_a_bit(dtype: torch.dtype) -> Non
 
 def test_tile_for_keeps_float32_off_the_wide_tile() -> None:
     # The 128 x 256 tile's stages in float32 need 288 KB of shared memory, more than an H200 has.
-    assert im.tile_for(4096, 1, 2) == im.WIDE_TILE and im.tile_for(4096, 1, 4) == im.PREFILL_TILE
-    assert im.tile_for(100, 3) == im.PREFILL_TILE and im.tile_for(2048, 3) == im.WIDE_TILE
-    assert im.tile_for(1, 3) == im.SMALL_TILE and im.tile_for(1, 1) == im.DECODE_TILE == im.tile_for(64, 3)
+    qkv, o, gate_up = 6144, 4096, 28672  # Llama-3.1-8B: 96, 64 and 448 column tiles of 64
+    assert im.tile_for(4096, o, 1, 2) == im.WIDE_TILE and im.tile_for(4096, o, 1, 4) == im.PREFILL_TILE
+    assert im.tile_for(100, o, 3) == im.PREFILL_TILE and im.tile_for(2048, o, 3) == im.WIDE_TILE
+    assert im.tile_for(100, gate_up, 1) == im.WIDE_TILE and im.tile_for(100, qkv, 1) == im.PREFILL_TILE
+    assert im.tile_for(1, o, 3) == im.SMALL_TILE and im.tile_for(1, gate_up, 1) == im.DECODE_TILE
+    assert im.tile_for(64, o, 3) == im.DECODE_TILE == im.tile_for(64, qkv, 1, 4)
+    assert im.tile_for(16, qkv, 1) == im.DEEP_SMALL_TILE and im.tile_for(17, qkv, 1) == im.DEEP_DECODE_TILE
 
 
 def test_chunk_size_is_a_property_of_the_weight() -> None:
-    # The Llama-3.1-8B projections at decode: enough (column tile, piece) programs for 132 SMs.
-    for n, k, pieces in ((6144, 4096, 3), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (128256, 4096, 1)):
+    # The Llama-3.1-8B projections at decode: enough (column tile, piece) programs for 132 SMs; a weight of 96
+    # column tiles or more has them in one piece.
+    for n, k, pieces in ((6144, 4096, 1), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (128256, 4096, 1),
+                         (6080, 4096, 3)):  # fmt: skip
         chunk = im.chunk_size(n, k)
         assert chunk % im.K_ALIGN == 0 and -(-k // chunk) == pieces, (n, k, chunk)
     assert im.chunk_size(960, 576) == 576  # the embedded model: one piece

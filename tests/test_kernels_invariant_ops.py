@@ -138,7 +138,8 @@ mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
 for name, t, split in (("small", im.SMALL_TILE, True), ("decode", im.DECODE_TILE, True),
-                       ("prefill", im.PREFILL_TILE, False), ("wide", im.WIDE_TILE, False)):
+                       ("prefill", im.PREFILL_TILE, False), ("wide", im.WIDE_TILE, False),
+                       ("deep_small", im.DEEP_SMALL_TILE, False), ("deep_decode", im.DEEP_DECODE_TILE, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
              BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, GROUP_M=t.group_m)
     out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
@@ -170,4 +171,5 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     # Matmul: every tile is m64 x k16 steps; only the instruction's N and, for the small tile, which operand holds
     # the weight differ (the assumption the H200 run checks).
     assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
-    assert shapes["small"] == ["m64n16k16"] and shapes["wide"] == ["m64n256k16"], shapes
+    assert shapes["small"] == shapes["deep_small"] == ["m64n16k16"] and shapes["wide"] == ["m64n256k16"], shapes
+    assert shapes["deep_decode"] == shapes["decode"], shapes

@@ -175,7 +175,7 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
         if m == 1:  # the 64-row tile the small one replaced, in the same run
             extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
         if m >= 4096:  # the wide tile's launch order (groups of row tiles) and a fourth stage: schedule, same bits
-            wide = im.tile_for(m, pieces)
+            wide = im.tile_for(m, n, pieces)
             for label, t in [(f"group{g}_us", dataclasses.replace(wide, group_m=g)) for g in (8, 16, 32)] + [
                     ("stages4_us", dataclasses.replace(wide, num_stages=4))]:  # fmt: skip
                 extra[label] = B.graph_time_ms(lambda i, a=a, t=t: mm(a, i, tile=t), copies * 2) * 1e3
