@@ -13,6 +13,7 @@ dummy weights (the Llama shape only), `load_format=dummy` otherwise. Cases:
     b1_1k   batch 1, 1K-token prompt, 256 out: decode tok/s (after the first token) and TTFT; 1 warm-up + 3 runs
     b1_10k  batch 1, 10K prompt, 512 out; 1 warm-up + 2 runs
     c64_1k  64 concurrent 1K/256 streams: output tok/s over the whole wave; 1 warm-up + 2 runs
+    c64_1k_x6  the same with 6 runs (one run of this case spreads by +-4%, H200, 2026-12-02)
     inv     batch invariance (bench_invariance.run_invariance): 64 prompts x 256 greedy tokens, each first seen
             cold at concurrency 1, 24 or 32, then with prefix hits at 64, 5 and 1; differing tokens (target 0).
             Needs the run's prefix cache on (--engine LABEL:enable_prefix_caching=true)
@@ -61,7 +62,8 @@ SHAPES = {
                       "rope_type": "yarn", "truncate": False},
         swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088, torch_dtype="bfloat16"),
 }  # fmt: skip
-CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2)}
+CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
+         "c64_1k_x6": (64, 1024, 256, 6)}
 
 
 def step_bytes(shape: dict, context: int) -> float:
