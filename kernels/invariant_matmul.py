@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, padded_rows, pdl_launch
 
@@ -113,6 +114,18 @@ def chunk_size(n: int, k: int) -> int:
     return min(k, triton.cdiv(triton.cdiv(k, pieces), K_ALIGN) * K_ALIGN)
 
 
+def use_tma(x: torch.Tensor, weight: torch.Tensor, m: int, split: bool, t: Tile) -> bool:
+    """Whether a launch reads its operands through TMA descriptors: one program a tile above 64 rows (prefill; the
+    decode schedules keep pointer loads), unswapped, on a GPU of sm_90 or later (or the interpreter), with both
+    operands' rows on 16 bytes (the descriptors' rule). A schedule choice: the operand values, so the bits, are
+    the masked loads'."""
+    if split or t.swap or m <= DECODE_MAX_M:
+        return False
+    if not INTERPRETING and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    return all(a.data_ptr() % 16 == 0 and a.stride(0) * a.element_size() % 16 == 0 for a in (x, weight))
+
+
 def tile_for(m: int, n: int, pieces: int, itemsize: int = 2) -> Tile:
     """The launch's tile: a schedule choice (every tile gives the same bits), by rows, the weight's column count
     and pieces and the element size (float32's 128 x 256 stages need 288 KB of shared memory, past the H200's 227
@@ -126,31 +139,40 @@ def tile_for(m: int, n: int, pieces: int, itemsize: int = 2) -> Tile:
 
 
 @triton.jit
-def _operands(x_rows, w_rows, ks, row_ok, col_ok, K: tl.constexpr):
-    """The x tile [BLOCK_M, len(ks)] and weight tile [BLOCK_N, len(ks)] of k columns ks."""
-    k_ok = ks < K
-    x = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-    w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+def _operands(x_src, w_src, k, WIDTH: tl.constexpr, row_ok, col_ok, row0, col0, K: tl.constexpr,
+              TMA: tl.constexpr):  # fmt: skip
+    """The x tile [BLOCK_M, WIDTH] and weight tile [BLOCK_N, WIDTH] of k columns k .. k + WIDTH - 1: masked loads
+    through row pointers, or (TMA) the tensor memory accelerator's loads through descriptors of blocks [BLOCK_M,
+    WIDTH] and [BLOCK_N, WIDTH] at (row0, k) and (col0, k), whose zero fill past the edges gives the same values."""
+    if TMA:
+        x = x_src.load([row0, k])
+        w = w_src.load([col0, k])
+    else:
+        ks = k + tl.arange(0, WIDTH)
+        k_ok = ks < K
+        x = tl.load(x_src + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_src + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
     return x, w
 
 
 @triton.jit
-def _piece_dots(acc, x_rows, w_rows, lo, row_ok, col_ok, K: tl.constexpr, CHUNK: tl.constexpr,
-                BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP: tl.constexpr):  # fmt: skip
+def _piece_dots(acc, x_src, w_src, lo, row_ok, col_ok, row0, col0, K: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr, SWAP: tl.constexpr, TMA: tl.constexpr):  # fmt: skip
     """acc plus the k16 tensor-core steps of the piece starting at lo, k ascending. SWAP: acc is out^T, the weight
     tile the dot's first operand."""
     for k0 in range(lo, tl.minimum(lo + CHUNK, K), BLOCK_K):
         if UPCAST_DOT:
             # The interpreter: numpy's float32 matmul rounds a row differently by its place in the tile (its
             # micro-kernel handles rows in groups), the tensor cores do not. So each 16-wide k step (one wgmma k
-            # step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is.
+            # step) is a float64 dot rounded once into the fp32 accumulator, whatever BLOCK_K is (a TMA launch
+            # there has descriptors of 16-wide blocks).
             for a in tl.static_range(0, BLOCK_K, 16):
-                x, w = _operands(x_rows, w_rows, k0 + a + tl.arange(0, 16), row_ok, col_ok, K)
+                x, w = _operands(x_src, w_src, k0 + a, 16, row_ok, col_ok, row0, col0, K, TMA)
                 x, w = x.to(tl.float64), w.to(tl.float64)
                 lhs, rhs = (w, x) if SWAP else (x, w)
                 acc += tl.dot(lhs, tl.trans(rhs), out_dtype=tl.float64).to(tl.float32)
         else:
-            x, w = _operands(x_rows, w_rows, k0 + tl.arange(0, BLOCK_K), row_ok, col_ok, K)
+            x, w = _operands(x_src, w_src, k0, BLOCK_K, row_ok, col_ok, row0, col0, K, TMA)
             lhs, rhs = (w, x) if SWAP else (x, w)
             acc = tl.dot(lhs, tl.trans(rhs), acc)
     return acc
@@ -173,7 +195,7 @@ def _matmul_kernel(
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20,
+    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20, TMA: tl.constexpr = False,
 ):  # fmt: skip
     if USE_PDL:  # x comes from the previous kernel of the step
         tl.extra.cuda.gdc_launch_dependents()
@@ -187,8 +209,13 @@ def _matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    if TMA:  # x_ptr and w_ptr are tensor descriptors
+        x_src, w_src = x_ptr, w_ptr
+    else:
+        x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+        w_src = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    row0 = pid_m * BLOCK_M
+    col0 = pid_n * BLOCK_N
     if SPLIT:  # this program's piece only; its fp32 sum goes to the partial buffer
         first = tl.program_id(2)
         last = first + 1
@@ -202,11 +229,12 @@ def _matmul_kernel(
     # One piece: its dots go straight into the total (0 + part is part: the same bits), so the tile holds one
     # accumulator; several pieces each start from zero and are added to the total in order.
     if CHUNK >= K:
-        total = _piece_dots(total, x_rows, w_rows, 0, row_ok, col_ok, K, CHUNK, BLOCK_K, UPCAST_DOT, SWAP)
+        total = _piece_dots(total, x_src, w_src, 0, row_ok, col_ok, row0, col0, K, CHUNK, BLOCK_K, UPCAST_DOT, SWAP,
+                            TMA)  # fmt: skip
     else:
         for piece in range(first, last):
-            total += _piece_dots(tl.zeros_like(total), x_rows, w_rows, piece * CHUNK, row_ok, col_ok, K, CHUNK,
-                                 BLOCK_K, UPCAST_DOT, SWAP)  # fmt: skip
+            total += _piece_dots(tl.zeros_like(total), x_src, w_src, piece * CHUNK, row_ok, col_ok, row0, col0, K,
+                                 CHUNK, BLOCK_K, UPCAST_DOT, SWAP, TMA)  # fmt: skip
     if SWAP:  # store through transposed offsets: element (col, row) of the accumulator is out[row, col]
         r_off, c_off = rows.to(tl.int64)[None, :], cols[:, None]
         mask = row_ok[None, :] & col_ok[:, None]
@@ -286,13 +314,14 @@ def matmul(
     prologue: int = PROLOGUE_NONE,
     tile: Tile | None = None,
     split: bool | None = None,
+    tma: bool | None = None,
     chunk: int | None = None,
     pdl: bool = False,
     partials: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = prologue(x) @ weight[N, K]^T (+ bias [N]), in x's dtype, batch-invariant row by row.
 
-    x: [M, K], or [M, 2K] (gate | up) for PROLOGUE_SILU_MUL. tile / split: override the launch (tests and the
+    x: [M, K], or [M, 2K] (gate | up) for PROLOGUE_SILU_MUL. tile / split / tma: override the launch (tests and the
     device check use them to compute the same rows through every schedule); None: chosen from M, which changes
     the schedule only, never the result. chunk: the K piece length (None: chunk_size(N, K); tests pass a small
     one to get several pieces from a small K). pdl: programmatic dependent launch (Hopper), inside a chain of
@@ -332,12 +361,18 @@ def matmul(
     grid = (*tiles, pieces) if split else (tiles[0] * tiles[1],)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
+    tma = use_tma(x, weight, m, split, t) if tma is None else tma
+    x_arg, w_arg = x, weight
+    if tma:  # the operands through TMA descriptors (16-wide blocks in the interpreter: its k16 steps)
+        width = 16 if INTERPRETING else t.block_k
+        x_arg = TensorDescriptor.from_tensor(x, [t.block_m, width])
+        w_arg = TensorDescriptor.from_tensor(weight, [t.block_n, width])
     _matmul_kernel[grid](
-        x, weight, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        x_arg, w_arg, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, GROUP_M=t.group_m, TMA=tma, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
         return part[:, :m]

@@ -94,8 +94,9 @@ def test_matmul_partials_are_the_pieces_the_reduce_adds(dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_tiles_launch_order_does_not_change_a_bit(dtype: torch.dtype) -> None:
-    """Above 64 rows one program a tile walks the pieces, its tiles launched in groups of row tiles (Tile.group_m):
-    a schedule choice, so every order gives the same rows (float32 too, where any change of arithmetic shows)."""
+    """Above 64 rows one program a tile walks the pieces, its tiles launched in groups of row tiles (Tile.group_m),
+    its operands read through TMA descriptors where aligned: schedule choices, so every order and either load
+    gives the same rows (float32 too, where any change of arithmetic shows)."""
     n, k, chunk = 200, 400, 128  # four pieces (the last 16 long), two 128-wide column tiles, the second ragged
     x, w, b = _randn(130, k, dtype=dtype, seed=10), _randn(n, k, dtype=dtype, seed=11), _randn(n, dtype=dtype, seed=12)
     walked = im.matmul(x, w, b, chunk=chunk)
@@ -103,6 +104,14 @@ def test_the_tiles_launch_order_does_not_change_a_bit(dtype: torch.dtype) -> Non
         assert torch.equal(walked, im.matmul(x, w, b, chunk=chunk, tile=dataclasses.replace(im.PREFILL_TILE,
                                                                                           group_m=group)))
     assert torch.equal(walked[:5], im.matmul(x[:5], w, b, chunk=chunk))  # and the split pieces of a decode batch
+    # Above 64 rows the operands come through TMA descriptors (zero fill past the edges); masked loads give the
+    # same values, so the same rows, for a weight of several pieces and of one.
+    assert im.use_tma(x, w, 130, False, im.PREFILL_TILE) and not im.use_tma(x[:64], w, 64, False, im.DECODE_TILE)
+    assert torch.equal(walked, im.matmul(x, w, b, chunk=chunk, tma=False))
+    assert torch.equal(im.matmul(x, w, chunk=k), im.matmul(x, w, chunk=k, tma=False))
+    odd = _randn(130, k + 4, dtype=dtype, seed=13)[:, 2 : k + 2]  # rows 4 bytes off 16: pointer loads instead
+    assert not im.use_tma(odd, w, 130, False, im.PREFILL_TILE)
+    assert torch.equal(im.matmul(odd, w, chunk=chunk), im.matmul(odd.contiguous(), w, chunk=chunk))
     assert_close("walked", walked, ref.linear(*f64(x, w, b)), dtype)
 
 

@@ -129,7 +129,8 @@ from envex.kernels import invariant_attention as ia, invariant_matmul as im
 
 def shapes(fn, args, consts, warps, stages):
     sig = {**args, **{k: "constexpr" for k in consts}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("stride")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (n, ty) in enumerate(sig.items())
+             if (n.endswith("_ptr") and ty.startswith("*")) or n.startswith("stride")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     return sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
@@ -137,12 +138,16 @@ def shapes(fn, args, consts, warps, stages):
 mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32",
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
-for name, t, split in (("small", im.SMALL_TILE, True), ("decode", im.DECODE_TILE, True),
-                       ("prefill", im.PREFILL_TILE, False), ("wide", im.WIDE_TILE, False),
-                       ("deep_small", im.DEEP_SMALL_TILE, False), ("deep_decode", im.DEEP_DECODE_TILE, False)):
+for name, t, split, tma in (("small", im.SMALL_TILE, True, False), ("decode", im.DECODE_TILE, True, False),
+                            ("prefill", im.PREFILL_TILE, False, True), ("wide", im.WIDE_TILE, False, True),
+                            ("wide_pointers", im.WIDE_TILE, False, False),
+                            ("deep_small", im.DEEP_SMALL_TILE, False, False),
+                            ("deep_decode", im.DEEP_DECODE_TILE, False, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, GROUP_M=t.group_m)
-    out[name] = shapes(im._matmul_kernel, mm, c, t.num_warps, t.num_stages)
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, GROUP_M=t.group_m, TMA=tma)
+    desc = {"x_ptr": f"tensordesc<bf16[{t.block_m}, {t.block_k}]>",
+            "w_ptr": f"tensordesc<bf16[{t.block_n}, {t.block_k}]>"}
+    out[name] = shapes(im._matmul_kernel, {**mm, **(desc if tma else {})}, c, t.num_warps, t.num_stages)
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
 kv = dict(stride_kb="i32", stride_ks="i32", stride_kh="i32", stride_bt="i32")
 common = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=ia.BLOCK_M, BLOCK_N=ia.BLOCK_N, PAGE=16,
@@ -171,5 +176,6 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     # Matmul: every tile is m64 x k16 steps; only the instruction's N and, for the small tile, which operand holds
     # the weight differ (the assumption the H200 run checks).
     assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
-    assert shapes["small"] == shapes["deep_small"] == ["m64n16k16"] and shapes["wide"] == ["m64n256k16"], shapes
+    assert shapes["small"] == shapes["deep_small"] == ["m64n16k16"], shapes
+    assert shapes["wide"] == shapes["wide_pointers"] == ["m64n256k16"], shapes  # TMA loads, or masked ones
     assert shapes["deep_decode"] == shapes["decode"], shapes
