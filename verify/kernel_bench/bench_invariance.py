@@ -12,8 +12,8 @@ The kernel section (this module's main) checks and times, at the Llama-3.1-8B sh
   2048-row prefill (wide tile walking the pieces), at shifted slots and with split off must be bit-identical
   (`mismatched_rows`, target 0; this is where the one assumption, tensor-core k steps rounding alike in every
   tile, is tested); error against fp32; graph-timed against the default path's kernel (the GEMV at M = 1, cuBLAS
-  above) at M = 1, 64, 512, 4096 and 8192, and at the two largest in other launch orders (groups of 8-32 row
-  tiles) and with a fourth stage; with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
+  above) at M = 1, 64, 512, 4096 and 8192, above 64 rows also with pointer loads instead of TMA descriptors
+  (`pointers_us`); with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
 - invariant_attention: a 1,500-token sequence's rows from one prefill chunk, from chunks after cached prefixes,
   and as decode steps in batches with 1-33 split programs, bit-identical (target 0); decode timed with rotary
   against the fused decode kernel at B = 1 (1K, 10K) and B = 64 (1K), prefill against attention.paged_attention.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import math
 import random
@@ -174,12 +173,9 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
         extra = {"tflops": 2 * m * n * k / (inv * 1e6)} if m > 64 else {"of_floor": floor_us / inv}
         if m == 1:  # the 64-row tile the small one replaced, in the same run
             extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
-        if m >= 4096:  # the wide tile's launch order (groups of row tiles) and a fourth stage: schedule, same bits
-            wide = im.tile_for(m, n, pieces)
-            for label, t in [(f"group{g}_us", dataclasses.replace(wide, group_m=g)) for g in (8, 16, 32)] + [
-                    ("stages4_us", dataclasses.replace(wide, num_stages=4))]:  # fmt: skip
-                extra[label] = B.graph_time_ms(lambda i, a=a, t=t: mm(a, i, tile=t), copies * 2) * 1e3
-                extra[label.replace("_us", "_mismatched")] = _mismatched(mm(a, tile=t), mm(a))
+        if m > 64:  # the operands through pointer loads instead of TMA descriptors: schedule, same bits
+            extra["pointers_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tma=False), copies * 2) * 1e3
+            extra["pointers_mismatched"] = _mismatched(mm(a, tma=False), mm(a))
         row("matmul", f"{name} M={m}", invariant_us=inv, default_us=base * 1e3, cost=inv / (base * 1e3) - 1,
             **extra)  # fmt: skip
     if not sweep:
