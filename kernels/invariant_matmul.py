@@ -93,6 +93,7 @@ PREFILL_TILE = Tile(128, 128, 64, 8, 3)
 WIDE_TILE = Tile(128, 256, 64, 8, 3, group_m=16)
 WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
+DECODE_TMA = True  # decode launches read through TMA descriptors too (use_tma)
 
 # The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A weight of at
 # least ONE_PIECE_COLUMNS column tiles of 64 is one piece: its column tiles alone give a batch-1 step enough
@@ -115,11 +116,10 @@ def chunk_size(n: int, k: int) -> int:
 
 
 def use_tma(x: torch.Tensor, weight: torch.Tensor, m: int, split: bool, t: Tile) -> bool:
-    """Whether a launch reads its operands through TMA descriptors: one program a tile above 64 rows (prefill; the
-    decode schedules keep pointer loads), unswapped, on a GPU of sm_90 or later (or the interpreter), with both
-    operands' rows on 16 bytes (the descriptors' rule). A schedule choice: the operand values, so the bits, are
-    the masked loads'."""
-    if split or t.swap or m <= DECODE_MAX_M:
+    """Whether a launch reads its operands through TMA descriptors: on a GPU of sm_90 or later (or the
+    interpreter), with both operands' rows on 16 bytes (the descriptors' rule), at DECODE_TMA for decode sizes. A
+    schedule choice: the operand values, so the bits, are the masked loads'."""
+    if m <= DECODE_MAX_M and not DECODE_TMA:
         return False
     if not INTERPRETING and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
         return False
