@@ -93,7 +93,9 @@ PREFILL_TILE = Tile(128, 128, 64, 8, 3)
 WIDE_TILE = Tile(128, 256, 64, 8, 3, group_m=16)
 WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
-DECODE_TMA = True  # decode launches read through TMA descriptors too (use_tma)
+# Decode launches (M <= 64) through TMA descriptors too: tested here, not yet measured on the GPU (kernels/NOTES.md,
+# "TMA operands"), so off. Above 64 rows TMA took prefill from 0.55-0.75 of cuBLAS to 0.92-1.05 (H200, c037c43).
+DECODE_TMA = False
 
 # The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A weight of at
 # least ONE_PIECE_COLUMNS column tiles of 64 is one piece: its column tiles alone give a batch-1 step enough

@@ -139,6 +139,7 @@ mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
 for name, t, split, tma in (("small", im.SMALL_TILE, True, False), ("decode", im.DECODE_TILE, True, False),
+                            ("small_tma", im.SMALL_TILE, True, True), ("decode_tma", im.DECODE_TILE, True, True),
                             ("prefill", im.PREFILL_TILE, False, True), ("wide", im.WIDE_TILE, False, True),
                             ("wide_pointers", im.WIDE_TILE, False, False),
                             ("deep_small", im.DEEP_SMALL_TILE, False, False),
@@ -176,6 +177,7 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     # Matmul: every tile is m64 x k16 steps; only the instruction's N and, for the small tile, which operand holds
     # the weight differ (the assumption the H200 run checks).
     assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
-    assert shapes["small"] == shapes["deep_small"] == ["m64n16k16"], shapes
+    assert shapes["small"] == shapes["deep_small"] == shapes["small_tma"] == ["m64n16k16"], shapes
+    assert shapes["decode_tma"] == shapes["decode"], shapes
     assert shapes["wide"] == shapes["wide_pointers"] == ["m64n256k16"], shapes  # TMA loads, or masked ones
     assert shapes["deep_decode"] == shapes["decode"], shapes
