@@ -13,6 +13,8 @@
   launch and with the pieces handed on, against the one-row GEMV.
 - one_piece: QKV, O, down and gate-up with K in one piece: narrow decode tiles at 1 and 64 rows and the 128 x 256
   tile at 4,096 rows, rows checked bit for bit against the 4,096-row launch, beside today's schedule and cuBLAS.
+- swapped: the same for QKV, O and down with swapped tiles of 3-8 stages at 1 and 16 rows (kernels/NOTES.md, "The
+  prefill projections at cuBLAS speed").
 
 Llama-3.1-8B shapes, random bf16 weights, one GPU. Results are the raw JSON in verify/results.
 """
@@ -169,23 +171,21 @@ def pieces() -> list[dict]:
     return rows
 
 
-def one_piece() -> list[dict]:
-    """Every projection as one K piece (one chain of k16 steps per element, no split): narrow decode tiles (64 x
-    rows on the wgmma's M side, 16-64 weight columns on N) at 1 and 64 rows, the 128 x 256 tile at 4,096 rows,
-    each row checked bit for bit against the 4,096-row launch; beside today's schedule, the GEMV and cuBLAS."""
+def _one_piece_rows(names: tuple[str, ...], tiles_at) -> list[dict]:
+    """For each shape: the GEMV at one row; at each M of tiles_at (M -> tiles) today's schedule (and, where it
+    splits, with the pieces handed on) and each tile with K in one piece, every row checked bit for bit against the
+    128 x 256 tile at 4,096 rows; at 4,096 rows cuBLAS, today's schedule and one piece."""
     import torch
 
     from envex.kernels import gemv
     from envex.kernels import invariant_matmul as im
     from envex.verify.kernel_bench import _bench_lib as B
 
-    narrow = [im.Tile(64, 16, 128, 4, 4), im.Tile(64, 16, 256, 4, 4), im.Tile(64, 32, 128, 4, 4),
-              im.Tile(64, 32, 256, 4, 3), im.DECODE_TILE]  # fmt: skip
     rows: list[dict] = []
 
     def timed(name: str, m: int, label: str, fn, copies: int, **extra) -> None:
         us = B.graph_time_ms(fn, copies * 2) * 1e3
-        rows.append(dict(shape=name, m=m, schedule=label, us=round(us, 1), **extra))
+        rows.append(dict(shape=name, m=m, schedule=label, us=round(us, 2), **extra))
         print(json.dumps(rows[-1]), flush=True)
 
     def probe(name: str, n: int, k: int) -> None:  # one shape; its tensors go when it returns
@@ -194,13 +194,14 @@ def one_piece() -> list[dict]:
         x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
         full = im.matmul(x, ws[0], chunk=k, tile=im.WIDE_TILE)
         timed(name, 1, "gemv", lambda i: gemv.gemv(x[:1], ws[i % copies]), copies)
-        for m in (1, 64):
+        for m, tiles in tiles_at.items():
             timed(name, m, "today", lambda i, m=m: im.matmul(x[:m], ws[i % copies]), copies)
             if im.chunk_size(n, k) < k:
                 timed(name, m, "today, pieces handed on",
                       lambda i, m=m: im.matmul(x[:m], ws[i % copies], partials=True), copies)  # fmt: skip
-            for t in narrow if m == 1 else narrow[2:]:
-                label = f"one piece, tile {t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}"
+            for t in tiles:
+                swap = " swap" if t.swap else ""
+                label = f"one piece, tile {t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}{swap}"
                 try:
                     got = im.matmul(x[:m], ws[0], chunk=k, tile=t)
                     bad = int((got != full[:m]).reshape(m, -1).any(1).sum())
@@ -214,61 +215,34 @@ def one_piece() -> list[dict]:
         timed(name, 4096, "one piece, 128x256",
               lambda i: im.matmul(x, ws[i % copies], chunk=k, tile=im.WIDE_TILE), copies)  # fmt: skip
 
-    for name in ("qkv", "o", "down", "gate_up"):
+    for name in names:
         probe(name, *SHAPES[name])
         torch.cuda.empty_cache()
     return rows
+
+
+def one_piece() -> list[dict]:
+    """Every projection as one K piece (one chain of k16 steps per element, no split): narrow decode tiles (64 x
+    rows on the wgmma's M side, 16-64 weight columns on N) at 1 and 64 rows, the 128 x 256 tile at 4,096 rows,
+    each row checked bit for bit against the 4,096-row launch; beside today's schedule, the GEMV and cuBLAS."""
+    from envex.kernels import invariant_matmul as im
+
+    narrow = [im.Tile(64, 16, 128, 4, 4), im.Tile(64, 16, 256, 4, 4), im.Tile(64, 32, 128, 4, 4),
+              im.Tile(64, 32, 256, 4, 3), im.DECODE_TILE]  # fmt: skip
+    return _one_piece_rows(("qkv", "o", "down", "gate_up"), {1: narrow, 64: narrow[2:]})
 
 
 def swapped() -> list[dict]:
     """One K piece for every weight, with the batch-1 side on swapped tiles (64 weight rows on the wgmma's M side,
     the x rows on N: no 64-row x tile) deep enough to stream a weight of few column tiles (QKV 96, O and down 64
-    programs) at bandwidth, at 1 and 16 rows; 64 rows on the decode tile and a narrow one. Each row checked bit for
-    bit against the 128 x 256 tile at 4,096 rows; beside today's schedule (several pieces) and the GEMV."""
-    import torch
-
-    from envex.kernels import gemv
+    programs) at bandwidth, at 1 and 16 rows; 64 rows on the decode tile and deeper or narrower ones."""
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
 
-    small = [im.SMALL_TILE, im.Tile(16, 64, 128, 4, 5, swap=True), im.Tile(16, 64, 256, 4, 3, swap=True),
-             im.Tile(16, 64, 256, 4, 4, swap=True), im.Tile(16, 64, 512, 4, 2, swap=True),
-             im.Tile(16, 64, 64, 4, 8, swap=True)]  # fmt: skip
+    small = [im.Tile(16, 64, 128, 4, 3, swap=True), im.Tile(16, 64, 128, 4, 5, swap=True),
+             im.Tile(16, 64, 256, 4, 3, swap=True), im.Tile(16, 64, 256, 4, 4, swap=True),
+             im.Tile(16, 64, 512, 4, 2, swap=True), im.Tile(16, 64, 64, 4, 8, swap=True)]  # fmt: skip
     decode = [im.DECODE_TILE, im.Tile(64, 32, 128, 4, 4), im.Tile(64, 64, 128, 4, 4), im.Tile(64, 64, 256, 4, 2)]
-    rows: list[dict] = []
-
-    def timed(name: str, m: int, label: str, fn, copies: int, **extra) -> None:
-        us = B.graph_time_ms(fn, copies * 2) * 1e3
-        rows.append(dict(shape=name, m=m, schedule=label, us=round(us, 2), **extra))
-        print(json.dumps(rows[-1]), flush=True)
-
-    def probe(name: str, n: int, k: int) -> None:
-        copies = _copies(n, k)
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
-        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
-        full = im.matmul(x, ws[0], chunk=k, tile=im.WIDE_TILE)
-        timed(name, 1, "gemv", lambda i: gemv.gemv(x[:1], ws[i % copies]), copies)
-        for m in (1, 16, 64):
-            timed(name, m, "today", lambda i, m=m: im.matmul(x[:m], ws[i % copies], partials=True), copies)
-            for t in small if m <= 16 else decode:
-                swap = " swap" if t.swap else ""
-                label = f"one piece, tile {t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}{swap}"
-                try:
-                    got = im.matmul(x[:m], ws[0], chunk=k, tile=t)
-                    bad = int((got != full[:m]).reshape(m, -1).any(1).sum())
-                    timed(name, m, label, lambda i, m=m, t=t: im.matmul(x[:m], ws[i % copies], chunk=k, tile=t),
-                          copies, mismatched_rows=bad)  # fmt: skip
-                except Exception as exc:  # a tile Triton cannot build: record it, go on
-                    rows.append(dict(shape=name, m=m, schedule=label, error=str(exc)[:300]))
-                    print(json.dumps(rows[-1]), flush=True)
-        timed(name, 4096, "today", lambda i: im.matmul(x, ws[i % copies]), copies)
-        timed(name, 4096, "one piece, 128x256", lambda i: im.matmul(x, ws[i % copies], chunk=k, tile=im.WIDE_TILE),
-              copies)  # fmt: skip
-
-    for name in ("qkv", "o", "down"):
-        probe(name, *SHAPES[name])
-        torch.cuda.empty_cache()
-    return rows
+    return _one_piece_rows(("qkv", "o", "down"), {1: small, 16: small, 64: decode})
 
 
 SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece,
