@@ -120,7 +120,7 @@ def chunk_size(n: int, k: int) -> int:
     return min(k, triton.cdiv(triton.cdiv(k, pieces), K_ALIGN) * K_ALIGN)
 
 
-def use_tma(x: torch.Tensor, weight: torch.Tensor, m: int, split: bool, t: Tile) -> bool:
+def use_tma(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
     """Whether a launch reads its operands through TMA descriptors: on a GPU of sm_90 or later (or the
     interpreter), with both operands' rows on 16 bytes (the descriptors' rule), at DECODE_TMA for decode sizes. A
     schedule choice: the operand values, so the bits, are the masked loads'."""
@@ -366,7 +366,7 @@ def matmul(
     grid = (*tiles, pieces) if split else (tiles[0] * tiles[1],)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
-    tma = use_tma(x, weight, m, split, t) if tma is None else tma
+    tma = use_tma(x, weight, m) if tma is None else tma
     x_arg, w_arg = x, weight
     if tma:  # the operands through TMA descriptors (16-wide blocks in the interpreter: its k16 steps)
         width = 16 if INTERPRETING else t.block_k

@@ -106,13 +106,13 @@ def test_the_tiles_launch_order_does_not_change_a_bit(dtype: torch.dtype) -> Non
     assert torch.equal(walked[:5], im.matmul(x[:5], w, b, chunk=chunk))  # and the split pieces of a decode batch
     # Above 64 rows the operands come through TMA descriptors (zero fill past the edges); masked loads give the
     # same values, so the same rows, for a weight of several pieces and of one.
-    assert im.use_tma(x, w, 130, False, im.PREFILL_TILE)
-    assert im.use_tma(x[:64], w, 64, True, im.DECODE_TILE) == im.DECODE_TMA
+    assert im.use_tma(x, w, 130)
+    assert im.use_tma(x[:64], w, 64) == im.DECODE_TMA
     assert torch.equal(walked[:5], im.matmul(x[:5], w, b, chunk=chunk, tma=not im.DECODE_TMA))  # split, swapped
     assert torch.equal(walked, im.matmul(x, w, b, chunk=chunk, tma=False))
     assert torch.equal(im.matmul(x, w, chunk=k), im.matmul(x, w, chunk=k, tma=False))
     odd = _randn(130, k + 4, dtype=dtype, seed=13)[:, 2 : k + 2]  # rows 4 bytes off 16: pointer loads instead
-    assert not im.use_tma(odd, w, 130, False, im.PREFILL_TILE)
+    assert not im.use_tma(odd, w, 130)
     assert torch.equal(im.matmul(odd, w, chunk=chunk), im.matmul(odd.contiguous(), w, chunk=chunk))
     assert_close("walked", walked, ref.linear(*f64(x, w, b)), dtype)
 

@@ -12,8 +12,9 @@ The kernel section (this module's main) checks and times, at the Llama-3.1-8B sh
   2048-row prefill (wide tile walking the pieces), at shifted slots and with split off must be bit-identical
   (`mismatched_rows`, target 0; this is where the one assumption, tensor-core k steps rounding alike in every
   tile, is tested); error against fp32; graph-timed against the default path's kernel (the GEMV at M = 1, cuBLAS
-  above) at M = 1, 64, 512, 4096 and 8192, above 64 rows also with pointer loads instead of TMA descriptors
-  (`pointers_us`); with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
+  above) at M = 1, 64, 512, 4096 and 8192, each also with the other operand loads (`pointers_us` where the
+  launch reads through TMA descriptors, `tma_us` where it reads through pointers: at decode sizes unless
+  invariant_matmul.DECODE_TMA); with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
 - invariant_attention: a 1,500-token sequence's rows from one prefill chunk, from chunks after cached prefixes,
   and as decode steps in batches with 1-33 split programs, bit-identical (target 0); decode timed with rotary
   against the fused decode kernel at B = 1 (1K, 10K) and B = 64 (1K), prefill against attention.paged_attention.
@@ -173,9 +174,11 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
         extra = {"tflops": 2 * m * n * k / (inv * 1e6)} if m > 64 else {"of_floor": floor_us / inv}
         if m == 1:  # the 64-row tile the small one replaced, in the same run
             extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
-        if m > 64:  # the operands through pointer loads instead of TMA descriptors: schedule, same bits
-            extra["pointers_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tma=False), copies * 2) * 1e3
-            extra["pointers_mismatched"] = _mismatched(mm(a, tma=False), mm(a))
+        # The other operand loads (TMA descriptors or pointers, im.use_tma): a schedule, so the same bits.
+        other = not im.use_tma(a, ws[0], m)
+        label = "tma" if other else "pointers"
+        extra[f"{label}_us"] = B.graph_time_ms(lambda i, a=a, o=other: mm(a, i, tma=o), copies * 2) * 1e3
+        extra[f"{label}_mismatched"] = _mismatched(mm(a, tma=other), mm(a))
         row("matmul", f"{name} M={m}", invariant_us=inv, default_us=base * 1e3, cost=inv / (base * 1e3) - 1,
             **extra)  # fmt: skip
     if not sweep:
