@@ -96,9 +96,14 @@ PREFILL_TILE = Tile(128, 128, 64, 8, 3)
 WIDE_TILE = Tile(128, 256, 64, 8, 3, group_m=16)
 WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
-# Decode launches (M <= 64) through TMA descriptors too: tested here, not yet measured on the GPU (kernels/NOTES.md,
-# "TMA operands"), so off. Above 64 rows TMA took prefill from 0.55-0.75 of cuBLAS to 0.92-1.05 (H200, c037c43).
-DECODE_TMA = False
+# A launch's operand loads (matmul's `tma`, the kernel's TMA): both through row pointers (masked loads), both
+# through TMA descriptors, or the weight through a descriptor and x through pointers (no x box of 16-64 rows
+# filled for the one row a decode step has). use_tma picks them by rows and tile, from H200 measurements (us at
+# one / 64 rows, pointers / both / weight; verify/results/h200-2026-12-03-wip-decode-loads-probe.json): above 64
+# rows both (prefill 0.55-0.75 of cuBLAS -> 0.92-1.05, c037c43); 17-64 rows both (QKV 18.3 / 17.3 / 18.2, down 32.7 /
+# 31.9 / 33.1); up to 16 rows the weight alone (gate-up 59.5 / 115.7 / 59.2 on the 64-row tile, where the x box
+# costs twice; O 10.2 / 10.1 / 10.1) but on the deep small tile of a one-piece weight (QKV 14.8 / 15.7 / 15.2).
+TMA_NONE, TMA_BOTH, TMA_WEIGHT = 0, 1, 2
 
 # The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A weight of at
 # least ONE_PIECE_COLUMNS column tiles of 64 is one piece: its column tiles alone give a batch-1 step enough
@@ -120,15 +125,22 @@ def chunk_size(n: int, k: int) -> int:
     return min(k, triton.cdiv(triton.cdiv(k, pieces), K_ALIGN) * K_ALIGN)
 
 
-def use_tma(x: torch.Tensor, weight: torch.Tensor, m: int) -> bool:
-    """Whether a launch reads its operands through TMA descriptors: on a GPU of sm_90 or later (or the
-    interpreter), with both operands' rows on 16 bytes (the descriptors' rule), at DECODE_TMA for decode sizes. A
-    schedule choice: the operand values, so the bits, are the masked loads'."""
-    if m <= DECODE_MAX_M and not DECODE_TMA:
-        return False
+def _on_16_bytes(a: torch.Tensor) -> bool:
+    return a.data_ptr() % 16 == 0 and a.stride(0) * a.element_size() % 16 == 0
+
+
+def use_tma(x: torch.Tensor, weight: torch.Tensor, m: int, tile: Tile) -> int:
+    """How a launch of m rows on `tile` reads its operands (TMA_NONE, TMA_BOTH or TMA_WEIGHT; the rule above
+    TMA_NONE): through TMA descriptors on a GPU of sm_90 or later (or the interpreter) where the operand's rows are
+    on 16 bytes (the descriptors' rule). A schedule choice: the operand values, so the bits, are the masked
+    loads'."""
     if not INTERPRETING and (x.device.type != "cuda" or torch.cuda.get_device_capability(x.device)[0] < 9):
-        return False
-    return all(a.data_ptr() % 16 == 0 and a.stride(0) * a.element_size() % 16 == 0 for a in (x, weight))
+        return TMA_NONE
+    if not _on_16_bytes(weight) or tile == DEEP_SMALL_TILE:
+        return TMA_NONE
+    if m > SMALL_MAX_M:
+        return TMA_BOTH if _on_16_bytes(x) else TMA_WEIGHT if m <= DECODE_MAX_M else TMA_NONE
+    return TMA_WEIGHT
 
 
 def tile_for(m: int, n: int, pieces: int, itemsize: int = 2) -> Tile:
@@ -147,16 +159,19 @@ def tile_for(m: int, n: int, pieces: int, itemsize: int = 2) -> Tile:
 def _operands(x_src, w_src, k, WIDTH: tl.constexpr, row_ok, col_ok, row0, col0, K: tl.constexpr,
               TMA: tl.constexpr):  # fmt: skip
     """The x tile [BLOCK_M, WIDTH] and weight tile [BLOCK_N, WIDTH] of k columns k .. k + WIDTH - 1: masked loads
-    through row pointers, or (TMA) the tensor memory accelerator's loads through descriptors of blocks [BLOCK_M,
-    WIDTH] and [BLOCK_N, WIDTH] at (row0, k) and (col0, k), whose zero fill past the edges gives the same values."""
-    if TMA:
-        x = x_src.load([row0, k])
-        w = w_src.load([col0, k])
-    else:
+    through row pointers, or the tensor memory accelerator's loads through descriptors of blocks [BLOCK_M, WIDTH]
+    at (row0, k) (TMA_BOTH) and [BLOCK_N, WIDTH] at (col0, k) (TMA_BOTH, TMA_WEIGHT), whose zero fill past the
+    edges gives the same values."""
+    if TMA != 1:  # x through pointers (TMA_NONE, TMA_WEIGHT)
         ks = k + tl.arange(0, WIDTH)
         k_ok = ks < K
         x = tl.load(x_src + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+    else:
+        x = x_src.load([row0, k])
+    if TMA == 0:  # TMA_NONE
         w = tl.load(w_src + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+    else:
+        w = w_src.load([col0, k])
     return x, w
 
 
@@ -200,7 +215,7 @@ def _matmul_kernel(
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
-    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20, TMA: tl.constexpr = False,
+    USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20, TMA: tl.constexpr = 0,
 ):  # fmt: skip
     if USE_PDL:  # x comes from the previous kernel of the step
         tl.extra.cuda.gdc_launch_dependents()
@@ -214,11 +229,16 @@ def _matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    if TMA:  # x_ptr and w_ptr are tensor descriptors
-        x_src, w_src = x_ptr, w_ptr
+    # TMA (a launch's operand loads, TMA_*): 0 both through row pointers, 1 both tensor descriptors, 2 the weight
+    # a descriptor and x through pointers
+    if TMA == 1:
+        x_src = x_ptr
     else:
         x_src = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    if TMA == 0:
         w_src = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    else:
+        w_src = w_ptr
     row0 = pid_m * BLOCK_M
     col0 = pid_n * BLOCK_N
     if SPLIT:  # this program's piece only; its fp32 sum goes to the partial buffer
@@ -319,17 +339,17 @@ def matmul(
     prologue: int = PROLOGUE_NONE,
     tile: Tile | None = None,
     split: bool | None = None,
-    tma: bool | None = None,
+    tma: int | None = None,
     chunk: int | None = None,
     pdl: bool = False,
     partials: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = prologue(x) @ weight[N, K]^T (+ bias [N]), in x's dtype, batch-invariant row by row.
 
-    x: [M, K], or [M, 2K] (gate | up) for PROLOGUE_SILU_MUL. tile / split / tma: override the launch (tests and the
-    device check use them to compute the same rows through every schedule); None: chosen from M, which changes
-    the schedule only, never the result. chunk: the K piece length (None: chunk_size(N, K); tests pass a small
-    one to get several pieces from a small K). pdl: programmatic dependent launch (Hopper), inside a chain of
+    x: [M, K], or [M, 2K] (gate | up) for PROLOGUE_SILU_MUL. tile / split / tma (TMA_*): override the launch (tests
+    and the device check use them to compute the same rows through every schedule); None: chosen from M, which
+    changes the schedule only, never the result. chunk: the K piece length (None: chunk_size(N, K); tests pass a
+    small one to get several pieces from a small K). pdl: programmatic dependent launch (Hopper), inside a chain of
     kernels that each wait on their predecessor. partials: where the schedule splits (and there is no bias), return
     the pieces' float32 sums [pieces, M, N] unreduced, for a consumer that adds them in piece order and rounds
     once, as the reduce kernel would (norm.add_rms_norm_partials): the same bits, one launch fewer.
@@ -366,18 +386,20 @@ def matmul(
     grid = (*tiles, pieces) if split else (tiles[0] * tiles[1],)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
-    tma = use_tma(x, weight, m) if tma is None else tma
+    tma = use_tma(x, weight, m, t) if tma is None else tma
     x_arg, w_arg = x, weight
-    if tma:  # the operands through TMA descriptors (16-wide blocks in the interpreter: its k16 steps)
-        width = 16 if INTERPRETING else t.block_k
+    check(tma in (TMA_NONE, TMA_BOTH, TMA_WEIGHT), f"tma: {tma} is not TMA_NONE, TMA_BOTH or TMA_WEIGHT")
+    width = 16 if INTERPRETING else t.block_k  # descriptors' blocks: 16 wide in the interpreter (its k16 steps)
+    if tma == TMA_BOTH:
         x_arg = TensorDescriptor.from_tensor(x, [t.block_m, width])
+    if tma != TMA_NONE:
         w_arg = TensorDescriptor.from_tensor(weight, [t.block_n, width])
     _matmul_kernel[grid](
         x_arg, w_arg, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, GROUP_M=t.group_m, TMA=tma, num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
         return part[:, :m]

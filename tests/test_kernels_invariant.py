@@ -106,13 +106,18 @@ def test_the_tiles_launch_order_does_not_change_a_bit(dtype: torch.dtype) -> Non
     assert torch.equal(walked[:5], im.matmul(x[:5], w, b, chunk=chunk))  # and the split pieces of a decode batch
     # Above 64 rows the operands come through TMA descriptors (zero fill past the edges); masked loads give the
     # same values, so the same rows, for a weight of several pieces and of one.
-    assert im.use_tma(x, w, 130)
-    assert im.use_tma(x[:64], w, 64) == im.DECODE_TMA
-    assert torch.equal(walked[:5], im.matmul(x[:5], w, b, chunk=chunk, tma=not im.DECODE_TMA))  # split, swapped
+    assert im.use_tma(x, w, 130, im.PREFILL_TILE) == im.TMA_BOTH
+    assert im.use_tma(x[:64], w, 64, im.DECODE_TILE) == im.TMA_BOTH  # decode: both above 16 rows, else the weight
+    assert im.use_tma(x[:5], w, 5, im.SMALL_TILE) == im.TMA_WEIGHT
+    assert im.use_tma(x[:5], w, 5, im.DEEP_SMALL_TILE) == im.TMA_NONE
+    for tma in (im.TMA_NONE, im.TMA_BOTH, im.TMA_WEIGHT):  # the split pieces on the swapped and the 64-row tile
+        assert torch.equal(walked[:5], im.matmul(x[:5], w, b, chunk=chunk, tma=tma))
+        assert torch.equal(walked[:5], im.matmul(x[:5], w, b, chunk=chunk, tma=tma, tile=im.DECODE_TILE))
+    assert torch.equal(walked, im.matmul(x, w, b, chunk=chunk, tma=im.TMA_WEIGHT))
     assert torch.equal(walked, im.matmul(x, w, b, chunk=chunk, tma=False))
     assert torch.equal(im.matmul(x, w, chunk=k), im.matmul(x, w, chunk=k, tma=False))
     odd = _randn(130, k + 4, dtype=dtype, seed=13)[:, 2 : k + 2]  # rows 4 bytes off 16: pointer loads instead
-    assert not im.use_tma(odd, w, 130)
+    assert im.use_tma(odd, w, 130, im.PREFILL_TILE) == im.TMA_NONE
     assert torch.equal(im.matmul(odd, w, chunk=chunk), im.matmul(odd.contiguous(), w, chunk=chunk))
     assert_close("walked", walked, ref.linear(*f64(x, w, b)), dtype)
 

@@ -139,16 +139,18 @@ mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_
           stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
 for name, t, split, tma in (("small", im.SMALL_TILE, True, False), ("decode", im.DECODE_TILE, True, False),
-                            ("small_tma", im.SMALL_TILE, True, True), ("decode_tma", im.DECODE_TILE, True, True),
+                            ("small_tma", im.SMALL_TILE, True, 1), ("decode_tma", im.DECODE_TILE, True, 1),
+                            ("small_tma_w", im.SMALL_TILE, True, 2), ("decode_tma_w", im.DECODE_TILE, True, 2),
                             ("prefill", im.PREFILL_TILE, False, True), ("wide", im.WIDE_TILE, False, True),
                             ("wide_pointers", im.WIDE_TILE, False, False),
                             ("deep_small", im.DEEP_SMALL_TILE, False, False),
+                            ("deep_decode_tma_w", im.DEEP_DECODE_TILE, False, 2),
                             ("deep_decode", im.DEEP_DECODE_TILE, False, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
              BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, GROUP_M=t.group_m, TMA=tma)
-    desc = {"x_ptr": f"tensordesc<bf16[{t.block_m}, {t.block_k}]>",
-            "w_ptr": f"tensordesc<bf16[{t.block_n}, {t.block_k}]>"}
-    out[name] = shapes(im._matmul_kernel, {**mm, **(desc if tma else {})}, c, t.num_warps, t.num_stages)
+    desc = {"x_ptr": f"tensordesc<bf16[{t.block_m}, {t.block_k}]>"} if tma == 1 else {}
+    desc = {**desc, "w_ptr": f"tensordesc<bf16[{t.block_n}, {t.block_k}]>"} if tma else desc
+    out[name] = shapes(im._matmul_kernel, {**mm, **desc}, c, t.num_warps, t.num_stages)
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
 kv = dict(stride_kb="i32", stride_ks="i32", stride_kh="i32", stride_bt="i32")
 common = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=ia.BLOCK_M, BLOCK_N=ia.BLOCK_N, PAGE=16,
@@ -177,7 +179,8 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     # Matmul: every tile is m64 x k16 steps; only the instruction's N and, for the small tile, which operand holds
     # the weight differ (the assumption the H200 run checks).
     assert shapes["decode"] == ["m64n64k16"] and shapes["prefill"] == ["m64n128k16"], shapes
-    assert shapes["small"] == shapes["deep_small"] == shapes["small_tma"] == ["m64n16k16"], shapes
-    assert shapes["decode_tma"] == shapes["decode"], shapes
+    assert shapes["small"] == shapes["deep_small"] == shapes["small_tma"] == shapes["small_tma_w"] == ["m64n16k16"]
+    assert shapes["deep_decode_tma_w"] == shapes["decode"], shapes
+    assert shapes["decode_tma"] == shapes["decode_tma_w"] == shapes["decode"], shapes
     assert shapes["wide"] == shapes["wide_pointers"] == ["m64n256k16"], shapes  # TMA loads, or masked ones
     assert shapes["deep_decode"] == shapes["decode"], shapes

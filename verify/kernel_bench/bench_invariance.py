@@ -12,9 +12,9 @@ The kernel section (this module's main) checks and times, at the Llama-3.1-8B sh
   2048-row prefill (wide tile walking the pieces), at shifted slots and with split off must be bit-identical
   (`mismatched_rows`, target 0; this is where the one assumption, tensor-core k steps rounding alike in every
   tile, is tested); error against fp32; graph-timed against the default path's kernel (the GEMV at M = 1, cuBLAS
-  above) at M = 1, 64, 512, 4096 and 8192, each also with the other operand loads (`pointers_us` where the
-  launch reads through TMA descriptors, `tma_us` where it reads through pointers: at decode sizes unless
-  invariant_matmul.DECODE_TMA); with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
+  above) at M = 1, 64, 512, 4096 and 8192, each also with the other operand loads of
+  invariant_matmul.TMA_* (`pointers_us`, `tma_us`: both through descriptors, `tma_weight_us`: the weight alone,
+  each with its `_mismatched` rows, target 0); with --sweep, decode tiles and piece counts at M = 1 and 64 (for tuning);
 - invariant_attention: a 1,500-token sequence's rows from one prefill chunk, from chunks after cached prefixes,
   and as decode steps in batches with 1-33 split programs, bit-identical (target 0); decode timed with rotary
   against the fused decode kernel at B = 1 (1K, 10K) and B = 64 (1K), prefill against attention.paged_attention.
@@ -175,10 +175,12 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
         if m == 1:  # the 64-row tile the small one replaced, in the same run
             extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
         # The other operand loads (TMA descriptors or pointers, im.use_tma): a schedule, so the same bits.
-        other = not im.use_tma(a, ws[0], m)
-        label = "tma" if other else "pointers"
-        extra[f"{label}_us"] = B.graph_time_ms(lambda i, a=a, o=other: mm(a, i, tma=o), copies * 2) * 1e3
-        extra[f"{label}_mismatched"] = _mismatched(mm(a, tma=other), mm(a))
+        pieces_k = -(-k // im.chunk_size(n, k))
+        today = im.use_tma(a, ws[0], m, im.tile_for(m, n, pieces_k))
+        for other in {im.TMA_NONE, im.TMA_BOTH, im.TMA_WEIGHT} - {today}:
+            label = {im.TMA_NONE: "pointers", im.TMA_BOTH: "tma", im.TMA_WEIGHT: "tma_weight"}[other]
+            extra[f"{label}_us"] = B.graph_time_ms(lambda i, a=a, o=other: mm(a, i, tma=o), copies * 2) * 1e3
+            extra[f"{label}_mismatched"] = _mismatched(mm(a, tma=other), mm(a))
         row("matmul", f"{name} M={m}", invariant_us=inv, default_us=base * 1e3, cost=inv / (base * 1e3) - 1,
             **extra)  # fmt: skip
     if not sweep:

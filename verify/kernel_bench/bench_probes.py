@@ -2,7 +2,7 @@
 
     python3 -m envex.verify.kernel_bench.bench_probes --section NAME --out FILE.json
 
-(NAME: splitk, prefill_tiles, pieces, one_piece, swapped)
+(NAME: splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads)
 
 - splitk: O and down at 2-64 rows followed by the add + RMSNorm: cuBLAS (with its own split-K) + the norm kernel,
   against one bmm over S K-slices into float32 partials + `norm.add_rms_norm_partials`; graph-timed over 8 weight
@@ -15,6 +15,9 @@
   tile at 4,096 rows, rows checked bit for bit against the 4,096-row launch, beside today's schedule and cuBLAS.
 - swapped: the same for QKV, O and down with swapped tiles of 3-8 stages at 1 and 16 rows (kernels/NOTES.md, "The
   prefill projections at cuBLAS speed").
+- decode_loads: every projection at 1, 16 and 64 rows on today's tile with the operands through row pointers, TMA
+  descriptors for both, or for the weight alone; at one row also deeper and wider tiles with the weight through
+  TMA; each checked bit for bit against the pointer loads.
 
 Llama-3.1-8B shapes, random bf16 weights, one GPU. Results are the raw JSON in verify/results.
 """
@@ -245,8 +248,58 @@ def swapped() -> list[dict]:
     return _one_piece_rows(("qkv", "o", "down"), {1: small, 16: small, 64: decode})
 
 
+def decode_loads() -> list[dict]:
+    """The decode launches' operand loads: today's tile at 1, 16 and 64 rows through row pointers, through TMA
+    descriptors for both operands, and for the weight alone (x through pointers: no 16-64-row x box filled for
+    one row); at one row also deeper or wider tiles with the weight through TMA (it frees the address registers
+    that limited the stages). O and down hand their pieces on, as in a decode step. Every launch is checked bit for
+    bit against today's pointer loads (a schedule: `mismatched_rows` must be 0)."""
+    import torch
+
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+
+    both, weight = im.TMA_BOTH, im.TMA_WEIGHT
+    swap = [im.Tile(16, 64, 128, 4, s, swap=True) for s in (3, 4, 5, 6, 8)] + [im.Tile(16, 64, 256, 4, 3, swap=True)]
+    plain = [im.Tile(64, 64, 128, 4, 3), im.Tile(64, 64, 128, 4, 4), im.Tile(64, 64, 256, 4, 2),
+             im.Tile(64, 128, 128, 4, 3), im.Tile(64, 32, 128, 4, 4), im.Tile(64, 32, 128, 4, 6)]  # fmt: skip
+    extra = {"qkv": swap + plain[4:], "o": swap, "down": swap, "gate_up": plain + swap[:3], "lm_head": plain[:4]}
+    rows: list[dict] = []
+
+    def probe(name: str, n: int, k: int) -> None:  # one shape; its tensors go when it returns
+        copies = _copies(n, k)
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        hand_on = im.chunk_size(n, k) < k
+
+        def mm(m: int, i: int = 0, **kw):
+            return im.matmul(x[:m], ws[i % copies], partials=hand_on, **kw)
+
+        for m in (1, 16, 64):
+            variants = [(None, im.TMA_NONE), (None, both), (None, weight)]
+            variants += [(t, weight) for t in extra[name]] if m == 1 else []
+            want = mm(m, tma=im.TMA_NONE)
+            for tile, tma in variants:
+                t = tile or im.tile_for(m, n, -(-k // im.chunk_size(n, k)))
+                label = f"{t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}{' swap' if t.swap else ''}"
+                try:
+                    got = mm(m, tile=tile, tma=tma)
+                    bad = int((got != want).reshape(-1, m, got.shape[-1]).any(2).any(0).sum())
+                    us = B.graph_time_ms(lambda i, m=m, tile=tile, tma=tma: mm(m, i, tile=tile, tma=tma), copies * 2)
+                    rows.append(dict(shape=name, m=m, tile=label, tma=tma, today=tile is None, us=round(us * 1e3, 2),
+                                     mismatched_rows=bad))  # fmt: skip
+                except Exception as exc:  # a tile Triton cannot build: record it, go on
+                    rows.append(dict(shape=name, m=m, tile=label, tma=tma, error=str(exc)[:300]))
+                print(json.dumps(rows[-1]), flush=True)
+
+    for name in ("qkv", "o", "down", "gate_up", "lm_head"):
+        probe(name, *SHAPES[name])
+        torch.cuda.empty_cache()
+    return rows
+
+
 SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece,
-            "swapped": swapped}
+            "swapped": swapped, "decode_loads": decode_loads}
 
 
 def main() -> None:
