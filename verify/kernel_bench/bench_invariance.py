@@ -175,8 +175,7 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
         if m == 1:  # the 64-row tile the small one replaced, in the same run
             extra["decode_tile_us"] = B.graph_time_ms(lambda i, a=a: mm(a, i, tile=im.DECODE_TILE), copies * 2) * 1e3
         # The other operand loads (TMA descriptors or pointers, im.use_tma): a schedule, so the same bits.
-        pieces_k = -(-k // im.chunk_size(n, k))
-        today = im.use_tma(a, ws[0], m, im.tile_for(m, n, pieces_k))
+        today = im.use_tma(a, ws[0], m, im.tile_for(m, n, pieces))
         for other in {im.TMA_NONE, im.TMA_BOTH, im.TMA_WEIGHT} - {today}:
             label = {im.TMA_NONE: "pointers", im.TMA_BOTH: "tma", im.TMA_WEIGHT: "tma_weight"}[other]
             extra[f"{label}_us"] = B.graph_time_ms(lambda i, a=a, o=other: mm(a, i, tma=o), copies * 2) * 1e3
