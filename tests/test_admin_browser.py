@@ -165,11 +165,15 @@ def test_each_page_shows_the_installed_state(page, server, fixture):
     assert plot.evaluate("img => img.complete && img.naturalWidth > 100")
     # releases: both, with the active one marked
     page.click("nav >> text=releases")
+    page.wait_for_url(f"{server}/admin/releases")
     assert page.inner_text("#active-release") == new
     assert page.locator("#releases tr[data-release]").count() == 2
     # offline docs, rendered from offline_docs/, raw HTML escaped
     page.click("nav >> text=docs")
+    page.wait_for_url(f"{server}/admin/docs/")
     page.click("aside >> text=Install")
+    # a click does not wait for the next page to load; count() does not wait either
+    page.wait_for_url(f"{server}/admin/docs/install.md")
     assert page.locator("article.doc h1").count() >= 1
     assert "envex-install" in page.inner_text("article.doc")
     page.goto(f"{server}/admin/docs/admin.md")
