@@ -104,11 +104,6 @@ DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are use
 # 31.9 / 33.1); up to 16 rows the weight alone (gate-up 59.5 / 115.7 / 59.2 on the 64-row tile, where the x box
 # costs twice; O 10.2 / 10.1 / 10.1) but on the deep small tile of a one-piece weight (QKV 14.8 / 15.7 / 15.2).
 TMA_NONE, TMA_BOTH, TMA_WEIGHT = 0, 1, 2
-# A PDL launch (the batch-1 chain) starts before its predecessor ends and waits for it before reading x. The weight
-# is no predecessor's output: each program first asks L2 for the first PREFETCH_COLUMNS columns of its weight rows
-# (64 rows x 256 bf16 = 32 KB; 3 MB for QKV's 96 programs), so its first k steps do not start from DRAM latency
-# after the wait. A hint: no bit changes. (TensorRT-LLM's GEMMs prefetch their weights before griddepcontrol.wait.)
-PREFETCH_COLUMNS = 256
 
 # The piece rule (part of the arithmetic: changing a constant changes bits, never invariance). A weight of at
 # least ONE_PIECE_COLUMNS column tiles of 64 is one piece: its column tiles alone give a batch-1 step enough
@@ -214,22 +209,17 @@ def _grouped(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
     return first + (tile % in_group) % size, (tile % in_group) // size
 
 
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Asks L2 for the 128-byte lines at ptrs (PTX prefetch.global.L2: a hint, no value, no wait)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)  # fmt: skip
-
-
 @triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, w_raw_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20, TMA: tl.constexpr = 0,
-    PREFETCH: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
+    if USE_PDL:  # x comes from the previous kernel of the step
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if SPLIT:  # grid (row tile, column tile, piece)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -239,16 +229,6 @@ def _matmul_kernel(
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    if USE_PDL:  # x comes from the previous kernel of the step; the weight does not
-        tl.extra.cuda.gdc_launch_dependents()
-        if PREFETCH > 0:  # the first PREFETCH columns of this program's weight rows (LINE elements a cache line)
-            # into L2 while the kernels before this one finish (PREFETCH_COLUMNS)
-            lines = tl.arange(0, PREFETCH // LINE) * LINE
-            if SPLIT:  # this program's piece
-                lines += tl.program_id(2) * CHUNK
-            lines = tl.minimum(lines, K - 1)
-            _prefetch_l2(w_raw_ptr + tl.minimum(cols, N - 1).to(tl.int64)[:, None] * stride_wn + lines[None, :])
-        tl.extra.cuda.gdc_wait()
     # TMA (a launch's operand loads, TMA_*): 0 both through row pointers, 1 both tensor descriptors, 2 the weight
     # a descriptor and x through pointers
     if TMA == 1:
@@ -414,15 +394,12 @@ def matmul(
         x_arg = TensorDescriptor.from_tensor(x, [t.block_m, width])
     if tma != TMA_NONE:
         w_arg = TensorDescriptor.from_tensor(weight, [t.block_n, width])
-    # the interpreter has no inline PTX: the prefetch (a hint, no value) is compiled for the GPU only
-    prefetch = PREFETCH_COLUMNS if pdl and not INTERPRETING else 0
     _matmul_kernel[grid](
-        x_arg, w_arg, bias_arg, out, part, weight, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        x_arg, w_arg, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), PREFETCH=prefetch,
-        LINE=128 // weight.element_size(), num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
         return part[:, :m]

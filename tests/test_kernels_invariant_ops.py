@@ -133,16 +133,11 @@ def shapes(fn, args, consts, warps, stages):
              if (n.endswith("_ptr") and ty.startswith("*")) or n.startswith("stride")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    ptx = k.asm["ptx"]
-    found = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)))
-    # where the weight prefetch sits: the L2 prefetches, then the wait on the previous kernel
-    before_wait = ptx.split("griddepcontrol.wait")[0] if "griddepcontrol.wait" in ptx else ""
-    last["prefetches"] = before_wait.count("prefetch.global.L2"), ptx.count("prefetch.global.L2")
-    return found
+    return sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
 
-mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", w_raw_ptr="*bf16",
-          M="i32", N="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
-out, last = {}, {}
+mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32",
+          stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
+out = {}
 for name, t, split, tma in (("small", im.SMALL_TILE, True, False), ("decode", im.DECODE_TILE, True, False),
                             ("small_tma", im.SMALL_TILE, True, 1), ("decode_tma", im.DECODE_TILE, True, 1),
                             ("small_tma_w", im.SMALL_TILE, True, 2), ("decode_tma_w", im.DECODE_TILE, True, 2),
@@ -150,17 +145,12 @@ for name, t, split, tma in (("small", im.SMALL_TILE, True, False), ("decode", im
                             ("wide_pointers", im.WIDE_TILE, False, False),
                             ("deep_small", im.DEEP_SMALL_TILE, False, False),
                             ("deep_decode_tma_w", im.DEEP_DECODE_TILE, False, 2),
-                            ("deep_decode", im.DEEP_DECODE_TILE, False, False),
-                            ("small_tma_w_prefetch", im.SMALL_TILE, True, 2),
-                            ("deep_small_prefetch", im.DEEP_SMALL_TILE, False, False)):
-    prefetch = im.PREFETCH_COLUMNS if name.endswith("_prefetch") else 0
+                            ("deep_decode", im.DEEP_DECODE_TILE, False, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split or prefetch > 0, SWAP=t.swap, GROUP_M=t.group_m,
-             TMA=tma, PREFETCH=prefetch, LINE=64)
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, GROUP_M=t.group_m, TMA=tma)
     desc = {"x_ptr": f"tensordesc<bf16[{t.block_m}, {t.block_k}]>"} if tma == 1 else {}
     desc = {**desc, "w_ptr": f"tensordesc<bf16[{t.block_n}, {t.block_k}]>"} if tma else desc
     out[name] = shapes(im._matmul_kernel, {**mm, **desc}, c, t.num_warps, t.num_stages)
-    out[name + ":prefetches"] = last["prefetches"]
 attn = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16")
 kv = dict(stride_kb="i32", stride_ks="i32", stride_kh="i32", stride_bt="i32")
 common = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=ia.BLOCK_M, BLOCK_N=ia.BLOCK_N, PAGE=16,
@@ -194,8 +184,3 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     assert shapes["decode_tma"] == shapes["decode_tma_w"] == shapes["decode"], shapes
     assert shapes["wide"] == shapes["wide_pointers"] == ["m64n256k16"], shapes  # TMA loads, or masked ones
     assert shapes["deep_decode"] == shapes["decode"], shapes
-    # The PDL weight prefetch: L2 prefetches, every one before the wait on the previous kernel, the same dots.
-    for name in ("small_tma_w", "deep_small"):
-        before, total = shapes[name + "_prefetch:prefetches"]
-        assert before == total > 0 and shapes[name + ":prefetches"] == [0, 0], shapes
-        assert shapes[name + "_prefetch"] == shapes[name], shapes
