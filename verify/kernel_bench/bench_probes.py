@@ -2,7 +2,7 @@
 
     python3 -m envex.verify.kernel_bench.bench_probes --section NAME --out FILE.json
 
-(NAME: splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads)
+(NAME: splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads, narrow_mma)
 
 - splitk: O and down at 2-64 rows followed by the add + RMSNorm: cuBLAS (with its own split-K) + the norm kernel,
   against one bmm over S K-slices into float32 partials + `norm.add_rms_norm_partials`; graph-timed over 8 weight
@@ -203,12 +203,15 @@ def _one_piece_rows(names: tuple[str, ...], tiles_at) -> list[dict]:
                 timed(name, m, "today, pieces handed on",
                       lambda i, m=m: im.matmul(x[:m], ws[i % copies], partials=True), copies)  # fmt: skip
             for t in tiles:
+                t, tma = t if isinstance(t, tuple) else (t, None)  # (tile, TMA_*) or a tile with use_tma's loads
                 swap = " swap" if t.swap else ""
-                label = f"one piece, tile {t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}{swap}"
+                label = f"one piece, tile {t.block_m}x{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}{swap}"
+                label += "" if tma is None else f" tma{tma}"
                 try:
-                    got = im.matmul(x[:m], ws[0], chunk=k, tile=t)
+                    got = im.matmul(x[:m], ws[0], chunk=k, tile=t, tma=tma)
                     bad = int((got != full[:m]).reshape(m, -1).any(1).sum())
-                    timed(name, m, label, lambda i, m=m, t=t: im.matmul(x[:m], ws[i % copies], chunk=k, tile=t),
+                    timed(name, m, label, lambda i, m=m, t=t, tma=tma: im.matmul(x[:m], ws[i % copies], chunk=k,
+                                                                                 tile=t, tma=tma),
                           copies, mismatched_rows=bad)  # fmt: skip
                 except Exception as exc:  # a tile Triton cannot build: record it, go on
                     rows.append(dict(shape=name, m=m, schedule=label, error=str(exc)[:300]))
@@ -246,6 +249,23 @@ def swapped() -> list[dict]:
              im.Tile(16, 64, 512, 4, 2, swap=True), im.Tile(16, 64, 64, 4, 8, swap=True)]  # fmt: skip
     decode = [im.DECODE_TILE, im.Tile(64, 32, 128, 4, 4), im.Tile(64, 64, 128, 4, 4), im.Tile(64, 64, 256, 4, 2)]
     return _one_piece_rows(("qkv", "o", "down"), {1: small, 16: small, 64: decode})
+
+
+def narrow_mma() -> list[dict]:
+    """O and down in one K piece on tiles of 16-32 weight rows, which Triton issues as mma.sync m16n8k16 (MMAv2:
+    wgmma needs 64 rows on the M side and warps in fours) rather than wgmma: 128-256 programs for a batch-1 step
+    without K pieces. Each row checked bit for bit against the 4,096-row wgmma launch (does a k16 step of mma.sync
+    round as wgmma's does?), beside today's pieces, the GEMV and the deep swapped wgmma tile in one piece."""
+    from envex.kernels import invariant_matmul as im
+
+    T, none = im.Tile, im.TMA_NONE
+    small = [T(16, 16, 128, 1, 4, swap=True), (T(16, 16, 128, 1, 4, swap=True), none), T(16, 16, 256, 1, 3, swap=True),
+             T(16, 16, 128, 1, 6, swap=True), T(16, 16, 128, 2, 4, swap=True), T(16, 32, 128, 2, 4, swap=True),
+             (T(16, 32, 128, 2, 4, swap=True), none), T(16, 32, 256, 2, 3, swap=True), T(16, 32, 128, 4, 5, swap=True),
+             T(16, 64, 128, 2, 4, swap=True), im.DEEP_SMALL_TILE, (T(16, 64, 256, 4, 4, swap=True), none)]  # fmt: skip
+    rows64 = [T(64, 16, 128, 4, 4), T(64, 32, 128, 4, 4), T(64, 16, 128, 2, 4, swap=True),
+              T(64, 32, 128, 4, 4, swap=True), T(64, 32, 128, 2, 4, swap=True), im.DEEP_DECODE_TILE]  # fmt: skip
+    return _one_piece_rows(("o", "down"), {1: small, 16: small[:1] + small[4:6], 64: rows64})
 
 
 def decode_loads() -> list[dict]:
@@ -299,7 +319,7 @@ def decode_loads() -> list[dict]:
 
 
 SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece,
-            "swapped": swapped, "decode_loads": decode_loads}
+            "swapped": swapped, "decode_loads": decode_loads, "narrow_mma": narrow_mma}
 
 
 def main() -> None:
