@@ -9,15 +9,24 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-
-if os.environ.get("PYTEST_XDIST_WORKER"):  # one of pyproject's two workers: one core each, not two threads each
+WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # one of pyproject's two workers: one core each, not two threads
+if WORKER:
     # Also for every process a test starts (servers, installs, gate runners inherit the environment): a torch
     # process with two OpenMP threads, one on the core the other worker is using, ran ~3x slower than with one
     # (the embedded model's decode, 4 sequences x 32 tokens: 29.3 s against 10.6 s; 10.4 s with two idle cores).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
 
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+if WORKER:
     torch.set_num_threads(1)
+if not torch.cuda.is_available():
+    # Triton kernels run under the interpreter on a machine without a GPU. Set before any test module is collected:
+    # a @triton.jit is bound to the interpreter or not when envex.kernels is first imported, so the test modules'
+    # own setdefault lines (there for --noconftest) came too late when a module collected before them imported the
+    # kernels first (`pytest tests/test_runtime*.py`: 17 interpreter errors "Cannot call @triton.jit'd outside of
+    # the scope of a kernel").
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def free_port() -> int:

@@ -174,15 +174,17 @@ def test_the_openai_server_on_an_overlapped_engine(overlapped):
                 "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=url, timeout=120) as http, http.stream("POST", "/v1/completions",
                                                                           json=body) as response:
-            seen, lines = 0, []
+            seen, lines, stats = 0, [], None
             for line in response.iter_lines():
                 lines.append(line[:120])
                 seen += line.startswith("data: ")
                 if seen == 4:
+                    # Still holding its KV blocks, read before the break: the break closes the iter_lines()
+                    # generator and httpcore then closes the connection (the body is unread), so the server aborts
+                    # the request and frees its blocks while this thread goes on. A snapshot after the loop raced
+                    # with that abort (a loaded CI run read 0 blocks and 0 running).
+                    stats = overlapped.stats()
                     break
-            # Still holding its KV blocks when dropped. A loaded CI run once read 0 blocks and 0 running here
-            # (cause not found): the stream's lines and the stats are in the message for the next time.
-            stats = overlapped.stats()
             assert seen == 4 and stats.kv_blocks_used > 0, (seen, lines, stats)
         deadline = time.monotonic() + 60
         while (overlapped.has_unfinished() or overlapped.stats().kv_blocks_used) and time.monotonic() < deadline:
