@@ -21,11 +21,11 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS)
 if WORKER:
     torch.set_num_threads(1)
 if not torch.cuda.is_available():
-    # Triton kernels run under the interpreter on a machine without a GPU. Set before any test module is collected:
-    # a @triton.jit is bound to the interpreter or not when envex.kernels is first imported, so the test modules'
-    # own setdefault lines (there for --noconftest) came too late when a module collected before them imported the
-    # kernels first (`pytest tests/test_runtime*.py`: 17 interpreter errors "Cannot call @triton.jit'd outside of
-    # the scope of a kernel").
+    # Triton kernels run under the interpreter on a machine without a GPU. Set here, before any test module is
+    # collected: a @triton.jit is bound to the interpreter or not when envex.kernels is first imported. (Each kernel
+    # test module used to set it itself, which came too late when a module collected before it imported the
+    # kernels first: `pytest tests/test_runtime*.py` gave 17 interpreter errors "Cannot call @triton.jit'd outside
+    # of the scope of a kernel". GPU runs with --noconftest need no interpreter.)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

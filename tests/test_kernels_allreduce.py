@@ -6,12 +6,9 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import allreduce  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+from envex.kernels import allreduce
+from envex.kernels import reference as ref
+from envex.tests.support.kernels import assert_close, f64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -1,17 +1,12 @@
 """Paged attention (decode, chunked prefill, prefix reuse, split-K) and rotary + KV write against torch references."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import attention, decode_attention, rotary  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.kernels.accuracy import rel_err  # noqa: E402
-from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+from envex.kernels import attention, decode_attention, rotary
+from envex.kernels import reference as ref
+from envex.kernels.accuracy import rel_err
+from envex.tests.support.kernels import assert_close, f64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,18 +1,13 @@
 """Batch-1 GEMV with its fused prologues and bias, and TritonOps' projections against TorchOps (the reference)."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import gemv  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.kernels.ops import TorchOps  # noqa: E402
-from envex.kernels.triton_ops import TritonOps  # noqa: E402
-from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+from envex.kernels import gemv
+from envex.kernels import reference as ref
+from envex.kernels.ops import TorchOps
+from envex.kernels.triton_ops import TritonOps
+from envex.tests.support.kernels import assert_close, f64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CONFIGS = [(8, 128, 4), (4, 256, 4), (16, 64, 2), (2, 0, 4, 1), (4, 0, 2, 2)]  # 4th entry: persistent kernel

@@ -2,18 +2,13 @@
 decode, key splits) and in the fused decode kernel, against the float64 reference; the reference itself against
 HF's eager definition (a dense mask plus a concatenated sink column)."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import attention, decode_attention  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.tests.support.kernels import assert_close, f64  # noqa: E402
-from envex.tests.test_kernels_attention import _decode_step_inputs, _paged_batch, _slots  # noqa: E402
+from envex.kernels import attention, decode_attention
+from envex.kernels import reference as ref
+from envex.tests.support.kernels import assert_close, f64
+from envex.tests.test_kernels_attention import _decode_step_inputs, _paged_batch, _slots
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = {  # (seq_lens, q_lens): decode, prefill, a chunk after cached keys, a prefill beside decodes

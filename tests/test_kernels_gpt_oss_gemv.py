@@ -2,17 +2,12 @@
 hidden 2880 into QKV (norm + residual prologue, bias) and into the router (bias), q 4096 into O. Tuned tiles are
 picked as on the GPU (config=None); against float64 through the torch reference."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import gemv  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.tests.support.kernels import assert_close  # noqa: E402
+from envex.kernels import gemv
+from envex.kernels import reference as ref
+from envex.tests.support.kernels import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

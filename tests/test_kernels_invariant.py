@@ -8,19 +8,15 @@ On the CPU the kernels run under the Triton interpreter, whose dots are float64 
 """
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import invariant_attention as ia  # noqa: E402
-from envex.kernels import invariant_matmul as im  # noqa: E402
-from envex.kernels import norm  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.tests.support.kernels import assert_close, f64  # noqa: E402
+from envex.kernels import invariant_attention as ia
+from envex.kernels import invariant_matmul as im
+from envex.kernels import norm
+from envex.kernels import reference as ref
+from envex.tests.support.kernels import assert_close, f64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -1,18 +1,13 @@
 """gpt-oss's MoE: the MXFP4 format, routing, and the fused expert kernels (GEMV and grouped paths, packed and float
 weights) against the float64 reference with the experts dequantized."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import moe_mxfp4, mxfp4  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.kernels.accuracy import rel_err  # noqa: E402
-from envex.tests.support.kernels import assert_close  # noqa: E402
+from envex.kernels import moe_mxfp4, mxfp4
+from envex.kernels import reference as ref
+from envex.kernels.accuracy import rel_err
+from envex.tests.support.kernels import assert_close
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 ALPHA, LIMIT = 1.702, 7.0

@@ -1,18 +1,13 @@
 """gpt-oss's MoE GEMV path (T <= GEMV_MAX_ROWS) at gpt-oss's widths: the K tails, the word-wise MXFP4 decode and
 the down kernel's slot programs, against the float64 reference (tests/test_kernels_moe.py has the shared setup)."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import mxfp4  # noqa: E402
-from envex.kernels import reference as ref  # noqa: E402
-from envex.tests.support.kernels import assert_close, compile_for_hopper  # noqa: E402
-from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
+from envex.kernels import mxfp4
+from envex.kernels import reference as ref
+from envex.tests.support.kernels import assert_close, compile_for_hopper
+from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 

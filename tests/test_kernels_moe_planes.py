@@ -2,17 +2,12 @@
 writes are the ones fused_moe makes itself, and the counters are left at zero, so a second call (or a call of
 another shape in between) gives the same bits, as a CUDA graph replay would."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import _common, moe_mxfp4, norm  # noqa: E402
-from envex.tests.support.kernels import assert_close, planes_of  # noqa: E402
-from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe  # noqa: E402
+from envex.kernels import _common, moe_mxfp4, norm
+from envex.tests.support.kernels import assert_close, planes_of
+from envex.tests.test_kernels_moe import DEV, _expected, _experts, _moe
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 

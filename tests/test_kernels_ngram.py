@@ -2,19 +2,14 @@
 propose_ngram (runtime/engine/drafters.py): equal drafts (every element, including those past the count, which the
 verify step feeds to the model) and counts, on the interpreter on CPU; and its sm_90 build."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import ngram  # noqa: E402
-from envex.runtime.engine.drafters import NgramDrafter, SpecInputs, ngram_propose, propose_ngram  # noqa: E402
-from envex.tests.support.kernels import compile_for_hopper  # noqa: E402
+from envex.kernels import ngram
+from envex.runtime.engine.drafters import NgramDrafter, SpecInputs, ngram_propose, propose_ngram
+from envex.tests.support.kernels import compile_for_hopper
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 

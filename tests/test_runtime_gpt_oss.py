@@ -3,27 +3,22 @@ checkpoint that save_pretrained writes and from the published MXFP4 layout (expe
 on the Triton ops equals it on the torch ops; the config, YaRN tables and dummy weights."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-import transformers  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-
-from envex.kernels import mxfp4  # noqa: E402
-from envex.kernels.accuracy import rel_err  # noqa: E402
-from envex.kernels.ops import AttentionMetadata, TorchOps  # noqa: E402
-from envex.runtime.config import ConfigError, ModelConfig  # noqa: E402
-from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from envex.runtime.engine.model_runner import dummy_weights  # noqa: E402
-from envex.runtime.models.gpt_oss import GptOssForCausalLM  # noqa: E402
-from envex.runtime.models.rope import rope_cos_sin  # noqa: E402
+from envex.kernels import mxfp4
+from envex.kernels.accuracy import rel_err
+from envex.kernels.ops import AttentionMetadata, TorchOps
+from envex.runtime.config import ConfigError, ModelConfig
+from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.models.gpt_oss import GptOssForCausalLM
+from envex.runtime.models.rope import rope_cos_sin
 
 VOCAB = 512
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,

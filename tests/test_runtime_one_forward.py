@@ -5,24 +5,20 @@ On CPU the Triton kernels run under the interpreter and the graphs run their ste
 GPU the graphs are captured and replayed.
 """
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels import triton_ops  # noqa: E402
-from envex.kernels.accuracy import rel_err  # noqa: E402
-from envex.kernels.ops import AttentionMetadata, TorchOps  # noqa: E402
-from envex.kernels.triton_ops import TritonOps  # noqa: E402
-from envex.runtime.config import ModelConfig  # noqa: E402
-from envex.runtime.engine.cuda_graphs import DecodeGraphs, graph_ladder  # noqa: E402
-from envex.runtime.engine.model_runner import dummy_weights  # noqa: E402
-from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin  # noqa: E402
-from envex.tests.support.kernels import eager_step  # noqa: E402
+from envex.kernels import triton_ops
+from envex.kernels.accuracy import rel_err
+from envex.kernels.ops import AttentionMetadata, TorchOps
+from envex.kernels.triton_ops import TritonOps
+from envex.runtime.config import ModelConfig
+from envex.runtime.engine.cuda_graphs import DecodeGraphs, graph_ladder
+from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
+from envex.tests.support.kernels import eager_step
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE, MAX_LEN, VOCAB = 8, 64, 40

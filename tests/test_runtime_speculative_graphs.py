@@ -4,24 +4,20 @@ the token history, padding rows and rows past a sequence's drafts writing nothin
 under the interpreter and the step eagerly (capture=False); on a GPU it is captured and replayed.
 """
 
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-from envex.kernels.accuracy import rel_err  # noqa: E402
-from envex.kernels.ops import AttentionMetadata, TorchOps  # noqa: E402
-from envex.kernels.triton_ops import TritonOps  # noqa: E402
-from envex.runtime.config import ModelConfig  # noqa: E402
-from envex.runtime.engine.cuda_graphs import SpecGraphs  # noqa: E402
-from envex.runtime.engine.drafters import SpecInputs  # noqa: E402
-from envex.runtime.engine.model_runner import dummy_weights  # noqa: E402
-from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin  # noqa: E402
-from envex.tests.support.kernels import eager_step  # noqa: E402
+from envex.kernels.accuracy import rel_err
+from envex.kernels.ops import AttentionMetadata, TorchOps
+from envex.kernels.triton_ops import TritonOps
+from envex.runtime.config import ModelConfig
+from envex.runtime.engine.cuda_graphs import SpecGraphs
+from envex.runtime.engine.drafters import SpecInputs
+from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
+from envex.tests.support.kernels import eager_step
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE, MAX_LEN, VOCAB, BLOCKS = 8, 64, 40, 16

@@ -19,21 +19,17 @@ from typing import Any
 
 import pytest
 import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first @triton.jit of envex.kernels
-
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import make_backend  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
-
-from envex.kernels import gemv  # noqa: E402
-from envex.kernels.triton_ops import TritonOps  # noqa: E402
-from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
-from envex.runtime.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from envex.runtime.engine.warm_up import warm_up_steps  # noqa: E402
+from envex.kernels import gemv
+from envex.kernels.triton_ops import TritonOps
+from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from envex.runtime.engine.cuda_graphs import DecodeGraphs
+from envex.runtime.engine.warm_up import warm_up_steps
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
 
