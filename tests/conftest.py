@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
+# The checkout's top-level folders are the subpackages envex.<folder> (pyproject's package-dir). With the checkout on
+# sys.path they are also importable as top-level names, and `kernels/` then shadows the PyPI package `kernels`, which
+# transformers >= 5.25 depends on and imports (`from kernels import CUDAProperties`: an ImportError in every test
+# that loads a model). pytest imports the tests without it (--import-mode=importlib, pyproject), `python -m pytest`
+# put it first as the working directory: taken out here, and kept out of the processes the tests start.
+CHECKOUT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != CHECKOUT]
+os.environ.setdefault("PYTHONSAFEPATH", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # one of pyproject's two workers: one core each, not two threads
