@@ -32,6 +32,10 @@ OFFLINE_ENV = {
     "PIP_NO_INDEX": "1",
     "PIP_DISABLE_PIP_VERSION_CHECK": "1",
     "PIP_NO_INPUT": "1",
+    # Not a network switch, but every child envex starts runs with these: no working directory on sys.path. Started
+    # in a source checkout's root, `python -m` would put its top-level folders there as top-level names, and
+    # kernels/ shadows the PyPI package `kernels` that transformers >= 5.25 imports (offline_docs/layout.md).
+    "PYTHONSAFEPATH": "1",
 }
 
 

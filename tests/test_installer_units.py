@@ -443,3 +443,23 @@ def test_gate_report_readers_never_crash_and_fail_closed(report, tmp_path_factor
         if summary.verdict == "pass":
             assert report.get("verdict") == "pass" and summary.gates
             assert set(summary.gates.values()) <= {"pass", "skip"}
+
+
+def test_children_started_in_a_checkout_root_do_not_import_its_folders(tmp_path: Path) -> None:
+    """The environment envex gives its children (gate runner, kernel warm-up, release venv) keeps the working
+    directory off sys.path: in a source checkout's root, `python -m` would make its kernels/ shadow the PyPI package
+    `kernels` that transformers >= 5.25 imports (the demo's gates failed on it)."""
+    from envex.installer.launch import set_offline_env
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # conftest sets it for the tests' own
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else None)"
+
+    def origin(env: dict[str, str]) -> str:
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    assert origin(env) == str(tmp_path / "kernels" / "__init__.py")  # the hazard, without envex's environment
+    assert not origin(set_offline_env(dict(env))).startswith(str(tmp_path))
