@@ -216,7 +216,6 @@ def _matmul_kernel(
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20, TMA: tl.constexpr = 0,
-    REAL_N: tl.constexpr = 0,
 ):  # fmt: skip
     if USE_PDL:  # x comes from the previous kernel of the step
         tl.extra.cuda.gdc_launch_dependents()
@@ -225,16 +224,11 @@ def _matmul_kernel(
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
     else:  # grid (tile,), in groups of row tiles
-        pid_m, pid_n = _grouped(tl.program_id(0), M, N, BLOCK_M, REAL_N if REAL_N else BLOCK_N, GROUP_M)
+        pid_m, pid_n = _grouped(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
-    if REAL_N:  # REAL_N weight rows a program, the rest of the tile masked off (zeros: no memory traffic)
-        lane = tl.arange(0, BLOCK_N)
-        cols = pid_n * REAL_N + lane
-        col_ok = (lane < REAL_N) & (cols < N)
-    else:
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
+    col_ok = cols < N
     # TMA (a launch's operand loads, TMA_*): 0 both through row pointers, 1 both tensor descriptors, 2 the weight
     # a descriptor and x through pointers
     if TMA == 1:
@@ -349,7 +343,6 @@ def matmul(
     chunk: int | None = None,
     pdl: bool = False,
     partials: bool = False,
-    real_n: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = prologue(x) @ weight[N, K]^T (+ bias [N]), in x's dtype, batch-invariant row by row.
 
@@ -359,9 +352,7 @@ def matmul(
     small one to get several pieces from a small K). pdl: programmatic dependent launch (Hopper), inside a chain of
     kernels that each wait on their predecessor. partials: where the schedule splits (and there is no bias), return
     the pieces' float32 sums [pieces, M, N] unreduced, for a consumer that adds them in piece order and rounds
-    once, as the reduce kernel would (norm.add_rms_norm_partials): the same bits, one launch fewer. real_n: weight
-    rows a program (fewer than the tile's block_n, the rest masked off: more programs for a weight of few column
-    tiles, loaded through row pointers only); a schedule, the same bits.
+    once, as the reduce kernel would (norm.add_rms_norm_partials): the same bits, one launch fewer.
     """
     check_tensor("weight", weight, ndim=2, dtypes=FLOAT_DTYPES)
     n, k = weight.shape
@@ -391,16 +382,13 @@ def matmul(
         split = pieces > 1 and m <= DECODE_MAX_M
     split = split and pieces > 1
     bias_arg = bias if bias is not None else weight  # never read when HAS_BIAS is off
-    check(real_n is None or 0 < real_n <= t.block_n, f"real_n: {real_n} must be in 1..{t.block_n} (the tile's block_n)")
-    tiles = triton.cdiv(m, t.block_m), triton.cdiv(n, real_n or t.block_n)
+    tiles = triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n)
     grid = (*tiles, pieces) if split else (tiles[0] * tiles[1],)
     # Rows padded: the piece stride stays divisible by 16 for every M (_common.padded_rows).
     part = torch.empty((pieces, padded_rows(m), n) if split else (1, 1, 1), dtype=torch.float32, device=x.device)
     tma = use_tma(x, weight, m, t) if tma is None else tma
     x_arg, w_arg = x, weight
     check(tma in (TMA_NONE, TMA_BOTH, TMA_WEIGHT), f"tma: {tma} is not TMA_NONE, TMA_BOTH or TMA_WEIGHT")
-    if real_n and real_n < t.block_n:
-        check(tma == TMA_NONE, f"tma: {tma}; real_n {real_n} < block_n {t.block_n} loads through row pointers only")
     width = 16 if INTERPRETING else t.block_k  # descriptors' blocks: 16 wide in the interpreter (its k16 steps)
     if tma == TMA_BOTH:
         x_arg = TensorDescriptor.from_tensor(x, [t.block_m, width])
@@ -411,8 +399,7 @@ def matmul(
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), REAL_N=real_n if real_n and real_n < t.block_n else 0,
-        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
         return part[:, :m]

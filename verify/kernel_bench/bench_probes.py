@@ -2,7 +2,7 @@
 
     python3 -m envex.verify.kernel_bench.bench_probes --section NAME --out FILE.json
 
-(NAME: splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads, narrow_mma, masked_rows)
+(NAME: splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads, narrow_mma)
 
 - splitk: O and down at 2-64 rows followed by the add + RMSNorm: cuBLAS (with its own split-K) + the norm kernel,
   against one bmm over S K-slices into float32 partials + `norm.add_rms_norm_partials`; graph-timed over 8 weight
@@ -318,62 +318,8 @@ def decode_loads() -> list[dict]:
     return rows
 
 
-def masked_rows() -> list[dict]:
-    """O and down at 1 and 16 rows on swapped wgmma tiles (64 weight rows on the M side) of which only 16 or 32
-    rows are real (`matmul(real_n=...)`, the rest masked off: no memory traffic), so a weight of 64 column tiles
-    gets 128-256 programs with wgmma's asynchronous loop (mma.sync tiles of 16-32 rows stream slower: narrow_mma).
-    Each tile walks today's K pieces in one program (FULL: the output rounded in the epilogue, no reduce launch and
-    no pieces to hand on), checked bit for bit against today's schedule; beside it today's pieces (reduced and
-    handed on) and the GEMV. Also K in one piece on the same tiles, checked against the 4,096-row launch."""
-    import torch
-
-    from envex.kernels import gemv
-    from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
-
-    T, none = im.Tile, im.TMA_NONE
-    tiles = [T(16, 64, 128, 4, s, swap=True) for s in (4, 5, 6, 8)] + [T(16, 64, 256, 4, s, swap=True) for s in (3, 4)]
-    rows: list[dict] = []
-
-    def timed(name: str, m: int, label: str, fn, copies: int, **extra) -> None:
-        us = B.graph_time_ms(fn, copies * 2) * 1e3
-        rows.append(dict(shape=name, m=m, schedule=label, us=round(us, 2), **extra))
-        print(json.dumps(rows[-1]), flush=True)
-
-    def probe(name: str, n: int, k: int) -> None:  # one shape; its tensors go when it returns
-        copies = _copies(n, k)
-        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / math.sqrt(k) for _ in range(copies)]
-        x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
-        whole = im.matmul(x, ws[0], chunk=k, tile=im.WIDE_TILE)
-        timed(name, 1, "gemv", lambda i: gemv.gemv(x[:1], ws[i % copies]), copies)
-        for m in (1, 16):
-            want = im.matmul(x[:m], ws[0])
-            timed(name, m, "today", lambda i, m=m: im.matmul(x[:m], ws[i % copies]), copies)
-            timed(name, m, "today, pieces handed on",
-                  lambda i, m=m: im.matmul(x[:m], ws[i % copies], partials=True), copies)  # fmt: skip
-            for chunk, ref in ((None, want), (k, whole[:m])):
-                for real in (16, 32):
-                    for t in tiles if m == 1 or real == 32 else tiles[1:2]:
-                        label = (f"{'one piece' if chunk else 'pieces, one program'}, {real} of "
-                                 f"{t.block_m}x{t.block_n}x{t.block_k} s{t.num_stages}")  # fmt: skip
-                        kw = dict(tile=t, split=False, tma=none, chunk=chunk, real_n=real)
-                        try:
-                            bad = int((im.matmul(x[:m], ws[0], **kw) != ref).reshape(m, -1).any(1).sum())
-                            timed(name, m, label, lambda i, m=m, kw=kw: im.matmul(x[:m], ws[i % copies], **kw),
-                                  copies, mismatched_rows=bad)  # fmt: skip
-                        except Exception as exc:  # a tile Triton cannot build: record it, go on
-                            rows.append(dict(shape=name, m=m, schedule=label, error=str(exc)[:300]))
-                            print(json.dumps(rows[-1]), flush=True)
-
-    for name in ("o", "down"):
-        probe(name, *SHAPES[name])
-        torch.cuda.empty_cache()
-    return rows
-
-
 SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece,
-            "swapped": swapped, "decode_loads": decode_loads, "narrow_mma": narrow_mma,
-            "masked_rows": masked_rows}
+            "swapped": swapped, "decode_loads": decode_loads, "narrow_mma": narrow_mma}
 
 
 def main() -> None:
