@@ -233,3 +233,34 @@ def test_the_serving_path_pass_holds_each_answer_to_one_gpus_top_k() -> None:
              for a in (same, inside, outside, short)]  # fmt: skip
     assert [c["ok"] for c in cases] == [True, True, False, False]
     assert cases[0]["identical"] and cases[2]["divergence_index"] == 2 and cases[3]["divergence_index"] == 2
+
+
+def test_workers_started_in_a_checkout_root_do_not_import_its_folders(tmp_path: Path) -> None:
+    """The tensor-parallel workers run `python -m envex.runtime.parallel.workers` in the server's working directory;
+    their environment keeps it off sys.path, so a source checkout's kernels/ cannot shadow the PyPI package
+    `kernels` that transformers >= 5.25 imports (the installer's children have the same rule)."""
+    import os
+    import subprocess
+    import sys
+
+    from envex.runtime.parallel.workers import worker_env
+
+    checkout, mods = tmp_path / "checkout", tmp_path / "mods"
+    (checkout / "kernels").mkdir(parents=True)
+    (checkout / "kernels" / "__init__.py").write_text("")
+    mods.mkdir()
+    (mods / "probe.py").write_text("import importlib.util as u; s = u.find_spec('kernels'); print(s and s.origin)")
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}  # conftest sets it for the tests' own
+    base["PYTHONPATH"] = str(mods)
+
+    def origin(env: dict[str, str]) -> str:
+        done = subprocess.run([sys.executable, "-m", "probe"], cwd=checkout, env=env, capture_output=True, text=True,
+                              check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    shadow = str(checkout / "kernels" / "__init__.py")
+    assert origin(base) == shadow  # the hazard, without the workers' environment
+    env = worker_env(base, [str(mods), *sys.path])  # the module to run found through sys.path, as envex is
+    assert env["PYTHONSAFEPATH"] == "1"
+    got = origin(env)
+    assert got != shadow and not got.startswith(str(checkout)), got

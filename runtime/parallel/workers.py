@@ -119,15 +119,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def worker_env(environ: Any, path: list[str]) -> dict[str, str]:
+    """The workers' environment: they import what this process imports (its sys.path), NVLink multicast is off in
+    them too, and `python -m` keeps their working directory off sys.path (PYTHONSAFEPATH), as in every child the
+    installer starts: in a source checkout's root its kernels/ folder would shadow the PyPI package `kernels` that
+    transformers >= 5.25 imports. Explicitly, not inherited: they must not depend on who set what here."""
+    return {**environ, **NO_MULTICAST_ENV, "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
 class Workers:
     """Ranks 1..W-1 as child processes, and rank 0's place in the group (`state`). stop() ends them; a worker
     that dies while the engine runs ends this process too, as rank 0 would otherwise wait on it forever."""
 
     def __init__(self, config: Any, world: int) -> None:  # config: a resolved EngineConfig
         init_method = f"tcp://127.0.0.1:{_free_port()}"
-        # The workers import what this process imports, and NVLink multicast is off in them too (explicitly:
-        # they must not depend on who set what in this process's environment).
-        env = {**os.environ, **NO_MULTICAST_ENV, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        env = worker_env(os.environ, sys.path)
         argv = [sys.executable, "-m", "envex.runtime.parallel.workers", "--world", str(world), "--init", init_method]
         argv += ["--config", json.dumps(dataclasses.asdict(config))]
         self.procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(1, world)]
