@@ -104,8 +104,11 @@ class TritonOps:
             x = self.materialize(x, weight.dtype if residual is None else residual.dtype)
         if comm is not None:
             # One row: reduce alone, the GEMV folds the add and the norm into its weight pass anyway. More rows:
-            # the reduce, the add and the norm in one pass over the peers' rows where the size allows.
-            fused = None if self._gemv(x) else comm.all_reduce_add_rms_norm(x, residual, norm_weight, eps)
+            # the reduce, the add and the norm in one pass over the peers' rows where the size allows. Not in the
+            # deterministic mode: that pass has its own norm arithmetic, and takes only the sizes that fit.
+            fused = None
+            if not (self.deterministic or self._gemv(x)):
+                fused = comm.all_reduce_add_rms_norm(x, residual, norm_weight, eps)
             if fused is not None:
                 normed, residual = fused
                 return self._project(normed, weight, bias), residual

@@ -49,6 +49,41 @@ def test_one_shot_all_reduce_sums_every_rank(dtype: torch.dtype, world: int, n: 
         assert torch.equal(out, outs[0]), "every rank must get the same bits (rank-order sum)"
 
 
+def _spread(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Values over a wide range of exponents (2^-20 .. 2^20; fp16 2^-10 .. 2^10, its range), both signs: where
+    additions round most often."""
+    g = torch.Generator().manual_seed(seed)
+    span = 10 if dtype == torch.float16 else 20
+    scale = torch.exp2(torch.randint(-span, span + 1, (n,), generator=g).float())
+    return (torch.randn(n, generator=g) * scale).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_deterministic_modes_sum_of_any_size_is_the_kernels(dtype: torch.dtype, world: int) -> None:
+    """TPCommunicator(ordered=True) adds a message the one-shot kernel does not take in the kernel's order
+    (comm.ordered_sum): the same bits, element for element, so a row's sum does not depend on the batch's size.
+    With two ranks NCCL's and gloo's own sum is correctly rounded and gives those bits too (a two-term sum, and
+    float32 has the 2p + 2 bits for bf16's and fp16's p); with more, another order would differ."""
+    from envex.runtime.parallel.comm import ordered_sum
+
+    n = 4099
+    parts = [_spread(n, dtype, seed=world * 10 + r).to(DEV) for r in range(world)]
+    # The interpreter rounds float32 to bf16 and fp16 toward zero, the GPU to nearest: there the kernel's float32
+    # sum (the same additions on float32 copies) is rounded by torch.
+    inputs = parts if DEV == "cuda" else [p.float() for p in parts]
+    peers = FakePeers(world, n, inputs[0].dtype)
+    peers.stage(inputs, skip=0)
+    kernel = allreduce.one_shot_all_reduce(inputs[0], peers.buf_ptrs, peers.pad_ptrs, 0, buffer_elems=n, sync=False)
+    kernel = kernel.to(dtype)
+    assert torch.equal(ordered_sum(torch.stack(parts)), kernel)
+    if world == 2:
+        assert torch.equal(parts[0] + parts[1], kernel), "a two-term sum must be correctly rounded in every path"
+    elif dtype == torch.float32:  # (rounded to bf16 or fp16, an order's difference is rare: 4,099 may show none)
+        reverse = ordered_sum(torch.stack(parts[::-1]))
+        assert not torch.equal(reverse, kernel), "these values must be ones whose sum depends on the order"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("residual", [True, False])
 @pytest.mark.parametrize("world,tokens,hidden", [(2, 1, 64), (2, 5, 96), (4, 3, 1000), (2, 70, 32)])
@@ -153,6 +188,24 @@ def test_norm_linear_reduces_partial_sums_on_both_backends(tokens: int, fused: b
     assert_close("torch ops y", y_ref, want_y @ w.double().T, torch.float32)
     assert torch.equal(total_ref, x * 2 + (res if res is not None else 0))
     assert fast_comm.calls == (["all_reduce"] if tokens == 1 else ["fused"] if fused else ["fused", "all_reduce"])
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 70])
+def test_the_deterministic_mode_reduces_then_norms_at_every_size(tokens: int) -> None:
+    """Under tensor parallelism the deterministic TritonOps never takes the fused all-reduce + norm (its own norm
+    arithmetic, and only for the sizes that fit the peer buffer): it all-reduces, then runs the mode's norm and
+    projection, so a row's bits are the same whatever the batch, equal to the same rows with the reduction done
+    beforehand."""
+    from envex.kernels.triton_ops import TritonOps
+
+    x = torch.randn(70, 64, device=DEV)
+    res = torch.randn(70, 64, device=DEV)
+    nw, w = torch.randn(64, device=DEV), torch.randn(48, 64, device=DEV) / 8
+    ops, comm = TritonOps(deterministic=True, split_k=False), TwinRanks(fused=True)
+    y, total = ops.norm_linear(x[:tokens], res[:tokens], nw, 1e-5, w, comm=comm)
+    assert comm.calls == ["all_reduce"]
+    y_all, total_all = ops.norm_linear(x * 2, res, nw, 1e-5, w)  # the reduced rows, all 70 in one batch
+    assert torch.equal(total, total_all[:tokens]) and torch.equal(y, y_all[:tokens])
 
 
 def test_the_one_row_all_reduce_is_never_pdl_launched(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -264,3 +264,36 @@ def test_workers_started_in_a_checkout_root_do_not_import_its_folders(tmp_path: 
     assert env["PYTHONSAFEPATH"] == "1"
     got = origin(env)
     assert got != shadow and not got.startswith(str(checkout)), got
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_deterministic_mode_under_tensor_parallelism(tiny: Path, world: int) -> None:
+    """--deterministic with --tensor-parallel: a prompt's tokens and logprobs are bit-identical alone, inside a
+    batch (its prefill chunks cut where the 16-token budget runs out) and after its prefix is cached. The
+    all-reduce takes part: two ranks (gloo's two-term sum) and four (gathered and added in rank order, the one-shot
+    kernel's arithmetic, whatever the message's size)."""
+    probes = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 2]]
+    others = [[5, 6, 7], list(range(50, 75)), [9] * 11]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", max_num_batched_tokens=16, max_num_seqs=8,
+                                    max_model_len=128, tensor_parallel=world, deterministic=True))  # fmt: skip
+
+    def answers(prompts: list[list[int]]) -> list[tuple]:
+        return [(c.token_ids, [lp.logprob for lp in c.logprobs or []]) for c in engine.generate(prompts, params)]
+
+    try:
+        comm = engine.workers.state.comm if engine.workers is not None else None
+        assert comm is not None and comm.ordered
+        engine.blocks.enable_prefix_caching = False
+        alone = [answers([p])[0] for p in probes]
+        batched = answers([others[0], probes[0], others[1], probes[1], others[2]])
+        engine.blocks.enable_prefix_caching = True
+        engine.generate(probes, SamplingParams(max_tokens=1, temperature=0.0))  # publish the prompts' blocks
+        hits = engine.stats().prefix_cache_hit_tokens_total
+        cached = answers([others[2], probes[1], others[1], probes[0]])
+        assert engine.stats().prefix_cache_hit_tokens_total > hits, "the prefix cache was not hit"
+    finally:
+        engine.close()
+    assert all(len(tokens) == 8 and len(logprobs) == 8 for tokens, logprobs in alone)
+    assert [batched[1], batched[3]] == alone, "a probe's tokens or logprobs changed inside a batch"
+    assert [cached[3], cached[1]] == alone, "a probe's tokens or logprobs changed after its prefix was cached"

@@ -83,9 +83,6 @@ class EngineConfig:
         if self.tensor_parallel > 1 and (self.num_speculative_tokens or self.draft_model):
             raise ValueError("tensor_parallel: speculative decoding does not run under tensor parallelism yet; drop "
                              "--speculative-tokens/--draft-model or use --tensor-parallel 1")  # fmt: skip
-        if self.tensor_parallel > 1 and self.deterministic:
-            raise ValueError("tensor_parallel: deterministic mode does not run under tensor parallelism yet; drop "
-                             "--deterministic or use --tensor-parallel 1")  # fmt: skip
 
     def resolved(self, *, window: int, cuda_available: bool, gpus: int | None = None) -> EngineConfig:
         """Every setting made concrete for this device and a model whose servable context is `window` tokens

@@ -4,6 +4,13 @@ All-reduce: messages up to CUSTOM_MAX_BYTES take the one-shot kernel over peer m
 rank's buffer is torch symmetric memory, mapped into every GPU over NVLink by CUDA IPC, without multicast
 (NO_MULTICAST_ENV). Larger messages, CPU ranks (gloo), and hosts where the peer buffers cannot be made use NCCL /
 gloo. Both are captured by the decode CUDA graphs like any other kernel. Logits are gathered with NCCL.
+
+The deterministic mode (`ordered`) needs every all-reduce to give an element the same bits whatever the message's
+size, i.e. whatever the batch. The one-shot kernel adds the ranks' values in rank order in float32 and rounds once.
+With two ranks every path gives those bits: a sum of two values is correctly rounded by NCCL and gloo, and so is
+float32's sum of two bf16 or fp16 values rounded again (float32 has at least 2p + 2 bits for their p: double
+rounding is then innocuous). With more ranks NCCL's and gloo's order follows the chunking, which follows the
+size, so messages the one-shot does not take are gathered and added here in the kernel's order.
 """
 
 from __future__ import annotations
@@ -19,6 +26,15 @@ log = logging.getLogger(__name__)
 # One-shot reads every peer's copy, W x the bytes, so it wins while latency dominates; 1 MiB covers a decode step's
 # hidden rows up to batch 64 at H = 8192 (bench_tp.py measures the crossover with NCCL).
 CUSTOM_MAX_BYTES = 1 << 20
+
+
+def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """[W, n] -> [n]: the rows added in order to a float32 zero and rounded once to their dtype, the one-shot
+    kernel's arithmetic (kernels/allreduce.py) for a message of any size."""
+    total = torch.zeros(parts.shape[1:], dtype=torch.float32, device=parts.device)
+    for part in parts:
+        total += part.float()
+    return total.to(parts.dtype)
 
 
 class _PeerBuffers:
@@ -55,9 +71,12 @@ class _PeerBuffers:
 
 class TPCommunicator:
     def __init__(self, group: dist.ProcessGroup, *, rank: int, world_size: int, device: torch.device,
-                 custom_max_bytes: int = CUSTOM_MAX_BYTES) -> None:  # fmt: skip
-        """custom_max_bytes: the largest all-reduce the one-shot kernel takes (0: NCCL / gloo for everything)."""
+                 custom_max_bytes: int = CUSTOM_MAX_BYTES, ordered: bool = False) -> None:  # fmt: skip
+        """custom_max_bytes: the largest all-reduce the one-shot kernel takes (0: NCCL / gloo for everything).
+        ordered: every all-reduce adds the ranks in rank order in float32 and rounds once, whatever its size (the
+        deterministic mode; module docstring)."""
         self.group, self.rank, self.world_size, self.device = group, rank, world_size, device
+        self.ordered = ordered
         self.peers: _PeerBuffers | None = None
         self.custom_note = "off"
         if device.type == "cuda" and custom_max_bytes > 0:
@@ -78,9 +97,15 @@ class TPCommunicator:
             assert self.peers is not None
             return allreduce.one_shot_all_reduce(x, self.peers.buf_ptrs, self.peers.pad_ptrs, self.rank,
                                                  buffer_elems=self.peers.data_bytes // x.element_size())
+        if self.ordered and self.world_size > 2:
+            return self._ordered_sum(x)
         out = x.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=self.group)
         return out
+
+    def _ordered_sum(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.all_gather(x.reshape(1, -1)).view(self.world_size, -1)  # [W, n]: rank r's x in row r
+        return ordered_sum(parts).view(x.shape)
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip

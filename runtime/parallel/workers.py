@@ -75,8 +75,9 @@ class StepChannel:
         return op, data
 
 
-def init_rank(rank: int, world: int, init_method: str, device_type: str) -> ParallelState:
-    """Join the group (NCCL on CUDA, gloo on CPU) with multicast off, and build this rank's communicator."""
+def init_rank(rank: int, world: int, init_method: str, device_type: str, *, ordered: bool = False) -> ParallelState:
+    """Join the group (NCCL on CUDA, gloo on CPU) with multicast off, and build this rank's communicator (ordered:
+    the deterministic mode's all-reduce, TPCommunicator)."""
     os.environ.update(NO_MULTICAST_ENV)  # before NCCL or symmetric memory reads them
     if device_type == "cuda":
         torch.cuda.set_device(rank)
@@ -91,7 +92,7 @@ def init_rank(rank: int, world: int, init_method: str, device_type: str) -> Para
     control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
     group = dist.group.WORLD
     assert group is not None
-    comm = TPCommunicator(group, rank=rank, world_size=world, device=device)
+    comm = TPCommunicator(group, rank=rank, world_size=world, device=device, ordered=ordered)
     return ParallelState(rank=rank, world_size=world, device=device, comm=comm, channel=StepChannel(control))
 
 
@@ -140,7 +141,7 @@ class Workers:
         self._stopping = False
         threading.Thread(target=self._watch, name="envex-tp-watch", daemon=True).start()
         try:
-            self.state = init_rank(0, world, init_method, config.device)
+            self.state = init_rank(0, world, init_method, config.device, ordered=config.deterministic)
         except BaseException:
             self._stopping = True
             for proc in self.procs:
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     from envex.runtime.loader import load_model_info
 
     config = EngineConfig(**json.loads(args.config))
-    state = init_rank(args.rank, args.world, args.init, config.device)
+    state = init_rank(args.rank, args.world, args.init, config.device, ordered=config.deterministic)
     runner = ModelRunner(config, load_model_info(config.model), parallel=state)
     follow(runner, state)
     dist.destroy_process_group()
