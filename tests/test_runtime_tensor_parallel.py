@@ -269,14 +269,17 @@ def test_workers_started_in_a_checkout_root_do_not_import_its_folders(tmp_path: 
 @pytest.mark.parametrize("world", [2, 4])
 def test_deterministic_mode_under_tensor_parallelism(tiny: Path, world: int) -> None:
     """--deterministic with --tensor-parallel: a prompt's tokens and logprobs are bit-identical alone, inside a
-    batch (its prefill chunks cut where the 16-token budget runs out) and after its prefix is cached. The
+    batch (its prefill chunks cut where the 16-token budget runs out) and after its prefix is cached, and they are
+    one process's answers (within the rounding of the sharded sums). The
     all-reduce takes part: two ranks (gloo's two-term sum) and four (gathered and added in rank order, the one-shot
     kernel's arithmetic, whatever the message's size)."""
     probes = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 2]]
     others = [[5, 6, 7], list(range(50, 75)), [9] * 11]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
-    engine = LLMEngine(EngineConfig(model=str(tiny), device="cpu", max_num_batched_tokens=16, max_num_seqs=8,
-                                    max_model_len=128, tensor_parallel=world, deterministic=True))  # fmt: skip
+    settings = dict(model=str(tiny), device="cpu", max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128,
+                    deterministic=True)  # fmt: skip
+    one = [(c.token_ids, c.logprobs) for c in LLMEngine(EngineConfig(**settings)).generate(probes, params)]
+    engine = LLMEngine(EngineConfig(**settings, tensor_parallel=world))
 
     def answers(prompts: list[list[int]]) -> list[tuple]:
         return [(c.token_ids, [lp.logprob for lp in c.logprobs or []]) for c in engine.generate(prompts, params)]
@@ -297,3 +300,6 @@ def test_deterministic_mode_under_tensor_parallelism(tiny: Path, world: int) -> 
     assert all(len(tokens) == 8 and len(logprobs) == 8 for tokens, logprobs in alone)
     assert [batched[1], batched[3]] == alone, "a probe's tokens or logprobs changed inside a batch"
     assert [cached[3], cached[1]] == alone, "a probe's tokens or logprobs changed after its prefix was cached"
+    for (tokens, logprobs), (want_tokens, want) in zip(alone, one, strict=True):  # and the sums are right:
+        assert tokens == want_tokens  # one process's answers, within float32 rounding of the sharded sums
+        assert logprobs == pytest.approx([lp.logprob for lp in want or []], abs=1e-4)

@@ -104,8 +104,21 @@ class TPCommunicator:
         return out
 
     def _ordered_sum(self, x: torch.Tensor) -> torch.Tensor:
-        parts = self.all_gather(x.reshape(1, -1)).view(self.world_size, -1)  # [W, n]: rank r's x in row r
-        return ordered_sum(parts).view(x.shape)
+        """ordered_sum over the ranks' x with a ring all-reduce's traffic: each rank receives every rank's copy of
+        its 1/W of the elements (all-to-all), adds them in rank order, and the slices are gathered."""
+        w, n = self.world_size, x.numel()
+        m = -(-n // w)
+        send = torch.zeros(w * m, dtype=x.dtype, device=x.device)  # the padding's sums are dropped
+        send[:n] = x.reshape(-1)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)  # row q of recv: rank q's copy of this rank's slice
+        mine = ordered_sum(recv.view(w, m))
+        out = torch.empty_like(send)
+        if x.is_cuda:
+            dist.all_gather_into_tensor(out, mine, group=self.group)
+        else:
+            dist.all_gather(list(out.view(w, m).unbind(0)), mine, group=self.group)
+        return out[:n].view(x.shape)
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
