@@ -270,9 +270,8 @@ def test_workers_started_in_a_checkout_root_do_not_import_its_folders(tmp_path: 
 def test_deterministic_mode_under_tensor_parallelism(tiny: Path, world: int) -> None:
     """--deterministic with --tensor-parallel: a prompt's tokens and logprobs are bit-identical alone, inside a
     batch (its prefill chunks cut where the 16-token budget runs out) and after its prefix is cached, and they are
-    one process's answers (within the rounding of the sharded sums). The
-    all-reduce takes part: two ranks (gloo's two-term sum) and four (gathered and added in rank order, the one-shot
-    kernel's arithmetic, whatever the message's size)."""
+    one process's answers (within the rounding of the sharded sums). The all-reduce takes part: two ranks (gloo's
+    two-term sum) and four (added in rank order, the one-shot kernel's arithmetic, whatever the message's size)."""
     probes = [list(range(3, 40)), [7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 2]]
     others = [[5, 6, 7], list(range(50, 75)), [9] * 11]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -10,7 +10,8 @@ size, i.e. whatever the batch. The one-shot kernel adds the ranks' values in ran
 With two ranks every path gives those bits: a sum of two values is correctly rounded by NCCL and gloo, and so is
 float32's sum of two bf16 or fp16 values rounded again (float32 has at least 2p + 2 bits for their p: double
 rounding is then innocuous). With more ranks NCCL's and gloo's order follows the chunking, which follows the
-size, so messages the one-shot does not take are gathered and added here in the kernel's order.
+size, so messages the one-shot does not take are added here in the kernel's order (each rank its 1/W of the
+elements, exchanged all-to-all, then gathered: a ring all-reduce's traffic).
 """
 
 from __future__ import annotations
@@ -113,12 +114,7 @@ class TPCommunicator:
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)  # row q of recv: rank q's copy of this rank's slice
         mine = ordered_sum(recv.view(w, m))
-        out = torch.empty_like(send)
-        if x.is_cuda:
-            dist.all_gather_into_tensor(out, mine, group=self.group)
-        else:
-            dist.all_gather(list(out.view(w, m).unbind(0)), mine, group=self.group)
-        return out[:n].view(x.shape)
+        return self.all_gather(mine.view(1, m)).view(-1)[:n].view(x.shape)  # [1, W·m]: the slices in rank order
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
