@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) multiplies bf16 `tl.dot` operands as
 # raw uint16 bit patterns (triton 3.9 interpreter.create_dot), so kernels that use tl.dot upcast their operands
@@ -13,6 +15,24 @@ import torch
 INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# EXPERIMENT (wip/det-late-trigger): the deterministic chain's short launches (norm, SwiGLU pass, reduce, merge)
+# let their dependents launch only once their own wait has returned, so the projection after them is resident
+# only while HBM is idle (kernels/NOTES.md). Read at launch time by the launchers.
+LATE_TRIGGER = False
+
+
+@triton.jit
+def pdl_enter(USE_PDL: tl.constexpr, LATE: tl.constexpr):
+    """A PDL launch's entry: let the next launch start, then wait for the previous one (LATE: the other way round,
+    so the next launch is only resident once the previous one has finished)."""
+    if USE_PDL:
+        if LATE:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        else:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
 
 
 def check(cond: bool, message: str) -> None:

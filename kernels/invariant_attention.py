@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels import rotary
+from envex.kernels import _common, rotary
 from envex.kernels._common import (
     INTERPRETING,
     check,
@@ -45,6 +45,7 @@ from envex.kernels._common import (
     check_tensor,
     next_pow2,
     padded_rows,
+    pdl_enter,
     pdl_launch,
 )
 
@@ -276,11 +277,9 @@ def _merge_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, seq_lens_ptr, pos_ptr, qk_scale,
     stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_mh, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPLIT: tl.constexpr, FROM_POSITIONS: tl.constexpr, USE_PDL: tl.constexpr,
+    SPLIT: tl.constexpr, FROM_POSITIONS: tl.constexpr, USE_PDL: tl.constexpr, LATE: tl.constexpr = False,
 ):  # fmt: skip
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(USE_PDL, LATE)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     t = b.to(tl.int64)
@@ -422,7 +421,7 @@ def _decode(q, k_cache, v_cache, out, seq_lens, positions, block_tables, qk_scal
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split_keys,
-        FROM_POSITIONS=from_positions, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl),
+        FROM_POSITIONS=from_positions, USE_PDL=pdl, LATE=pdl and _common.LATE_TRIGGER, num_warps=4, **pdl_launch(pdl),
     )  # fmt: skip
     return out
 

@@ -47,7 +47,16 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, padded_rows, pdl_launch
+from envex.kernels import _common
+from envex.kernels._common import (
+    FLOAT_DTYPES,
+    INTERPRETING,
+    check,
+    check_tensor,
+    padded_rows,
+    pdl_enter,
+    pdl_launch,
+)
 
 PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
 
@@ -198,6 +207,22 @@ def _piece_dots(acc, x_src, w_src, lo, row_ok, col_ok, row0, col0, K: tl.constex
     return acc
 
 
+_L2_LINE = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+_PREFETCH_ASM = tl.constexpr(not INTERPRETING)  # the interpreter has no cache to warm
+WARM_K = 0  # EXPERIMENT: k of its weight tile a decode program asks L2 for before its programmatic wait
+
+
+@triton.jit
+def _warm_l2(w_rows, lo, col_ok, K: tl.constexpr, SPAN: tl.constexpr, LINE: tl.constexpr):
+    """Ask L2 for k in [lo, lo + SPAN) of the weight rows w_rows ([BLOCK_N, 1] pointers), a 128-byte line
+    (LINE elements) at a time: fire and forget."""
+    if _PREFETCH_ASM:
+        ks = lo + tl.arange(0, SPAN // LINE) * LINE
+        ok = (col_ok[:, None] & (ks < K)[None, :]).to(tl.int32)
+        tl.inline_asm_elementwise(_L2_LINE, "=r,l,r", [w_rows + ks[None, :], ok], dtype=tl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+
+
 @triton.jit
 def _grouped(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(row tile, column tile) of the launch's tile-th program: groups of GROUP_M row tiles, each group's row
@@ -211,15 +236,13 @@ def _grouped(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
 
 @triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
 def _matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr,
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, wraw_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
     K: tl.constexpr, CHUNK: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
     USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20, TMA: tl.constexpr = 0,
+    WARM: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
-    if USE_PDL:  # x comes from the previous kernel of the step
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     if SPLIT:  # grid (row tile, column tile, piece)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -247,6 +270,9 @@ def _matmul_kernel(
     else:
         first = 0
         last = tl.cdiv(K, CHUNK)
+    if WARM > 0:  # EXPERIMENT: the weight does not depend on the previous kernel: its first WARM k to L2 first
+        _warm_l2(wraw_ptr + cols.to(tl.int64)[:, None] * stride_wn, first * CHUNK, col_ok, K, WARM, LINE)
+    pdl_enter(USE_PDL, False)  # x comes from the previous kernel of the step
     if SWAP:  # the accumulators hold out^T: [BLOCK_N, BLOCK_M]
         total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -277,13 +303,11 @@ def _matmul_kernel(
 
 @triton.jit(do_not_specialize=["M"])
 def _silu_mul_kernel(x_ptr, out_ptr, M, stride_xm, stride_om, K: tl.constexpr, BLOCK: tl.constexpr,
-                     USE_PDL: tl.constexpr):  # fmt: skip
+                     USE_PDL: tl.constexpr, LATE: tl.constexpr = False):  # fmt: skip
     """silu(g) · u of each fused gate-up row [g | u], in fp32, rounded once: elementwise, one program per (row,
     block of K), so no bit depends on the batch. A pass of its own rather than the matmul's operand load: there
     a decode step's one row would pay the sigmoid of all 64 rows of its tensor-core tile at every k step."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(USE_PDL, LATE)
     row = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = ks < K
@@ -296,11 +320,9 @@ def _silu_mul_kernel(x_ptr, out_ptr, M, stride_xm, stride_om, K: tl.constexpr, B
 def _reduce_kernel(
     part_ptr, bias_ptr, out_ptr, M, N, stride_ps, stride_pm, stride_om,
     PIECES: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, LATE: tl.constexpr = False,
 ):  # fmt: skip
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(USE_PDL, LATE)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -370,7 +392,8 @@ def matmul(
     if prologue == PROLOGUE_SILU_MUL:
         act = torch.empty((m, k), dtype=x.dtype, device=x.device)
         _silu_mul_kernel[(m, triton.cdiv(k, 1024))](
-            x, act, m, x.stride(0), act.stride(0), K=k, BLOCK=1024, USE_PDL=pdl, num_warps=4, **pdl_launch(pdl))
+            x, act, m, x.stride(0), act.stride(0), K=k, BLOCK=1024, USE_PDL=pdl, LATE=pdl and _common.LATE_TRIGGER,
+            num_warps=4, **pdl_launch(pdl))
         x, prologue = act, PROLOGUE_NONE
     chunk = chunk or chunk_size(n, k)
     check(chunk % K_ALIGN == 0 or chunk >= k, f"chunk: {chunk} must be a multiple of {K_ALIGN} (or cover K = {k})")
@@ -394,12 +417,15 @@ def matmul(
         x_arg = TensorDescriptor.from_tensor(x, [t.block_m, width])
     if tma != TMA_NONE:
         w_arg = TensorDescriptor.from_tensor(weight, [t.block_n, width])
+    warm = min(WARM_K, chunk, triton.next_power_of_2(k) // 2) if pdl and m <= DECODE_MAX_M else 0
+    warm = warm if warm >= 128 // weight.element_size() else 0
     _matmul_kernel[grid](
-        x_arg, w_arg, bias_arg, out, part, m, n, x.stride(0), weight.stride(0), out.stride(0),
+        x_arg, w_arg, bias_arg, out, part, weight, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
+        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), WARM=warm, LINE=128 // weight.element_size(),
+        num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
         return part[:, :m]
@@ -407,6 +433,6 @@ def matmul(
         _reduce_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 128))](
             part, bias_arg, out, m, n, part.stride(0), part.stride(1), out.stride(0),
             PIECES=pieces, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=128, USE_PDL=pdl, num_warps=4,
-            **pdl_launch(pdl),
+            LATE=pdl and _common.LATE_TRIGGER, **pdl_launch(pdl),
         )  # fmt: skip
     return out

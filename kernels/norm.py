@@ -10,7 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_launch
+from envex.kernels import _common
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, next_pow2, pdl_enter, pdl_launch
 
 
 @triton.jit
@@ -43,12 +44,10 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, planes_ptr,
     H, stride_x, stride_res, stride_out, stride_sum, stride_planes, eps, stride_split,
     HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, PLANES: tl.constexpr = False, USE_PDL: tl.constexpr = False,
-    SPLITS: tl.constexpr = 0,
+    SPLITS: tl.constexpr = 0, LATE: tl.constexpr = False,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(USE_PDL, LATE)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     if SPLITS > 0:  # x is a split-K product's float32 partials [SPLITS, T, H]: added in order to 0.0 (as
@@ -148,5 +147,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         rows.stride(0), residual.stride(0) if has_res else 0, out.stride(0), total.stride(0) if has_res else 0,
         0 if planes is None else planes.stride(0), float(eps), x.stride(0) if splits else 0, HAS_RESIDUAL=has_res,
         BLOCK_H=block_h, PLANES=planes is not None, USE_PDL=pdl, num_warps=_num_warps(block_h), SPLITS=splits,
+        LATE=pdl and _common.LATE_TRIGGER,
         **pdl_launch(pdl),
     )  # fmt: skip

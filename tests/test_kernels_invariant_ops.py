@@ -131,8 +131,8 @@ def shapes(fn, args, consts, warps, stages):
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     return sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))
 
-mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", M="i32", N="i32",
-          stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
+mm = dict(x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", wraw_ptr="*bf16",
+          M="i32", N="i32", stride_xm="i32", stride_wn="i32", stride_om="i32", stride_ps="i32", stride_pm="i32")
 out = {}
 for name, t, split, tma in (("small", im.SMALL_TILE, True, False), ("decode", im.DECODE_TILE, True, False),
                             ("small_tma", im.SMALL_TILE, True, 1), ("decode_tma", im.DECODE_TILE, True, 1),
@@ -143,7 +143,8 @@ for name, t, split, tma in (("small", im.SMALL_TILE, True, False), ("decode", im
                             ("deep_decode_tma_w", im.DEEP_DECODE_TILE, False, 2),
                             ("deep_decode", im.DEEP_DECODE_TILE, False, False)):
     c = dict(K=4096, CHUNK=1024, HAS_BIAS=True, SPLIT=split, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, GROUP_M=t.group_m, TMA=tma)
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=split, SWAP=t.swap, GROUP_M=t.group_m, TMA=tma,
+             WARM=0, LINE=64)
     desc = {"x_ptr": f"tensordesc<bf16[{t.block_m}, {t.block_k}]>"} if tma == 1 else {}
     desc = {**desc, "w_ptr": f"tensordesc<bf16[{t.block_n}, {t.block_k}]>"} if tma else desc
     out[name] = shapes(im._matmul_kernel, {**mm, **desc}, c, t.num_warps, t.num_stages)

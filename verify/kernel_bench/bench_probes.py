@@ -318,8 +318,51 @@ def decode_loads() -> list[dict]:
     return rows
 
 
-SECTIONS = {"splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces, "one_piece": one_piece,
-            "swapped": swapped, "decode_loads": decode_loads, "narrow_mma": narrow_mma}
+def late_trigger() -> list[dict]:
+    """The deterministic decode chain (4 Llama-8B layers, final norm, LM head; `_bench_lib.decode_chain`) at 1 and 64
+    sequences with the short launches' PDL trigger after their wait (`_common.LATE_TRIGGER`) and the projections'
+    first WARM_K k of weight asked of L2 before their wait (`invariant_matmul.WARM_K`), each combination graph-timed
+    twice, the default mode's chain beside them; the logits of every combination checked against the first's."""
+    import torch
+
+    from envex.kernels import _common
+    from envex.kernels import invariant_matmul as im
+    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.kernel_bench.bench_server import SHAPES as SERVED
+
+    models = Path("/tmp/envex-models")
+    rows: list[dict] = []
+    combos = [(False, 0), (True, 0), (False, 64), (True, 64), (True, 128), (True, 256), (False, 128)]
+    for batch in (1, 64):
+        chain = B.decode_chain(models, SERVED["llama8b"], layers=4, batch=batch, deterministic=True)
+        timed = B.chain_timer(chain.step, width=40)
+        want = chain.step(0).clone()
+        for rep in range(2):
+            for late, warm in combos:
+                _common.LATE_TRIGGER, im.WARM_K = late, warm
+                try:
+                    us = timed(f"det b{batch} late={late} warm={warm} #{rep}")
+                    same = bool(torch.equal(chain.step(0), want))
+                    rows.append(dict(batch=batch, late=late, warm=warm, rep=rep, us=round(us, 2), same_logits=same))
+                except Exception as exc:  # noqa: BLE001 - a combination that fails is a row
+                    rows.append(dict(batch=batch, late=late, warm=warm, rep=rep, error=str(exc)[:300]))
+                finally:
+                    _common.LATE_TRIGGER, im.WARM_K = False, 0
+                print(json.dumps(rows[-1]), flush=True)
+        del chain, timed
+        torch.cuda.empty_cache()
+        chain = B.decode_chain(models, SERVED["llama8b"], layers=4, batch=batch, deterministic=False)
+        timed = B.chain_timer(chain.step, width=40)
+        for rep in range(2):
+            rows.append(dict(batch=batch, mode="default", rep=rep, us=round(timed(f"default b{batch} #{rep}"), 2)))
+            print(json.dumps(rows[-1]), flush=True)
+        del chain, timed
+        torch.cuda.empty_cache()
+    return rows
+
+
+SECTIONS = {"late_trigger": late_trigger, "splitk": splitk, "prefill_tiles": prefill_tiles, "pieces": pieces,
+            "one_piece": one_piece, "swapped": swapped, "decode_loads": decode_loads, "narrow_mma": narrow_mma}
 
 
 def main() -> None:
