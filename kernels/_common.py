@@ -16,16 +16,19 @@ INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# EXPERIMENT (wip/det-late-trigger): the deterministic chain's short launches (norm, SwiGLU pass, reduce, merge)
-# let their dependents launch only once their own wait has returned, so the projection after them is resident
-# only while HBM is idle (kernels/NOTES.md). Read at launch time by the launchers.
-LATE_TRIGGER = False
+# The deterministic mode's short launches between two projections (the norm adding O's or down's pieces, the
+# SwiGLU pass, the reduce, the attention merge) let the next launch start only after their own wait has returned:
+# the projection after them, which asks L2 for its first weight columns before it waits
+# (invariant_matmul.WARM_K), is then resident only once the projection before has finished and HBM is idle. A
+# schedule, never a bit; read at launch time (kernels/NOTES.md, "The short launches trigger after their wait").
+LATE_TRIGGER = True
 
 
 @triton.jit
 def pdl_enter(USE_PDL: tl.constexpr, LATE: tl.constexpr):
-    """A PDL launch's entry: let the next launch start, then wait for the previous one (LATE: the other way round,
-    so the next launch is only resident once the previous one has finished)."""
+    """A programmatic dependent launch's entry: let the next launch start, then wait for the previous one, so the
+    next launch's programs are resident (and waiting) before this one ends. LATE: wait first, then let the next
+    launch start, so none of its programs runs before the previous launch has finished."""
     if USE_PDL:
         if LATE:
             tl.extra.cuda.gdc_wait()

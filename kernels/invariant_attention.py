@@ -421,7 +421,7 @@ def _decode(q, k_cache, v_cache, out, seq_lens, positions, block_tables, qk_scal
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         part_ml.stride(0), part_ml.stride(1), part_ml.stride(2), out.stride(0), out.stride(1),
         GROUP=group, GROUP_P2=next_pow2(group), HEAD_DIM=head_dim, BLOCK_D=block_d, SPLIT=split_keys,
-        FROM_POSITIONS=from_positions, USE_PDL=pdl, LATE=pdl and _common.LATE_TRIGGER, num_warps=4, **pdl_launch(pdl),
+        FROM_POSITIONS=from_positions, USE_PDL=pdl, LATE=_common.LATE_TRIGGER, num_warps=4, **pdl_launch(pdl),
     )  # fmt: skip
     return out
 

@@ -56,6 +56,7 @@ from envex.kernels._common import (
     padded_rows,
     pdl_enter,
     pdl_launch,
+    pow2_floor,
 )
 
 PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
@@ -209,7 +210,18 @@ def _piece_dots(acc, x_src, w_src, lo, row_ok, col_ok, row0, col0, K: tl.constex
 
 _L2_LINE = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 _PREFETCH_ASM = tl.constexpr(not INTERPRETING)  # the interpreter has no cache to warm
-WARM_K = 0  # EXPERIMENT: k of its weight tile a decode program asks L2 for before its programmatic wait
+# A PDL-launched program asks L2 for the first WARM_K k of its weight tile (a power of two; 0: off) before it waits
+# on the previous launch, a short one that triggers late (_common.LATE_TRIGGER), so the requests overlap that
+# launch and not the projection before it. A schedule, never a bit (kernels/NOTES.md, "The short launches
+# trigger after their wait": 128 measured best of 64-256).
+WARM_K = 128
+
+
+def warm_span(chunk: int, k: int, itemsize: int) -> int:
+    """The k a PDL-launched program asks L2 for before its wait: WARM_K, within its piece and K, in whole 128-byte
+    lines of a weight row of itemsize-byte elements, a power of two (tl.arange); 0 where not even a line fits."""
+    span = min(WARM_K, pow2_floor(max(1, min(chunk, k)))) if WARM_K else 0
+    return span if span * itemsize >= 128 else 0
 
 
 @triton.jit
@@ -270,7 +282,7 @@ def _matmul_kernel(
     else:
         first = 0
         last = tl.cdiv(K, CHUNK)
-    if WARM > 0:  # EXPERIMENT: the weight does not depend on the previous kernel: its first WARM k to L2 first
+    if WARM > 0:  # the weight does not depend on the previous launch: its first WARM k asked of L2 before waiting
         _warm_l2(wraw_ptr + cols.to(tl.int64)[:, None] * stride_wn, first * CHUNK, col_ok, K, WARM, LINE)
     pdl_enter(USE_PDL, False)  # x comes from the previous kernel of the step
     if SWAP:  # the accumulators hold out^T: [BLOCK_N, BLOCK_M]
@@ -392,7 +404,7 @@ def matmul(
     if prologue == PROLOGUE_SILU_MUL:
         act = torch.empty((m, k), dtype=x.dtype, device=x.device)
         _silu_mul_kernel[(m, triton.cdiv(k, 1024))](
-            x, act, m, x.stride(0), act.stride(0), K=k, BLOCK=1024, USE_PDL=pdl, LATE=pdl and _common.LATE_TRIGGER,
+            x, act, m, x.stride(0), act.stride(0), K=k, BLOCK=1024, USE_PDL=pdl, LATE=_common.LATE_TRIGGER,
             num_warps=4, **pdl_launch(pdl))
         x, prologue = act, PROLOGUE_NONE
     chunk = chunk or chunk_size(n, k)
@@ -417,14 +429,13 @@ def matmul(
         x_arg = TensorDescriptor.from_tensor(x, [t.block_m, width])
     if tma != TMA_NONE:
         w_arg = TensorDescriptor.from_tensor(weight, [t.block_n, width])
-    warm = min(WARM_K, chunk, triton.next_power_of_2(k) // 2) if pdl and m <= DECODE_MAX_M else 0
-    warm = warm if warm >= 128 // weight.element_size() else 0
     _matmul_kernel[grid](
         x_arg, w_arg, bias_arg, out, part, weight, m, n, x.stride(0), weight.stride(0), out.stride(0),
         part.stride(0), part.stride(1),
         K=k, CHUNK=chunk, HAS_BIAS=bias is not None and not split, SPLIT=split,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, UPCAST_DOT=INTERPRETING, USE_PDL=pdl,
-        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), WARM=warm, LINE=128 // weight.element_size(),
+        SWAP=t.swap, GROUP_M=t.group_m, TMA=int(tma), WARM=warm_span(chunk, k, weight.element_size()) if pdl else 0,
+        LINE=128 // weight.element_size(),
         num_warps=t.num_warps, num_stages=t.num_stages, **pdl_launch(pdl),
     )  # fmt: skip
     if split and partials and bias is None:
@@ -433,6 +444,6 @@ def matmul(
         _reduce_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 128))](
             part, bias_arg, out, m, n, part.stride(0), part.stride(1), out.stride(0),
             PIECES=pieces, HAS_BIAS=bias is not None, BLOCK_M=16, BLOCK_N=128, USE_PDL=pdl, num_warps=4,
-            LATE=pdl and _common.LATE_TRIGGER, **pdl_launch(pdl),
+            LATE=_common.LATE_TRIGGER, **pdl_launch(pdl),
         )  # fmt: skip
     return out

@@ -128,12 +128,14 @@ def add_rms_norm_partials(partials: torch.Tensor, residual: torch.Tensor, weight
     _check(residual, weight, None)
     out = torch.empty_like(residual)
     total = torch.empty_like(residual)
-    _launch(partials, residual, weight, eps, out, total, pdl=pdl)
+    # between the split product and the next projection: the deterministic chain's short launch (_common.LATE_TRIGGER)
+    _launch(partials, residual, weight, eps, out, total, pdl=pdl, late=_common.LATE_TRIGGER)
     return out, total
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, out: torch.Tensor,
-            total: torch.Tensor, planes: torch.Tensor | None = None, *, pdl: bool = False) -> None:  # fmt: skip
+            total: torch.Tensor, planes: torch.Tensor | None = None, *, pdl: bool = False,
+            late: bool = False) -> None:  # fmt: skip
     """One _rms_norm_kernel launch over x's rows ([T, H], or float32 split partials [S, T, H]): the residual added
     (and the sum stored in total) unless None, the normed rows also stored as planes unless None."""
     splits = x.shape[0] if x.dim() == 3 else 0
@@ -147,6 +149,5 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         rows.stride(0), residual.stride(0) if has_res else 0, out.stride(0), total.stride(0) if has_res else 0,
         0 if planes is None else planes.stride(0), float(eps), x.stride(0) if splits else 0, HAS_RESIDUAL=has_res,
         BLOCK_H=block_h, PLANES=planes is not None, USE_PDL=pdl, num_warps=_num_warps(block_h), SPLITS=splits,
-        LATE=pdl and _common.LATE_TRIGGER,
-        **pdl_launch(pdl),
+        LATE=pdl and late, **pdl_launch(pdl),
     )  # fmt: skip

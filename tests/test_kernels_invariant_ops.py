@@ -181,3 +181,74 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     assert shapes["decode_tma"] == shapes["decode_tma_w"] == shapes["decode"], shapes
     assert shapes["wide"] == shapes["wide_pointers"] == ["m64n256k16"], shapes  # TMA loads, or masked ones
     assert shapes["deep_decode"] == shapes["decode"], shapes
+
+
+# The batch-1 chain's schedule (kernels/NOTES.md, "The short launches trigger after their wait"): a decode
+# projection asks L2 for its first weight columns before its programmatic wait, the short launches between two
+# projections let the next launch start only after theirs. Compiled for sm_90 as above; the PTX order is checked.
+_PDL_ORDER = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from envex.kernels import invariant_attention as ia, invariant_matmul as im, norm
+
+def ptx(fn, args, consts, warps=4, stages=1):
+    sig = {**args, **{k: "constexpr" for k in consts}}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps, "num_stages": stages})
+    return k.asm["ptx"]
+
+def order(text):  # the PDL and prefetch instructions in program order, and the wgmma shapes
+    marks = re.findall(r"(griddepcontrol\.wait|griddepcontrol\.launch_dependents|prefetch\.global\.L2)", text)
+    return {"marks": [m.split(".")[-1] for m in marks],
+            "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", text)))}
+
+out = {}
+t = im.SMALL_TILE
+mm = dict(x_ptr="*bf16", w_ptr=f"tensordesc<bf16[{t.block_n}, {t.block_k}]>", bias_ptr="*bf16", out_ptr="*bf16",
+          part_ptr="*fp32", wraw_ptr="*bf16", M="i32", N="i32", stride_xm="i32", stride_wn="i32", stride_om="i32",
+          stride_ps="i32", stride_pm="i32")
+for warm in (0, im.warm_span(1024, 4096, 2)):
+    c = dict(K=4096, CHUNK=1024, HAS_BIAS=False, SPLIT=True, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+             BLOCK_K=t.block_k, UPCAST_DOT=False, USE_PDL=True, SWAP=t.swap, GROUP_M=t.group_m, TMA=2, WARM=warm,
+             LINE=64)
+    out[f"matmul_warm{warm}"] = order(ptx(im._matmul_kernel, mm, c, t.num_warps, t.num_stages))
+for late in (False, True):
+    out[f"norm_{late}"] = order(ptx(norm._rms_norm_kernel, dict(
+        x_ptr="*fp32", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", sum_ptr="*bf16", planes_ptr="*bf16", H="i32",
+        stride_x="i32", stride_res="i32", stride_out="i32", stride_sum="i32", stride_planes="i32", eps="fp32",
+        stride_split="i32"), dict(HAS_RESIDUAL=True, BLOCK_H=4096, PLANES=False, USE_PDL=True, SPLITS=4, LATE=late),
+        16))
+    out[f"silu_{late}"] = order(ptx(im._silu_mul_kernel, dict(x_ptr="*bf16", out_ptr="*bf16", M="i32",
+        stride_xm="i32", stride_om="i32"), dict(K=14336, BLOCK=1024, USE_PDL=True, LATE=late)))
+    out[f"reduce_{late}"] = order(ptx(im._reduce_kernel, dict(part_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16",
+        M="i32", N="i32", stride_ps="i32", stride_pm="i32", stride_om="i32"), dict(PIECES=4, HAS_BIAS=False,
+        BLOCK_M=16, BLOCK_N=128, USE_PDL=True, LATE=late)))
+    out[f"merge_{late}"] = order(ptx(ia._merge_kernel, dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32",
+        out_ptr="*bf16", seq_lens_ptr="*i64", pos_ptr="*i64", qk_scale="fp32", stride_as="i32", stride_at="i32",
+        stride_ah="i32", stride_ms="i32", stride_mt="i32", stride_mh="i32", stride_ot="i32", stride_oh="i32"),
+        dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_D=128, SPLIT=ia.SPLIT_KEYS, FROM_POSITIONS=True,
+             USE_PDL=True, LATE=late)))
+print(json.dumps(out))
+"""
+
+
+def test_batch_one_chain_warms_the_weight_before_waiting_and_short_launches_trigger_after_theirs() -> None:
+    got = compile_for_hopper(_PDL_ORDER)
+    cold, warm = got["matmul_warm0"], got[f"matmul_warm{invariant_matmul.warm_span(1024, 4096, 2)}"]
+    assert cold["marks"] == ["launch_dependents", "wait"], cold
+    prefetches = warm["marks"][:-2]
+    assert prefetches and set(prefetches) == {"L2"} and warm["marks"][-2:] == ["launch_dependents", "wait"], warm
+    assert warm["wgmma"] == cold["wgmma"] == ["m64n16k16"], (warm, cold)  # the same k16 steps: the same bits
+    for kernel in ("norm", "silu", "reduce", "merge"):
+        assert got[f"{kernel}_False"]["marks"] == ["launch_dependents", "wait"], (kernel, got[f"{kernel}_False"])
+        assert got[f"{kernel}_True"]["marks"] == ["wait", "launch_dependents"], (kernel, got[f"{kernel}_True"])
+
+
+def test_the_warm_span_is_whole_lines_inside_the_piece() -> None:
+    assert invariant_matmul.WARM_K and invariant_matmul.warm_span(1024, 4096, 2) == invariant_matmul.WARM_K
+    assert invariant_matmul.warm_span(1024, 96, 2) == 64  # K = 96: the largest power of two inside it, one line
+    assert invariant_matmul.warm_span(1024, 40, 2) == 0  # not one 128-byte line of a bf16 row
+    assert invariant_matmul.warm_span(1024, 40, 4) == 32  # a float32 row's line is 32 elements
+    assert invariant_matmul.warm_span(256, 4096, 2) == min(invariant_matmul.WARM_K, 256)

@@ -2,7 +2,7 @@
 
     python3 -m envex.verify.kernel_bench.bench_probes --section NAME --out FILE.json
 
-(NAME: splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads, narrow_mma)
+(NAME: late_trigger, splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads, narrow_mma)
 
 - splitk: O and down at 2-64 rows followed by the add + RMSNorm: cuBLAS (with its own split-K) + the norm kernel,
   against one bmm over S K-slices into float32 partials + `norm.add_rms_norm_partials`; graph-timed over 8 weight
@@ -320,9 +320,10 @@ def decode_loads() -> list[dict]:
 
 def late_trigger() -> list[dict]:
     """The deterministic decode chain (4 Llama-8B layers, final norm, LM head; `_bench_lib.decode_chain`) at 1 and 64
-    sequences with the short launches' PDL trigger after their wait (`_common.LATE_TRIGGER`) and the projections'
-    first WARM_K k of weight asked of L2 before their wait (`invariant_matmul.WARM_K`), each combination graph-timed
-    twice, the default mode's chain beside them; the logits of every combination checked against the first's."""
+    sequences with the short launches' PDL trigger before or after their wait (`_common.LATE_TRIGGER`) and the
+    projections' first WARM_K k of weight asked of L2 before their wait or not (`invariant_matmul.WARM_K`), each
+    combination graph-timed twice, the default mode's chain beside them; the logits of every combination checked
+    against the first's (a schedule: they must be equal). PDL runs at batch 1 only, so 64 is the control."""
     import torch
 
     from envex.kernels import _common
@@ -337,6 +338,7 @@ def late_trigger() -> list[dict]:
         chain = B.decode_chain(models, SERVED["llama8b"], layers=4, batch=batch, deterministic=True)
         timed = B.chain_timer(chain.step, width=40)
         want = chain.step(0).clone()
+        kept = _common.LATE_TRIGGER, im.WARM_K
         for rep in range(2):
             for late, warm in combos:
                 _common.LATE_TRIGGER, im.WARM_K = late, warm
@@ -347,7 +349,7 @@ def late_trigger() -> list[dict]:
                 except Exception as exc:  # noqa: BLE001 - a combination that fails is a row
                     rows.append(dict(batch=batch, late=late, warm=warm, rep=rep, error=str(exc)[:300]))
                 finally:
-                    _common.LATE_TRIGGER, im.WARM_K = False, 0
+                    _common.LATE_TRIGGER, im.WARM_K = kept
                 print(json.dumps(rows[-1]), flush=True)
         del chain, timed
         torch.cuda.empty_cache()
