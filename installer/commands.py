@@ -43,8 +43,10 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help=f"HF model dir, .gg
 DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
 DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")]
 BackendOpt = Annotated[str, typer.Option(help="auto | torch | triton")]
-DeterministicOpt = Annotated[bool, typer.Option(
-    "--deterministic", help="batch-invariant kernels: a prompt's tokens do not depend on the rest of the batch")]
+DeterministicOpt = Annotated[bool | None, typer.Option(
+    "--deterministic/--no-deterministic", show_default=False,
+    help="batch-invariant kernels: a prompt's tokens do not depend on the rest of the batch (default: on with the "
+         "triton backend for models that have them, off on cpu)")]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -79,15 +81,15 @@ def serve(
         "--speculative-tokens", min=0, max=16,
         help="speculative decoding: the most drafts verified per step (0: off; n-gram lookup without a draft model)",
     )] = 0,
-    deterministic: DeterministicOpt = False,
+    deterministic: DeterministicOpt = None,
     tensor_parallel: Annotated[int, typer.Option(
         "--tensor-parallel", min=1, help="split the model over this many GPUs of this host (one process each)")] = 1,
 ) -> None:
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
     extra_routers: list = []
-    if launch is not None and deterministic:
-        raise fail("--deterministic: a release serves the settings its gates passed with (launch.json's "
-                   "`deterministic`); drop the flag or install with it")
+    if launch is not None and deterministic is not None:
+        raise fail("--deterministic/--no-deterministic: a release serves the settings its gates passed with "
+                   "(launch.json's `deterministic`); drop the flag or install again")
     if launch is not None and tensor_parallel != 1:
         raise fail("--tensor-parallel: a release serves the degree its plan chose and its gates passed with "
                    "(launch.json's engine.tensor_parallel); drop the flag or install again")
@@ -125,7 +127,7 @@ def generate(
     device: DeviceOpt = "auto",
     dtype: DtypeOpt = "auto",
     backend: BackendOpt = "auto",
-    deterministic: DeterministicOpt = False,
+    deterministic: DeterministicOpt = None,
 ) -> None:
     """Generate from one prompt, streaming tokens to the terminal."""
     from envex.runtime.server.generate_cli import run_generate

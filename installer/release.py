@@ -172,7 +172,8 @@ def engine_settings(plan: Plan, model_path: Path) -> dict[str, Any]:
     from envex.runtime.engine.config import EngineConfig
 
     config = EngineConfig(model=str(model_path), **plan.engine)
-    config = config.resolved(window=plan.model_card.max_position_embeddings, cuda_available=plan.mode == "cuda")
+    config = config.resolved(window=plan.model_card.max_position_embeddings, cuda_available=plan.mode == "cuda",
+                             architecture=plan.model_card.architecture)  # fmt: skip
     return {f.name: getattr(config, f.name) for f in fields(EngineConfig) if f.name not in ("model", "served_name")}
 
 

@@ -383,3 +383,16 @@ def test_out_of_range_numbers_are_one_line(world, tmp_path_factory):
 
     check()
 
+
+
+def test_a_release_keeps_its_deterministic_setting_and_the_cli_takes_both_ways(tmp_path):
+    launch = tmp_path / "launch.json"
+    launch.write_text("{}")
+    for flag in ("--deterministic", "--no-deterministic"):  # either way: launch.json decides, the flag is refused
+        assert_one_line(run(["serve", "--launch", launch, flag], timeout=60), "--deterministic/--no-deterministic",
+                        "launch.json")  # fmt: skip
+    # without a release both forms run (on the CPU the default is off): the same two greedy tokens either way
+    off = run(["generate", "hi", "--device", "cpu", "--max-tokens", "2", "--no-deterministic"], timeout=120)
+    assert off.returncode == 0, off.stderr
+    on = run(["generate", "hi", "--device", "cpu", "--max-tokens", "2", "--deterministic"], timeout=120)
+    assert on.returncode == 0 and on.stdout == off.stdout, (on.stdout, off.stdout, on.stderr)

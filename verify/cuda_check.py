@@ -75,8 +75,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=None,
                         help="cap every prompt set of the suite at N (prompts, texts, tasks, needle lengths)")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens for the capital-of-France answer")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="the engine in deterministic mode (batch-invariant kernels; offline_docs/engine.md)")
+    parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engine in deterministic mode or not (batch-invariant kernels; default: the "
+                             "engine's, on for the triton backend; offline_docs/engine.md)")
     parser.add_argument("--bench", action="store_true", help="also run the benchmark harness (envex vs HF)")
     parser.add_argument("--repeats", type=int, default=4, help="benchmark repeats (with --bench)")
     args = parser.parse_args(argv)

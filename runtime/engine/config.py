@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from envex.runtime.config import ModelConfig
+from envex.runtime.config import GPT_OSS, ModelConfig
 from envex.runtime.loader import EMBEDDED_MODEL
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -53,8 +53,11 @@ class EngineConfig:
     # Compile the kernels' variants at start with a few throwaway requests (None: on for CUDA; see warm_up).
     warm_up: bool | None = None
     # Batch-invariant kernels: a sequence's tokens do not depend on its batch, its place in it, prefix-cache hits,
-    # chunk boundaries, preemption or overlap (offline_docs/engine.md). Off by default: its cost is in benchmarks.md.
-    deterministic: bool = False
+    # chunk boundaries, preemption or overlap (offline_docs/engine.md). None: on with the Triton backend for a model
+    # whose every layer has such kernels (the dense Llama family; on the H200 it costs 4.8% at batch 1 and 4.9% at
+    # 64 concurrent: benchmarks.md), off on the CPU (the torch backend's invariant forms halve batch-1 speed there)
+    # and for gpt-oss (no batch-invariant MoE, sink or window attention kernels yet).
+    deterministic: bool | None = None
     # Tensor parallelism: the model split over this many GPUs of one host, one process each (rank 0 is this
     # process: scheduler, sampler, server; runtime/parallel/). 1: one GPU holds the whole model.
     tensor_parallel: int = 1
@@ -84,11 +87,13 @@ class EngineConfig:
             raise ValueError("tensor_parallel: speculative decoding does not run under tensor parallelism yet; drop "
                              "--speculative-tokens/--draft-model or use --tensor-parallel 1")  # fmt: skip
 
-    def resolved(self, *, window: int, cuda_available: bool, gpus: int | None = None) -> EngineConfig:
+    def resolved(self, *, window: int, cuda_available: bool, gpus: int | None = None,
+                 architecture: str | None = None) -> EngineConfig:
         """Every setting made concrete for this device and a model whose servable context is `window` tokens
         (model_window): the one place where defaults are decided. The engine runs on the result, and the
         installer records it in launch.json (from the model card, without loading the weights). gpus: how many
-        CUDA devices this process sees (None: not checked)."""
+        CUDA devices this process sees (None: not checked). architecture: the model's (ModelConfig.architecture),
+        which decides whether the deterministic mode can run (None: taken as one that can)."""
         if self.device == "cuda" and not cuda_available:
             raise ValueError("device: cuda was asked for but no CUDA device is visible; use --device cpu")
         device = ("cuda" if cuda_available else "cpu") if self.device == "auto" else self.device
@@ -102,6 +107,10 @@ class EngineConfig:
         if self.deterministic and backend == "torch" and cuda:  # cuBLAS picks kernels by shape
             raise ValueError("deterministic: the torch backend is batch-invariant on the CPU only; use --backend "
                              "triton on cuda")
+        invariant = architecture is None or has_invariant_kernels(architecture)
+        if self.deterministic and not invariant:
+            raise ValueError(f"deterministic: {architecture} has no batch-invariant kernels yet (mixture-of-experts "
+                             "layers, attention sinks and windows); serve it with --no-deterministic")  # fmt: skip
         return replace(
             self,
             device=device,
@@ -118,6 +127,7 @@ class EngineConfig:
             num_speculative_tokens=self.num_speculative_tokens or (4 if self.draft_model else 0),
             speculative_max_batch=self.speculative_max_batch or (32 if cuda else 8),
             warm_up=cuda if self.warm_up is None else self.warm_up,
+            deterministic=(backend == "triton" and invariant) if self.deterministic is None else self.deterministic,
         )
 
     @property
@@ -130,10 +140,17 @@ _MAX_DEFAULT_LEN = 32768
 MAX_TENSOR_PARALLEL = 8  # the GPUs of one NVLink host (and the one-shot all-reduce's limit)
 
 
+def has_invariant_kernels(architecture: str) -> bool:
+    """Whether every layer of this architecture has batch-invariant kernels (the deterministic mode): the dense
+    Llama family does; gpt-oss's MoE experts and its attention sinks and windows do not yet."""
+    return architecture != GPT_OSS
+
+
 def model_window(model: ModelConfig) -> int:
     """The context a model can be served at: its position limit, or its sliding window where the model has one
     (no sliding-window attention in the Llama family yet, so such a model is served within the window)."""
     if model.sliding_window:
         return min(model.max_position_embeddings, model.sliding_window)
     return model.max_position_embeddings
-_RESOLVED = ("max_model_len", "max_num_batched_tokens", "async_scheduling", "warm_up", "speculative_max_batch")
+_RESOLVED = ("max_model_len", "max_num_batched_tokens", "async_scheduling", "warm_up", "speculative_max_batch",
+             "deterministic")

@@ -68,7 +68,8 @@ class LLMEngine:
         # The one place where defaults become settings: everything below reads self.config only.
         self.config = config = (config or EngineConfig()).resolved(window=model_window(loaded.config),
                                                                    cuda_available=torch.cuda.is_available(),
-                                                                   gpus=torch.cuda.device_count())  # fmt: skip
+                                                                   gpus=torch.cuda.device_count(),
+                                                                   architecture=loaded.config.architecture)  # fmt: skip
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_name or loaded.source.name

@@ -96,7 +96,9 @@ def bench_graphs(context: int, shape: dict, device: str) -> dict:
         config = EngineConfig(model=tmp, load_format="dummy", device=device, max_model_len=context + 64,
                               max_num_seqs=max(BATCHES), num_kv_blocks=blocks_per_seq * max(BATCHES) + 8,
                               num_speculative_tokens=max(DEPTHS), speculative_max_batch=max(BATCHES), warm_up=False,
-                              ).resolved(window=model_window(loaded.config), cuda_available=device == "cuda")
+                              deterministic=False,
+                              ).resolved(window=model_window(loaded.config), cuda_available=device == "cuda",
+                                         architecture=loaded.config.architecture)  # fmt: skip
         runner = ModelRunner(config, loaded)
     spec = SpecDecoder(runner, NgramDrafter(), max_k=max(DEPTHS), max_batch=max(BATCHES),
                        max_num_seqs=max(BATCHES), capture=False)  # fmt: skip

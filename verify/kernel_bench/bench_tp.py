@@ -190,8 +190,10 @@ def _share_section(state: Any, device: str, model_dir: Path, context: int) -> di
         num_kv_blocks=max(batches) * blocks_per_seq + 1,
         use_cuda_graphs=False,
         tensor_parallel=state.world_size,
+        deterministic=False,  # the default kernels' TP scaling (benchmarks.md); the deterministic mode's is its own
     )
-    config = config.resolved(window=model_window(loaded.config), cuda_available=device == "cuda")
+    config = config.resolved(window=model_window(loaded.config), cuda_available=device == "cuda",
+                             architecture=loaded.config.architecture)
     runner = ModelRunner(config, loaded, parallel=state)
     graphs = DecodeGraphs(runner, max_batch=max(batches), capture=False)  # its inputs and captured step only
     out: dict[str, Any] = {"shape": model_dir.name, "context": context, "batches": {}}
