@@ -5,6 +5,7 @@ gate passes on it and fails on an engine whose answers depend on the batch; the 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -114,9 +115,10 @@ def test_the_setting_is_checked_and_reaches_the_ops(det_engine: LLMEngine) -> No
 
 
 def test_the_mode_is_the_default_where_its_kernels_exist() -> None:
-    """None resolves to on with the Triton backend for an architecture whose every layer has batch-invariant
-    kernels (its cost on the H200 is within the issue's 5% / 10%: benchmarks.md), off on the CPU (the torch
-    backend's invariant forms halve batch-1 speed there), with the torch backend on CUDA, and for gpt-oss."""
+    """None resolves to on with the Triton backend on one GPU for an architecture whose every layer has
+    batch-invariant kernels (its cost on the H200 is within the issue's 5% / 10%: benchmarks.md), off on the CPU
+    (the torch backend's invariant forms halve batch-1 speed there), with the torch backend on CUDA, under tensor
+    parallelism (not measured on two GPUs) and for gpt-oss."""
     llama, default = "LlamaForCausalLM", EngineConfig()
     assert default.deterministic is None and not default.is_resolved
     on_gpu = default.resolved(window=2048, cuda_available=True, architecture=llama)
@@ -125,6 +127,9 @@ def test_the_mode_is_the_default_where_its_kernels_exist() -> None:
     assert default.resolved(window=2048, cuda_available=False, architecture=llama).deterministic is False
     assert EngineConfig(backend="torch").resolved(window=2048, cuda_available=True).deterministic is False
     assert default.resolved(window=2048, cuda_available=True, architecture=GPT_OSS).deterministic is False
+    two_gpus = EngineConfig(tensor_parallel=2)  # runs the mode when asked, but its cost there is not measured
+    assert two_gpus.resolved(window=2048, cuda_available=True, gpus=2, architecture=llama).deterministic is False
+    assert replace(two_gpus, deterministic=True).resolved(window=2048, cuda_available=True, gpus=2).deterministic
     # an explicit choice stands, and one that cannot run is refused in one line that says what to do
     assert EngineConfig(deterministic=False).resolved(window=2048, cuda_available=True).deterministic is False
     with pytest.raises(ValueError, match=r"^deterministic: GptOssForCausalLM has no batch-invariant kernels .*"

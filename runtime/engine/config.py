@@ -53,9 +53,10 @@ class EngineConfig:
     # Compile the kernels' variants at start with a few throwaway requests (None: on for CUDA; see warm_up).
     warm_up: bool | None = None
     # Batch-invariant kernels: a sequence's tokens do not depend on its batch, its place in it, prefix-cache hits,
-    # chunk boundaries, preemption or overlap (offline_docs/engine.md). None: on with the Triton backend for a model
-    # whose every layer has such kernels (the dense Llama family; on the H200 it costs 4.8% at batch 1 and 4.9% at
-    # 64 concurrent: benchmarks.md), off on the CPU (the torch backend's invariant forms halve batch-1 speed there)
+    # chunk boundaries, preemption or overlap (offline_docs/engine.md). None: on with the Triton backend on one GPU
+    # for a model whose every layer has such kernels (the dense Llama family; on the H200 it costs ~5% at batch 1
+    # and 2.5-4.9% at 64 concurrent: benchmarks.md); off on the CPU (the torch backend's invariant forms halve
+    # batch-1 speed there), under tensor parallelism (it runs there, but its cost is not measured on two GPUs)
     # and for gpt-oss (no batch-invariant MoE, sink or window attention kernels yet).
     deterministic: bool | None = None
     # Tensor parallelism: the model split over this many GPUs of one host, one process each (rank 0 is this
@@ -127,7 +128,9 @@ class EngineConfig:
             num_speculative_tokens=self.num_speculative_tokens or (4 if self.draft_model else 0),
             speculative_max_batch=self.speculative_max_batch or (32 if cuda else 8),
             warm_up=cuda if self.warm_up is None else self.warm_up,
-            deterministic=(backend == "triton" and invariant) if self.deterministic is None else self.deterministic,
+            # the mode by default where its cost is measured within the issue's bars: one GPU (two are not measured)
+            deterministic=(backend == "triton" and invariant and self.tensor_parallel == 1
+                           if self.deterministic is None else self.deterministic),
         )
 
     @property
