@@ -46,7 +46,7 @@ BackendOpt = Annotated[str, typer.Option(help="auto | torch | triton")]
 DeterministicOpt = Annotated[bool | None, typer.Option(
     "--deterministic/--no-deterministic", show_default=False,
     help="batch-invariant kernels: a prompt's tokens do not depend on the rest of the batch (default: on with the "
-         "triton backend for models that have them, off on cpu)")]
+         "triton backend on one GPU for models that have them; off on cpu, under --tensor-parallel and for gpt-oss)")]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

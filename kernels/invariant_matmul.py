@@ -255,6 +255,7 @@ def _matmul_kernel(
     USE_PDL: tl.constexpr, SWAP: tl.constexpr = False, GROUP_M: tl.constexpr = 1 << 20, TMA: tl.constexpr = 0,
     WARM: tl.constexpr = 0, LINE: tl.constexpr = 64,
 ):  # fmt: skip
+    # wraw_ptr: the weight's own pointer (w_ptr may be its TMA descriptor), for the L2 warm-up (WARM > 0)
     if SPLIT:  # grid (row tile, column tile, piece)
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
