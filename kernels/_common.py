@@ -16,6 +16,16 @@ INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+_L2_LINE = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
+
+
+@triton.jit
+def prefetch_l2(ptrs, on):
+    """Ask L2 for the 128-byte line at each pointer of ptrs where on (int32, same shape) is not 0: fire and forget,
+    nothing waits on it or holds it in a register. PTX only: the interpreter has no cache, so callers skip it there."""
+    tl.inline_asm_elementwise(_L2_LINE, "=r,l,r", [ptrs, on], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # The deterministic mode's short launches between two projections (the norm adding O's or down's pieces, the
 # SwiGLU pass, the reduce, the attention merge) let the next launch start only after their own wait has returned:
 # the projection after them, which asks L2 for its first weight columns before it waits

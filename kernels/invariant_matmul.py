@@ -57,6 +57,7 @@ from envex.kernels._common import (
     pdl_enter,
     pdl_launch,
     pow2_floor,
+    prefetch_l2,
 )
 
 PROLOGUE_NONE, PROLOGUE_SILU_MUL = 0, 3  # the values gemv.py uses for the same prologues
@@ -208,7 +209,6 @@ def _piece_dots(acc, x_src, w_src, lo, row_ok, col_ok, row0, col0, K: tl.constex
     return acc
 
 
-_L2_LINE = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 _PREFETCH_ASM = tl.constexpr(not INTERPRETING)  # the interpreter has no cache to warm
 # A PDL-launched program asks L2 for the first WARM_K k of its weight tile (a power of two; 0: off) before it waits
 # on the previous launch, a short one that triggers late (_common.LATE_TRIGGER), so the requests overlap that
@@ -230,9 +230,7 @@ def _warm_l2(w_rows, lo, col_ok, K: tl.constexpr, SPAN: tl.constexpr, LINE: tl.c
     (LINE elements) at a time: fire and forget."""
     if _PREFETCH_ASM:
         ks = lo + tl.arange(0, SPAN // LINE) * LINE
-        ok = (col_ok[:, None] & (ks < K)[None, :]).to(tl.int32)
-        tl.inline_asm_elementwise(_L2_LINE, "=r,l,r", [w_rows + ks[None, :], ok], dtype=tl.int32, is_pure=False,
-                                  pack=1)  # fmt: skip
+        prefetch_l2(w_rows + ks[None, :], (col_ok[:, None] & (ks < K)[None, :]).to(tl.int32))
 
 
 @triton.jit

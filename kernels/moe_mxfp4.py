@@ -44,6 +44,7 @@ from envex.kernels._common import (
     check_tensor,
     next_pow2,
     pdl_launch,
+    prefetch_l2,
 )
 from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
 
@@ -406,7 +407,6 @@ def _one_launch_kernel(
 
 
 _NANOSLEEP = tl.constexpr("{ nanosleep.u32 $1; mov.b32 $0, 0; }")
-_L2_LINE = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 
 
 @triton.jit
@@ -415,8 +415,7 @@ def _warm_rows(rows, ok, WORDS: tl.constexpr, LINES_P2: tl.constexpr):
     a 128-byte line at a time: fire and forget."""
     lines = tl.arange(0, LINES_P2)
     want = (ok[:, None] != 0) & (lines < (WORDS + 31) // 32)[None, :]
-    tl.inline_asm_elementwise(_L2_LINE, "=r,l,r", [rows[:, None] + lines[None, :] * 32, want.to(tl.int32)],
-                              dtype=tl.int32, is_pure=False, pack=1)  # fmt: skip
+    prefetch_l2(rows[:, None] + lines[None, :] * 32, want.to(tl.int32))
 
 
 @triton.jit

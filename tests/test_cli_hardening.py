@@ -384,7 +384,6 @@ def test_out_of_range_numbers_are_one_line(world, tmp_path_factory):
     check()
 
 
-
 def test_a_release_keeps_its_deterministic_setting_and_the_cli_takes_both_ways(tmp_path):
     launch = tmp_path / "launch.json"
     launch.write_text("{}")
