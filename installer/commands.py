@@ -45,8 +45,9 @@ DtypeOpt = Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16
 BackendOpt = Annotated[str, typer.Option(help="auto | torch | triton")]
 DeterministicOpt = Annotated[bool | None, typer.Option(
     "--deterministic/--no-deterministic", show_default=False,
-    help="batch-invariant kernels: a prompt's tokens do not depend on the rest of the batch (default: on with the "
-         "triton backend on one GPU for models that have them; off on cpu, under --tensor-parallel and for gpt-oss)")]
+    help="batch-invariant kernels: a prompt's tokens do not depend on the rest of the batch (default: off, as "
+         "on every model measured it costs more than the bar for a default: offline_docs/engine.md; refused for "
+         "gpt-oss and with --backend torch on cuda)")]
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -84,6 +85,10 @@ def serve(
     deterministic: DeterministicOpt = None,
     tensor_parallel: Annotated[int, typer.Option(
         "--tensor-parallel", min=1, help="split the model over this many GPUs of this host (one process each)")] = 1,
+    load_format: Annotated[str, typer.Option(
+        "--load-format", help="auto: the weights in the model's files; dummy: random weights of the right shapes "
+                              "made from config.json alone (benchmarks: speed does not depend on the values, answers "
+                              "do)")] = "auto",
 ) -> None:
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
     extra_routers: list = []
@@ -96,6 +101,8 @@ def serve(
     if launch is not None and (draft_model is not None or speculative_tokens):
         raise fail("--draft-model/--speculative-tokens: a release serves the settings of its launch.json "
                    "(engine.draft_model, engine.num_speculative_tokens); drop the flags or install with them")
+    if launch is not None and load_format != "auto":
+        raise fail("--load-format: a release serves the weights its gates passed with; drop the flag")
     if launch is not None:
         from envex.installer.admin import admin_routers_for_launch
         from envex.installer.launch import LaunchError, load_launch
@@ -108,7 +115,8 @@ def serve(
     else:
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,
                                deterministic=deterministic, tensor_parallel=tensor_parallel,
-                               draft_model=draft_model, num_speculative_tokens=speculative_tokens)
+                               draft_model=draft_model, num_speculative_tokens=speculative_tokens,
+                               load_format=load_format)
     from envex.runtime.server.serve import serve as run_server  # after the checks: a refusal needs no web stack
 
     try:

@@ -254,6 +254,7 @@ def test_keygen_names_cannot_leave_out(tmp_path, name):
     [
         (["serve", "--port", "99999"], "'--port'"),
         (["serve", "--port", "-1"], "'--port'"),
+        (["serve", "--load-format", "bogus"], "load_format: 'bogus' is not one of auto, dummy"),
         (["bundle", "build", "--kind", "runtime", "--src", ".", "--name", "b", "--version", "1.0.0", "--out", ".",
           "--expires-days", "1000000000"], "'--expires-days'"),
         (["bundle", "make-root", "--out", "r.json", "--root-key", "k", "--bundle-key", "k", "--sign", "k",
@@ -387,10 +388,12 @@ def test_out_of_range_numbers_are_one_line(world, tmp_path_factory):
 def test_a_release_keeps_its_deterministic_setting_and_the_cli_takes_both_ways(tmp_path):
     launch = tmp_path / "launch.json"
     launch.write_text("{}")
+    # a release serves the weights its gates passed with
+    assert_one_line(run(["serve", "--launch", launch, "--load-format", "dummy"], timeout=60), "--load-format")
     for flag in ("--deterministic", "--no-deterministic"):  # either way: launch.json decides, the flag is refused
         assert_one_line(run(["serve", "--launch", launch, flag], timeout=60), "--deterministic/--no-deterministic",
                         "launch.json")  # fmt: skip
-    # without a release both forms run (on the CPU the default is off): the same two greedy tokens either way
+    # without a release both forms run (the default is off): the same two greedy tokens either way
     off = run(["generate", "hi", "--device", "cpu", "--max-tokens", "2", "--no-deterministic"], timeout=120)
     assert off.returncode == 0, off.stderr
     on = run(["generate", "hi", "--device", "cpu", "--max-tokens", "2", "--deterministic"], timeout=120)

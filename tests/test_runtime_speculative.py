@@ -333,3 +333,33 @@ def test_gpu_deterministic_speculation_is_byte_identical_to_plain_decoding() -> 
     spec.close()
     assert got == want
     assert stats.spec_tokens_per_step >= 2.0, stats  # the answers copy the file: drafts were verified and kept
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("draft_model", [None, "smollm2-135m-instruct"], ids=["ngram", "draft-model"])
+def test_gpu_speculation_starts_with_warm_up_and_prices_every_verify_graph(draft_model: str | None) -> None:
+    """What `envex serve --speculative-tokens 4` (or --draft-model) builds on a GPU with its defaults: warm-up on,
+    the verify graphs captured and timed against the decode graph of the same launch shape (the cost table once
+    indexed the decode graphs by batch after they were keyed by (batch, context): KeyError at start, 2026-12-06).
+    Then it serves: a code edit copies the file, so the verified drafts are kept."""
+    from envex.verify.data import code_edit_tasks
+
+    engine = LLMEngine(EngineConfig(device="cuda", num_speculative_tokens=4, draft_model=draft_model,
+                                    max_model_len=4096))  # fmt: skip
+    try:
+        assert engine.config.warm_up and engine.config.use_cuda_graphs
+        spec = engine.spec
+        assert spec is not None
+        table = spec.costs.table
+        assert set(table) == {(b, k) for b in spec.graphs.sizes for k in spec.graphs.ks}
+        assert all(0.5 < cost < 20.0 for cost in table.values()), table  # a verify step costs about a decode step
+        task = min(code_edit_tasks(), key=lambda t: len(t.file))
+        tok = engine.tokenizer
+        text = tok.apply_chat_template([{"role": "user", "content": task.prompt}], add_generation_prompt=True)
+        prompt = tok.encode(text + task.answer_prefix, add_special_tokens=False)
+        done = engine.generate([prompt], SamplingParams(max_tokens=128, temperature=0.0))[0]
+        assert len(done.token_ids) > 16
+        assert engine.stats().spec_tokens_per_step >= 1.5, engine.stats()
+    finally:
+        engine.close()

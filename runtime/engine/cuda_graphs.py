@@ -141,6 +141,10 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return 1 <= batch <= self.sizes[-1]
 
+    def graph(self, batch: int, max_seq_len: int) -> torch.cuda.CUDAGraph:
+        """The captured graph of a ladder size and one of its context lengths (key_for picks them for a step)."""
+        return self._graphs[(batch, max_seq_len)]
+
     @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             fill: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
@@ -401,7 +405,9 @@ class SpecGraphs:
             db = next((s for s in decode_graphs.sizes if s >= b), None)
             if db is None:
                 continue
-            base = timed(decode_graphs._graphs[db].replay)
+            # The decode graph captured for the longest context: the verify graphs' attention is launched for
+            # max_model_len + k + 1 keys, so that is the decode step with the same launch shape.
+            base = timed(decode_graphs.graph(db, decode_graphs.lengths[db][-1]).replay)
             for k in self.ks:
                 key = (b, k)
 

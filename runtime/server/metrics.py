@@ -107,6 +107,13 @@ class Metrics:
         metric("envex_speculative_info", "gauge", "Speculative decoding: the drafter and the most drafts per step.",
                [f'envex_speculative_info{{drafter="{_escape(stats.speculative_drafter or "off")}",'
                 f'max_k="{stats.speculative_max_k}"}} 1'])
+        config = async_engine.engine.config  # resolved: what this server actually runs
+        settings = ",".join(f'{key}="{_escape(str(value).lower() if isinstance(value, bool) else str(value))}"'
+                            for key, value in (("backend", config.backend), ("dtype", config.dtype),
+                                               ("deterministic", config.deterministic),
+                                               ("max_model_len", config.max_model_len),
+                                               ("tensor_parallel", config.tensor_parallel)))  # fmt: skip
+        metric("envex_engine_info", "gauge", "The engine's resolved settings.", [f"envex_engine_info{{{settings}}} 1"])
         metric("envex_time_to_first_token_seconds", "histogram",
                "Time from request arrival to each choice's first token.", self.ttft.lines(
                    "envex_time_to_first_token_seconds"))
