@@ -73,7 +73,9 @@ def test_login_throttle_backs_off_then_resets() -> None:
 
 
 def test_offline_docs_render_and_images_are_served_by_exact_name() -> None:
-    assert {"install", "bundles", "admin"} <= set(doc_names())
+    assert {"install", "bundles", "admin", "performance"} <= set(doc_names()) and "benchmarks" not in doc_names()
+    index = (render_doc("index.md") or ("", ""))[1]
+    assert '<a href="performance.md">performance.md</a>' in index and "benchmarks.md" not in index
     title, html = render_doc("admin.md") or ("", "")
     assert title == "The admin page" and '<img src="admin-overview.png"' in html
     assert render_doc("../pyproject.toml") is None and render_doc("nope") is None
@@ -136,6 +138,10 @@ def test_envex_admin_command_prints_the_token_once_and_serves_on_loopback(tmp_pa
             ok = client.post("/admin/login", data={"csrf": csrf.group(1), "token": token_line.strip()})
             assert ok.status_code == 303 and ok.headers["location"] == "/admin"
             assert "nothing installed yet" in client.get("/admin").text
+            # the benchmarks page points at the project's reference figures, which the docs render
+            assert 'href="/admin/docs/performance.md"' in client.get("/admin/benchmarks").text
+            performance = client.get("/admin/docs/performance.md")
+            assert performance.status_code == 200 and "<h1>Performance</h1>" in performance.text
     finally:
         proc.terminate()
         proc.wait(timeout=30)
