@@ -30,7 +30,8 @@ def prefetch_l2(ptrs, on):
 # SwiGLU pass, the reduce, the attention merge) let the next launch start only after their own wait has returned:
 # the projection after them, which asks L2 for its first weight columns before it waits
 # (invariant_matmul.WARM_K), is then resident only once the projection before has finished and HBM is idle. A
-# schedule, never a bit; read at launch time (kernels/NOTES.md, "The short launches trigger after their wait").
+# schedule, never a bit; read at launch time (verify/lab/journal-kernels.md, "The short launches trigger after their
+# wait").
 LATE_TRIGGER = True
 
 

@@ -48,7 +48,8 @@ def _next_epoch(pad_ptrs, pid, rank):
     """This program's call count, kept in its own pad (the previous launch has ended: no other program touches
     it). One atomic increment, made by one thread and its result shared by all: a load and a store by every
     thread let a warp that reached here late read the count a faster warp had already stored, hold the next
-    epoch, and wait forever for a flag no peer would post (the TP=2 hangs of NOTES.md, "The TP=2 hang")."""
+    epoch, and wait forever for a flag no peer would post (the TP=2 hangs of verify/lab/journal-kernels.md, "The TP=2
+    hang")."""
     counter = tl.load(pad_ptrs + rank).to(tl.pointer_type(tl.int32)) + 2 * _PROGRAMS * _WORLD + pid
     return tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") + 1
 
@@ -167,8 +168,9 @@ def one_shot_all_reduce(
     """The sum over ranks of x (contiguous, any shape), as every rank's copy of it. buffer_elems: the capacity of
     each rank's buffer in x's dtype. sync=False skips the barriers (tests, where one process plays every rank).
     pdl: launch with programmatic dependent launch (Hopper): the kernel waits for its predecessor before reading x,
-    and lets its successor start at once. The engine does not set it: at 70B TP=2 it measured no faster (NOTES.md,
-    "The TP=2 hang", where it also ran without hanging once the epoch count was one atomic)."""
+    and lets its successor start at once. The engine does not set it: at 70B TP=2 it measured no faster
+    (verify/lab/journal-kernels.md, "The TP=2 hang", where it also ran without hanging once the epoch count was one
+    atomic)."""
     world = _check_tables(buf_ptrs, pad_ptrs, rank, x.device)
     check(x.dtype in FLOAT_DTYPES, f"x: dtype {x.dtype} not supported")
     check(x.is_contiguous(), "x: must be contiguous")

@@ -76,7 +76,7 @@ def _softmax_step(s, v, m_i, l_i, acc):
 
 
 # stride_bt follows the step's longest block table: not specialised, so no step meets a variant the warm-up did not
-# compile (kernels/NOTES.md, "Compile keys").
+# compile (verify/lab/journal-kernels.md, "Compile keys").
 @triton.jit(do_not_specialize=["stride_bt"])
 def _attn_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_o_ptr, part_lse_ptr,
@@ -138,7 +138,7 @@ def _attn_kernel(
     mid = lo
     if SPLIT_CAUSAL:
         # Keys below `mid` are visible to every row of the tile (they precede its first token): no causal mask.
-        # Prefill only: on the H200 the second loop made decode 5-25% slower (NOTES.md).
+        # Prefill only: on the H200 the second loop made decode 5-25% slower (verify/lab/journal-kernels.md).
         first_visible_end = seq_len - q_len + (pid_m * BLOCK_M) // GROUP + 1
         mid = lo + tl.maximum(tl.minimum(first_visible_end, hi) - lo, 0) // BLOCK_N * BLOCK_N
         for start in range(lo, mid, BLOCK_N):
@@ -202,7 +202,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
     sms = _sm_count(device)
     want = triton.cdiv(programs_per_sm * sms, programs)
     if batch == 1:  # one long sequence: splits of at most LONG_SPLIT_KEYS keys, up to 8 programs an SM (gpt-oss
-        # at 131K keys: 117 -> 85 us a full layer from 32 to 64 splits; kernels/NOTES.md, "Long decode")
+        # at 131K keys: 117 -> 85 us a full layer from 32 to 64 splits; verify/lab/journal-kernels.md, "Long decode")
         want = max(want, min(triton.cdiv(max_seq_len, LONG_SPLIT_KEYS), 8 * sms // programs))
     # A power of two: NUM_SPLITS is a constexpr, so each value is a compiled variant, and the warm-up compiles
     # every one a step can meet (1, 2, 4 .. 64; runtime/engine/warm_up.py).
@@ -262,8 +262,9 @@ def paged_attention(
     if block_m is None:
         block_m = max(16, min(128, next_pow2(max_q_len * group)))
     if max_q_len > 4 and block_m == 128:
-        # Prefill tiles, best of the H200 sweep of 2026-11-29 (NOTES.md): short chunks favour narrow key tiles,
-        # long prompts wide ones (8 x 1K packed: 268 us vs 297 us; one 10K prompt: 2.21 ms vs 2.46 ms).
+        # Prefill tiles, best of the H200 sweep of 2026-11-29 (verify/lab/journal-kernels.md): short chunks favour
+        # narrow key tiles, long prompts wide ones (8 x 1K packed: 268 us vs 297 us; one 10K prompt: 2.21 ms vs
+        # 2.46 ms).
         long_prompt = max_q_len >= 4096
         block_n = block_n if block_n != 64 else (128 if long_prompt else 32)
         num_warps = num_warps or (8 if long_prompt else 4)

@@ -1,9 +1,9 @@
 """Decode attention with rotary, the KV-cache write and (optionally) the split merge folded into one launch.
 
 The unfused decode layer runs three kernels between the QKV and O projections: `rotary.rotary_and_store_kv`,
-`attention._attn_kernel` and `attention._merge_splits_kernel`, two of them launch-bound at batch 1 (NOTES.md:
-2.2 µs + ~2 µs of a 7.6 µs attention stage). Here one program per (sequence, KV head, key split) reads the
-un-rotated q/k/v straight from the QKV projection's output row, and:
+`attention._attn_kernel` and `attention._merge_splits_kernel`, two of them launch-bound at batch 1
+(verify/lab/journal-kernels.md: 2.2 µs + ~2 µs of a 7.6 µs attention stage). Here one program per (sequence, KV head,
+key split) reads the un-rotated q/k/v straight from the QKV projection's output row, and:
 
 1. rotates the GROUP query heads of its KV head in registers (every split redoes it: GROUP x D elements);
 2. attends over its share of the *cached* keys 0 .. pos-1 with the same tile code as `attention._attn_kernel`;
@@ -19,7 +19,7 @@ A speculative verify step (`q_len` > 1) runs through the same launch: each seque
 consecutive positions, every program rotates all q_len x GROUP query rows, the owner of the first new position
 writes all q_len keys and values and lets them into its softmax as one causal tile from registers, and the merge
 runs per token as a second launch. This replaces the verify step's rotary, prefill-attention and merge launches
-(kernels/NOTES.md, v16).
+(verify/lab/journal-kernels.md, v16).
 
 Rounding follows the unfused path: rotated q and k are rounded to the storage dtype before the dots, as the
 rotary kernel stores them; the new key's probability is rounded to V's dtype as `tl.dot(p.to(v.dtype), v)` does.
@@ -198,7 +198,7 @@ def _decode_fused_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if SHORT_N > 0 and hi - lo < SHORT_KEYS:
         # A graph captured for long sequences (BLOCK_N = 128) running a short one: the 64-key tile, as a graph
-        # for short sequences would have (gpt-oss at 1K keys: 3% a token; NOTES.md, "Long decode").
+        # for short sequences would have (gpt-oss at 1K keys: 3% a token; verify/lab/journal-kernels.md, "Long decode").
         m_i, l_i, acc = _attend_keys(q, m_i, l_i, acc, lo, hi, q_pos, b, kvh, d, d_ok, qk_scale, k_cache_ptr,
                                      v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
                                      SHORT_N, PAGE, UPCAST_DOT, WINDOW)  # fmt: skip
@@ -318,7 +318,8 @@ def _decode_fused_kernel(
 
 def takes_long_tile(head_dim: int, keys: int, num_splits: int) -> bool:
     """Whether a launch over up to `keys` keys in num_splits splits takes the 128-key tile with 3 stages: long
-    splits of 64-wide heads (gpt-oss at 131K: 84.7 -> 75.1 us a full layer; kernels/NOTES.md, "Long decode")."""
+    splits of 64-wide heads (gpt-oss at 131K: 84.7 -> 75.1 us a full layer; verify/lab/journal-kernels.md, "Long
+    decode")."""
     return head_dim <= 64 and triton.cdiv(keys, num_splits) >= LONG_SPLIT_KEYS
 
 

@@ -118,7 +118,7 @@ def _fold(m, l_i, acc, m_s, l_s, acc_s, qk_scale):
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # per-step integers: kernels/NOTES.md, "Compile keys"
+@triton.jit(do_not_specialize=["stride_bt"])  # per-step integers: verify/lab/journal-kernels.md, "Compile keys"
 def _full_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, cu_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh, stride_bt,

@@ -26,7 +26,7 @@ word; each group's e8m0 scale is loaded once and applied as an fp32 power of two
 Floor (decode): memory. Per token and layer the GEMV path reads top_k · (2I·H + H·I) · 17/32 bytes of packed
 experts (values and scales) plus E·H·2 of the router; gpt-oss-120b: 4 · 12.9 MB + 0.7 MB. At ~4 instructions a
 weight the decode is close to issue-bound on an H200 as well; measured 32 µs for both GEMVs against 11.3 µs of
-bytes (kernels/NOTES.md, "The batch-1 MoE again").
+bytes (verify/lab/journal-kernels.md, "The batch-1 MoE again").
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
-# GEMV tiles (one warp a program; kernels/NOTES.md, "The batch-1 MoE again"): a step covers GEMV_GROUPS 32-value
-# groups of a row, one per thread (a 16-byte load each; 32 keeps weights and input planes in one layout); gate-up
-# programs own GEMV_PAIRS (gate, up) row pairs of one (token, slot), down programs GEMV_DOWN_ROWS output rows of
+# GEMV tiles (one warp a program; verify/lab/journal-kernels.md, "The batch-1 MoE again"): a step covers GEMV_GROUPS
+# 32-value groups of a row, one per thread (a 16-byte load each; 32 keeps weights and input planes in one layout);
+# gate-up programs own GEMV_PAIRS (gate, up) row pairs of one (token, slot), down programs GEMV_DOWN_ROWS output rows of
 # one (token, slot).
 GEMV_GROUPS = 32
 GEMV_PAIRS = 8
@@ -61,9 +61,10 @@ GEMV_FLOAT_K = 128  # unquantized experts: inputs per step
 # One token's packed experts as one launch with a device-wide barrier between gate-up and down (_one_launch_kernel),
 # where every program fits on the GPU at once; ONE_LAUNCH_WARM: its programs ask L2 for their down rows first.
 # ONE_LAUNCH_MAXNREG: a register cap; Triton 3.6 builds the fused kernel at 168 registers, 12 one-warp programs an
-# SM (1,584 on an H200: gpt-oss needs 1,440); a cap of 128 spilled and cost 8 us (kernels/NOTES.md). The settings
-# below are the fastest of the H200 sweep (bench_moe --one-launch); WARM off was picked in the decode chain
-# (bench_gpt_oss --sections chain, d0d7626) and kept with gemv's O config on the served figure (kernels/NOTES.md).
+# SM (1,584 on an H200: gpt-oss needs 1,440); a cap of 128 spilled and cost 8 us (verify/lab/journal-kernels.md). The
+# settings below are the fastest of the H200 sweep (bench_moe --one-launch); WARM off was picked in the decode chain
+# (bench_gpt_oss --sections chain, d0d7626) and kept with gemv's O config on the served figure
+# (verify/lab/journal-kernels.md).
 ONE_LAUNCH = True
 ONE_LAUNCH_WARM = False
 ONE_LAUNCH_MAXNREG = 168
@@ -181,7 +182,7 @@ def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.cons
     input plane: a contiguous last axis that Triton's coalescing gives one 16-byte vector a thread along the warp
     for both, whatever its tie-breaking, so the reshape to [R, GB, 4] leaves weights and inputs in one layout and
     no value changes threads. A loop, not unrolled: the code stays in the instruction cache (and not pipelined
-    through shared memory by Triton: 2 or 3 stages were slower, kernels/NOTES.md)."""
+    through shared memory by Triton: 2 or 3 stages were slower, verify/lab/journal-kernels.md)."""
     acc = tl.zeros([R, GB], dtype=tl.float32)
     for g0 in range(0, K // 32, GB):
         f = 4 * g0 + tl.arange(0, 4 * GB)  # word index in the row

@@ -135,7 +135,7 @@ class Communicator(Protocol):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's x, as a new tensor (the same bits on every rank). Not launched with
-        programmatic dependent launch: at 70B TP=2 that measured no faster (kernels/NOTES.md)."""
+        programmatic dependent launch: at 70B TP=2 that measured no faster (verify/lab/journal-kernels.md)."""
         ...
 
     def all_reduce_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,

@@ -1,7 +1,7 @@
 """A speculative verify step's inputs in one launch: runtime/engine/cuda_graphs.py's `verify_inputs_torch` (about
 20 small torch ops: the newest tokens gathered from the history, the ids, positions, cache slots and lengths of
 the k + 1 rows per sequence) as one program per sequence. Inside the verify graph each small op is a launch of
-1-2 µs plus its gap, which the batch-1 step pays in full (kernels/NOTES.md, v16).
+1-2 µs plus its gap, which the batch-1 step pays in full (verify/lab/journal-kernels.md, v16).
 
 Same rule, same outputs, for sequences of at least one token (every live row, and the padding row, has one):
 - num_drafts[b] <- min(num_drafts[b], max(max_model_len - seq_lens[b], 0)) (in place: no draft past the context);

@@ -7,7 +7,7 @@ Each entry point picks its kernel from the rows it is given:
 - more rows: cuBLAS (torch matmul) with the fused Triton norm and activation kernels around it. For 2-16 rows
   (the down projection: up to 64) with K >= 4096, O and down run as one strided-batched GEMM over two K halves
   into float32 partials, and the next norm's launch sums them (`norm.add_rms_norm_partials`): cuBLAS's own
-  split-K would have spent a reduce launch there (NOTES.md, v19);
+  split-K would have spent a reduce launch there (verify/lab/journal-kernels.md, v19);
 - attention: for a pure decode step, and a speculative verify step of up to decode_attention.MAX_QUERY_ROWS query
   rows (k + 1 tokens x the GQA group) per KV head (Llama-3.1-8B: k ≤ 15; gpt-oss: k ≤ 7), decode_attention_fused
   (q/k norm + rotary + KV write + attention, the split merge in a second launch); else rotary_and_store_kv and
@@ -91,7 +91,8 @@ class TritonOps:
     @staticmethod
     def _gemv(x: torch.Tensor) -> bool:
         # Above one row, cuBLAS beats re-reading the weight per row; a multi-row tensor-core GEMV (one weight
-        # pass for 2-16 rows) lost to cuBLAS at every Llama-3.1-8B projection but O (kernels/NOTES.md, v11).
+        # pass for 2-16 rows) lost to cuBLAS at every Llama-3.1-8B projection but O (verify/lab/journal-kernels.md,
+        # v11).
         return x.shape[0] == 1
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -154,8 +155,8 @@ class TritonOps:
 
     def _splits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
         """K slices for a default-mode projection whose output goes to the next norm (H200, Llama-3.1-8B shape,
-        NOTES.md v19: two halves gain 1.8-2.2 us on O and down at 2-16 rows and on down at 64; O at 64 rows loses
-        0.5). A bias would need adding before the norm's sum: such projections stay whole."""
+        verify/lab/journal-kernels.md v19: two halves gain 1.8-2.2 us on O and down at 2-16 rows and on down at 64; O at
+        64 rows loses 0.5). A bias would need adding before the norm's sum: such projections stay whole."""
         rows, k = x.shape
         # k % 16: each half's rows start 16-byte aligned, as cuBLAS wants
         if not (self.split_k and _BMM_TO_FLOAT32) or bias is not None or rows < 2 or k < SPLIT_K_MIN or k % 16:
@@ -181,7 +182,8 @@ class TritonOps:
         group = layer.num_heads // layer.num_kv_heads
         if meta.is_decode or (q_len is not None and q_len * group <= decode_attention.MAX_QUERY_ROWS):
             # Decode, and a verify step's k + 1 tokens a sequence: rotary, the K/V write and attention in one
-            # launch (the split merge in a second), where the general path takes three (NOTES.md, v16).
+            # launch (the split merge in a second), where the general path takes three (verify/lab/journal-kernels.md,
+            # v16).
             pdl = self.pdl and tokens == 1
             return decode_attention.decode_attention_fused(
                 qkv, meta.positions, meta.slot_mapping, meta.cos, meta.sin, k_cache, v_cache, meta.block_tables,

@@ -1,4 +1,5 @@
-"""The benchmark script runs end to end on a small bundle and reports what benchmarks.md records."""
+"""The benchmark script runs end to end on a small bundle and reports what the lab's journal records
+(verify/lab/journal.md, "Bundle verification")."""
 
 from __future__ import annotations
 

@@ -211,8 +211,8 @@ def test_the_deterministic_mode_reduces_then_norms_at_every_size(tokens: int) ->
 
 def test_the_one_row_all_reduce_is_never_pdl_launched(monkeypatch: pytest.MonkeyPatch) -> None:
     """On Hopper the batch-1 GEMVs chain with PDL; the one-shot all-reduce between them must not (two H200s, TP=2,
-    32 and 80 layers: both GPUs spun in it until it was launched plainly; kernels/NOTES.md). The GEMV is replaced
-    by its reference here: the interpreter has no PDL, and what is checked is the communicator's call."""
+    32 and 80 layers: both GPUs spun in it until it was launched plainly; verify/lab/journal-kernels.md). The GEMV is
+    replaced by its reference here: the interpreter has no PDL, and what is checked is the communicator's call."""
     from envex.kernels import gemv
     from envex.kernels.triton_ops import TritonOps
 

@@ -183,7 +183,7 @@ def test_the_kernels_compile_for_hopper_with_the_same_instruction_in_every_sched
     assert shapes["deep_decode"] == shapes["decode"], shapes
 
 
-# The batch-1 chain's schedule (kernels/NOTES.md, "The short launches trigger after their wait"): a decode
+# The batch-1 chain's schedule (verify/lab/journal-kernels.md, "The short launches trigger after their wait"): a decode
 # projection asks L2 for its first weight columns before its programmatic wait, the short launches between two
 # projections let the next launch start only after theirs. Compiled for sm_90 as above; the PTX order is checked.
 _PDL_ORDER = r"""

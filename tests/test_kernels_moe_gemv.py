@@ -55,7 +55,7 @@ def test_gemv_decodes_every_code_in_every_nibble() -> None:
 # interpreter (which runs _e2m1_pair's tensor form, not its inline PTX), every stride a multiple of 16 as Triton's
 # launcher specializes gpt-oss's. Per kernel: 16-byte weight and input-plane loads, the PTX widening of both
 # halves, no local memory (spills), no shared-memory layout conversion in the GEMVs' K loop (weights and inputs
-# share one layout: kernels/NOTES.md), PDL, and the grouped prefill tile on wgmma.
+# share one layout: verify/lab/journal-kernels.md), PDL, and the grouped prefill tile on wgmma.
 _AOT = r"""
 import json, re
 import triton

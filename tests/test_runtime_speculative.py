@@ -313,7 +313,7 @@ def test_gpu_deterministic_speculation_is_byte_identical_to_plain_decoding() -> 
     """On a GPU in bf16 the default mode's verify rows round through cuBLAS and a decode row through the GEMV, so a
     near-tie may fall differently; in deterministic mode every kernel rounds a row alike for any number of rows,
     and greedy answers with n-gram speculation equal plain decoding byte for byte (H200: 16 of 16 code edits and
-    16 of 16 chat prompts, offline_docs/benchmarks.md)."""
+    16 of 16 chat prompts, verify/lab/journal.md)."""
     from envex.verify.data import code_edit_tasks
 
     tasks = sorted(code_edit_tasks(), key=lambda t: len(t.file))[:4]

@@ -10,7 +10,7 @@ inputs; sampling stays with the engine.
 The split count and the attention's key tile follow the longest sequence a graph may meet. When a short context
 (SHORT_CONTEXT tokens) would launch attention differently from max_model_len, a batch size gets a second graph
 for it, which a step replays while all its sequences fit: a 131K server decoding 1K-token requests runs the
-1K launch shape (gpt-oss-120b, batch 1: kernels/NOTES.md, "Long decode").
+1K launch shape (gpt-oss-120b, batch 1: verify/lab/journal-kernels.md, "Long decode").
 
 All graphs share one memory pool (captured largest first), so the ladder costs about one step's activations.
 

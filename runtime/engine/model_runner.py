@@ -34,7 +34,7 @@ def _column_major_weights(model: torch.nn.Module) -> None:
     """Store every matrix transposed in memory (same shape, column-major strides).
 
     F.linear(x, W) then runs BLAS on a contiguous [in, out] matrix, which at batch 1 reads memory at two to three
-    times the rate of the row-major layout on the CPUs we measured (offline_docs/benchmarks.md).
+    times the rate of the row-major layout on the CPUs we measured (verify/lab/journal.md).
     """
     for param in model.parameters():
         if param.dim() == 2:

@@ -2,8 +2,8 @@
 
 Triton compiles a kernel once per key: its constexprs, its arguments' dtypes, and for each integer argument not
 marked do_not_specialize whether it is 1 or divisible by 16 (pointers: 16-byte alignment). The kernels leave the
-integers that vary between steps unspecialised and pad their per-step scratch buffers (kernels/NOTES.md, "Compile
-keys"), so all that still varies between steps is what the launchers choose from a step's shape:
+integers that vary between steps unspecialised and pad their per-step scratch buffers (verify/lab/journal-kernels.md,
+"Compile keys"), so all that still varies between steps is what the launchers choose from a step's shape:
 
 - from the longest query chunk (max_q_len): attention's short-query path (≤ 4 tokens: key splits, no causal
   split), its BLOCK_M (next power of two of max_q_len·GQA group, 16..128) and long-prompt tiles (≥ 4096); the
