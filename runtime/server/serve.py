@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import signal
 import socket
 import sys
 from collections.abc import Sequence
@@ -52,6 +53,16 @@ def ready_message(host: str, port: int, model: str, api_key: str | None) -> str:
             f" -H 'Content-Type: application/json'{auth} -d {shlex.quote(body)}")
 
 
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()  # signal handlers can be set only there
+
+
+def _stop_requested(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM after uvicorn's graceful shutdown: stop as after Ctrl-C
+
+
 class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, message: str, out: TextIO) -> None:
         super().__init__(config)
@@ -83,9 +94,18 @@ def serve(config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, ap
         actual_port = sock.getsockname()[1]
         uv_config = uvicorn.Config(app, host=host, port=actual_port, log_level="info", timeout_graceful_shutdown=5)
         message = ready_message(host, actual_port, app.state.envex.served_model_name, api_key)
+        # uvicorn shuts down gracefully on Ctrl-C and on SIGTERM (a service manager's stop), then raises the signal
+        # again under the handler that was there before: SIGTERM's default would end the process with -15 after a
+        # clean shutdown. Both are a normal stop, exit 0.
+        previous = signal.getsignal(signal.SIGTERM) if _main_thread() else None
+        if previous is not None:
+            signal.signal(signal.SIGTERM, _stop_requested)
         try:
             _Server(uv_config, message, out or sys.stdout).run(sockets=[sock])
         except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown: that is a normal stop
             pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     finally:
         sock.close()

@@ -1,0 +1,97 @@
+"""The GPU acceptance matrix's cells (verify/lab/gpu_matrix.py), run here on the CPU against a tiny dummy Llama: each
+cell starts the real `envex serve` as a child process and drives it with the official openai client, as it does on
+the device. A ready server is checked end to end; a flag the model cannot take is recorded as its one-line refusal,
+not as a crash."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from envex.verify.lab import gpu_matrix as M
+
+TINY = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000, rms_norm_eps=1e-5,
+            rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32",
+            eos_token_id=2)  # fmt: skip
+TINY_MODEL = M.Model("tiny", "tiny Llama (dummy)", TINY, 1024, ("tiny_b1", "tiny_c4"))
+
+
+@pytest.fixture()
+def cases(monkeypatch):
+    # CPU-sized cases (batch, prompt, output, timed runs): the matrix's own run_case and checks, shorter prompts
+    monkeypatch.setitem(M.CASES, "tiny_b1", (1, 96, 12, 2))
+    monkeypatch.setitem(M.CASES, "tiny_c4", (4, 64, 8, 1))
+    monkeypatch.setitem(M.CASES, "b1_1k", (1, 96, 12, 1))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cell(tmp_path, mode: str):
+    return M.run_cell(TINY_MODEL, mode, port=free_port(), out=tmp_path, models_dir=tmp_path / "models",
+                      bandwidth=None, ready_timeout=300)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_ready_cell_answers_every_api_reports_its_settings_and_stops_cleanly(tmp_path, cases) -> None:
+    default = cell(tmp_path, "default")
+    assert default["status"] == "ok", default
+    assert default["flags"][:4] == ["--model", str(tmp_path / "models" / "tiny"), "--load-format", "dummy"]
+    assert default["api"] == {"chat": True, "completion": True, "stream": True, "metrics": True,
+                              "shutdown_clean": True}  # fmt: skip
+    assert default["resolved"]["backend"] == "torch" and default["resolved"]["deterministic"] is False
+    assert default["resolved"]["max_model_len"] == "1024"
+    assert set(default["cases"]) == {"tiny_b1", "tiny_c4"}
+    b1 = default["cases"]["tiny_b1"]
+    assert b1["metric"] == "decode_tok_s" and len(b1["runs"]) == 2 and b1["excluded"] == 0 and b1["median"] > 0
+    assert default["cases"]["tiny_c4"]["metric"] == "output_tok_s"
+    assert default["invariance"] is None  # the default mode promises nothing
+    det = cell(tmp_path, "det")
+    assert det["status"] == "ok" and det["resolved"]["deterministic"] is True, det
+    inv = det["invariance"]
+    assert inv["promised"] and inv["identical"] and inv["differing_tokens"] == 0 and inv["compared_tokens"] == 128
+    spec = cell(tmp_path, "spec4")
+    assert spec["status"] == "ok" and spec["resolved"]["num_speculative_tokens"] == 4, spec
+    assert list(spec["cases"]) == ["b1_1k"]  # the modes beside the default run batch 1 at 1K
+    line = M.summary_line(spec)
+    assert "spec4" in line and "ok" in line and "b1_1k" in line
+
+
+@pytest.mark.slow
+def test_a_flag_the_model_cannot_take_is_a_one_line_refusal(tmp_path, cases, monkeypatch) -> None:
+    # a draft whose vocabulary differs: envex serve refuses it in one line before serving
+    monkeypatch.setitem(M.DRAFTS, "tiny", {**TINY, "vocab_size": 31000})
+    refused = cell(tmp_path, "draft")
+    assert refused["status"] == "refused", refused
+    assert refused["line"].startswith("error: draft_model: ") and "tokenizer" in refused["line"]
+    assert refused["cases"] == {} and refused["api"] == {}
+    assert "refused" in M.summary_line(refused)
+
+
+def test_cli_refuses_unknown_models_and_modes_in_one_line(tmp_path, capsys) -> None:
+    assert M.main(["--out", str(tmp_path), "--models", "llama8b,gpt-5", "--modes", "default,turbo",
+                   "--no-bandwidth"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "gpt-5, turbo" in err[0] and "llama8b" in err[0]
+    assert not (tmp_path / "matrix.json").exists()
+
+
+def test_flags_are_what_a_user_types(tmp_path) -> None:
+    llama = M.model_flags(M.MODELS["llama8b"], "draft", tmp_path)
+    assert llama[:4] == ["--model", str(tmp_path / "llama8b"), "--load-format", "dummy"]
+    assert llama[4:] == ["--max-model-len", "12288", "--draft-model", str(tmp_path / "llama8b-draft")]
+    draft = json.loads((tmp_path / "llama8b-draft" / "config.json").read_text())
+    target = json.loads((tmp_path / "llama8b" / "config.json").read_text())
+    assert draft["vocab_size"] == target["vocab_size"] and draft["num_hidden_layers"] < target["num_hidden_layers"]
+    assert (tmp_path / "llama8b-draft" / "tokenizer.json").read_bytes() == (
+        tmp_path / "llama8b" / "tokenizer.json").read_bytes()
+    assert M.model_flags(M.MODELS["embedded"], "draft", tmp_path) == ["--model", M.EMBEDDED, "--draft-model",
+                                                                      M.EMBEDDED]  # fmt: skip
+    assert M.model_flags(M.MODELS["gpt-oss-120b"], "det", tmp_path)[-3:] == ["--max-model-len", "131072",
+                                                                             "--deterministic"]  # fmt: skip
