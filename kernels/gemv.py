@@ -156,7 +156,7 @@ def _gemv_persistent_kernel(
 # programs per SM (BLOCK_K is then the whole K). For the chunked kernel, small BLOCK_N gives many programs
 # (≥ 4 per SM for N = 4096) so enough weight bytes are in flight per SM; 16-byte loads need
 # BLOCK_K ≥ 8·32·num_warps/BLOCK_N elements per row chunk.
-# Retuned on the H200 by verify/kernel_bench/bench_h200.py; kernels/NOTES.md has the table.
+# Retuned on the H200 by verify/lab/kernel_bench/bench_h200.py; kernels/NOTES.md has the table.
 DEFAULT_CONFIG = (8, 512, 4)
 # Best measured on the H200 for the Llama-3.1-8B projections, keyed by (N, K, prologue): the bench_h200 sweep of
 # 2026-11-29 at commit e2aed4e (NOTES.md); the O projection's persistent config from the `fused` section at commit

@@ -26,7 +26,7 @@ rows, and a single row then wastes tensor-core work, not memory traffic), deeper
 weight of few column tiles, PREFILL_TILE or WIDE_TILE above. All
 issue m64·k16 wgmma steps in k order; that their per-element result does not depend on the instruction's N (16 to
 256), on which operand holds the weight, or on how many 64-row slabs a program holds is the one assumption not
-proven by construction. verify/kernel_bench/bench_invariance.py checks it on the device, row against row across
+proven by construction. verify/lab/kernel_bench/bench_invariance.py checks it on the device, row against row across
 the switches (kernels/NOTES.md). One tile for every M removes it at a cost.
 
 Prologues: PROLOGUE_SILU_MUL computes SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) in an
@@ -103,14 +103,15 @@ PREFILL_TILE = Tile(128, 128, 64, 8, 3)
 # 474 (cuBLAS 1,239 / 6,405 / 600 / 178 / 266): even with two accumulators the wide tile wins but for QKV (2%
 # slower; one rule kept). Below 2,048 rows a weight of few column tiles keeps 128 x 128 (more programs).
 # Launched in groups of 16 row tiles: at 8,192 rows (a full prefill step) -2.7% for gate-up, 3,327 -> 3,237 us,
-# and 1-5% for the others (H200, 15628a6, verify/results/...-15628a6-invariance-fixup.json; 8 and 32 were not better).
+# and 1-5% for the others (H200, 15628a6, verify/lab/results/...-15628a6-invariance-fixup.json; 8 and 32 were not
+# better).
 WIDE_TILE = Tile(128, 256, 64, 8, 3, group_m=16)
 WIDE_MIN_M = 2048
 DECODE_MAX_M = 64  # rows up to which the decode tile (and split pieces) are used
 # A launch's operand loads (matmul's `tma`, the kernel's TMA): both through row pointers (masked loads), both
 # through TMA descriptors, or the weight through a descriptor and x through pointers (no x box of 16-64 rows
 # filled for the one row a decode step has). use_tma picks them by rows and tile, from H200 measurements (us at
-# one / 64 rows, pointers / both / weight; verify/results/h200-2026-12-03-wip-decode-loads-probe.json): above 64
+# one / 64 rows, pointers / both / weight; verify/lab/results/h200-2026-12-03-wip-decode-loads-probe.json): above 64
 # rows both (prefill 0.55-0.75 of cuBLAS -> 0.92-1.05, c037c43); 17-64 rows both (QKV 18.3 / 17.3 / 18.2, down 32.7 /
 # 31.9 / 33.1); up to 16 rows the weight alone (gate-up 59.5 / 115.7 / 59.2 on the 64-row tile, where the x box
 # costs twice; O 10.2 / 10.1 / 10.1) but on the deep small tile of a one-piece weight (QKV 14.8 / 15.7 / 15.2).

@@ -23,7 +23,7 @@ from envex.installer.admin import build_admin_app
 from envex.installer.release import release_dir
 from envex.installer.state import load_state
 from envex.tests.support.admin import build_admin_fixture
-from envex.tests.support.admin_screenshot import CHROMIUM_ARGS
+from envex.tests.support.browser import CHROMIUM_ARGS
 from envex.tests.support.installer import guarded_env, violations
 from envex.tests.support.server import serve_in_thread
 
@@ -280,8 +280,8 @@ def test_overview_shows_live_figures_of_a_served_model(browser, fixture, embedde
     from envex.installer.admin import admin_router
     from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
-    from envex.tests.support.admin_screenshot import chat_load, wait_for_live
-    from envex.tests.support.admin_screenshot import login as shot_login
+    from envex.tests.support.browser import chat_load, wait_for_live
+    from envex.tests.support.browser import login as shot_login
 
     app = build_app(AsyncEngine(embedded_engine), extra_routers=[admin_router(fixture.prefix, probe_gpu=False)])
     with serve_in_thread(app) as url:

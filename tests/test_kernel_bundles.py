@@ -2,7 +2,7 @@
 planner installing a matching bundle and refusing each mismatched key by name, the install into a release
 (read-only, launch.json pointing Triton's cache manager at it, the probe recorded), the read-only cache manager's
 hits, misses and one-line refusals, and `envex bundle build --kind kernels`. Real keys and signatures throughout;
-what needs a GPU (compiling, serving without a C compiler) is marked gpu; verify/device_install.sh runs it there.
+what needs a GPU (compiling, serving without a C compiler) is marked gpu; verify/lab/device_install.sh runs it there.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""verify/device_install.py before it meets a GPU: its parsers, and a CPU dry run of the steps that need none (the
+"""verify/lab/device_install.py before it meets a GPU: its parsers, and a CPU dry run of the steps that need none (the
 demo media through `envex demo --media-only`, the random-weight model's signed bundle on its own media, and
 `envex-install` with injected gates, every step timed)."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from envex.tests.support import installer as itest
-from envex.verify.device_install import install_step_times, table
+from envex.verify.lab.device_install import install_step_times, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def test_install_step_times_come_from_the_timestamped_result_lines() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_device_script_dry_run_on_the_cpu(tmp_path: Path) -> None:
-    from envex.verify.devcarry import write_tokenizer_dir
+    from envex.verify.lab.devcarry import write_tokenizer_dir
 
     tok = write_tokenizer_dir(tmp_path / "tok")
     report = tmp_path / "pass.json"
@@ -41,7 +41,7 @@ def test_the_device_script_dry_run_on_the_cpu(tmp_path: Path) -> None:
     env = {**os.environ, "ENVEX_DEVICE_TOK": str(tok), "ENVEX_TEST_GATES_REPORT": str(report),
            "ENVEX_DUMMY_LAYERS": "1", "PYTHONUNBUFFERED": "1"}
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "envex.verify.device_install", "dry-run", "--work",
+    proc = subprocess.run([sys.executable, "-m", "envex.verify.lab.device_install", "dry-run", "--work",
                            str(tmp_path / "work"), "--out", str(out)], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=850, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -62,6 +62,6 @@ def test_the_device_script_dry_run_on_the_cpu(tmp_path: Path) -> None:
 
 
 def table_of(summary: dict) -> str:
-    from envex.verify.device_install import Step
+    from envex.verify.lab.device_install import Step
 
     return table([Step(**s) for s in summary["steps"]])

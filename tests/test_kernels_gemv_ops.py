@@ -136,15 +136,15 @@ def test_tuned_config_for_an_unmeasured_shape_is_the_nearest_measured_regime() -
 @pytest.mark.parametrize("shape", ["llama70b-tp2", "llama8b-tp2"])
 def test_tp2_shares_get_the_configs_their_sweep_measured_best(shape: str) -> None:
     """One GPU's share of each projection under TP=2, as the model file cuts it, gets the config that the H200
-    sweep of those shapes measured fastest (verify/results, f0d3761): the table and the sharding agree."""
+    sweep of those shapes measured fastest (verify/lab/results, f0d3761): the table and the sharding agree."""
     import json
     from pathlib import Path
 
     from envex.runtime.config import ModelConfig
     from envex.runtime.models.llama import LlamaForCausalLM
     from envex.runtime.parallel.state import ParallelState
-    from envex.verify.kernel_bench.bench_server import SHAPES
-    from envex.verify.kernel_bench.bench_tp import LLAMA70B
+    from envex.verify.lab.kernel_bench.bench_server import SHAPES
+    from envex.verify.lab.kernel_bench.bench_tp import LLAMA70B
 
     config = ModelConfig.from_hf(LLAMA70B if shape.startswith("llama70b") else SHAPES["llama8b"])
     model = LlamaForCausalLM(config, dtype=torch.bfloat16, device=torch.device("meta"),
@@ -154,7 +154,7 @@ def test_tp2_shares_get_the_configs_their_sweep_measured_best(shape: str) -> Non
              (*layer.gate_up_proj_weight.shape, gemv.PROLOGUE_ADD_RMS),
              (*layer.down_proj_weight.shape, gemv.PROLOGUE_SILU_MUL),
              (*model.lm_head_weight.shape, gemv.PROLOGUE_ADD_RMS)}  # fmt: skip
-    results = Path(__file__).resolve().parents[1] / "verify" / "results"
+    results = Path(__file__).resolve().parents[1] / "verify" / "lab" / "results"
     raw = results / f"h200-2026-12-01-f0d3761-gemv-sweep-{shape}.json"
     if not raw.is_file():
         pytest.skip("the sweep's raw results live in the repository, not in the installed package")

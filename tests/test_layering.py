@@ -1,5 +1,7 @@
 """The product packages import downward only (offline_docs/layout.md): kernels → runtime → verify → installer, with
-bundles beside them importing none of the four, and no product module importing envex.tests.
+bundles beside them importing none of the four, and no product module importing envex.tests or the lab,
+envex.verify.lab (both source-only: the wheel leaves them out, tests/test_wheel_contents.py). The lab itself is not
+product code: it may import anything.
 
 Every import counts, at module level or inside a function (a lazy import is still a dependency), read with `ast`
 from the source files, so nothing is imported to check it.
@@ -21,6 +23,9 @@ RANK = {"kernels": 0, "runtime": 1, "verify": 2, "installer": 3}
 SIDE = {"bundles"}
 # Folders of the envex namespace that are not product code under the rule.
 NOT_PRODUCT = {"tests", "offline_docs"}
+# The lab: a folder of verify/ that is not product code (device scripts, benches, raw results).
+LAB = "envex.verify.lab"
+LAB_FOLDER = ROOT / "verify" / "lab"
 
 # Known violations being removed, as (file relative to the repo root, imported module). Each entry needs a comment
 # naming who removes it; an entry that no longer matches a violation fails the test, so the list only shrinks.
@@ -29,25 +34,31 @@ ALLOWED: set[tuple[str, str]] = set()
 
 def imported_modules(source: str, package: str) -> list[tuple[int, str]]:
     """(line, absolute module) for every import in `source`, a module of envex.<package>; relative imports resolve
-    inside the package (they cannot climb out of it: the envex namespace has no __init__)."""
+    inside the package (they cannot climb out of it: the envex namespace has no __init__), to envex.<package> and
+    what they name below it (exact for the package's top-level modules, where verify's are)."""
     found: list[tuple[int, str]] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                found.append((node.lineno, f"envex.{package}"))
-            elif node.module:
-                # `from envex import verify` imports the package envex.verify.
-                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "envex" else [node.module]
-                found += [(node.lineno, name) for name in names]
+            module = ".".join(filter(None, (f"envex.{package}" if node.level else None, node.module)))
+            # `from envex import verify` imports the package envex.verify, `from envex.verify import lab` the lab,
+            # `from . import cards` the module envex.<package>.cards.
+            if module in ("envex", LAB.rpartition(".")[0]) or (node.level and not node.module):
+                found += [(node.lineno, f"{module}.{a.name}") for a in node.names]
+            elif module:
+                found.append((node.lineno, module))
     return found
 
 
 def violation(package: str, module: str) -> str | None:
     """Why envex.<package> may not import `module`, or None when it may."""
     parts = module.split(".")
-    if parts[0] != "envex" or len(parts) < 2 or parts[1] == package:
+    if parts[0] != "envex" or len(parts) < 2:
+        return None
+    if module == LAB or module.startswith(LAB + "."):
+        return "product code imports the lab (source-only, not in the wheel: move the piece it needs into the product)"
+    if parts[1] == package:
         return None
     target = parts[1]
     if target == "tests":
@@ -64,6 +75,8 @@ def violations() -> dict[tuple[str, str], str]:
     out: dict[tuple[str, str], str] = {}
     for package in sorted(RANK.keys() | SIDE):
         for path in sorted((ROOT / package).rglob("*.py")):
+            if path.is_relative_to(LAB_FOLDER):
+                continue
             rel = path.relative_to(ROOT).as_posix()
             for line, module in imported_modules(path.read_text(encoding="utf-8"), package):
                 why = violation(package, module)
@@ -81,7 +94,7 @@ def test_every_product_package_has_a_place_in_the_rule() -> None:
 def test_packages_import_downward_only() -> None:
     found = violations()
     new = [found[key] for key in sorted(found.keys() - ALLOWED)]
-    assert not new, "upward or test-support imports:\n" + "\n".join(new)
+    assert not new, "upward, test-support or lab imports:\n" + "\n".join(new)
     stale = sorted(ALLOWED - found.keys())
     assert not stale, f"ALLOWED lists imports that are gone; delete these entries: {stale}"
 
@@ -96,6 +109,13 @@ def test_packages_import_downward_only() -> None:
         ("installer", "from envex.tests.support.installer import fake_media\n", "test support"),
         ("installer", "from envex.runtime.server.app import build_app\nfrom . import cards\n", None),
         ("verify", "from envex.bundles import verify_bundle\nimport torch\n", None),
+        ("verify", "from envex.verify.lab.devcarry import sha256_file\n", "imports the lab"),
+        ("verify", "from envex.verify import gates, lab\n", "imports the lab"),
+        ("verify", "def f():\n    from .lab import cuda_check\n", "imports the lab"),
+        ("verify", "from . import lab\n", "imports the lab"),
+        ("installer", "import envex.verify.lab.kernel_bench.bench_server\n", "imports the lab"),
+        ("runtime", "from envex.verify.lab import devcarry\n", "imports the lab"),
+        ("verify", "from envex.verify import gates\nfrom . import stats\nfrom .data import coding_tasks\n", None),
     ],
 )
 def test_the_check_sees_function_level_and_package_imports(package: str, source: str, expected: str | None) -> None:

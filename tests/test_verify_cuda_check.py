@@ -1,5 +1,5 @@
 """The GPU gate run's pieces, on the CPU: the split/join that carries the GGUF across two device calls, and
-verify/cuda_check.py itself on the embedded GGUF (float32 torch backend, a one-prompt subset of the quick suite)."""
+verify/lab/cuda_check.py itself on the embedded GGUF (float32 torch backend, a one-prompt subset of the quick suite)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from envex.runtime.loader import embedded_model_path
-from envex.verify import cuda_check, devcarry
+from envex.verify.lab import cuda_check, devcarry
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -73,8 +73,20 @@ def test_sized_suite_caps_every_prompt_set() -> None:
 
 
 def test_device_scripts_parse() -> None:
-    for name in ("device_gates_stage.sh", "device_gates_run.sh"):
-        subprocess.run(["sh", "-n", str(REPO / "verify" / name)], check=True)
+    scripts = sorted((REPO / "verify" / "lab").glob("device_*.sh"))
+    assert {p.name for p in scripts} >= {"device_setup.sh", "device_gates_stage.sh", "device_gates_run.sh",
+                                         "device_install.sh", "device_wave2.sh"}
+    for script in scripts:
+        shell = "bash" if script.read_text().startswith("#!/usr/bin/env bash") else "sh"
+        subprocess.run([shell, "-n", str(script)], check=True)
+
+
+def test_device_setup_refuses_to_be_sourced_outside_the_repo_root(tmp_path: Path) -> None:
+    """It links the top-level folders of the working directory into /tmp/ns/envex: only the repo root will do."""
+    script = REPO / "verify" / "lab" / "device_setup.sh"
+    proc = subprocess.run(["sh", "-c", f'. "{script}"; echo "rc=$?"'], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.stdout.strip() == "rc=3", proc.stdout + proc.stderr
+    assert "source it from the repo root" in proc.stderr
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from envex.verify.kernel_bench import bench_gpt_oss as bench
-from envex.verify.kernel_bench.bench_server import SHAPES
-from envex.verify.kernel_bench.bench_server import step_bytes as server_step_bytes
+from envex.verify.lab.kernel_bench import bench_gpt_oss as bench
+from envex.verify.lab.kernel_bench.bench_server import SHAPES
+from envex.verify.lab.kernel_bench.bench_server import step_bytes as server_step_bytes
 
 TINY = {**SHAPES["gpt-oss-120b"], "hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "vocab_size": 300,
@@ -67,7 +67,7 @@ def test_the_decode_chain_is_one_decode_step(tmp_path, shape, batch) -> None:
 
     import torch
 
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     context = 40
     chain = B.decode_chain(tmp_path, shape, layers=2, context=context, graph_len=128, device="cpu", dtype="float32",
@@ -96,7 +96,7 @@ def test_without_removes_the_launches_and_puts_back_what_it_replaced(tmp_path) -
     import triton
 
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     calls = []
     module = SimpleNamespace(f=lambda x: calls.append(tuple(x.shape)) or x * 2)
@@ -130,7 +130,7 @@ def test_a_sweep_restores_the_setting_it_varies_even_when_a_value_fails() -> Non
     must leave it as they found it: the next setting's row is timed against the defaults."""
     from types import SimpleNamespace
 
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     module, table = SimpleNamespace(SPIN=800), {("qkv",): (2, 0, 8, 4)}
     seen = []

@@ -1,5 +1,5 @@
 """The gates on an HF model directory (safetensors + tokenizer.json), not the GGUF: a small random-weight Llama
-with the embedded model's tokenizer, built by verify/cuda_check.py's builder (the CUDA smoke run's model)."""
+with the embedded model's tokenizer, built by verify/lab/cuda_check.py's builder (the CUDA smoke run's model)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from envex.runtime.engine import EngineConfig, LLMEngine
-from envex.verify.cuda_check import build_model_dir
-from envex.verify.devcarry import write_tokenizer_dir
 from envex.verify.gate_reference import check_reference_equality
 from envex.verify.gate_semantic import check_semantic
+from envex.verify.lab.cuda_check import build_model_dir
+from envex.verify.lab.devcarry import write_tokenizer_dir
 from envex.verify.reference import HFReference
 
 

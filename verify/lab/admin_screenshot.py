@@ -1,85 +1,21 @@
 """Take offline_docs/admin-overview.png: the overview page of a served model under load, in headless Chromium.
 
-    python -m envex.tests.support.admin_screenshot [--out offline_docs/admin-overview.png]
+    python -m envex.verify.lab.admin_screenshot [--out offline_docs/admin-overview.png]
 
 It installs the admin test fixture (two releases, by the installer) into a temporary directory, serves the
 embedded model with the admin page mounted exactly as `envex serve --launch` does (build_app's extra_routers),
-keeps a few chat requests running over loopback, logs in and waits for the live figures before the shot.
-Everything stays on 127.0.0.1.
+keeps a few chat requests running over loopback, logs in and waits for the live figures before the shot
+(tests/support/browser.py, which tests/test_admin_browser.py uses too). Everything stays on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import httpx
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-
-
-@contextmanager
-def chat_load(url: str, model: str, *, clients: int = 2, max_tokens: int = 16) -> Iterator[None]:
-    """Keep `clients` chat requests in flight against `url` until the block ends."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        with httpx.Client(base_url=url, timeout=120) as client:
-            while not stop.is_set():
-                body = {
-                    "model": model,
-                    "messages": [{"role": "user", "content": "Tell me about the sea."}],
-                    "max_tokens": max_tokens,
-                    "temperature": 0.7,
-                }
-                client.post("/v1/chat/completions", json=body)
-
-    threads = [threading.Thread(target=loop, daemon=True) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=120)
-
-
-def login(page: Any, url: str, token: str) -> None:
-    page.goto(f"{url}/admin/login")
-    page.fill("#token", token)
-    page.click("button[type=submit]")
-    page.wait_for_url(f"{url}/admin")
-
-
-def wait_for_live(page: Any, timeout_s: float = 60.0) -> dict[str, float]:
-    """Wait until the page's live figures (refreshed by its script) show tokens flowing; returns them."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        figures = {
-            key: float(page.inner_text(f"[data-live={key}]"))
-            for key in ("tokens_per_s", "queue_depth", "generation_tokens_total", "requests_total")
-        }
-        if figures["tokens_per_s"] > 0 and figures["requests_total"] > 0:
-            return figures
-        time.sleep(0.5)
-    raise TimeoutError("the overview's live figures never showed tokens per second above zero")
+from envex.tests.support.browser import CHROMIUM, CHROMIUM_ARGS, chat_load, login, wait_for_live
 
 
 def take(out: Path, work: Path) -> dict[str, float]:
@@ -107,7 +43,7 @@ def take(out: Path, work: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envex.tests.support.admin_screenshot", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m envex.verify.lab.admin_screenshot", description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("offline_docs/admin-overview.png"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="envex-admin-shot-") as work:

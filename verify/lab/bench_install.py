@@ -1,6 +1,6 @@
 """Time the installer's work on the demo model bundle against a plain copy of the same file (the baseline).
 
-    python -m envex.tests.support.bench_install [--repeats 5]
+    python -m envex.verify.lab.bench_install [--repeats 5]
 
 Prints one JSON object: median seconds of `cp` (shutil.copyfile + fsync), `verify_bundle`, `extract` (re-hashing
 copy into a fresh directory), and a whole `envex-install` with an injected gate report (verify, probe, plan,

@@ -1,8 +1,8 @@
 """The gates on a GPU: envex on CUDA (Triton backend, bfloat16, CUDA-graph decode) against HF transformers.
 
-    python3 -m envex.verify.cuda_check --model PATH --out OUT      # a GGUF file or an HF model directory
-    python3 -m envex.verify.cuda_check --tok DIR --out OUT         # seeded random weights of the embedded shape
-    python3 -m envex.verify.cuda_check --model M --device cpu --prompts 1 --gates stopping --out OUT   # a test
+    python3 -m envex.verify.lab.cuda_check --model PATH --out OUT      # a GGUF file or an HF model directory
+    python3 -m envex.verify.lab.cuda_check --tok DIR --out OUT         # seeded random weights of the embedded shape
+    python3 -m envex.verify.lab.cuda_check --model M --device cpu --prompts 1 --gates stopping --out OUT   # a test
 
 The reference is HF transformers on the same weights and device, in the engine's dtype unless --ref-dtype says
 otherwise (bfloat16 on CUDA, float32 on CPU). The gates apply their own per-policy rules: on CUDA reference
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from envex.verify.devcarry import sha256_file
+from envex.verify.lab.devcarry import sha256_file
 
 for _var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ.setdefault(_var, "1")

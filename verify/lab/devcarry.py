@@ -8,12 +8,12 @@ So `prepare` writes, into the ignored folder .devcarry/:
     tok/                         tokenizer.json, tokenizer_config.json, hf_config.json (the random-weight fallback)
 and the `gguf` wheel into .whl/ (the device image has numpy, pyyaml, tqdm and requests, not gguf).
 
-Call 1 stashes part-aa on the device (verify/device_gates_stage.sh); call 2 brings part-ab and runs `join`,
-which refuses anything whose size or sha256 differs from the manifest (verify/device_gates_run.sh).
+Call 1 stashes part-aa on the device (verify/lab/device_gates_stage.sh); call 2 brings part-ab and runs `join`,
+which refuses anything whose size or sha256 differs from the manifest (verify/lab/device_gates_run.sh).
 Standard library only: `join` runs before anything else is installed.
 
-    python3 -m envex.verify.devcarry prepare [--root .]
-    python3 -m envex.verify.devcarry join --manifest M --out FILE PART [PART ...]
+    python3 -m envex.verify.lab.devcarry prepare [--root .]
+    python3 -m envex.verify.lab.devcarry join --manifest M --out FILE PART [PART ...]
 """
 
 from __future__ import annotations

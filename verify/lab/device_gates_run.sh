@@ -1,7 +1,7 @@
 #!/bin/sh
 # Device call 2 of 2 (offline_docs/gates.md, "Running the gates on a GPU"): install the carried wheels, expose
 # this checkout as the package envex, join the GGUF from the stashed part-aa and the carried part-ab (sha256
-# checked against the manifest) and run verify/cuda_check.py on it; extra arguments go to cuda_check. When the
+# checked against the manifest) and run verify/lab/cuda_check.py on it; extra arguments go to cuda_check. When the
 # join fails (the machine went cold between the calls), run the random-weight check instead and say so loudly.
 # Writes $OUT/summary.json, $OUT/gates.json, $OUT/log.txt, $OUT/join.txt. Exit: cuda_check's status (0 pass,
 # 1 fail, 124 it ran past ENVEX_DEVICE_TIMEOUT seconds, default 540, inside the device's 600 s); 3 the setup
@@ -31,14 +31,14 @@ banner() {
 }
 rcfile=$(mktemp)
 rm -f "$gguf"
-if python3 -m envex.verify.devcarry join --manifest .devcarry/gguf/manifest.json --out "$gguf" \
+if python3 -m envex.verify.lab.devcarry join --manifest .devcarry/gguf/manifest.json --out "$gguf" \
     "$aa" .devcarry/gguf/part-ab 2>&1 | tee "$out/join.txt" && [ -f "$gguf" ]; then
-  { timeout -k 10 "$limit" python3 -m envex.verify.cuda_check --model "$gguf" --out "$out" "$@" 2>&1
+  { timeout -k 10 "$limit" python3 -m envex.verify.lab.cuda_check --model "$gguf" --out "$out" "$@" 2>&1
     echo $? >"$rcfile"; } | tee "$out/log.txt"
   rc=$(cat "$rcfile")
 else
   banner | tee "$out/FALLBACK.txt"
-  { timeout -k 10 "$limit" python3 -m envex.verify.cuda_check --tok .devcarry/tok --out "$out" "$@" 2>&1
+  { timeout -k 10 "$limit" python3 -m envex.verify.lab.cuda_check --tok .devcarry/tok --out "$out" "$@" 2>&1
     echo $? >"$rcfile"; } | tee "$out/log.txt"
   banner
   rc=4

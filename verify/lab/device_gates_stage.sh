@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 stash=.device/stash
 src=.devcarry/gguf
 [ -f "$src/part-aa" ] || {
-  echo "stage: $src/part-aa is missing; run 'python -m envex.verify.devcarry prepare' here and carry it" >&2; exit 3; }
+  echo "stage: $src/part-aa is missing; run 'python -m envex.verify.lab.devcarry prepare' here and carry it" >&2
+  exit 3
+}
 mkdir -p "$stash"
 cp "$src/part-aa" "$stash/part-aa.tmp" && mv "$stash/part-aa.tmp" "$stash/part-aa"
 [ -f "$src/manifest.json" ] && cp "$src/manifest.json" "$stash/manifest.json"

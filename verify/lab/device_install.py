@@ -15,9 +15,10 @@ in $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admi
 admin-benchmarks.html, kernels.json, serve-bundle.log.
 
 Only the commands are used (no envex.installer import: this is verification, above the installer only as an
-operator is). verify/device_install.sh prepares the environment and runs this; offline_docs/install.md has the calls.
+operator is). verify/lab/device_install.sh prepares the environment and runs this; offline_docs/install.md has the
+calls.
 
-    python3 -m envex.verify.device_install prepare|run|dry-run --work DIR --out DIR [--deadline S]
+    python3 -m envex.verify.lab.device_install prepare|run|dry-run --work DIR --out DIR [--deadline S]
 """
 
 from __future__ import annotations
@@ -760,7 +761,7 @@ def guard_report(d: Driver) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m envex.verify.device_install", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m envex.verify.lab.device_install", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("phase", choices=("prepare", "run", "main", "dummy", "dry-run"))
     parser.add_argument("--work", type=Path, default=Path(".device/install"))

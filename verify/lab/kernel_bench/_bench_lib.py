@@ -30,7 +30,7 @@ def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph
     from envex.kernels.ops import AttentionMetadata
     from envex.runtime.engine import EngineConfig, LLMEngine
     from envex.runtime.engine.cuda_graphs import num_splits_for
-    from envex.verify.kernel_bench.bench_server import write_model_dir
+    from envex.verify.lab.kernel_bench.bench_server import write_model_dir
 
     shape = dict(shape, num_hidden_layers=layers)
     if "layer_types" in shape:

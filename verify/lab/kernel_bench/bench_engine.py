@@ -1,6 +1,6 @@
 """End to end through envex's engine (LLMEngine: scheduler, model runner, sampler) on the Llama-3.1-8B shape.
 
-    python3 -m envex.verify.kernel_bench.bench_engine --out $OUT [--dir /tmp/envex-8b]
+    python3 -m envex.verify.lab.kernel_bench.bench_engine --out $OUT [--dir /tmp/envex-8b]
 
 Writes a random-weight bf16 checkpoint of the 8B shape (HF names, safetensors, a placeholder word-level
 tokenizer) once, then times the engine with the triton backend (CUDA-graph decode), the triton backend without
@@ -27,7 +27,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def write_checkpoint(path: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from envex.verify.kernel_bench._bench_lib import build_hf_model
+    from envex.verify.lab.kernel_bench._bench_lib import build_hf_model
 
     if (path / "config.json").is_file():
         return

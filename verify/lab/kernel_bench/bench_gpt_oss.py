@@ -1,7 +1,7 @@
 """gpt-oss-120b on one GPU: correctness of a reduced-depth model of the exact width against HF transformers, the
 profile of one layer, and speed and memory of the whole model through the OpenAI server on dummy weights.
 
-    python3 -m envex.verify.kernel_bench.bench_gpt_oss --out $OUT --commit C \\
+    python3 -m envex.verify.lab.kernel_bench.bench_gpt_oss --out $OUT --commit C \\
         [--sections check,noise,check32,profile,chain,attn131k,server] [--cases b1_1k,c32_2k,b1_131k] [--check-layers 2]
 
 Sections, in this order, each written to gpt_oss.json as soon as it is done:
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from envex.kernels import mxfp4
-from envex.verify.kernel_bench.bench_server import SHAPES, start_server, stop_server, wait_ready, write_model_dir
+from envex.verify.lab.kernel_bench.bench_server import SHAPES, start_server, stop_server, wait_ready, write_model_dir
 
 CASES = {"b1_1k": (1, 1024, 256, 3), "c32_2k": (32, 2048, 256, 2), "b1_131k": (1, 130560, 512, 1)}
 # A chat template for the word-level test tokenizer: the user's text as it is (the gates render chats).
@@ -287,7 +287,7 @@ def moe_kernel_check(layer: Any) -> dict[str, Any]:
 def profile_layers(engine: Any, *, context: int = 1024, rotations: int = 8) -> list[dict[str, Any]]:
     """Each Ops entry point of layer 0 (sliding window) and layer 1 (full) at batch 1, alone in a CUDA graph."""
     from envex.kernels.ops import AttentionMetadata
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     runner = engine.runner
     model, ops, dev, dt = runner.model, runner.ops, runner.device, runner.dtype
@@ -351,7 +351,7 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
     alone elsewhere (bench_h200); in the chain its ramp and tail overlap its neighbours', which is what a served
     step sees. The server has the last word (kernels/NOTES.md, "Settings picked in the decode chain")."""
     from envex.kernels import gemv, moe_mxfp4
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     chain = B.decode_chain(models, SHAPES["gpt-oss-120b"], layers=layers, context=context)
     step, c = chain.step, chain.engine.runner.model.config
@@ -391,7 +391,7 @@ def long_decode_attention(bw: float, *, keys: int = 131072) -> dict[str, Any]:
     heads, sinks): decode_attention_fused as the engine launches it (key splits merged by a second launch), over
     split counts and tiles, against the bytes of K and V."""
     from envex.kernels import attention, decode_attention
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     hq, hkv, d, page = 64, 8, 64, 16
@@ -453,7 +453,7 @@ def server_runs(args: argparse.Namespace, bw: dict[str, float], report: dict[str
     from envex.runtime.config import ModelConfig
     from envex.runtime.engine.config import EngineConfig
     from envex.runtime.engine.window_kv import WindowBlocks
-    from envex.verify.kernel_bench.bench_server import run_case
+    from envex.verify.lab.kernel_bench.bench_server import run_case
 
     shape = SHAPES["gpt-oss-120b"]
     model_dir = args.models / "gpt-oss-120b"
@@ -523,7 +523,7 @@ def main() -> None:
     ap.add_argument("--tree", default="/tmp/ns", help="a folder holding envex/ for the server child")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     sections = set(args.sections.split(","))
     report: dict[str, Any] = {"env": {"device": torch.cuda.get_device_name(), "commit": args.commit,

@@ -1,6 +1,6 @@
 """Check and time every kernel at full size on the GPU against its float64 reference and its floor.
 
-    python3 -m envex.verify.kernel_bench.bench_h200 --out $OUT [--sections bw,kernels,sweep,psweep]
+    python3 -m envex.verify.lab.kernel_bench.bench_h200 --out $OUT [--sections bw,kernels,sweep,psweep]
 
 One device call: measured read bandwidth (the roofline), each kernel against its reference and its floor, and the
 batch-1 GEMV and attention config sweeps. The model end to end is measured through the OpenAI server by
@@ -25,7 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from envex.kernels import activation, attention, gemv, norm, rotary  # noqa: E402
 from envex.kernels import reference as ref  # noqa: E402
 from envex.kernels.accuracy import TOLERANCE, rel_err  # noqa: E402
-from envex.verify.kernel_bench import _bench_lib as B  # noqa: E402
+from envex.verify.lab.kernel_bench import _bench_lib as B  # noqa: E402
 
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16

@@ -1,8 +1,8 @@
 """Batch invariance on the GPU (issue 17): the deterministic mode's kernels row against row, and served tokens.
 
-    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT [--sweep | --matmul-only | --attention-only]
-    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT --chain       (decode tiles in the chain)
-    python3 -m envex.verify.kernel_bench.bench_invariance --out $OUT --ablate [--batches 1,64]
+    python3 -m envex.verify.lab.kernel_bench.bench_invariance --out $OUT [--sweep | --matmul-only | --attention-only]
+    python3 -m envex.verify.lab.kernel_bench.bench_invariance --out $OUT --chain       (decode tiles in the chain)
+    python3 -m envex.verify.lab.kernel_bench.bench_invariance --out $OUT --ablate [--batches 1,64]
 
 `--ablate` times the decode chain (4 Llama-3.1-8B layers, final norm, LM head, one CUDA graph) in both modes, whole
 and with each kind of launch removed (`_bench_lib.without`): what each costs the step where it sits.
@@ -137,7 +137,7 @@ def _matmul(row: _Rows, name: str, read_tbps: float, sweep: bool) -> None:
     from envex.kernels import gemv
     from envex.kernels import invariant_matmul as im
     from envex.kernels.accuracy import rel_err
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     n, k, silu = SHAPES[name]
     prologue = im.PROLOGUE_SILU_MUL if silu else im.PROLOGUE_NONE
@@ -239,7 +239,7 @@ def _attention_decode_time(row: _Rows, batch: int, seq: int, read_tbps: float) -
 
     from envex.kernels import attention, decode_attention, rotary
     from envex.kernels import invariant_attention as ia
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     sets = max(2, math.ceil(200e6 / (batch * seq * HKV * D * 4)))
     per = -(-seq // PAGE)
@@ -281,7 +281,7 @@ def _attention_prefill_time(row: _Rows, batch: int, q_len: int) -> None:
 
     from envex.kernels import attention
     from envex.kernels import invariant_attention as ia
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     kc = torch.randn(batch * -(-q_len // PAGE) + 1, PAGE, HKV, D, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -318,8 +318,8 @@ def _chain(report: dict, models: Path) -> None:
     arithmetic (the equality rows above check that on every shape), so any of them may run; the fastest in the
     chain is the candidate to serve (bench_server decides)."""
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
-    from envex.verify.kernel_bench.bench_server import SHAPES as SERVED
+    from envex.verify.lab.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench.bench_server import SHAPES as SERVED
 
     step = B.decode_chain(models, SERVED["llama8b"], layers=4, deterministic=True).step
 
@@ -356,8 +356,8 @@ def _ablate(report: dict, models: Path, batches: tuple[int, ...] = (1, 64)) -> N
 
     from envex.kernels import invariant_attention, norm
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
-    from envex.verify.kernel_bench.bench_server import SHAPES as SERVED
+    from envex.verify.lab.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench.bench_server import SHAPES as SERVED
 
     shape = SERVED["llama8b"]
     h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -427,7 +427,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     report: dict = {"env": {"device": torch.cuda.get_device_name(), "commit": args.commit, "torch": torch.__version__,
                             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},

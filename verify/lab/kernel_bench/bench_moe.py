@@ -1,6 +1,6 @@
 """gpt-oss-120b's batch-1 MoE on one GPU, launch by launch, with the GEMV kernels' tile variants (issue 13).
 
-    python3 -m envex.verify.kernel_bench.bench_moe --out $OUT --commit C [--variants] [--ncu-pass]
+    python3 -m envex.verify.lab.kernel_bench.bench_moe --out $OUT --commit C [--variants] [--ncu-pass]
 
 One layer's full-size experts (128 × MXFP4 gate-up [5760, 2880] and down [2880, 2880], random codes at dummy
 magnitudes) and its router, timed in CUDA graphs (kernels/NOTES.md, "gpt-oss"):
@@ -115,7 +115,7 @@ def main() -> None:
                     "for each of a few settings")
     args = ap.parse_args()
     from envex.kernels.triton_ops import TritonOps
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """One-off kernel probes behind kernels/NOTES.md v19 (issue 16) and the deterministic tiles v4-v5 (issue 17).
 
-    python3 -m envex.verify.kernel_bench.bench_probes --section NAME --out FILE.json
+    python3 -m envex.verify.lab.kernel_bench.bench_probes --section NAME --out FILE.json
 
 (NAME: late_trigger, splitk, prefill_tiles, pieces, one_piece, swapped, decode_loads, narrow_mma)
 
@@ -19,7 +19,7 @@
   descriptors for both, or for the weight alone; at one row also deeper and wider tiles with the weight through
   TMA; each checked bit for bit against the pointer loads.
 
-Llama-3.1-8B shapes, random bf16 weights, one GPU. Results are the raw JSON in verify/results.
+Llama-3.1-8B shapes, random bf16 weights, one GPU. Results are the raw JSON in verify/lab/results.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def prefill_tiles() -> list[dict]:
     import torch
 
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     cands = [im.PREFILL_TILE, im.Tile(128, 128, 64, 8, 4), im.Tile(128, 256, 64, 8, 3), im.Tile(128, 256, 64, 8, 4),
              im.Tile(256, 128, 64, 8, 3), im.Tile(128, 128, 128, 8, 3), im.Tile(128, 256, 32, 8, 4)]  # fmt: skip
@@ -149,7 +149,7 @@ def pieces() -> list[dict]:
 
     from envex.kernels import gemv
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     rows = []
     for name in ("gate_up", "lm_head", "qkv"):
@@ -182,7 +182,7 @@ def _one_piece_rows(names: tuple[str, ...], tiles_at) -> list[dict]:
 
     from envex.kernels import gemv
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     rows: list[dict] = []
 
@@ -277,7 +277,7 @@ def decode_loads() -> list[dict]:
     import torch
 
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     both, weight = im.TMA_BOTH, im.TMA_WEIGHT
     swap = [im.Tile(16, 64, 128, 4, s, swap=True) for s in (3, 4, 5, 6, 8)] + [im.Tile(16, 64, 256, 4, 3, swap=True)]
@@ -328,8 +328,8 @@ def late_trigger() -> list[dict]:
 
     from envex.kernels import _common
     from envex.kernels import invariant_matmul as im
-    from envex.verify.kernel_bench import _bench_lib as B
-    from envex.verify.kernel_bench.bench_server import SHAPES as SERVED
+    from envex.verify.lab.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench.bench_server import SHAPES as SERVED
 
     models = Path("/tmp/envex-models")
     rows: list[dict] = []

@@ -1,6 +1,6 @@
 """End to end through the OpenAI server on one GPU: several envex trees and model shapes, side by side in one run.
 
-    python3 -m envex.verify.kernel_bench.bench_server --out $OUT --commit C \
+    python3 -m envex.verify.lab.kernel_bench.bench_server --out $OUT --commit C \
         --runs new:llama8b=/tmp/ns,old:llama8b=/tmp/ns_old,new:qwen3-8b=/tmp/ns [--cases b1_1k,b1_10k,c64_1k] \
         [--engine det:deterministic=true,enable_prefix_caching=true]
 
@@ -70,7 +70,7 @@ def step_bytes(shape: dict, context: int) -> float:
     """Bytes one batch-1 decode step reads: every weight but the embedding table (one row of it), bf16, plus the
     K and V of `context` cached tokens in every layer."""
     if shape["model_type"] == "gpt_oss":  # MoE, MXFP4 experts, window layers
-        from envex.verify.kernel_bench.bench_gpt_oss import step_bytes as gpt_oss_step_bytes
+        from envex.verify.lab.kernel_bench.bench_gpt_oss import step_bytes as gpt_oss_step_bytes
 
         return gpt_oss_step_bytes(shape, context)
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
@@ -224,7 +224,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     bw = B.measure_bandwidth()
     report: dict = {"env": {"device": torch.cuda.get_device_name(), "commit": args.commit, "torch": torch.__version__,
@@ -257,7 +257,7 @@ def main() -> None:
             served = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
             for case in args.cases.split(","):
                 if case == "inv":
-                    from envex.verify.kernel_bench.bench_invariance import run_invariance
+                    from envex.verify.lab.kernel_bench.bench_invariance import run_invariance
 
                     run["invariance"] = asyncio.run(run_invariance(base, served))
                     inv = run["invariance"]

@@ -1,7 +1,8 @@
 """Tensor parallelism on a 2-GPU host (issue 15): the all-reduce, the share of a step it takes, and the server.
 
-    python3 -m envex.verify.kernel_bench.bench_tp --out $OUT --tree /tmp/ns [--sections ar,gate,server70,server8,share]
-    python3 -m envex.verify.kernel_bench.bench_tp --out /tmp/tp-dry --device cpu --shape tiny   # CPU dry run (gloo)
+    python3 -m envex.verify.lab.kernel_bench.bench_tp --out $OUT --tree /tmp/ns
+        [--sections ar,gate,server70,server8,share]
+    python3 -m envex.verify.lab.kernel_bench.bench_tp --out /tmp/tp-dry --device cpu --shape tiny   # CPU dry run (gloo)
 
 Sections, run in the order given (each writes its part of $OUT/tp.json as soon as it ends; a section that fails
 is recorded and the next one runs; --deadline stops starting new work, so the whole run fits one device call):
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from envex.runtime.parallel.state import NO_MULTICAST_ENV
-from envex.verify.kernel_bench import bench_server as S
+from envex.verify.lab.kernel_bench import bench_server as S
 
 os.environ.update(NO_MULTICAST_ENV)  # before anything here starts NCCL or symmetric memory
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -90,7 +91,7 @@ def _graphed(device: str, fn: Any, inner: int = 50) -> float | None:
     """Per-call microseconds of fn() captured `inner` times in one CUDA graph (None off CUDA)."""
     if device != "cuda":
         return None
-    from envex.verify.kernel_bench import _bench_lib as B
+    from envex.verify.lab.kernel_bench import _bench_lib as B
 
     return B.graph_time_ms(lambda _i: fn(), n_inner=inner) * 1e3
 
@@ -511,7 +512,7 @@ def main() -> None:
             report["gate_s"] = time.monotonic() - t0
         elif section in servers:
             if bw is None and args.device == "cuda":
-                from envex.verify.kernel_bench import _bench_lib as B
+                from envex.verify.lab.kernel_bench import _bench_lib as B
 
                 bw = report["bandwidth"] = B.measure_bandwidth()
                 torch.cuda.empty_cache()

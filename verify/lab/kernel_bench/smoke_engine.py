@@ -1,7 +1,7 @@
 """A quick look at the engine on the GPU before a long benchmark: dummy weights of a model shape, greedy batch-1
 decode of a random prompt through LLMEngine (CUDA graphs, overlap), tok/s and the decode graph sizes.
 
-    python3 -m envex.verify.kernel_bench.smoke_engine --shape llama8b [--prompt 1024 --out-tokens 128]
+    python3 -m envex.verify.lab.kernel_bench.smoke_engine --shape llama8b [--prompt 1024 --out-tokens 128]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import random
 import time
 from pathlib import Path
 
-from envex.verify.kernel_bench.bench_server import SHAPES, write_model_dir
+from envex.verify.lab.kernel_bench.bench_server import SHAPES, write_model_dir
 
 
 def main() -> None:
