@@ -116,7 +116,7 @@ def bench_graphs(context: int, shape: dict, device: str) -> dict:
 
             decode = runner.decode_graphs = DecodeGraphs(runner, max_batch=max(BATCHES), capture=False)
         decode.run([1] * b, [context] * b, tables)
-        base = _replay_ms(decode._graphs[next(s for s in decode.sizes if s >= b)].replay if decode.capture
+        base = _replay_ms(decode.graph(*decode.key_for(b, [context] * b)).replay if decode.capture
                           else lambda d=decode, b=b, t=tables: d.run([1] * b, [context] * b, t))  # fmt: skip
         row = {"batch": b, "k0_ms": base}
         for k in DEPTHS:
@@ -134,7 +134,7 @@ def bench_graphs(context: int, shape: dict, device: str) -> dict:
             row[f"k{k}_launch_ms"] = _replay_ms(launch, iters=5)
         row["ngram_k8_ms"] = _ngram_ms(graphs, b)
         if b == 1 and graphs.capture:  # where the batch-1 verify step's time goes, kernel by kernel
-            row["profile_k0"] = profile_graph(decode._graphs[next(s for s in decode.sizes if s >= 1)].replay)
+            row["profile_k0"] = profile_graph(decode.graph(*decode.key_for(1, [context])).replay)
             row["profile_k4"] = profile_graph(graphs._graphs[(1, 4)].replay)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
