@@ -156,11 +156,11 @@ def _gemv_persistent_kernel(
 # programs per SM (BLOCK_K is then the whole K). For the chunked kernel, small BLOCK_N gives many programs
 # (≥ 4 per SM for N = 4096) so enough weight bytes are in flight per SM; 16-byte loads need
 # BLOCK_K ≥ 8·32·num_warps/BLOCK_N elements per row chunk.
-# Retuned on the H200 by verify/lab/kernel_bench/bench_h200.py; kernels/NOTES.md has the table.
+# Retuned on the H200 by verify/lab/kernel_bench/bench_h200.py; verify/lab/journal-kernels.md has the table.
 DEFAULT_CONFIG = (8, 512, 4)
 # Best measured on the H200 for the Llama-3.1-8B projections, keyed by (N, K, prologue): the bench_h200 sweep of
-# 2026-11-29 at commit e2aed4e (NOTES.md); the O projection's persistent config from the `fused` section at commit
-# 27ad50e (8.41 against 9.26 us chunked). A 4th entry selects the persistent kernel.
+# 2026-11-29 at commit e2aed4e (verify/lab/journal-kernels.md); the O projection's persistent config from the `fused`
+# section at commit 27ad50e (8.41 against 9.26 us chunked). A 4th entry selects the persistent kernel.
 H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (6144, 4096, PROLOGUE_ADD_RMS): (1, 0, 16, 4),
     (4096, 4096, PROLOGUE_NONE): (2, 0, 8, 4),
@@ -181,7 +181,7 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     # gpt-oss-120b's QKV (K = 2880: the persistent kernel's register tile is 4096 wide; bench_h200 --shapes gpt-oss,
     # 9454f3c: the nearest 8B config gave 11.7 us). O: the persistent kernel, picked in the decode chain
     # (bench_gpt_oss --sections chain, d0d7626) over (2, 2048, 8), the best timed alone, and kept with the MoE's
-    # ONE_LAUNCH_WARM = False on the served figure: 400.5 against 397.8 tok/s (kernels/NOTES.md).
+    # ONE_LAUNCH_WARM = False on the served figure: 400.5 against 397.8 tok/s (verify/lab/journal-kernels.md).
     (5120, 2880, PROLOGUE_ADD_RMS): (2, 0, 8, 4),
     (2880, 4096, PROLOGUE_NONE): (2, 0, 8, 4),
 }
@@ -192,7 +192,7 @@ def tuned_config(n: int, k: int, prologue: int) -> tuple[int, ...]:
     shape with the same prologue (by log N and log K): the best config follows the shape's regime (how many
     programs N gives, whether K fits one register tile), not its exact size. A new architecture's projections
     (Qwen3-8B: 24576 x 4096, 4096 x 12288, 151936 x 4096) so start from the Llama-3.1-8B tuning
-    (NOTES.md, v10)."""
+    (verify/lab/journal-kernels.md, v10)."""
     p = PROLOGUE_ADD_RMS if prologue == PROLOGUE_RMS else prologue
     if (n, k, p) in H200_CONFIGS:
         return H200_CONFIGS[(n, k, p)]

@@ -27,7 +27,7 @@ weight of few column tiles, PREFILL_TILE or WIDE_TILE above. All
 issue m64·k16 wgmma steps in k order; that their per-element result does not depend on the instruction's N (16 to
 256), on which operand holds the weight, or on how many 64-row slabs a program holds is the one assumption not
 proven by construction. verify/lab/kernel_bench/bench_invariance.py checks it on the device, row against row across
-the switches (kernels/NOTES.md). One tile for every M removes it at a cost.
+the switches (verify/lab/journal-kernels.md). One tile for every M removes it at a cost.
 
 Prologues: PROLOGUE_SILU_MUL computes SwiGLU (silu(g) · u of a fused gate-up row, fp32, one rounding) in an
 elementwise pass of its own before the matmul: row-independent by construction. Folded into the operand load it
@@ -85,7 +85,7 @@ DECODE_TILE = Tile(64, 64, 128, 4, 3)
 # same order. H200, one row (aeb9c7a): QKV 21.3 -> 16.2 us, O 12.7 -> 12.0, down 34.1 -> 33.1; one-piece weights
 # keep the 64-row tile: gate-up loses on the small one (60.8 -> 65.5; the 946733c probe: 59.7 -> 65.3). The LM head
 # read 243 -> 266 there, but that row's first timing reads high (54fd7ff: 280 and 249 for one tile), and the probe
-# has it winning, 242.6 -> 235.9 (kernels/NOTES.md, "Where the batch-1 cost goes next").
+# has it winning, 242.6 -> 235.9 (verify/lab/journal-kernels.md, "Where the batch-1 cost goes next").
 SMALL_TILE = Tile(16, 64, 128, 4, 3, swap=True)
 SMALL_MAX_M = 16
 # A one-piece weight of few column tiles (under MANY_COLUMNS; QKV of Llama-3.1-8B, 96) streams its whole K in each
@@ -213,8 +213,8 @@ def _piece_dots(acc, x_src, w_src, lo, row_ok, col_ok, row0, col0, K: tl.constex
 _PREFETCH_ASM = tl.constexpr(not INTERPRETING)  # the interpreter has no cache to warm
 # A PDL-launched program asks L2 for the first WARM_K k of its weight tile (a power of two; 0: off) before it waits
 # on the previous launch, a short one that triggers late (_common.LATE_TRIGGER), so the requests overlap that
-# launch and not the projection before it. A schedule, never a bit (kernels/NOTES.md, "The short launches
-# trigger after their wait": 128 measured best of 64-256).
+# launch and not the projection before it. A schedule, never a bit (verify/lab/journal-kernels.md, "The short
+# launches trigger after their wait": 128 measured best of 64-256).
 WARM_K = 128
 
 
@@ -245,7 +245,7 @@ def _grouped(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: 
     return first + (tile % in_group) % size, (tile % in_group) // size
 
 
-@triton.jit(do_not_specialize=["M"])  # the step's row count: kernels/NOTES.md, "Compile keys"
+@triton.jit(do_not_specialize=["M"])  # the step's row count: verify/lab/journal-kernels.md, "Compile keys"
 def _matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, wraw_ptr,
     M, N, stride_xm, stride_wn, stride_om, stride_ps, stride_pm,

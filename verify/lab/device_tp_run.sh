@@ -3,7 +3,7 @@
 # checkout as the package envex (verify/lab/device_setup.sh), switches NVLink multicast off for every process it
 # starts, and runs verify/lab/kernel_bench/bench_tp.py (all-reduce microbench, share of a step in all-reduce, the
 # 70B and 8B shapes through the server). Extra arguments go to bench_tp. Writes $OUT/tp.json (its "markdown"
-# field is the table for offline_docs/benchmarks.md), $OUT/log.txt and the servers' logs.
+# field is the table for verify/lab/journal.md), $OUT/log.txt and the servers' logs.
 # Exit: bench_tp's status (124: it ran past ENVEX_DEVICE_TIMEOUT, default 530 s); 3 the setup failed.
 set -u
 cd "$(dirname "$0")/.."

@@ -7,7 +7,7 @@ tokenizer) once, then times the engine with the triton backend (CUDA-graph decod
 graphs, and the torch reference backend: batch 1 at 1K/256 and 10K/512 (TTFT included), and 64 concurrent
 requests at 1K/256 with prefill included. Greedy, ignore_eos, so every run emits exactly max_tokens tokens.
 Prefix caching is off: the prompts are random and share no prefix. Runs beside the default (overlapped scheduling,
-8K-token steps): triton-sync (no overlap) and triton-16k (16K-token steps), for the A/B in benchmarks.md.
+8K-token steps): triton-sync (no overlap) and triton-16k (16K-token steps), for the A/B in verify/lab/journal.md.
 """
 
 from __future__ import annotations

@@ -349,7 +349,7 @@ def chain_sweep(models: Path, *, layers: int = 4, context: int = 1024) -> dict[s
     programmatic dependent launch between the kernels, timed with each GEMV config of QKV, O and the LM head in turn
     (the others at their defaults), and with the one-launch MoE's and norm_router's settings. A config is measured
     alone elsewhere (bench_h200); in the chain its ramp and tail overlap its neighbours', which is what a served
-    step sees. The server has the last word (kernels/NOTES.md, "Settings picked in the decode chain")."""
+    step sees. The server has the last word (verify/lab/journal-kernels.md, "Settings picked in the decode chain")."""
     from envex.kernels import gemv, moe_mxfp4
     from envex.verify.lab.kernel_bench import _bench_lib as B
 

@@ -385,7 +385,7 @@ def main() -> None:
     if "sweep" in sections:
         guarded(rep, "sweep", section_sweep, rep, bw, _configs(args.quick, args.short), SWEEP_SHAPES[args.shapes],
                 t_end)
-    else:  # the measured best of the e2aed4e sweep (NOTES.md)
+    else:  # the measured best of the e2aed4e sweep (verify/lab/journal-kernels.md)
         GEMV_BEST.update(gemv.H200_CONFIGS)
         ATTN_BEST.update(b1_1k=dict(block_n=64, num_stages=1, min_keys=64, programs_per_sm=2),
                          b1_10k=dict(block_n=32, num_stages=2, min_keys=32, programs_per_sm=4),

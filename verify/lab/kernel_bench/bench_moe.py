@@ -3,7 +3,7 @@
     python3 -m envex.verify.lab.kernel_bench.bench_moe --out $OUT --commit C [--variants] [--ncu-pass]
 
 One layer's full-size experts (128 × MXFP4 gate-up [5760, 2880] and down [2880, 2880], random codes at dummy
-magnitudes) and its router, timed in CUDA graphs (kernels/NOTES.md, "gpt-oss"):
+magnitudes) and its router, timed in CUDA graphs (verify/lab/journal-kernels.md, "gpt-oss"):
 
 - each launch of TritonOps.moe alone: the add+RMSNorm writing the input planes, the router GEMV (on bf16 rows),
   the gate-up GEMV (top-4 redone in each program), the down GEMV, and the whole entry point; "cold" rotates 8
@@ -260,7 +260,7 @@ def main() -> None:
 
         # (a `stages` variant, the K loop software-pipelined by Triton through shared memory, ran on 2026-12-02 at
         # 0ca1dca: slower at 2 and 3 stages for both kernels; register caps (maxnreg 96-112) and 2 pairs or 4 rows
-        # a program, earlier: slower too; kernels/NOTES.md)
+        # a program, earlier: slower too; verify/lab/journal-kernels.md)
         gu = [dict(pairs=p, warps=w, maxnreg=m) for p, w, m in (
             (8, 1, None), (4, 1, None), (8, 2, None), (16, 2, None), (16, 1, None), (16, 4, None))]
         sweep("gate-up", gu, lambda r, v: gate_up(L, normed[r], logits[r], idss[r], wtss[r], acts[r], **v),

@@ -1,4 +1,5 @@
-"""One-off kernel probes behind kernels/NOTES.md v19 (issue 16) and the deterministic tiles v4-v5 (issue 17).
+"""One-off kernel probes behind verify/lab/journal-kernels.md v19 (issue 16) and the deterministic tiles v4-v5
+(issue 17).
 
     python3 -m envex.verify.lab.kernel_bench.bench_probes --section NAME --out FILE.json
 
@@ -13,8 +14,8 @@
   launch and with the pieces handed on, against the one-row GEMV.
 - one_piece: QKV, O, down and gate-up with K in one piece: narrow decode tiles at 1 and 64 rows and the 128 x 256
   tile at 4,096 rows, rows checked bit for bit against the 4,096-row launch, beside today's schedule and cuBLAS.
-- swapped: the same for QKV, O and down with swapped tiles of 3-8 stages at 1 and 16 rows (kernels/NOTES.md, "The
-  prefill projections at cuBLAS speed").
+- swapped: the same for QKV, O and down with swapped tiles of 3-8 stages at 1 and 16 rows
+  (verify/lab/journal-kernels.md, "The prefill projections at cuBLAS speed").
 - decode_loads: every projection at 1, 16 and 64 rows on today's tile with the operands through row pointers, TMA
   descriptors for both, or for the weight alone; at one row also deeper and wider tiles with the weight through
   TMA; each checked bit for bit against the pointer loads.

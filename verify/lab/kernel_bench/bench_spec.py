@@ -17,7 +17,7 @@ Sections:
 - Then the projection for the 8B shape at the measured acceptance a: a step of k drafts yields
   E(k) = (1 - a^(k+1)) / (1 - a) tokens in t(1, k) ms, against 1 token in t(1, 0) ms.
 
-Writes $OUT/spec.json and prints a Markdown table for offline_docs/benchmarks.md.
+Writes $OUT/spec.json and prints a Markdown table for verify/lab/journal.md.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ is recorded and the next one runs; --deadline stops starting new work, so the wh
   a step's bytes per GPU at the read bandwidth measured here); the Llama-3.1-8B shape at TP=1 and TP=2, batch 1
   and 64 concurrent.
 
-Prints a Markdown table (also in tp.json's "markdown") for offline_docs/benchmarks.md.
+Prints a Markdown table (also in tp.json's "markdown") for verify/lab/journal.md.
 """
 
 from __future__ import annotations
@@ -191,7 +191,8 @@ def _share_section(state: Any, device: str, model_dir: Path, context: int) -> di
         num_kv_blocks=max(batches) * blocks_per_seq + 1,
         use_cuda_graphs=False,
         tensor_parallel=state.world_size,
-        deterministic=False,  # the default kernels' TP scaling (benchmarks.md); the deterministic mode's is its own
+        # the default kernels' TP scaling (verify/lab/journal.md); the deterministic mode's is its own
+        deterministic=False,
     )
     config = config.resolved(window=model_window(loaded.config), cuda_available=device == "cuda",
                              architecture=loaded.config.architecture)
