@@ -27,6 +27,10 @@ EXIT_FAILED, EXIT_USAGE, EXIT_LOCKED = 1, 2, 3
 DEMO_PREFIX = Path("demo-prefix")
 
 PrefixOpt = Annotated[Path, typer.Option("--prefix", help="the appliance prefix (state.json, releases/, current)")]
+DeterministicInstallOpt = Annotated[bool, typer.Option(
+    "--deterministic/--no-deterministic",
+    help="serve with batch-invariant kernels (a prompt's tokens do not depend on the rest of the batch; slower: "
+         "offline_docs/engine.md); the release's gates then require batch invariance. Refused for gpt-oss")]
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
@@ -102,6 +106,7 @@ def run_install(
     bench: bool = True,
     gpu: bool = True,
     reinstall: bool = False,
+    deterministic: bool = False,
 ) -> int:
     """Run the install chain with its progress display; returns the exit code."""
     from envex.installer.launch import set_offline_env
@@ -132,6 +137,7 @@ def run_install(
         bench=bench,
         use_gpu=gpu,
         reinstall=reinstall,
+        deterministic=deterministic,
         test_gates_report=gates_report,
     )
     try:
@@ -165,6 +171,7 @@ def install_command(
     bench: Annotated[bool, typer.Option("--bench/--no-bench", help="run the benchmark after the gates")] = True,
     gpu: Annotated[bool, typer.Option("--gpu/--cpu", help="--cpu: install for CPU even where a GPU is present")] = True,
     reinstall: Annotated[bool, typer.Option(help="install even when the active release has the same bundles")] = False,
+    deterministic: DeterministicInstallOpt = False,
 ) -> None:
     """Verify the media, probe this machine, install a new release, gate it, and activate it only if it passes."""
     raise typer.Exit(
@@ -179,6 +186,7 @@ def install_command(
             bench=bench,
             gpu=gpu,
             reinstall=reinstall,
+            deterministic=deterministic,
         )
     )
 
@@ -255,6 +263,7 @@ def demo(
     media_only: Annotated[
         bool, typer.Option("--media-only", help="build the signed media, print its trust fingerprint, stop there")
     ] = False,
+    deterministic: DeterministicInstallOpt = False,
 ) -> None:
     """The embedded default end to end: demo keys and signed media, install, gates and benchmark, activate, serve."""
     import shutil
@@ -292,7 +301,14 @@ def demo(
         typer.echo(f"media: {media}{kernels_line}\ntrust fingerprint: {built.fingerprint}")
         return
     code = run_install(
-        media=media, prefix=prefix, trust_fingerprint=built.fingerprint, yes=True, suite=suite, bench=bench, gpu=gpu
+        media=media,
+        prefix=prefix,
+        trust_fingerprint=built.fingerprint,
+        yes=True,
+        suite=suite,
+        bench=bench,
+        gpu=gpu,
+        deterministic=deterministic,
     )
     if code != 0:
         raise typer.Exit(code)

@@ -29,7 +29,7 @@ from envex.installer.media import (
     settle_trust,
     verify_all,
 )
-from envex.installer.plan import bundle_ref, make_plan
+from envex.installer.plan import bundle_ref, chosen_model, make_plan, refuse_deterministic
 from envex.installer.prefix import check_prefix, create_prefix, describe_os_error, is_envex_prefix
 from envex.installer.probe import probe
 from envex.installer.release import build_release, remove_release
@@ -48,6 +48,7 @@ class InstallOptions:
     bench: bool = True
     use_gpu: bool = True
     reinstall: bool = False
+    deterministic: bool = False  # --deterministic: the release runs (and its gates require) batch-invariant kernels
     test_gates_report: Path | None = None  # test hook ENVEX_TEST_GATES_REPORT; see checks.run_checks
 
 
@@ -177,8 +178,8 @@ def _mark_failed(prefix: Path, state: State, release_id: str, message: str) -> S
 def _verify(
     opts: InstallOptions, ui: InstallUI, confirm: Callable[[str], bool] | None, prefix: Path, state: State
 ) -> _Checked:
-    """Step 1: every bundle on the media verified against the pinned (or newly confirmed) trust root. Writes
-    nothing."""
+    """Step 1: every bundle on the media verified against the pinned (or newly confirmed) trust root, and a choice
+    the model to install cannot take refused (--deterministic). Writes nothing."""
     scan = scan_media(opts.media)
     with ui.step("verify", total=len(scan.bundle_paths) + 1) as bar:
         decision = settle_trust(scan, state, prefix, trust_fingerprint=opts.trust_fingerprint, confirm=confirm)
@@ -194,6 +195,9 @@ def _verify(
             f"({verified.refused[0] if verified.refused else 'none verified'}); envex rollback goes back to an "
             "installed release"
         )
+    model = chosen_model(verified.bundles, opts.model) if opts.deterministic else None
+    if model is not None:  # before the prefix, its trust pin or a slot is written; without one, plan says so
+        refuse_deterministic(model)
     return _Checked(decision, verified)
 
 
@@ -212,6 +216,20 @@ def refuse_downgrades(verified: Verified, model_name: str | None) -> None:
                 f"run envex rollback or envex activate on an installed release, or bring media with {d.name} "
                 f"{d.high_water} or newer"
             )
+
+
+def _runs_deterministic(prefix: Path, release_id: str) -> bool | None:
+    """Whether an installed release runs the deterministic mode (its launch.json), None when that cannot be read: a
+    release of the same bundles is installed again when the admin's choice differs from it."""
+    from envex.installer.launch import LAUNCH_FILE, LaunchError, read_launch
+    from envex.installer.release import release_dir
+
+    try:
+        manifest, _ = read_launch(release_dir(prefix, release_id) / LAUNCH_FILE)
+    except LaunchError:
+        return None
+    value = manifest.engine.get("deterministic")
+    return value if isinstance(value, bool) else None
 
 
 def _install_locked(
@@ -242,7 +260,8 @@ def _install_locked(
     # 3. plan
     with ui.step("plan"):
         refuse_downgrades(verified, opts.model)
-        plan = make_plan(verified.bundles, found, model_name=opts.model, max_model_len=opts.max_model_len)
+        plan = make_plan(verified.bundles, found, model_name=opts.model, max_model_len=opts.max_model_len,
+                         deterministic=opts.deterministic)
     for note in plan.notes:
         ui.note(note)
     ui.ok("plan", plan.summary())
@@ -253,6 +272,7 @@ def _install_locked(
         and active is not None
         and active.mode == plan.mode
         and sorted(r.manifest_sha256 for r in active.bundles) == sorted(r.manifest_sha256 for r in refs)
+        and _runs_deterministic(prefix, active.id) == plan.engine["deterministic"]
     ):
         message = f"release {active.id} already runs exactly these bundles; nothing to do (--reinstall to redo)"
         ui.ok("install", message)

@@ -5,6 +5,7 @@ keys all match (CUDA only: accelerator, driver floor, python, torch, triton, CUD
 digest, and the model it was compiled for; each one refused is noted with the key that differs, and without one
 the kernels compile at first start), engine settings that fit the memory (on CUDA the fewest GPUs of this host
 whose memory holds the weights and one full-context sequence: the tensor-parallel degree, noted when above 1),
+the deterministic mode as the admin chose it (off unless asked for; refused for a model without its kernels),
 and a check that the disk has room for the release beside the active one.
 """
 
@@ -159,6 +160,7 @@ def make_plan(
     *,
     model_name: str | None = None,
     max_model_len: int | None = None,
+    deterministic: bool = False,
 ) -> Plan:
     by_kind: dict[str, list[VerifiedBundle]] = {"runtime": [], "model": [], "kernels": []}
     for bundle in bundles:
@@ -167,15 +169,15 @@ def make_plan(
     notes: list[str] = []
     if not by_kind["runtime"]:
         raise InstallError("plan: the media has no runtime bundle (kind runtime); add envex-runtime-<version>.envex")
-    models = by_kind["model"]
-    if model_name is not None:
-        models = [b for b in models if b.name == model_name]
-    if not models:
+    model = chosen_model(bundles, model_name)
+    if model is None:
         named = f" named {model_name!r}" if model_name else ""
         have = ", ".join(sorted({b.name for b in by_kind["model"]})) or "none"
         raise InstallError(f"plan: the media has no model bundle{named} (model bundles on the media: {have})")
-    runtime, model = _newest(by_kind["runtime"]), _newest(models)
+    runtime = _newest(by_kind["runtime"])
     rcard, mcard = runtime_card(runtime), model_card(model)
+    if deterministic:
+        refuse_deterministic(model)
     kernels = None
     if mode == "cuda":
         kernels = _choose_kernels(by_kind["kernels"], probe, runtime, model, notes)
@@ -194,7 +196,13 @@ def make_plan(
     if problems:
         raise InstallError("plan: " + "; ".join(problems))
 
-    engine = engine_choices(mcard, mode, max_model_len)
+    engine = engine_choices(mcard, mode, max_model_len, deterministic=deterministic)
+    if deterministic and kernels is not None:
+        notes.append(
+            f"deterministic: kernel bundle {kernels.name} {kernels.version} may not hold the batch-invariant kernels "
+            "(a kernel bundle is compiled for the default mode): those compile at first start (that needs a C "
+            "compiler on this host)"
+        )
     dtype, context, seqs = str(engine["dtype"]), int(engine["max_model_len"]), int(engine["max_num_seqs"])
     per_token = mcard.kv_bytes_per_token(DTYPE_BYTES[dtype])
     weights = mcard.parameters * DTYPE_BYTES[dtype]
@@ -282,9 +290,31 @@ def tensor_parallel_degree(probe: Probe, *, weights: int, kv: int, budget: int, 
     return None
 
 
-def engine_choices(card: ModelCard, mode: str, max_model_len: int | None = None) -> dict[str, Any]:
-    """The engine settings the plan chooses for `card` in `mode` (EngineConfig's defaults fill the rest). A kernel
-    bundle is built with the same choices, so that its warm-up compiles the variants the release will run."""
+def chosen_model(bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...], name: str | None) -> VerifiedBundle | None:
+    """The model bundle a plan installs: the newest one (named `name`, when given), or None when there is none."""
+    models = [b for b in bundles if b.kind == "model" and name in (None, b.name)]
+    return _newest(models) if models else None
+
+
+def refuse_deterministic(model: VerifiedBundle) -> None:
+    """InstallError, in one line, when the deterministic mode (--deterministic) cannot run `model`: an architecture
+    without batch-invariant kernels for every layer. On the CPU it runs (the torch backend's invariant forms)."""
+    from envex.runtime.engine.config import has_invariant_kernels
+
+    architecture = model_card(model).architecture
+    if not has_invariant_kernels(architecture):
+        raise InstallError(
+            f"plan: --deterministic: {model.name} {model.version} ({architecture}) has no batch-invariant kernels "
+            "yet (mixture-of-experts layers, attention sinks and windows); install it without --deterministic"
+        )
+
+
+def engine_choices(
+    card: ModelCard, mode: str, max_model_len: int | None = None, *, deterministic: bool = False
+) -> dict[str, Any]:
+    """The engine settings the plan chooses for `card` in `mode` (EngineConfig's defaults fill the rest), with the
+    deterministic mode as the admin chose it. A kernel bundle is built with the same choices, so that its warm-up
+    compiles the variants the release will run."""
     dtype = "bfloat16" if mode == "cuda" else "float32"
     context = min(max_model_len or card.defaults.max_model_len, card.max_position_embeddings)
     seqs = card.defaults.max_num_seqs
@@ -294,6 +324,7 @@ def engine_choices(card: ModelCard, mode: str, max_model_len: int | None = None)
         "backend": "triton" if mode == "cuda" else "torch",
         "max_model_len": context,
         "max_num_seqs": seqs,
+        "deterministic": deterministic,
     }
     if mode == "cuda":
         engine["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION

@@ -129,6 +129,7 @@ def test_each_page_shows_the_installed_state(page, server, fixture):
     # overview: active release, model, trust root, both releases
     body = page.inner_text("main")
     assert page.inner_text("#active-model") == "fake"
+    assert page.inner_text("#deterministic") == "off"  # the release's engine setting, as launch.json records it
     assert state.trust is not None and state.trust.root_fingerprint in body
     assert old in body and new in body and "no model is served by this process" in body
     # hardware: the installer's probe of this machine

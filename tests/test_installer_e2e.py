@@ -102,6 +102,11 @@ def test_demo_media_install_serve_upgrade_rollback(tmp_path):
     assert checks is not None and checks.verdict == "pass" and "installer.smoke" in checks.gates
     launch = json.loads((prefix / "current" / "launch.json").read_text())
     assert launch["gates"]["verdict"] == "pass" and launch["model"]["bundle"]["version"] == "1.0.0"
+    # the deterministic mode is off unless asked for (envex-install --deterministic): the gate reports, not requires
+    assert launch["engine"]["deterministic"] is False and checks.gates["verify.batch_invariance"] == "pass"
+    report = json.loads((prefix / checks.report).read_text())
+    invariance = next(g for g in report["details"]["verify.gates"]["gates"] if g["name"] == "batch_invariance")
+    assert invariance["thresholds"]["required"] is False, invariance["summary"]
     assert (prefix / "envex.service").read_text().count("current/launch.json") == 1
 
     server, url = start_server(prefix, env, tmp_path / "server-1.log")

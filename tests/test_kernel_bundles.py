@@ -216,6 +216,12 @@ def test_the_plan_installs_the_kernel_bundle_whose_keys_all_match(tmp_path: Path
     assert any("2.0.0" in n and "needs triton ==3.7.0; found 3.6.0" in n for n in plan.notes)
     assert plan.probe is not None and plan.probe.gpus[0].name == "NVIDIA H200"
     assert plan.engine["dtype"] == "bfloat16" and plan.engine["gpu_memory_utilization"] == 0.85
+    # a bundle is compiled for the default mode: with --deterministic the plan says what it may lack
+    assert plan.engine["deterministic"] is False and not any(n.startswith("deterministic") for n in plan.notes)
+    det = make_plan(verified(m, trust), cuda_probe(), deterministic=True)
+    assert det.kernels is not None and det.kernels.version == "1.1.0" and det.engine["deterministic"] is True
+    assert any(n.startswith("deterministic: kernel bundle ") and "1.1.0 may not hold the batch-invariant" in n
+               for n in det.notes), det.notes  # fmt: skip
 
 
 MISMATCHES = {

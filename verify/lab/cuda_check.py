@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens for the capital-of-France answer")
     parser.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
                         help="the engine in deterministic mode or not (batch-invariant kernels; default: the "
-                             "engine's, on with the triton backend on one GPU; offline_docs/engine.md)")
+                             "engine's, off; offline_docs/engine.md)")
     parser.add_argument("--bench", action="store_true", help="also run the benchmark harness (envex vs HF)")
     parser.add_argument("--repeats", type=int, default=4, help="benchmark repeats (with --bench)")
     args = parser.parse_args(argv)
