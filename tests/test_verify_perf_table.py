@@ -1,0 +1,159 @@
+"""The performance page generator (verify/lab/perf_table.py) on a fixture GPU matrix: its rows and figures, which
+file it picks per device, `--check`, and the page it writes when no run has been recorded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from envex.verify.lab import perf_table
+
+FIXTURE = Path(__file__).parent / "support" / "h200-2026-12-06-abc1234-matrix.json"
+SOURCE = "2026-12-06 04:10 UTC, `abc1234`, `h200-2026-12-06-abc1234-matrix.json`"
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    folder = tmp_path / "results"
+    folder.mkdir()
+    shutil.copy(FIXTURE, folder / FIXTURE.name)
+    return folder
+
+
+def _page(folder: Path) -> str:
+    return perf_table.render(perf_table.latest_runs(folder))
+
+
+def _row(page: str, *starts: str, section: str = "Throughput") -> str:
+    """The one table row of a section that begins with these cells."""
+    text = page.split(f"\n## {section}", 1)[1].split("\n## ", 1)[0]
+    prefix = "| " + " | ".join(starts) + " |"
+    rows = [line for line in text.splitlines() if line.startswith(prefix)]
+    assert len(rows) == 1, (prefix, rows)
+    return rows[0]
+
+
+def test_throughput_rows_carry_the_run_figures_and_their_source(results: Path) -> None:
+    page = _page(results)
+    default = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`default`")
+    assert default == ("| Llama-3.1-8B (dummy bf16) | NVIDIA H200 | `default` | det off | 245.3 (244.9–245.6) | "
+                       f"82.8% | 231.0 (230.4–231.3) | 4,418 (4,390–4,440) | 34.2 | 41.2 | {SOURCE} |")
+    # a case the cell did not record is a dash, never a number
+    draft = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`draft`")
+    assert "| 301.2 (299.8–303.0) [1 excluded] | — | — | — | 37.9 | 63.0 |" in draft
+    assert "| 400.5 (399.1–401.2) | 83.4% | 372.0 (371.2–373.5) | — | 52.7 |" in _row(
+        page, "gpt-oss-120b (dummy MXFP4)", "NVIDIA H200", "`default`")
+    # every row of every table names the run's date, commit and raw file
+    table_rows = [line for line in page.splitlines() if line.startswith("| ") and "`" in line
+                  and not line.startswith("| NVIDIA H200 | `h200`")]
+    assert table_rows and all(line.endswith(f"{SOURCE} |") for line in table_rows)
+
+
+def test_refused_and_failed_cells_show_their_line_not_numbers(results: Path) -> None:
+    page = _page(results)
+    tp2 = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`tp2`")
+    assert tp2 == ("| Llama-3.1-8B (dummy bf16) | NVIDIA H200 | `tp2` | **refused**: tp2: --tensor-parallel 2 needs "
+                   f"2 GPUs; this host has 1 |  |  |  |  |  |  | {SOURCE} |")
+    assert ("- gpt-oss-120b (dummy MXFP4) on NVIDIA H200, `spec4`: **failed**: spec4: the server exited with code 1 "
+            f"before it was ready (server-gpt-oss-120b-spec4.log) ({SOURCE})") in page.splitlines()
+    assert sum(line.startswith("- ") for line in page.splitlines()) == 3  # tp2, gpt-oss det, gpt-oss spec4
+
+
+def test_deterministic_cost_against_the_bar(results: Path) -> None:
+    run = perf_table.latest_runs(results)[0]
+    det, base, _ = perf_table._det_pair(run, "llama8b")
+    assert det is not None and base is not None
+    costs = perf_table.deterministic_costs(det, base)
+    assert costs == pytest.approx({"b1_1k": (245.4 - 233.7) / 245.4, "b1_10k": (231.2 - 221.0) / 231.2,
+                                   "c64_1k": (4431 - 4202) / 4431, "ttft": (40.1 - 34.0) / 34.0})
+    page = perf_table.render([run])
+    row = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`det` vs `no-det`", section="Deterministic")
+    assert row == ("| Llama-3.1-8B (dummy bf16) | NVIDIA H200 | `det` vs `no-det` | 4.8% (233.7 vs 245.4) | "
+                   "4.4% (221.0 vs 231.2) | 5.2% (4,202 vs 4,431) | 17.9% (40.1 vs 34.0) | no: over at TTFT at 1K | "
+                   f"off | {SOURCE} |")
+    assert "batch 1, 1K ≤ 5%, batch 1, 10K ≤ 5%, 64 concurrent ≤ 10%, TTFT at 1K ≤ 15%" in page
+    # the model whose deterministic cell was refused: no figures, its line, not measured
+    oss = _row(page, "gpt-oss-120b (dummy MXFP4)", "NVIDIA H200", "`det` vs `default (det off)`", section="Determ")
+    assert "`det` **refused**: deterministic: GptOssForCausalLM has no batch-invariant kernels yet" in oss
+    assert "| not measured | off |" in oss
+
+
+def test_a_default_that_is_on_without_clearing_the_bar_is_flagged(results: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+    for cell in data["cells"]:
+        if cell["model"] == "llama8b" and cell["mode"] == "default":
+            cell["resolved"]["deterministic"] = True
+    (results / FIXTURE.name).write_text(json.dumps(data))
+    row = _row(_page(results), "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`det` vs `no-det`", section="Determ")
+    assert "| no: over at TTFT at 1K | **on without clearing the bar** |" in row
+
+
+def test_speculation_against_the_default_and_api_checks(results: Path) -> None:
+    page = _page(results)
+    spec = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`spec4`", "det off, 4 drafts, n-gram",
+                "268.5 (1.09× of 245.3)", section="Speculative")
+    assert "| 240.2 (1.04× of 231.0) | 3,950 (0.89× of 4,418) |" in spec
+    assert "| 301.2 (1.23× of 245.3) | — | — |" in _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`draft`",
+                                                       "det off, 4 drafts, by llama1b", "301.2 (1.23× of 245.3)",
+                                                       section="Speculative")
+    api = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`draft`", "pass", section="API")
+    assert "| pass | pass | **FAIL** | pass | pass | — |" in api
+    assert "| identical (0 of 2,048 tokens differ) |" in _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200",
+                                                              "`det`", "pass", section="API")
+    install = _row(page, "NVIDIA H200", "install", section="Install")
+    assert ("| ok | 312.0 | reference pass, semantic pass, stopping pass, needle pass, coding pass | held | pass | "
+            "“The capital of France is Paris.” |") in install
+    demo = _row(page, "NVIDIA H200", "demo", section="Install")
+    assert "| **failed**: demo: port 8000 is in use; stop what serves there or pass --port | 12.5 | — | held |" in demo
+
+
+def test_the_newest_file_of_each_device_is_read(results: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+
+    def write(name: str, commit: str, date: str, device: str = "NVIDIA H200") -> None:
+        data["env"].update(commit=commit, date=date, device=device)
+        (results / name).write_text(json.dumps(data))
+
+    write("h200-2026-12-05-1111111-matrix.json", "1111111", "2026-12-05 23:59 UTC")  # an older day
+    write("h200-2026-12-06-2222222-matrix.json", "2222222", "2026-12-06 09:30 UTC")  # same day, later in it
+    write("h100-x2-2026-12-01-3333333-matrix.json", "3333333", "2026-12-01 10:00 UTC", "NVIDIA H100 80GB HBM3")
+    (results / "h200-2026-12-07-4444444-bench.json").write_text("{}")  # not a matrix: ignored
+    runs = perf_table.latest_runs(results)
+    assert [(r.device, r.path.name) for r in runs] == [("h100-x2", "h100-x2-2026-12-01-3333333-matrix.json"),
+                                                      ("h200", "h200-2026-12-06-2222222-matrix.json")]
+    page = perf_table.render(runs)
+    assert "`h200-2026-12-06-abc1234-matrix.json`" not in page and "`2222222`" in page
+    assert "| NVIDIA H100 80GB HBM3 | `h100-x2` |" in page
+
+
+def test_check_detects_a_stale_or_missing_page(results: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "performance.md"
+    args = ["--results", str(results), "--out", str(out)]
+    assert perf_table.main([*args, "--check"]) == 1
+    assert "is missing; regenerate it with `python -P -m envex.verify.lab.perf_table`" in capsys.readouterr().err
+    assert perf_table.main(args) == 0
+    assert perf_table.main([*args, "--check"]) == 0
+    out.write_text(out.read_text().replace("245.3", "250.0"))  # a figure typed by hand
+    assert perf_table.main([*args, "--check"]) == 1
+    assert "is stale" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_matrix_is_one_line_and_exit_2(results: Path, capsys: pytest.CaptureFixture) -> None:
+    (results / "h200-2026-12-09-5555555-matrix.json").write_text('{"schema": "envex-gpu-matrix/0"}')
+    assert perf_table.main(["--results", str(results), "--out", str(results / "p.md")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "schema 'envex-gpu-matrix/0', expected 'envex-gpu-matrix/1'" in err
+
+
+def test_no_run_recorded(tmp_path: Path) -> None:
+    page = perf_table.render(perf_table.latest_runs(tmp_path / "absent"))
+    assert "No GPU acceptance matrix run has been recorded yet for any device" in page
+    assert "## Throughput" not in page
+
+
+def test_the_committed_page_is_current() -> None:
+    """offline_docs/performance.md is what the generator makes of verify/lab/results/ (regenerate it if not)."""
+    assert perf_table.main(["--check"]) == 0

@@ -1,0 +1,454 @@
+"""The performance page, offline_docs/performance.md, generated from the newest GPU acceptance matrix of each device.
+
+    python -P -m envex.verify.lab.perf_table [--results DIR] [--out FILE] [--check]
+
+verify/lab/gpu_matrix.py writes one `<device>-<YYYY-MM-DD>-<commit>-matrix.json` (schema "envex-gpu-matrix/1") per
+run into verify/lab/results/. For each device this reads the newest file: the latest date in its name, then the
+run's own timestamp inside it (`env.date`), then the name. File times are not used: in a checkout they are the
+checkout's, not the run's, and `--check` must give the same answer on every clone.
+
+The page holds, over every model x GPU x mode of those runs: throughput, the deterministic mode's cost against
+--no-deterministic in the same run (against DETERMINISTIC_BAR, runtime/engine/config.py), speculation against the
+same model's default, the API checks and invariance verdicts, the refused and failed cells (one line each), and the
+install and demo results. Every row names its run's date, commit and raw file; nothing on the page is typed by
+hand. A figure the run did not record renders as "—"; a refused or failed cell renders as its one line.
+
+`--check` writes nothing and exits 1 when the page on disk differs from what would be generated (CI runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from envex.runtime.engine.config import DETERMINISTIC_BAR, meets_deterministic_bar
+
+SCHEMA = "envex-gpu-matrix/1"
+LAB = Path(__file__).resolve().parent
+RESULTS = LAB / "results"
+PAGE = LAB.parents[1] / "offline_docs" / "performance.md"
+COMMAND = "python -P -m envex.verify.lab.perf_table"
+# <device>-<YYYY-MM-DD>-<commit>-matrix.json; the device slug may hold hyphens (h100-x2), the date anchors it.
+_NAME = re.compile(r"^(?P<device>[A-Za-z0-9][A-Za-z0-9_.-]*?)-(?P<date>\d{4}-\d{2}-\d{2})-(?P<commit>[0-9a-f]{7,40})"
+                   r"-matrix\.json$")
+MODE_ORDER = ("default", "no-det", "det", "spec4", "draft", "tp2")
+SPEC_MODES = ("spec4", "draft")
+DASH = "—"
+# The three timed cases, as the matrix names them, and their column headings.
+CASES = (("b1_1k", "batch 1, 1K/256"), ("b1_10k", "batch 1, 10K/512"), ("c64_1k", "64 concurrent, 1K/256"))
+API_CHECKS = (("chat", "chat"), ("completion", "completion"), ("stream", "stream"), ("metrics", "metrics"),
+              ("shutdown_clean", "clean shutdown"))
+_BAR_HEADINGS = {"b1_1k": "batch 1, 1K", "b1_10k": "batch 1, 10K", "c64_1k": "64 concurrent", "ttft": "TTFT at 1K"}
+
+
+class MatrixError(ValueError):
+    """A results file that is not a readable GPU matrix; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One matrix file: its device slug (from the name), path, environment, cells, install and demo."""
+
+    device: str
+    path: Path
+    env: Mapping[str, Any]
+    cells: Sequence[Mapping[str, Any]]
+    install: Mapping[str, Any] | None
+    demo: Mapping[str, Any] | None
+
+    @property
+    def gpu(self) -> str:
+        """The device as a reader knows it, with the GPU count where there is more than one."""
+        name = str(self.env.get("device") or self.device)
+        gpus = self.env.get("gpus")
+        return f"{name} x{gpus}" if isinstance(gpus, int) and gpus > 1 else name
+
+    @property
+    def source(self) -> str:
+        """Date, commit and raw file: what every row of the page carries."""
+        commit = str(self.env.get("commit") or DASH) + (" (dirty)" if self.env.get("dirty") else "")
+        return f"{self.env.get('date') or DASH}, `{commit}`, `{self.path.name}`"
+
+
+def matrix_files(results: Path) -> dict[str, list[tuple[str, Path]]]:
+    """The matrix files under `results` by device slug: (date from the name, path). Other files are ignored."""
+    out: dict[str, list[tuple[str, Path]]] = {}
+    if not results.is_dir():
+        return out
+    for path in sorted(results.iterdir()):
+        m = _NAME.match(path.name)
+        if m and path.is_file():
+            out.setdefault(m["device"], []).append((m["date"], path))
+    return out
+
+
+def load_run(path: Path, device: str) -> Run:
+    """Parse one matrix file; MatrixError (naming the file) when it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MatrixError(f"{path}: not readable JSON ({exc}); fix or remove it") from exc
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+        raise MatrixError(f"{path}: schema {found!r}, expected {SCHEMA!r}; regenerate it with verify/lab/gpu_matrix.py")
+    cells = data.get("cells") or []
+    if not isinstance(cells, list) or not all(isinstance(c, dict) for c in cells):
+        raise MatrixError(f"{path}: 'cells' must be a list of objects")
+    env = data["env"] if isinstance(data.get("env"), dict) else {}
+    return Run(device=device, path=path, env=env, cells=cells, install=data.get("install"), demo=data.get("demo"))
+
+
+def latest_runs(results: Path) -> list[Run]:
+    """The newest run of each device, sorted by device slug (see the module docstring for "newest")."""
+    runs = []
+    for device, files in sorted(matrix_files(results).items()):
+        newest_date = max(date for date, _ in files)
+        candidates = [load_run(path, device) for date, path in files if date == newest_date]
+        runs.append(max(candidates, key=lambda r: (str(r.env.get("date") or ""), r.path.name)))
+    return runs
+
+
+# -- formatting ---------------------------------------------------------------------------------------------------
+
+
+def _text(value: object) -> str:
+    """One table cell's text: on one line, with the pipe escaped."""
+    return " ".join(str(value).split()).replace("|", "\\|")
+
+
+def _num(value: object, digits: int = 1) -> str:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return DASH
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.{digits}f}"
+
+
+def _share(value: object) -> str:
+    return f"{value * 100:.1f}%" if isinstance(value, int | float) and not isinstance(value, bool) else DASH
+
+
+def _table(head: Sequence[str], rows: Iterable[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines
+
+
+def _case(cell: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    case = (cell.get("cases") or {}).get(name)
+    return case if isinstance(case, dict) else {}
+
+
+def _median(cell: Mapping[str, Any], name: str) -> float | None:
+    value = _case(cell, name).get("median")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _ttft(cell: Mapping[str, Any]) -> float | None:
+    value = _case(cell, "b1_1k").get("ttft_ms")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _figure(cell: Mapping[str, Any], name: str) -> str:
+    """A case's median with the spread of its runs, e.g. `242.9 (241.0–243.3)`."""
+    median = _median(cell, name)
+    runs = [r for r in _case(cell, name).get("runs") or [] if isinstance(r, int | float)]
+    if median is None:
+        return DASH
+    spread = f" ({_num(min(runs))}–{_num(max(runs))})" if len(runs) > 1 else ""
+    excluded = _case(cell, name).get("excluded")
+    dropped = f" [{excluded} excluded]" if isinstance(excluded, int) and excluded > 0 else ""
+    return _num(median) + spread + dropped
+
+
+def _label(cell: Mapping[str, Any]) -> str:
+    return _text(cell.get("model_label") or cell.get("model") or DASH)
+
+
+def _resolved(cell: Mapping[str, Any]) -> str:
+    """What the engine resolved the cell's flags to: the deterministic mode and speculation."""
+    res = cell.get("resolved") or {}
+    parts = []
+    if isinstance(res.get("deterministic"), bool):
+        parts.append("det on" if res["deterministic"] else "det off")
+    if res.get("num_speculative_tokens"):
+        source = f"by {res['draft_model']}" if res.get("draft_model") else "n-gram"
+        parts.append(f"{res['num_speculative_tokens']} drafts, {source}")
+    return _text(", ".join(parts)) if parts else DASH
+
+
+def _not_ok(cell: Mapping[str, Any]) -> str | None:
+    """`refused: <line>` or `failed: <line>` for a cell that has no figures; None for an ok cell."""
+    status = cell.get("status")
+    if status == "ok":
+        return None
+    return f"**{_text(status or 'no status')}**: {_text(cell.get('line') or 'no line recorded')}"
+
+
+def _mode_key(mode: object) -> tuple[int, str]:
+    return (MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER), str(mode))
+
+
+def _rows(runs: Sequence[Run]) -> list[tuple[Run, Mapping[str, Any]]]:
+    """Every cell of every run: model (in order of first appearance), then GPU, then mode."""
+    order: dict[str, int] = {}
+    for run in runs:
+        for cell in run.cells:
+            order.setdefault(str(cell.get("model")), len(order))
+    pairs = [(run, cell) for run in runs for cell in run.cells]
+    return sorted(pairs, key=lambda p: (order[str(p[1].get("model"))], p[0].device, _mode_key(p[1].get("mode"))))
+
+
+def _cell(run: Run, model: object, mode: str) -> Mapping[str, Any] | None:
+    return next((c for c in run.cells if c.get("model") == model and c.get("mode") == mode), None)
+
+
+# -- sections -----------------------------------------------------------------------------------------------------
+
+
+def _runs_section(runs: Sequence[Run]) -> list[str]:
+    rows = [[_text(run.gpu), f"`{run.device}`", _text(run.env.get("date") or DASH),
+             f"`{_text(run.env.get('commit') or DASH)}`" + (" (dirty)" if run.env.get("dirty") else ""),
+             _text(run.env.get("torch") or DASH), _text(run.env.get("triton") or DASH),
+             _num(run.env.get("read_TBps"), 2), f"`{run.path.name}`"] for run in runs]
+    return ["## Runs", "",
+            "The newest matrix of each device. Read bandwidth is the run's own measurement; the byte rooflines below "
+            "divide a decode step's bytes by it.", "",
+            *_table(["GPU", "slug", "date", "commit", "torch", "Triton", "read TB/s", "raw file"], rows)]
+
+
+def _throughput_section(runs: Sequence[Run]) -> list[str]:
+    rows = []
+    for run, cell in _rows(runs):
+        head = [_label(cell), _text(run.gpu), f"`{_text(cell.get('mode'))}`"]
+        if (line := _not_ok(cell)) is not None:
+            rows.append([*head, line, "", "", "", "", "", "", run.source])
+            continue
+        share = _share(_case(cell, "b1_1k").get("share_of_roofline"))
+        rows.append([*head, _resolved(cell), _figure(cell, "b1_1k"), share, _figure(cell, "b1_10k"),
+                     _figure(cell, "c64_1k"), _num(_ttft(cell)), _num(cell.get("ready_s")), run.source])
+    return ["## Throughput", "",
+            "Decode tokens/s of one request at a time (batch 1) after a 1K-token prompt (256 out) and a 10K-token "
+            "prompt (512 out), with the batch-1 1K figure's share of the byte roofline; output tokens/s of 64 "
+            "concurrent 1K/256 requests; time to the first token of a 1K prompt at batch 1; seconds from start to "
+            "ready. Medians, with the spread of the runs in brackets (a run whose served token count differed is "
+            "excluded, and counted); each measured through `envex serve` as `verify/lab/gpu_matrix.py` says.", "",
+            *_table(["model", "GPU", "mode", "resolved", "b1 1K/256 tok/s", "of roofline", "b1 10K/512 tok/s",
+                     "64× 1K/256 tok/s", "TTFT 1K (ms)", "ready (s)", "source"], rows)]
+
+
+def deterministic_costs(det: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, float]:
+    """The deterministic mode's cost against the default kernels, as fractions keyed like DETERMINISTIC_BAR: the
+    throughput lost (cases) and the first-token time gained (ttft). Figures either cell lacks are left out."""
+    costs: dict[str, float] = {}
+    for name, _ in CASES:
+        d, b = _median(det, name), _median(base, name)
+        if d is not None and b:
+            costs[name] = (b - d) / b
+    d, b = _ttft(det), _ttft(base)
+    if d is not None and b:
+        costs["ttft"] = (d - b) / b
+    return costs
+
+
+def _det_pair(run: Run, model: object) -> tuple[Mapping[str, Any] | None, Mapping[str, Any] | None, str]:
+    """The cells to compare for one model: `det` against `no-det`, or the default where it resolved to that mode."""
+    default = _cell(run, model, "default")
+    resolved = (default or {}).get("resolved") or {}
+    det, base = _cell(run, model, "det"), _cell(run, model, "no-det")
+    det_name, base_name = "det", "no-det"
+    if det is None and default is not None and resolved.get("deterministic") is True:
+        det, det_name = default, "default (det on)"
+    if base is None and default is not None and resolved.get("deterministic") is False:
+        base, base_name = default, "default (det off)"
+    return det, base, f"`{det_name}` vs `{base_name}`"
+
+
+def _det_section(runs: Sequence[Run]) -> list[str]:
+    bar = ", ".join(f"{_BAR_HEADINGS.get(k, k)} ≤ {v * 100:g}%" for k, v in DETERMINISTIC_BAR.items())
+    out = ["## Deterministic mode: its cost against --no-deterministic", "",
+           f"The bar the mode must clear, in one run, before it may be a model's default (`DETERMINISTIC_BAR` in "
+           f"`runtime/engine/config.py`): {bar}. Throughput costs are the share of tokens/s lost; the TTFT cost is "
+           "the share of time added. \"default\" is what the run's default cell resolved to.", ""]
+    rows = []
+    seen: set[tuple[str, object]] = set()
+    for run, cell in _rows(runs):
+        model = cell.get("model")
+        if (run.device, model) in seen:
+            continue
+        seen.add((run.device, model))
+        det, base, compared = _det_pair(run, model)
+        default = ((_cell(run, model, "default") or {}).get("resolved") or {}).get("deterministic")
+        if det is None and base is None:
+            continue
+        head = [_label(cell), _text(run.gpu), compared]
+        broken = next((c for c in (det, base) if c is not None and c.get("status") != "ok"), None)
+        costs = deterministic_costs(det, base) if det is not None and base is not None and broken is None else {}
+        if det is None or base is None or broken is not None:
+            lacking = "no-det" if base is None else "det"
+            why = (f"`{_text(broken.get('mode'))}` {_not_ok(broken)}" if broken is not None
+                   else f"no `{lacking}` cell in this run")
+            figures, verdict = [why, *([""] * (len(DETERMINISTIC_BAR) - 1))], "not measured"
+        else:
+            figures = []
+            for key in DETERMINISTIC_BAR:
+                d, b = (_ttft(det), _ttft(base)) if key == "ttft" else (_median(det, key), _median(base, key))
+                figures.append(f"{costs[key] * 100:.1f}% ({_num(d)} vs {_num(b)})" if key in costs else DASH)
+            over = [_BAR_HEADINGS.get(k, k) for k, v in DETERMINISTIC_BAR.items() if k in costs and costs[k] > v]
+            if meets_deterministic_bar(costs):
+                verdict = "**yes**"
+            elif over:
+                verdict = "no: over at " + ", ".join(over)
+            else:
+                verdict = "not measured: " + ", ".join(_BAR_HEADINGS.get(k, k) for k in DETERMINISTIC_BAR
+                                                        if k not in costs)
+        default_text = {True: "on", False: "off"}.get(default, DASH) if isinstance(default, bool) else DASH
+        if default is True and not meets_deterministic_bar(costs):
+            default_text = "**on without clearing the bar**"
+        rows.append([*head, *figures, verdict, default_text, run.source])
+    if not rows:
+        return [*out, "No run has recorded the mode against the default kernels yet."]
+    heads = [f"{_BAR_HEADINGS.get(k, k)} (≤ {v * 100:g}%)" for k, v in DETERMINISTIC_BAR.items()]
+    return [*out, *_table(["model", "GPU", "compared", *heads, "clears the bar", "default", "source"], rows)]
+
+
+def _spec_section(runs: Sequence[Run]) -> list[str]:
+    rows = []
+    for run, cell in _rows(runs):
+        if cell.get("mode") not in SPEC_MODES:
+            continue
+        head = [_label(cell), _text(run.gpu), f"`{_text(cell.get('mode'))}`"]
+        base = _cell(run, cell.get("model"), "default")
+        if (line := _not_ok(cell)) is not None:
+            rows.append([*head, line, "", "", "", run.source])
+            continue
+        figures = []
+        for name, _ in CASES:
+            value = _median(cell, name)
+            b = _median(base, name) if base is not None and base.get("status") == "ok" else None
+            if value is None:
+                figures.append(DASH)
+            elif not b:
+                figures.append(f"{_num(value)} (no default)")
+            else:
+                figures.append(f"{_num(value)} ({value / b:.2f}× of {_num(b)})")
+        rows.append([*head, _resolved(cell), *figures, run.source])
+    out = ["## Speculative decoding against the default", "",
+           "Speculation (`spec4`: four drafted tokens a step; `draft`: drafted by a smaller model) against the same "
+           "model's `default` cell in the same run: tokens/s, and the ratio to the default's (above 1: faster).", ""]
+    if not rows:
+        return [*out, "No run has recorded a speculation cell yet."]
+    return [*out, *_table(["model", "GPU", "mode", "resolved", *(h for _, h in CASES), "source"], rows)]
+
+
+def _check(value: object) -> str:
+    return {True: "pass", False: "**FAIL**"}.get(value, DASH) if isinstance(value, bool) else DASH
+
+
+def _invariance(inv: object) -> str:
+    if not isinstance(inv, dict):
+        return DASH
+    differ, compared = inv.get("differing_tokens"), inv.get("compared_tokens")
+    counts = f"{_num(differ, 0)} of {_num(compared, 0)} tokens differ"
+    if not inv.get("promised"):
+        return f"not promised ({counts})"
+    return f"identical ({counts})" if inv.get("identical") else f"**differs** ({counts})"
+
+
+def _api_section(runs: Sequence[Run]) -> list[str]:
+    rows, refusals = [], []
+    for run, cell in _rows(runs):
+        head = [_label(cell), _text(run.gpu), f"`{_text(cell.get('mode'))}`"]
+        if (line := _not_ok(cell)) is not None:
+            refusals.append(f"- {head[0]} on {head[1]}, {head[2]}: {line} ({run.source})")
+            continue
+        api = cell.get("api") or {}
+        rows.append([*head, *(_check(api.get(k)) for k, _ in API_CHECKS), _invariance(cell.get("invariance")),
+                     run.source])
+    out = ["## API checks and invariance", "",
+           "Whether each cell's server answered a chat and a completion request, streamed, served /metrics and shut "
+           "down cleanly; and whether its greedy tokens stayed the same across batch compositions (`verify/lab/"
+           "gpu_matrix.py` says how). Promised: the deterministic mode was on, so a difference is a failure.", ""]
+    if rows:
+        out += _table(["model", "GPU", "mode", *(h for _, h in API_CHECKS), "invariance", "source"], rows)
+    else:
+        out.append("No cell ran.")
+    if refusals:
+        out += ["", "Refused or failed, one line each:", "", *refusals]
+    return out
+
+
+def _step(run: Run, name: str, step: object) -> list[str]:
+    if not isinstance(step, dict):
+        return [_text(run.gpu), name, "not in this run", DASH, DASH, DASH, DASH, DASH, run.source]
+    status = _text(step.get("status") or DASH)
+    if step.get("status") != "ok":
+        status = f"**{status}**" + (f": {_text(step['line'])}" if step.get("line") else "")
+    gates = step.get("gates")
+    gates_text = ", ".join(f"{_text(k)} {_text(v)}" for k, v in gates.items()) if isinstance(gates, dict) else DASH
+    guard = step.get("network_guard")
+    guard_text = {True: "held", False: "**broken**"}.get(guard, DASH) if isinstance(guard, bool) else DASH
+    answer = f"“{_text(step['answer'])}”" if step.get("answer") else DASH
+    return [_text(run.gpu), name, status, _num(step.get("seconds")), gates_text or DASH, guard_text,
+            _check(step.get("shutdown_clean")), answer, run.source]
+
+
+def _install_section(runs: Sequence[Run]) -> list[str]:
+    rows = [row for run in runs for row in (_step(run, "install", run.install), _step(run, "demo", run.demo))]
+    return ["## Install and demo", "",
+            "`envex-install` from signed media on the GPU host (its gates, the network guard, and the installed "
+            "release's answer to one chat question), and `envex demo`.", "",
+            *_table(["GPU", "step", "status", "seconds", "gates", "network guard", "clean shutdown", "answer",
+                     "source"], rows)]
+
+
+def render(runs: Sequence[Run], results_label: str = "verify/lab/results/") -> str:
+    """The whole page. Deterministic: the same runs give the same bytes (no time of generation on it)."""
+    out = ["# Performance", "",
+           f"Generated by `{COMMAND}` from the newest GPU acceptance matrix of each device in `{results_label}` "
+           "(written by `verify/lab/gpu_matrix.py`).",
+           "Do not edit this page by hand: regenerate it; `--check` fails when it is stale. Every figure comes from "
+           "the raw file named on its row.",
+           "The dated history of earlier measurements is the lab's journal, `verify/lab/journal.md`.", ""]
+    if not runs:
+        out += ["No GPU acceptance matrix run has been recorded yet for any device: "
+                f"`{results_label}` holds no `<device>-<YYYY-MM-DD>-<commit>-matrix.json`. Run "
+                "`verify/lab/gpu_matrix.py` on a GPU host, commit its JSON, and regenerate this page.", ""]
+        bar = ", ".join(f"{_BAR_HEADINGS.get(k, k)} ≤ {v * 100:g}%" for k, v in DETERMINISTIC_BAR.items())
+        out += [f"The bar the deterministic mode must clear against `--no-deterministic`, in one run, before it may be "
+                f"a model's default (`DETERMINISTIC_BAR` in `runtime/engine/config.py`): {bar}."]
+        return "\n".join(out) + "\n"
+    for section in (_runs_section, _throughput_section, _det_section, _spec_section, _api_section, _install_section):
+        out += [*section(runs), ""]
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the folder of *-matrix.json files")
+    parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (offline_docs/performance.md)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page on disk is stale")
+    args = parser.parse_args(argv)
+    try:
+        page = render(latest_runs(args.results))
+    except MatrixError as exc:
+        print(f"perf_table: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        current = args.out.read_text(encoding="utf-8") if args.out.is_file() else None
+        if current != page:
+            state = "missing" if current is None else "stale"
+            print(f"perf_table: {args.out} is {state}; regenerate it with `{COMMAND}`", file=sys.stderr)
+            return 1
+        return 0
+    args.out.write_text(page, encoding="utf-8")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
