@@ -41,7 +41,8 @@ class EngineConfig:
     # Speculative decoding: at most this many drafted tokens verified per sequence and step (0: off). Exact:
     # greedy keeps a draft only where it equals the model's argmax, sampling uses rejection sampling. The depth
     # adapts per request to its acceptance and turns itself off where it does not pay (offline_docs/engine.md).
-    # Off by default until the H200 figures (benchmarks.md) show chat traffic within 3% of off.
+    # Off by default until the GPU figures (offline_docs/performance.md, speculation against the default) show
+    # chat traffic within 3% of off.
     num_speculative_tokens: int = 0
     # A smaller model with the same tokenizer that drafts (None: n-gram prompt lookup, no model). Setting it
     # turns speculation on (a num_speculative_tokens of 0 then resolves to 4).
@@ -123,7 +124,7 @@ class EngineConfig:
             dtype=("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype,
             max_model_len=min(self.max_model_len or min(window, _MAX_DEFAULT_LEN), window),
             # 8K-token steps on CUDA keep the prefill matmuls near the tensor-core peak (16K measured no faster,
-            # with a later first token: benchmarks.md); 2K on CPU.
+            # with a later first token: verify/lab/journal.md); 2K on CPU.
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if cuda else 2048),
             use_cuda_graphs=self.use_cuda_graphs and backend == "triton",
             # Overlap hides host work behind device work; on the CPU it would only delay outputs by a step.
