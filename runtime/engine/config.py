@@ -41,8 +41,8 @@ class EngineConfig:
     # Speculative decoding: at most this many drafted tokens verified per sequence and step (0: off). Exact:
     # greedy keeps a draft only where it equals the model's argmax, sampling uses rejection sampling. The depth
     # adapts per request to its acceptance and turns itself off where it does not pay (offline_docs/engine.md).
-    # Off by default until the GPU figures (offline_docs/performance.md, speculation against the default) show
-    # chat traffic within 3% of off.
+    # Off by default until chat traffic on the GPU measures within 3% of off (offline_docs/performance.md has the
+    # fixed-length cases with speculation against the default).
     num_speculative_tokens: int = 0
     # A smaller model with the same tokenizer that drafts (None: n-gram prompt lookup, no model). Setting it
     # turns speculation on (a num_speculative_tokens of 0 then resolves to 4).
