@@ -50,6 +50,9 @@ for f in "$keep"/matrix-*.json; do [ -f "$f" ] && merge="$merge --merge $f"; don
 timeout -k 10 570 python3 -P -m envex.verify.lab.gpu_matrix --out "$out" --models "$models" \
   --deadline "${ENVEX_MATRIX_DEADLINE:-500}" --commit "${ENVEX_COMMIT:-unknown}" $merge "$@" 2>&1 | tee "$out/log.txt"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv >>"$out/log.txt" 2>&1
+# a call brings back at most 8 files: the servers' logs travel as one archive
+(cd "$out" && ls ./*.log >/dev/null 2>&1 && tar czf "logs-$phase.tgz" --exclude=log.txt ./*.log && find . -maxdepth 1 \
+  -name '*.log' -delete)
 # this call's cells alone, for the next call to merge (they follow the merged ones in matrix.json)
 python3 - "$out/matrix.json" "$keep/matrix-$phase.json" $merge <<'EOF'
 import json, sys

@@ -76,7 +76,7 @@ DRAFTS = {
 
 # name: (batch, prompt tokens, output tokens, timed runs after one warm-up)
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
-         "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 2)}  # fmt: skip
+         "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 1)}  # fmt: skip
 MODES = {"default": [], "no-det": ["--no-deterministic"], "det": ["--deterministic"],
          "spec4": ["--speculative-tokens", "4"], "draft": ["--draft-model"], "tp2": ["--tensor-parallel", "2"]}
 FULL_MODES = ("default", "det")  # every case of the model; the others run batch 1 at 1K
