@@ -73,14 +73,34 @@ def pip_wheel_command(src: Path, out: Path) -> list[str]:
             "--disable-pip-version-check", "-q", "-w", str(out), str(src)]
 
 
+def copy_source(root: Path, dest: Path) -> Path:
+    """A copy of the source tree `root` at `dest` without its build outputs, caches and dot-folders."""
+
+    def ignore(folder: str, names: list[str]) -> set[str]:
+        out = {n for n in names if n == "__pycache__" or n.endswith(".pyc")}
+        if Path(folder) == root:
+            out |= {n for n in names if n.startswith(".") or n in ("build", "dist", "demo-prefix")
+                    or n.endswith(".egg-info")}  # fmt: skip
+        return out
+
+    shutil.copytree(root, dest, ignore=ignore)
+    return dest
+
+
 def build_envex_wheel(out_dir: Path, root: Path | None = None) -> Path:
-    """Build the envex wheel offline from the source tree (no build isolation, no index, no dependencies)."""
+    """Build the envex wheel offline from the source tree (no build isolation, no index, no dependencies).
+
+    pip builds in the tree it is given, and setuptools' wheel takes all of build/lib, which keeps what earlier builds
+    put there (test packages among it, from before pyproject left them out): the wheel is built from a fresh copy of
+    the tree, without build/, so it holds what pyproject lists and nothing a checkout kept. Concurrent builds of one
+    checkout so share no build folder either."""
     root = root or source_root()
     if root is None:
         raise InstallError("demo: envex is not running from its source tree; give --wheel with an envex wheel")
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="envex-wheel-") as tmp:
-        cmd = pip_wheel_command(root, Path(tmp))
+        src = copy_source(root.resolve(), Path(tmp) / "src")
+        cmd = pip_wheel_command(src, Path(tmp))
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         wheels = sorted(Path(tmp).glob("envex-*.whl"))
         if proc.returncode != 0 or not wheels:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import sys
 from pathlib import Path
 
 import pytest
+
+import envex
 
 # The checkout's top-level folders are the subpackages envex.<folder> (pyproject's package-dir). With the checkout on
 # sys.path they are also importable as top-level names, and `kernels/` then shadows the PyPI package `kernels`, which
@@ -19,6 +22,21 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != CHECKOUT]
 os.environ.setdefault("PYTHONSAFEPATH", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# This folder is envex.tests for the test modules (`from envex.tests.support import ...`). No install maps it (the
+# wheel must not carry it, so pyproject lists neither the package nor its folder): registered here, before any test
+# module is collected, from this file's own folder. The processes the tests start import it only through the lab
+# (verify/lab/__init__.py registers it the same way for its tools).
+if "envex.tests" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location(
+        "envex.tests", CHECKOUT / "tests" / "__init__.py", submodule_search_locations=[str(CHECKOUT / "tests")]
+    )
+    assert _spec is not None and _spec.loader is not None
+    _tests = importlib.util.module_from_spec(_spec)
+    sys.modules["envex.tests"] = _tests
+    _spec.loader.exec_module(_tests)
+    envex.tests = _tests  # type: ignore[attr-defined]  # what the import system sets on the parent package
+
 WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))  # one of pyproject's two workers: one core each, not two threads
 if WORKER:
     # Also for every process a test starts (servers, installs, gate runners inherit the environment): a torch

@@ -1,32 +1,32 @@
 """The envex wheel ships the product and nothing else: no tests, no test support, no lab (device scripts, kernel
-benches, raw results). pyproject.toml lists the packages and setup.py's build_py leaves the source-only ones out.
+benches, raw results). pyproject.toml lists the product packages only: neither envex.tests (nor its folder) nor
+envex.verify.lab. The lab comes with verify/ in the editable install; envex.tests is registered by tests/conftest.py
+(and by the lab, for its tools that use the test support).
 
 The wheel is built the way the installer's demo builds it (installer.demo.build_envex_wheel: pip wheel, offline, no
-build isolation), from a copy of the checkout so that it never shares build/ with another test building in place.
+build isolation, from a fresh copy of the tree without build/), here from a checkout whose build/lib holds what an
+older build left there.
 """
 
 from __future__ import annotations
 
-import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from envex.installer.demo import build_envex_wheel
+from envex.installer.demo import build_envex_wheel, copy_source
 
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("runtime", "kernels", "bundles", "installer", "verify", "offline_docs")
-# What a checkout holds that no build reads (.gitignore's folders, caches).
-NOT_COPIED = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache",
-                                    ".hypothesis", ".whl", ".device", ".devcarry", "demo-prefix")
 
 
 @pytest.fixture(scope="module")
 def names(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     work = tmp_path_factory.mktemp("wheel")
-    src = work / "src"
-    shutil.copytree(ROOT, src, ignore=NOT_COPIED)
+    src = copy_source(ROOT, work / "src")
     # what a build made before the wheel left the tests out keeps in build/lib (the wheel takes all of build/lib)
     for stale in ("tests/conftest.py", "verify/lab/devcarry.py"):
         (src / "build" / "lib" / "envex" / stale).parent.mkdir(parents=True, exist_ok=True)
@@ -97,8 +97,9 @@ def test_the_wheel_ships_the_whole_product(names: list[str]) -> None:
         assert missing == [], f"product files not in the wheel: {missing}"
 
 
-def test_the_source_only_packages_stay_importable_from_the_checkout() -> None:
-    """The editable install (pip install -e) maps them; the tests and the lab import them."""
+def test_the_source_only_packages_stay_importable_from_the_checkout(tmp_path: Path) -> None:
+    """The lab comes with verify/ in the editable install (pip install -e); envex.tests, which no install maps, is
+    registered by tests/conftest.py for the tests and by the lab for its tools that import the test support."""
     import envex.tests.support.browser
     import envex.verify.lab
     import envex.verify.lab.kernel_bench
@@ -106,3 +107,10 @@ def test_the_source_only_packages_stay_importable_from_the_checkout() -> None:
     assert Path(envex.verify.lab.__file__).parent == ROOT / "verify" / "lab"
     assert Path(envex.verify.lab.kernel_bench.__file__).parent == ROOT / "verify" / "lab" / "kernel_bench"
     assert Path(envex.tests.support.browser.__file__) == ROOT / "tests" / "support" / "browser.py"
+    # The lab's tools that import envex.tests.support, as they are run: a process of their own, outside the checkout.
+    code = ("import envex.verify.lab.admin_screenshot, envex.verify.lab.bench_install, envex.tests.support.browser\n"
+            "print(envex.tests.support.browser.__file__)")
+    done = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert Path(done.stdout.strip()).resolve() == ROOT / "tests" / "support" / "browser.py"
