@@ -164,6 +164,10 @@ def test_each_page_shows_the_installed_state(page, server, fixture):
     assert "hf-transformers" in bench.locator("table").first.inner_text()
     plot = bench.locator("img.plot")
     assert plot.evaluate("img => img.complete && img.naturalWidth > 100")
+    # and the project's reference figures, one click away: the generated performance page
+    page.click("main >> a[href='/admin/docs/performance.md']")
+    page.wait_for_url(f"{server}/admin/docs/performance.md")
+    assert page.inner_text("article.doc h1") == "Performance"
     # releases: both, with the active one marked
     page.click("nav >> text=releases")
     page.wait_for_url(f"{server}/admin/releases")
