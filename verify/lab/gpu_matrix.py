@@ -209,35 +209,52 @@ def stop(server: Server, timeout: float = 60.0) -> bool:
 
 
 def api_checks(base: str, served: str) -> dict[str, Any]:
-    """A chat, a completion and a streamed chat through the official openai client, and /metrics."""
+    """A chat, a completion and a streamed chat through the official openai client, and /metrics. Each check that
+    raises is False, with its one-line reason in `errors`: the cell's timed cases still run."""
     import httpx
     import openai
 
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=300)
-    out: dict[str, Any] = {}
-    chat = client.chat.completions.create(model=served, messages=[{"role": "user", "content": QUESTION}],
-                                          max_tokens=16, temperature=0)  # fmt: skip
-    out["answer"] = chat.choices[0].message.content
-    out["chat"] = chat.usage is not None and chat.usage.completion_tokens >= 1
-    done = client.completions.create(model=served, prompt="The capital of France is", max_tokens=8, temperature=0)
-    out["completion"] = done.usage is not None and done.usage.completion_tokens >= 1 and bool(done.choices)
-    pieces, finish = [], None
-    for chunk in client.chat.completions.create(model=served, messages=[{"role": "user", "content": QUESTION}],
-                                                max_tokens=16, temperature=0, stream=True):  # fmt: skip
-        if chunk.choices:
-            pieces.append(chunk.choices[0].delta.content or "")
-            finish = chunk.choices[0].finish_reason or finish
-    out["stream"] = finish is not None and "".join(pieces) == out["answer"]  # streaming equals non-streaming
-    text = httpx.get(f"{base}/metrics", timeout=30).text
-    info = re.search(r"^envex_engine_info\{(.*)\} 1$", text, re.M)
-    spec = re.search(r'^envex_speculative_info\{drafter="([^"]*)",max_k="(\d+)"\} 1$', text, re.M)
-    out["metrics"] = info is not None and "envex_generation_tokens_total" in text
-    resolved: dict[str, Any] = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
-    if "deterministic" in resolved:
-        resolved["deterministic"] = resolved["deterministic"] == "true"
-    if spec:
-        resolved["drafter"], resolved["num_speculative_tokens"] = spec.group(1), int(spec.group(2))
-    out["resolved"] = resolved
+    out: dict[str, Any] = {"answer": None, "resolved": {}, "errors": {}}
+    messages = [{"role": "user", "content": QUESTION}]
+
+    def chat() -> bool:
+        done = client.chat.completions.create(model=served, messages=messages, max_tokens=16, temperature=0)
+        out["answer"] = done.choices[0].message.content
+        return done.usage is not None and done.usage.completion_tokens >= 1
+
+    def completion() -> bool:
+        done = client.completions.create(model=served, prompt="The capital of France is", max_tokens=8,
+                                         temperature=0)  # fmt: skip
+        return done.usage is not None and done.usage.completion_tokens >= 1 and bool(done.choices)
+
+    def stream() -> bool:
+        pieces, finish = [], None
+        for chunk in client.chat.completions.create(model=served, messages=messages, max_tokens=16, temperature=0,
+                                                    stream=True):  # fmt: skip
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                finish = chunk.choices[0].finish_reason or finish
+        return finish is not None and "".join(pieces) == out["answer"]  # streaming equals non-streaming
+
+    def metrics() -> bool:
+        text = httpx.get(f"{base}/metrics", timeout=30).text
+        info = re.search(r"^envex_engine_info\{(.*)\} 1$", text, re.M)
+        spec = re.search(r'^envex_speculative_info\{drafter="([^"]*)",max_k="(\d+)"\} 1$', text, re.M)
+        resolved: dict[str, Any] = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1))) if info else {}
+        if "deterministic" in resolved:
+            resolved["deterministic"] = resolved["deterministic"] == "true"
+        if spec:
+            resolved["drafter"], resolved["num_speculative_tokens"] = spec.group(1), int(spec.group(2))
+        out["resolved"] = resolved
+        return info is not None and "envex_generation_tokens_total" in text
+
+    for name, check in (("chat", chat), ("completion", completion), ("stream", stream), ("metrics", metrics)):
+        try:
+            out[name] = bool(check())
+        except Exception as exc:  # recorded, not raised: one broken endpoint must not hide the others
+            out[name] = False
+            out["errors"][name] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
     return out
 
 
@@ -298,8 +315,10 @@ def run_cell(model: Model, mode: str, *, port: int, out: Path, models_dir: Path,
 
         served = httpx.get(f"{server.base}/v1/models", timeout=30).json()["data"][0]["id"]
         api = api_checks(server.base, served)
-        cell["resolved"] = api.pop("resolved")
-        cell["answer"] = api.pop("answer")
+        cell["resolved"], cell["answer"] = api.pop("resolved"), api.pop("answer")
+        if api["errors"]:
+            cell["api_errors"] = api["errors"]
+        del api["errors"]
         cell["api"] = api
         window = model.max_model_len or 8192
         cases = model.cases if mode in FULL_MODES else ("b1_1k",)
