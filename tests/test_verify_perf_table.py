@@ -129,6 +129,28 @@ def test_the_newest_file_of_each_device_is_read(results: Path) -> None:
     assert "| NVIDIA H100 80GB HBM3 | `h100-x2` |" in page
 
 
+def test_regressions_name_rows_more_than_3_percent_below_the_run_before(results: Path, capsys) -> None:
+    data = json.loads(FIXTURE.read_text())
+    llama = next(c for c in data["cells"] if c["model"] == "llama8b" and c["mode"] == "default")
+    b1, c64 = llama["cases"]["b1_1k"]["median"], llama["cases"]["c64_1k"]["median"]
+    llama["cases"]["b1_1k"]["median"] = b1 * 0.96  # 4% slower: named
+    llama["cases"]["c64_1k"]["median"] = c64 * 0.98  # 2% slower: within the 3%
+    det = next(c for c in data["cells"] if c["model"] == "llama8b" and c["mode"] == "det")
+    det.update(status="failed", line="exit 1: KeyError: 1", cases={})  # served before, not now: named
+    data["env"]["commit"] = "5555555"
+    (results / "h200-2026-12-07-5555555-matrix.json").write_text(json.dumps(data))
+    assert perf_table.main(["--results", str(results), "--regressions"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("h200-2026-12-07-5555555-matrix.json: against h200-2026-12-06-abc1234-matrix.json, 2 rows "
+                      "worse by more than 3%")  # fmt: skip
+    assert out[1] == (f"  llama8b default b1_1k: {b1 * 0.96:.1f} against {b1:.1f} (-4.0%) in "
+                      "h200-2026-12-06-abc1234-matrix.json")  # fmt: skip
+    assert out[2] == "  llama8b det: failed (exit 1: KeyError: 1), served in h200-2026-12-06-abc1234-matrix.json"
+    assert len(out) == 3
+    # the oldest run has nothing to compare with
+    assert perf_table.previous_run(results, perf_table.load_run(results / FIXTURE.name, "h200")) is None
+
+
 def test_check_detects_a_stale_or_missing_page(results: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "performance.md"
     args = ["--results", str(results), "--out", str(out)]

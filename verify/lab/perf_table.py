@@ -114,6 +114,35 @@ def latest_runs(results: Path) -> list[Run]:
     return runs
 
 
+def previous_run(results: Path, run: Run) -> Run | None:
+    """The run of the same device before `run` (by the file name's date, then the name), or None."""
+    files = sorted((date, path.name, path) for date, path in matrix_files(results).get(run.device, []))
+    earlier = [path for date, name, path in files if path != run.path and (date, name) < (
+        _NAME.match(run.path.name)["date"], run.path.name)]  # type: ignore[index]  # fmt: skip
+    return load_run(earlier[-1], run.device) if earlier else None
+
+
+def regressions(new: Run, old: Run, threshold: float = 0.03) -> list[str]:
+    """One line for each timed row of `new` whose median is more than `threshold` below the same model, mode and
+    case in `old`, and for each cell that served in `old` and does not in `new` (what a closing note must name)."""
+    before = {(c.get("model"), c.get("mode")): c for c in old.cells if c.get("status") == "ok"}
+    lines = []
+    for cell in new.cells:
+        key = (cell.get("model"), cell.get("mode"))
+        then = before.get(key)
+        if then is None:
+            continue
+        if cell.get("status") != "ok":
+            lines.append(f"{key[0]} {key[1]}: {cell.get('status')} ({cell.get('line')}), served in {old.path.name}")
+            continue
+        for case, now in (cell.get("cases") or {}).items():
+            a, b = now.get("median"), ((then.get("cases") or {}).get(case) or {}).get("median")
+            if isinstance(a, int | float) and isinstance(b, int | float) and b > 0 and a < b * (1 - threshold):
+                lines.append(f"{key[0]} {key[1]} {case}: {a:.1f} against {b:.1f} ({a / b - 1:+.1%}) in "
+                             f"{old.path.name}")
+    return lines
+
+
 # -- formatting ---------------------------------------------------------------------------------------------------
 
 
@@ -432,9 +461,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS, help="the folder of *-matrix.json files")
     parser.add_argument("--out", type=Path, default=PAGE, help="the page to write (offline_docs/performance.md)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page on disk is stale")
+    parser.add_argument("--regressions", action="store_true",
+                        help="write nothing; print each row of the newest run more than 3%% below the run before it")
     args = parser.parse_args(argv)
     try:
-        page = render(latest_runs(args.results))
+        runs = latest_runs(args.results)
+        if args.regressions:
+            for run in runs:
+                old = previous_run(args.results, run)
+                found = regressions(run, old) if old else []
+                print(f"{run.path.name}: " + (f"against {old.path.name}, " if old else "no earlier run, ")
+                      + (f"{len(found)} rows worse by more than 3%" if found else "no row worse by more than 3%"))
+                for line in found:
+                    print(f"  {line}")
+            return 0
+        page = render(runs)
     except MatrixError as exc:
         print(f"perf_table: {exc}", file=sys.stderr)
         return 2
