@@ -1,12 +1,13 @@
 #!/bin/sh
-# The GPU acceptance matrix (verify/lab/gpu_matrix.py) on the device, in up to three calls on one warm machine: a
-# call moves at most 64 MiB, and the wheels (.whl, about 14 MiB) and the embedded GGUF's halves (about 47 MiB each)
-# do not fit two to a call. Here, once: `python -m envex.verify.lab.devcarry prepare` and the wheels
-# (offline_docs/benchmarking.md, "The GPU acceptance matrix"). Then, each call within 30 s of the last:
-#   call 1, carry .whl                    sh verify/lab/device_matrix.sh dense llama8b,qwen3-8b
-#   call 2, carry .devcarry/gguf/part-aa  sh verify/lab/device_matrix.sh stage mistral7b,gpt-oss-120b
-#   call 3, carry .devcarry/gguf/part-ab .devcarry/gguf/manifest.json
-#                                         sh verify/lab/device_matrix.sh embedded embedded --demo
+# The GPU acceptance matrix (verify/lab/gpu_matrix.py) on the device, in two calls on one warm machine: a call moves
+# at most 64 MiB, and the embedded GGUF (94 MiB) travels in two halves. Here, once: the halves and the wheels the
+# device image lacks (verify/lab/README.md, "The GPU acceptance matrix"). Then, the second call within 30 s:
+#   call 1, carry .whl .devcarry/gguf/part-aa .devcarry/gguf/manifest.json
+#        sh verify/lab/device_matrix.sh stage x --cells llama8b:default,llama8b:det,...     (part-aa stashed)
+#   call 2, carry .devcarry/gguf/part-ab .devcarry/gguf/manifest.json
+#        sh verify/lab/device_matrix.sh embedded x --cells embedded:default,... --demo      (GGUF joined)
+# `dense` runs cells of dummy-weight models alone (carry .whl). The second argument names models for --models when
+# no --cells is given.
 # Each call's $OUT/matrix.json holds its cells and every earlier call's (kept in .device/matrix/ on the machine),
 # so the last call's file is the whole run. Extra arguments after the models go to gpu_matrix (--modes, --demo).
 # ENVEX_MATRIX_DEADLINE (default 500 s): no cell starts after it; ENVEX_COMMIT names the commit measured (the
