@@ -43,7 +43,7 @@ WORKLOADS: dict[str, Workload] = {
     "1k-256": Workload(name="1k-256", prompt_tokens=1024, output_tokens=256, num_requests=16, concurrency=1),
     "10k-512": Workload(name="10k-512", prompt_tokens=10240, output_tokens=512, num_requests=8, concurrency=1),
     "chat": Workload(name="chat", prompt_tokens=0, output_tokens=256, num_requests=32, concurrency=8),
-    # Speculative decoding's pair (issue 16), single stream: code edits (the answer copies the prompt's file)
+    # Speculative decoding's pair, single stream: code edits (the answer copies the prompt's file)
     # and chat (little repetition: drafts rarely match).
     "code-edit": Workload(name="code-edit", prompt_tokens=0, output_tokens=1024, num_requests=16, concurrency=1,
                           source="code-edit"),
