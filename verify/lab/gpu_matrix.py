@@ -486,8 +486,10 @@ def main(argv: list[str] | None = None) -> int:
     sha, dirty = git_commit()
     report: dict[str, Any] = {"schema": SCHEMA, "env": environment(args.commit or sha), "cells": []}
     report["env"]["dirty"] = dirty if args.commit is None else False
-    for earlier in args.merge:
-        report["cells"] += json.loads(earlier.read_text())["cells"]
+    for earlier in args.merge:  # an earlier call's cells (and its demo and install, when it ran them)
+        data = json.loads(earlier.read_text())
+        report["cells"] += data["cells"]
+        report.update({k: data[k] for k in ("demo", "install") if k in data})
     bandwidth = None
     if args.bandwidth:
         from envex.verify.lab.kernel_bench._bench_lib import measure_bandwidth
