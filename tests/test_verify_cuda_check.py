@@ -81,6 +81,17 @@ def test_device_scripts_parse() -> None:
         subprocess.run([shell, "-n", str(script)], check=True)
 
 
+def test_device_scripts_change_to_the_repo_root() -> None:
+    """Each script that cds relative to itself lands at the repo root, where its paths (.devcarry/, .whl/, verify/lab/)
+    are: after the move into verify/lab/ the stage script went to verify/ and reported part-aa missing (H100,
+    2026-12-06)."""
+    import re
+
+    for script in sorted((REPO / "verify" / "lab").glob("device_*.sh")):
+        for target in re.findall(r'^cd "\$\(dirname "\$0"\)/([./]+)"$', script.read_text(), re.M):
+            assert (script.parent / target).resolve() == REPO.resolve(), (script.name, target)
+
+
 def test_device_setup_refuses_to_be_sourced_outside_the_repo_root(tmp_path: Path) -> None:
     """It links the top-level folders of the working directory into /tmp/ns/envex: only the repo root will do."""
     script = REPO / "verify" / "lab" / "device_setup.sh"

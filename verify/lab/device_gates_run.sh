@@ -7,7 +7,7 @@
 # 1 fail, 124 it ran past ENVEX_DEVICE_TIMEOUT seconds, default 540, inside the device's 600 s); 3 the setup
 # failed; 4 the random-weight fallback ran.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:?OUT must name the folder for the results}
 mkdir -p "$out"
 limit=${ENVEX_DEVICE_TIMEOUT:-540}

@@ -4,7 +4,7 @@
 # ignored files in the repo root stay on a warm machine until the next call. Call 2 (device_gates_run.sh) must
 # follow before the machine is given back (it stays warm about 30 s after a call).
 set -eu
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 stash=.device/stash
 src=.devcarry/gguf
 [ -f "$src/part-aa" ] || {

@@ -15,7 +15,7 @@
 # serve-bundle.log.
 # ENVEX_DEVICE_LIMIT (default 570 s) stops every step; no step starts after ENVEX_DEVICE_DEADLINE (default 480 s).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:?OUT must name the folder for the results}
 phase=${1:-run}
 work=$PWD/.device/install

@@ -6,7 +6,7 @@
 # field is the table for verify/lab/journal.md), $OUT/log.txt and the servers' logs.
 # Exit: bench_tp's status (124: it ran past ENVEX_DEVICE_TIMEOUT, default 530 s); 3 the setup failed.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${OUT:?OUT must name the folder for the results}
 mkdir -p "$out"
 limit=${ENVEX_DEVICE_TIMEOUT:-530}

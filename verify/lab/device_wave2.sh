@@ -22,7 +22,7 @@
 set -u
 phase=${1:?usage: device_wave2.sh a|b|c|d|e}
 out=${OUT:?OUT must name the folder for the results}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 work=/tmp/wave2/$phase
 mkdir -p "$work" /tmp/envex-stash /tmp/envex-model
 log=$out/$phase.log

@@ -21,7 +21,7 @@
 set -u
 phase=${1:?usage: device_wave3.sh t|p|q|r}
 out=${OUT:?OUT must name the folder for the results}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 work=/tmp/wave3/$phase
 mkdir -p "$work" /tmp/envex-stash /tmp/envex-model
 log=$out/$phase.log
