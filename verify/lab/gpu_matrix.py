@@ -384,7 +384,9 @@ def run_demo(out: Path, work: Path, port: int, timeout: float) -> tuple[dict[str
     prefix = work / "demo-prefix"
     demo: dict[str, Any] = {"status": "ok", "line": None}
     t0 = time.monotonic()
-    server = start([*ENVEX, "demo", "--device", "cuda", "--prefix", str(prefix)], port, out / "demo.log", env)
+    wheel = next((work / "wheel").glob("envex-*.whl"))  # the demo ships the wheel of this tree, as built above
+    server = start([*ENVEX, "demo", "--device", "cuda", "--prefix", str(prefix), "--wheel", str(wheel)], port,
+                   out / "demo.log", env)
     try:
         if not wait_ready(server, timeout):
             demo["status"], demo["line"] = outcome_before_ready(server)
@@ -398,7 +400,8 @@ def run_demo(out: Path, work: Path, port: int, timeout: float) -> tuple[dict[str
     install: dict[str, Any] = {"status": "skipped", "line": "the demo media were not built"}
     media = prefix / ".demo" / "media"
     # the fingerprint an operator is given out of band: demo --media-only prints it (the media exist: no rebuild)
-    shown = subprocess.run([*ENVEX, "demo", "--media-only", "--device", "cuda", "--prefix", str(prefix)],
+    shown = subprocess.run([*ENVEX, "demo", "--media-only", "--device", "cuda", "--prefix", str(prefix), "--wheel",
+                            str(wheel)],
                            capture_output=True, text=True, env=env, timeout=300, check=False).stdout  # fmt: skip
     fingerprint = re.search(r"trust fingerprint: (\S+)", shown)
     if (media / "bundles").is_dir() and fingerprint:
