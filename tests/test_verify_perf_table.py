@@ -81,6 +81,19 @@ def test_deterministic_cost_against_the_bar(results: Path) -> None:
     assert "| not measured | off |" in oss
 
 
+def test_the_baseline_is_the_det_off_cell_timed_in_more_cases(results: Path) -> None:
+    """A matrix may time `no-det` at batch 1 only beside a fully timed default that resolved to the same kernels:
+    the default is then the baseline, so the 10K and 64-concurrent costs are not left out."""
+    data = json.loads(FIXTURE.read_text())
+    nodet = next(c for c in data["cells"] if c["model"] == "llama8b" and c["mode"] == "no-det")
+    nodet["cases"] = {"b1_1k": nodet["cases"]["b1_1k"]}
+    (results / FIXTURE.name).write_text(json.dumps(data))
+    run = perf_table.latest_runs(results)[0]
+    det, base, compared = perf_table._det_pair(run, "llama8b")
+    assert compared == "`det` vs `default (det off)`" and base is not None and base["mode"] == "default"
+    assert set(perf_table.deterministic_costs(det, base)) == {"b1_1k", "b1_10k", "c64_1k", "ttft"}
+
+
 def test_a_default_that_is_on_without_clearing_the_bar_is_flagged(results: Path) -> None:
     data = json.loads(FIXTURE.read_text())
     for cell in data["cells"]:
@@ -97,7 +110,7 @@ def test_speculation_against_the_default_and_api_checks(results: Path) -> None:
                 "268.5 (1.09× of 245.3)", section="Speculative")
     assert "| 240.2 (1.04× of 231.0) | 3,950 (0.89× of 4,418) |" in spec
     assert "| 301.2 (1.23× of 245.3) | — | — |" in _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`draft`",
-                                                       "det off, 4 drafts, by llama1b", "301.2 (1.23× of 245.3)",
+                                                       "det off, 4 drafts, draft model", "301.2 (1.23× of 245.3)",
                                                        section="Speculative")
     api = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`draft`", "pass", section="API")
     assert "| pass | pass | **FAIL** | pass | pass | — |" in api

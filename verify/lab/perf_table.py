@@ -205,7 +205,7 @@ def _resolved(cell: Mapping[str, Any]) -> str:
     if isinstance(res.get("deterministic"), bool):
         parts.append("det on" if res["deterministic"] else "det off")
     if res.get("num_speculative_tokens"):
-        source = f"by {res['draft_model']}" if res.get("draft_model") else "n-gram"
+        source = "draft model" if res.get("drafter") == "draft_model" else "n-gram"
         parts.append(f"{res['num_speculative_tokens']} drafts, {source}")
     return _text(", ".join(parts)) if parts else DASH
 
@@ -288,12 +288,16 @@ def _det_pair(run: Run, model: object) -> tuple[Mapping[str, Any] | None, Mappin
     """The cells to compare for one model: `det` against `no-det`, or the default where it resolved to that mode."""
     default = _cell(run, model, "default")
     resolved = (default or {}).get("resolved") or {}
-    det, base = _cell(run, model, "det"), _cell(run, model, "no-det")
-    det_name, base_name = "det", "no-det"
+    det, det_name = _cell(run, model, "det"), "det"
     if det is None and default is not None and resolved.get("deterministic") is True:
         det, det_name = default, "default (det on)"
-    if base is None and default is not None and resolved.get("deterministic") is False:
-        base, base_name = default, "default (det off)"
+    # Both `no-det` and a default that resolved to it run the mode's kernels off: the one timed in more cases is
+    # the baseline (a matrix may time the default fully and `no-det` at batch 1 only); `no-det` on a tie.
+    bases = [(cell, name) for cell, name in ((_cell(run, model, "no-det"), "no-det"),
+                                             (default if resolved.get("deterministic") is False else None,
+                                              "default (det off)")) if cell is not None]  # fmt: skip
+    timed = [sum(_median(cell, case) is not None for case, _ in CASES) for cell, _ in bases]
+    base, base_name = bases[timed.index(max(timed))] if bases else (None, "no-det")
     return det, base, f"`{det_name}` vs `{base_name}`"
 
 
