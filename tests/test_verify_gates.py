@@ -175,6 +175,19 @@ def test_stopping_fails_on_a_stop_string_leak(verify_engine: LLMEngine) -> None:
     assert leaked and all(not c["ok"] for c in leaked)
 
 
+def test_stopping_says_which_cases_it_could_not_build(verify_engine: LLMEngine) -> None:
+    # Two tokens of output hold no 4-character string across a token boundary: no stop-string case can be built.
+    # The gate fails (each kind must run) and its summary counts only the cases run, naming the one left out.
+    r = check_stopping(verify_engine, prompts=[PROMPT], max_tokens=2, token_counts=(1,))
+    assert r.verdict == "fail"
+    assert "stop_string" not in r.evidence["kinds_covered"]
+    assert [u["case"].split(":")[0] for u in r.evidence["not_built"]] == ["2 of 2 stop_string"]
+    run = r.evidence["total"]
+    assert r.summary.startswith(f"{run}/{run} stopping cases run exact"), r.summary
+    assert "not built: 1 (2 of 2 stop_string: the output before EOS (2 tokens" in r.summary, r.summary
+    assert "fails: no stop_string case ran" in r.summary, r.summary
+
+
 # ---- needle -------------------------------------------------------------------------------------------------
 
 def test_needle_prompt_places_the_fact_at_depth(verify_engine: LLMEngine) -> None:

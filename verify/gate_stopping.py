@@ -69,8 +69,10 @@ def _judge(kind: str, params: SamplingParams, expect: dict[str, Any], got: Any, 
     }
 
 
-def _cases(tok: Any, tokens: list[int], max_tokens: int, token_counts: Sequence[int],
-           stops_per_prompt: int) -> list[tuple[str, SamplingParams, dict[str, Any]]]:
+def _cases(tok: Any, tokens: list[int], max_tokens: int, token_counts: Sequence[int], stops_per_prompt: int,
+           unbuilt: list[str]) -> list[tuple[str, SamplingParams, dict[str, Any]]]:
+    """The cases of one prompt; a case that cannot be built from the unconstrained output is named in `unbuilt`
+    with the reason (the gate's summary says so, instead of counting only what ran)."""
     eos = set(tok.eos_token_ids)
     first_eos = next((i for i, t in enumerate(tokens[:max_tokens]) if t in eos), None)
     greedy = {"temperature": 0.0, "max_tokens": max_tokens}
@@ -85,12 +87,21 @@ def _cases(tok: Any, tokens: list[int], max_tokens: int, token_counts: Sequence[
                       {"n_tokens": n, "tokens": tokens[:n], "finish_reason": "length"}))
     visible = tokens[:first_eos if first_eos is not None else max_tokens]  # what a client sees: up to the EOS
     text = tok.decode(visible)
-    for s in boundary_stops(tok, visible, text, stops_per_prompt):
+    stops = boundary_stops(tok, visible, text, stops_per_prompt)
+    for s in stops:
         cases.append(("stop_string", SamplingParams(**greedy, stop=(s,)),
                       {"text": text[:text.find(s)], "finish_reason": "stop"}))
+    if len(stops) < stops_per_prompt:
+        unbuilt.append(
+            f"{stops_per_prompt - len(stops)} of {stops_per_prompt} stop_string: the output before EOS "
+            f"({len(visible)} tokens, {len(text)} characters) has no other 4-character string that crosses a token "
+            "boundary and first occurs there"
+        )
     if len(text) >= 3:  # the start of a stop string that never completes: nothing may be held back at the end
         cases.append(("stop_partial_only", SamplingParams(**greedy, stop=(text[-3:] + "\u2603\u2603",)),
                       {"text": text, "finish_reason": "stop" if first_eos is not None else "length"}))
+    else:
+        unbuilt.append(f"stop_partial_only: the output before EOS has {len(text)} characters, fewer than 3")
     return cases
 
 
@@ -99,26 +110,38 @@ def check_stopping(engine: GateEngine, *, prompts: Sequence[str], max_tokens: in
     timer = Timer()
     tok = engine.tokenizer
     results: list[dict[str, Any]] = []
+    unbuilt: list[dict[str, str]] = []  # cases that could not be built, with why: never counted as exact
     for prompt in prompts:
         ids = chat_ids(tok, prompt)
         longest = max(max_tokens, *token_counts)  # the unconstrained run covers every case's length
         base = engine.generate([ids], SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True))[0]
-        cases = _cases(tok, base.token_ids, max_tokens, token_counts, stops_per_prompt)
+        missing: list[str] = []
+        cases = _cases(tok, base.token_ids, max_tokens, token_counts, stops_per_prompt, missing)
+        unbuilt += [{"prompt": prompt, "case": why} for why in missing]
         got = engine.generate([ids] * len(cases), [p for _, p, _ in cases])
         streamed = stream_many(engine, [(ids, p) for _, p, _ in cases])
         for (kind, params, expect), g, st in zip(cases, got, streamed, strict=True):
             results.append({"prompt": prompt, **_judge(kind, params, expect, g, st)})
     failed = [c for c in results if not c["ok"]]
     kinds = {c["kind"] for c in results}
-    complete = {"eos", "max_tokens", "stop_string"} <= kinds
+    required = ("eos", "max_tokens", "stop_string")
+    absent = [k for k in required if k not in kinds]
+    summary = (f"{len(results) - len(failed)}/{len(results)} stopping cases run exact ({', '.join(sorted(kinds))}; "
+               "streaming compared)")
+    if unbuilt:
+        summary += f"; not built: {len(unbuilt)} ({'; '.join(u['case'] for u in unbuilt[:2])}"
+        summary += ", ...)" if len(unbuilt) > 2 else ")"
+    if absent:
+        summary += f"; fails: no {', '.join(absent)} case ran (the gate needs each kind)"
     return GateResult(
         name=NAME,
-        verdict="pass" if not failed and complete else "fail",
+        verdict="pass" if not failed and not absent else "fail",
         thresholds={"rule": "every case exact: tokens, text, finish reason; streaming == non-streaming; "
-                    "no stop string or part of one emitted", "max_tokens": max_tokens,
+                    "no stop string or part of one emitted; at least one case of each kind: "
+                    + ", ".join(required), "max_tokens": max_tokens,
                     "token_counts": list(token_counts)},
-        evidence={"cases": results, "failed": len(failed), "total": len(results), "kinds_covered": sorted(kinds)},
+        evidence={"cases": results, "failed": len(failed), "total": len(results), "kinds_covered": sorted(kinds),
+                  "not_built": unbuilt},
         seconds=timer.seconds,
-        summary=f"{len(results) - len(failed)}/{len(results)} stopping cases exact (EOS, max_tokens, stop strings, "
-                "streaming)",
+        summary=summary,
     )
