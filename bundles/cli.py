@@ -7,6 +7,7 @@ input (a missing file, an invalid option value).
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -30,6 +31,7 @@ from envex.bundles.files import (
     write_file,
 )
 from envex.bundles.keys import generate_key, key_id, load_private_key, load_public_key, write_key_files
+from envex.bundles.layout import BUNDLES_DIR, ROOT_FILE, TRUST_DIR
 from envex.bundles.manifest import Kind, Requirement, Targets, first_error
 from envex.bundles.trust import MAX_KEYS, load_root, make_root, sign_root
 from envex.bundles.verify import verify_bundle
@@ -273,11 +275,35 @@ def make_root_command(
         typer.echo(f"note: not yet a loadable root: {exc.message}", err=True)
 
 
+def root_candidates(bundle: Path) -> list[Path]:
+    """Where `envex verify bundle` looks for a trust root when --trust is not given, in order: root.json beside the
+    bundle, then, for a bundle in a media's `bundles/` folder, the media's `trust/root.json` (bundles/layout.py)."""
+    candidates = [bundle.parent / ROOT_FILE]
+    if bundle.absolute().parent.name == BUNDLES_DIR:
+        candidates.append(bundle.absolute().parent.parent / TRUST_DIR / ROOT_FILE)
+    return candidates
+
+
+def default_root(bundle: Path) -> Path:
+    """The first of root_candidates(bundle) that exists; else one line naming where it looked, exit 2."""
+    candidates = root_candidates(bundle)
+    for path in candidates:
+        if os.path.lexists(path):
+            return path
+    _usage(f"no trust root found for {show(bundle)}: looked for {' and '.join(show(p) for p in candidates)}; pass "
+           "--trust ROOT (the media's trust/root.json, or the root published to you)")
+
+
 @verify_app.command("bundle")
 def verify_bundle_command(
     file: Annotated[Path, typer.Argument(help="The bundle (.envex) to verify.")],
     trust: Annotated[
-        Path | None, typer.Option("--trust", help="Trusted root.json (default: root.json beside the bundle).")
+        Path | None,
+        typer.Option(
+            "--trust",
+            help="Trusted root.json (default: root.json beside the bundle, else the media's trust/root.json for a "
+            "bundle in the media's bundles/ folder).",
+        ),
     ] = None,
     fingerprint: Annotated[
         str | None, typer.Option("--fingerprint", help="Require the trust root to have this sha256 fingerprint.")
@@ -289,7 +315,7 @@ def verify_bundle_command(
 ) -> None:
     """Verify a bundle offline; print what was verified, or the one check that failed (exit 1)."""
     _existing(file, "bundle")
-    root_path = trust if trust is not None else file.parent / "root.json"
+    root_path = trust if trust is not None else default_root(file)
     _existing(root_path, "trust root")
     try:
         root = load_root(root_path, fingerprint=fingerprint)
@@ -305,8 +331,8 @@ def verify_bundle_command(
         _failed(exc)
     if trust is None and fingerprint is None:  # after success, so that a failure stays one line on stderr
         typer.echo(
-            f"warning: trust root {show(root_path)} comes from beside the bundle and is not pinned; compare its "
-            f"fingerprint {root.fingerprint} with the published one, or pass --trust / --fingerprint",
+            f"warning: trust root {show(root_path)} was found beside the bundle or its media and is not pinned; "
+            f"compare its fingerprint {root.fingerprint} with the published one, or pass --trust / --fingerprint",
             err=True,
         )
     summary = verified.summary()

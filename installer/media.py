@@ -15,13 +15,11 @@ from pathlib import Path
 from envex.bundles import Check, TrustRoot, VerificationError, VerifiedBundle, load_root, rotate_root, verify_bundle
 from envex.bundles.archive import MANIFEST, BundleArchive
 from envex.bundles.files import FileProblem, from_os_error, require_directory, show, stat_or_none
+from envex.bundles.layout import BUNDLES_DIR, ROOT_FILE, TRUST_DIR  # the media layout, also imported from here
 from envex.bundles.manifest import Manifest
 from envex.installer.fsutil import atomic_write
 from envex.installer.state import PinnedTrust, State, now_ts
 
-BUNDLES_DIR = "bundles"
-TRUST_DIR = "trust"
-ROOT_FILE = "root.json"
 _ROTATION_FILE = re.compile(r"root-(\d{1,9})\.json")
 # Bundles read from one media: far more than any release needs (runtime, models, kernels per accelerator), few
 # enough that a directory of junk cannot keep the installer verifying for hours.

@@ -96,6 +96,26 @@ def test_root_beside_the_bundle_warns_unless_pinned(signed: tuple[Path, Path, Pa
     assert code == 0 and err == ""
 
 
+def test_without_trust_the_media_root_is_found(signed: tuple[Path, Path, Path], tmp_path: Path) -> None:
+    bundle, root, _ = signed
+    media = tmp_path / "media"  # the documented media: MEDIA/bundles/*.envex and MEDIA/trust/root.json
+    (media / "bundles").mkdir(parents=True)
+    (media / "trust").mkdir()
+    placed = media / "bundles" / bundle.name
+    placed.write_bytes(bundle.read_bytes())
+    (media / "trust" / "root.json").write_bytes(root.read_bytes())
+    code, out, err = run("verify", "bundle", placed)
+    assert code == 0, err
+    assert "verified envex-runtime 0.1.0" in out
+    assert "media/trust/root.json" in err and "not pinned" in err  # the root used is named, and unpinned
+    (media / "trust" / "root.json").unlink()
+    code, out, err = run("verify", "bundle", placed)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1, err
+    assert "no trust root found" in err and "media/bundles/root.json" in err and "media/trust/root.json" in err
+    assert "--trust" in err
+
+
 def test_usage_errors_exit_2(signed: tuple[Path, Path, Path], tmp_path: Path) -> None:
     bundle, root, key = signed
     assert run("verify", "bundle", tmp_path / "missing.envex", "--trust", root)[0] == 2
