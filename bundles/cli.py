@@ -144,6 +144,8 @@ def build(
             src, keyed = _kernels_from_model(ctx, kind, model, Path(tmp) / "payload", min_driver)
             given = {**keyed, **{k: v for k, v in given.items() if v not in (None, [])}}  # the options win
         assert src is not None
+        if kind is KindChoice.model:
+            _check_model_source(ctx, src)
         _build(src, kind, name, version, out, given, requires, expires_days, force)
 
 
@@ -165,6 +167,26 @@ def _kernels_from_model(
     except (ValueError, OSError, RuntimeError) as exc:
         typer.echo(f"error: --model {model}: {exc}", err=True)
         raise typer.Exit(EXIT_FAILED) from None
+
+
+MODEL_CARD_CHECK = "model_card_check"  # key of the typer context object: (src) -> None, ValueError when refused
+
+
+def _check_model_source(ctx: typer.Context, src: Path) -> None:
+    # The model card (envex-model.json) is the installer's format, which this package may not import: the envex
+    # command passes its check in (installer/commands.py), as the context object. Without it (bundles used on its
+    # own) the card is not checked here; the installer still refuses a bad one, at plan time.
+    check = (ctx.obj or {}).get(MODEL_CARD_CHECK) if isinstance(ctx.obj, dict) else None
+    if check is None:
+        return
+    try:
+        require_directory(src, what="--src")
+    except FileProblem as exc:
+        _usage(str(exc))
+    try:
+        check(src)
+    except ValueError as exc:
+        _usage(str(exc))
 
 
 def _build(

@@ -7,6 +7,7 @@ the bundle verified. Unknown keys are rejected.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -21,6 +22,7 @@ MODEL_CARD = "envex-model.json"
 RUNTIME_CARD = "envex-runtime.json"
 WHEELHOUSE = "wheelhouse"
 MAX_CARD_BYTES = 1 << 20
+CARD_DOCS = "offline_docs/install.md"  # where the cards' fields are described
 
 
 class CardError(ValueError):
@@ -95,8 +97,9 @@ def _read_card(bundle: VerifiedBundle, name: str) -> bytes:
 def _parse(cls: type[_Card], data: bytes, where: str) -> _Card:
     try:
         return validate_json(cls, data)
-    except ValueError as exc:
-        raise CardError(f"{where}: invalid ({exc})") from None
+    except ValueError as exc:  # validate_json's one line: "field: what is wrong" (or the JSON error)
+        raise CardError(f"{where}: invalid ({exc}); fix the card (its fields: {CARD_DOCS}) and build the bundle "
+                        "again") from None
 
 
 def model_card(bundle: VerifiedBundle) -> ModelCard:
@@ -115,4 +118,18 @@ def load_model_card(path: Path) -> ModelCard:
     data = read_regular_file(path, max_bytes=MAX_CARD_BYTES, what="model card")
     card = _parse(ModelCard, data, show(path))
     assert isinstance(card, ModelCard)
+    return card
+
+
+def check_model_source(src: Path) -> ModelCard:
+    """The card of a model bundle's source directory, checked before `envex bundle build --kind model` signs off on
+    it: present and valid. CardError in one line naming the file, the field and what to do."""
+    path = Path(src) / MODEL_CARD
+    if not os.path.lexists(path):
+        raise CardError(f"{show(path)}: missing; a model bundle needs its card {MODEL_CARD} in --src (its fields: "
+                        f"{CARD_DOCS}); write it, then build again")
+    try:
+        card = load_model_card(path)
+    except OSError as exc:
+        raise CardError(str(exc)) from None
     return card

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from envex.bundles.cli import KERNELS_FROM_MODEL, bundle_app, verify_app
+from envex.bundles.cli import KERNELS_FROM_MODEL, MODEL_CARD_CHECK, bundle_app, verify_app
 from envex.bundles.files import one_line
 from envex.installer.admin.cli import admin
 from envex.installer.cli import activate, demo, rollback, run_app, status
@@ -27,13 +27,21 @@ def _stage_kernels(model: str, dest: Path, min_driver: str | None) -> dict[str, 
     return stage_kernels(model, dest, min_driver=min_driver)
 
 
+def _check_model_card(src: Path) -> None:
+    """`envex bundle build --kind model`: the source's envex-model.json checked (cards.check_model_source; bundles
+    cannot read the installer's card); CardError, a ValueError, in one line when it is refused."""
+    from envex.installer.cards import check_model_source
+
+    check_model_source(src)
+
+
 app = typer.Typer(
     name="envex",
     help="Envex: an air-gappable inference runtime with an OpenAI-compatible API.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    context_settings={"obj": {KERNELS_FROM_MODEL: _stage_kernels}},
+    context_settings={"obj": {KERNELS_FROM_MODEL: _stage_kernels, MODEL_CARD_CHECK: _check_model_card}},
 )
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(verify_app, name="verify")

@@ -29,7 +29,7 @@ from envex.installer.media import (
     settle_trust,
     verify_all,
 )
-from envex.installer.plan import bundle_ref, chosen_model, make_plan, refuse_deterministic
+from envex.installer.plan import bundle_ref, check_cards, chosen_model, make_plan, refuse_deterministic
 from envex.installer.prefix import check_prefix, create_prefix, describe_os_error, is_envex_prefix
 from envex.installer.probe import probe
 from envex.installer.release import build_release, remove_release
@@ -178,8 +178,9 @@ def _mark_failed(prefix: Path, state: State, release_id: str, message: str) -> S
 def _verify(
     opts: InstallOptions, ui: InstallUI, confirm: Callable[[str], bool] | None, prefix: Path, state: State
 ) -> _Checked:
-    """Step 1: every bundle on the media verified against the pinned (or newly confirmed) trust root, and a choice
-    the model to install cannot take refused (--deterministic). Writes nothing."""
+    """Step 1: every bundle on the media verified against the pinned (or newly confirmed) trust root, the cards of
+    the runtime and model to install checked, and a choice the model cannot take refused (--deterministic). Writes
+    nothing."""
     scan = scan_media(opts.media)
     with ui.step("verify", total=len(scan.bundle_paths) + 1) as bar:
         decision = settle_trust(scan, state, prefix, trust_fingerprint=opts.trust_fingerprint, confirm=confirm)
@@ -195,8 +196,11 @@ def _verify(
             f"({verified.refused[0] if verified.refused else 'none verified'}); envex rollback goes back to an "
             "installed release"
         )
+    # Before the prefix, its trust pin or a slot is written: the cards (a missing or bad envex-model.json) and a
+    # choice the model cannot take; without a model, plan says so.
+    check_cards(verified.bundles, opts.model)
     model = chosen_model(verified.bundles, opts.model) if opts.deterministic else None
-    if model is not None:  # before the prefix, its trust pin or a slot is written; without one, plan says so
+    if model is not None:
         refuse_deterministic(model)
     return _Checked(decision, verified)
 

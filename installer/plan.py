@@ -20,7 +20,14 @@ from envex.bundles import SemVer, VerifiedBundle
 from envex.bundles.archive import BundleArchive
 from envex.bundles.kernel_cache import MAX_WHEEL_BYTES, KernelCacheError, wheel_kernel_digest
 from envex.bundles.verify import DISK_HEADROOM
-from envex.installer.cards import WHEELHOUSE, ModelCard, RuntimeCard, model_card, runtime_card
+from envex.installer.cards import (
+    WHEELHOUSE,
+    CardError,
+    ModelCard,
+    RuntimeCard,
+    model_card,
+    runtime_card,
+)
 from envex.installer.media import InstallError
 from envex.installer.probe import Probe
 from envex.installer.state import BundleRef
@@ -175,7 +182,7 @@ def make_plan(
         have = ", ".join(sorted({b.name for b in by_kind["model"]})) or "none"
         raise InstallError(f"plan: the media has no model bundle{named} (model bundles on the media: {have})")
     runtime = _newest(by_kind["runtime"])
-    rcard, mcard = runtime_card(runtime), model_card(model)
+    rcard, mcard = read_cards(runtime, model)
     if deterministic:
         refuse_deterministic(model)
     kernels = None
@@ -290,6 +297,34 @@ def tensor_parallel_degree(probe: Probe, *, weights: int, kv: int, budget: int, 
     return None
 
 
+def checked_model_card(model: VerifiedBundle) -> ModelCard:
+    """The model bundle's card, present and valid; InstallError in one line otherwise."""
+    label = f"model bundle {model.name} {model.version}"
+    try:
+        card = model_card(model)
+    except CardError as exc:
+        raise InstallError(f"plan: {label}: {exc}") from None
+    return card
+
+
+def read_cards(runtime: VerifiedBundle, model: VerifiedBundle) -> tuple[RuntimeCard, ModelCard]:
+    """Both cards of a plan, checked (checked_model_card); InstallError in one line when one is missing or bad."""
+    try:
+        rcard = runtime_card(runtime)
+    except CardError as exc:
+        raise InstallError(f"plan: runtime bundle {runtime.name} {runtime.version}: {exc}") from None
+    return rcard, checked_model_card(model)
+
+
+def check_cards(bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...], model_name: str | None) -> None:
+    """read_cards for the runtime and model a plan would choose, where the media has both (make_plan says what is
+    missing): the installer runs it before a first install creates the prefix, so a bad card leaves nothing."""
+    runtimes = [b for b in bundles if b.kind == "runtime"]
+    model = chosen_model(bundles, model_name)
+    if runtimes and model is not None:
+        read_cards(_newest(runtimes), model)
+
+
 def chosen_model(bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...], name: str | None) -> VerifiedBundle | None:
     """The model bundle a plan installs: the newest one (named `name`, when given), or None when there is none."""
     models = [b for b in bundles if b.kind == "model" and name in (None, b.name)]
@@ -301,7 +336,7 @@ def refuse_deterministic(model: VerifiedBundle) -> None:
     without batch-invariant kernels for every layer. On the CPU it runs (the torch backend's invariant forms)."""
     from envex.runtime.engine.config import has_invariant_kernels
 
-    architecture = model_card(model).architecture
+    architecture = checked_model_card(model).architecture
     if not has_invariant_kernels(architecture):
         raise InstallError(
             f"plan: --deterministic: {model.name} {model.version} ({architecture}) has no batch-invariant kernels "

@@ -131,6 +131,40 @@ def test_usage_errors_exit_2(signed: tuple[Path, Path, Path], tmp_path: Path) ->
     assert run("verify")[0] == 2
 
 
+def test_envex_bundle_build_refuses_a_model_without_a_valid_card(tmp_path: Path) -> None:
+    # Through the envex command, which passes the installer's card check in (bundles cannot import the installer).
+    from envex.installer.commands import app as envex_app
+    from envex.tests.support import installer as itest
+
+    def build(src: Path) -> tuple[int, str, str]:
+        result = runner.invoke(envex_app, ["bundle", "build", "--kind", "model", "--src", str(src), "--name", "m",
+                                           "--version", "1.0.0", "--out", str(tmp_path / "out")])
+        return result.exit_code, result.stdout, result.stderr
+
+    card = itest.fake_model_card()
+    src = itest.write_model_src(tmp_path / "src", card)
+    (src / "envex-model.json").unlink()
+    missing = {}
+    bad = card.model_dump(mode="json")
+    del bad["quantization"]
+    cases = {
+        "missing": (lambda: None, ["envex-model.json: missing", "write it"]),
+        "invalid": (lambda: (src / "envex-model.json").write_text(json.dumps(bad)),
+                    ["envex-model.json: invalid (quantization: Field required)", "offline_docs/install.md"]),
+    }
+    for what, (prepare, needles) in cases.items():
+        prepare()
+        code, out, err = build(src)
+        missing[what] = [n for n in needles if n not in err]
+        assert code == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), (what, err)
+        assert "Traceback" not in err
+    assert missing == dict.fromkeys(cases, []), missing
+    assert not (tmp_path / "out").exists(), "a refused card still wrote a bundle"
+    (src / "envex-model.json").write_text(card.model_dump_json())
+    code, out, err = build(src)
+    assert code == 0 and "built" in out, err
+
+
 def test_unsigned_bundle_fails_threshold(tmp_path: Path, signed: tuple[Path, Path, Path]) -> None:
     _, root, _ = signed
     src = tmp_path / "m"

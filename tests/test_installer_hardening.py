@@ -232,6 +232,44 @@ def test_a_failed_install_creates_nothing(world, tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+def _media_with_card(world, dest: Path, card: dict | None) -> Path:
+    """world's media 1.1.0 with its model bundle rebuilt (the Python API: no card check at build, as for media made
+    by hand or by an older envex) around `card` (None: no envex-model.json at all), and signed."""
+    shutil.copytree(world["media"]["1.1.0"], dest)
+    src = itest.write_model_src(dest.parent / f"{dest.name}-src", itest.fake_model_card())
+    if card is None:
+        (src / "envex-model.json").unlink()
+    else:
+        (src / "envex-model.json").write_text(json.dumps(card))
+    bundle = build_bundle(src, kind="model", name="fake-model", version="1.1.0", out=dest / "bundles", force=True)
+    sign_bundle(bundle, [world["key"]])
+    return dest
+
+
+def test_a_bad_model_card_is_one_line_before_anything_is_written(world, prefix, tmp_path):
+    good = itest.fake_model_card().model_dump(mode="json")
+    cases = {
+        "no-card": (None, ["plan: model bundle fake-model 1.1.0", "has no envex-model.json"]),
+        "bad-card": ({k: v for k, v in good.items() if k != "quantization"},
+                     ["envex-model.json: invalid (quantization: Field required)", "offline_docs/install.md"]),
+    }
+    before = load_state(prefix)
+    for name, (card, needles) in cases.items():
+        media = _media_with_card(world, tmp_path / name, card)
+        new = tmp_path / f"{name}-prefix"
+        line = one_line(install(world, media, new), *needles)
+        assert "internal error" not in line
+        assert not new.exists(), f"{name}: a refused first install left {sorted(p.name for p in new.iterdir())}"
+        # Into an installed prefix: refused before a release slot is made; the active release stays.
+        one_line(install(world, media, prefix), *needles)
+        after = load_state(prefix)
+        assert [r.id for r in after.releases] == [r.id for r in before.releases], name
+        assert after.active == before.active
+        assert sorted(p.name for p in (prefix / "releases").iterdir()) == [r.id for r in before.releases]
+    done = install(world, world["media"]["1.1.0"], tmp_path / "bad-card-prefix")  # the same prefix path, rerun
+    assert done.returncode == 0, done.stderr
+
+
 def test_admin_never_creates_a_token_outside_an_installed_prefix(tmp_path):
     for prefix in (tmp_path / "empty", tmp_path / "missing"):
         if prefix.name == "empty":
