@@ -10,6 +10,11 @@ set -eu
 MEDIA=$(cd "$(dirname "$0")" && pwd)
 PYTHON=${PYTHON:-python3}
 
+# One line before each step, so a long one (pip with a full wheelhouse takes minutes) is never silent.
+say() {
+    printf 'install.sh: %s\n' "$*"
+}
+
 if ! command -v "$PYTHON" >/dev/null 2>&1; then
     echo "error: $PYTHON not found; install python3 >= 3.11 or set PYTHON=/path/to/python3" >&2
     exit 2
@@ -19,10 +24,13 @@ if ! "$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else 1)
     exit 2
 fi
 
+say "$("$PYTHON" --version 2>&1) ($PYTHON); media $MEDIA"
+
 BOOT=$(mktemp -d "${TMPDIR:-/tmp}/envex-bootstrap.XXXXXX")
 trap 'rm -rf "$BOOT"' EXIT INT TERM
 
 # Unpack the newest runtime bundle's wheelhouse and card (tarfile's "data" filter refuses links and odd paths).
+say "[1/4] unpacking the newest runtime bundle in $MEDIA/bundles"
 MODE=$("$PYTHON" - "$MEDIA" "$BOOT" <<'PY'
 import json, re, sys, tarfile
 from pathlib import Path
@@ -39,25 +47,37 @@ with tarfile.open(bundles[-1]) as tar:
         m.name = m.name[len("payload/"):]
     tar.extractall(boot / "runtime", members=members, filter="data")
 card = json.loads((boot / "runtime" / "envex-runtime.json").read_text())
-print(card["wheelhouse"])
+print(card["wheelhouse"], bundles[-1].name)
 PY
 )
-
-"$PYTHON" -m venv "$BOOT/venv"
+BUNDLE=${MODE#* }
+MODE=${MODE%% *}
 WHEELS="$BOOT/runtime/wheelhouse"
+COUNT=$(find "$WHEELS" -maxdepth 1 -name '*.whl' | wc -l | tr -d ' ')
+if [ "$COUNT" = 1 ]; then WHEEL_S="1 wheel"; else WHEEL_S="$COUNT wheels"; fi
+say "      $BUNDLE: $WHEEL_S, $MODE wheelhouse"
+
+say "[2/4] creating a temporary venv with $PYTHON -m venv"
+"$PYTHON" -m venv "$BOOT/venv"
+# pip without -q: its own lines (and, where its version has one, its install progress bar) show it working.
 if [ "$MODE" = "complete" ]; then
-    "$BOOT/venv/bin/python" -m pip install --isolated --no-index --no-cache-dir --disable-pip-version-check -q \
+    say "[3/4] installing envex and its dependencies from the $WHEEL_S (pip --no-index: nothing is downloaded);" \
+        "a full wheelhouse takes a few minutes"
+    "$BOOT/venv/bin/python" -m pip install --isolated --no-index --no-cache-dir --disable-pip-version-check \
         --find-links "$WHEELS" envex
 else
     # Demo wheelhouse: envex only; its dependencies come from $PYTHON's own environment, offline.
+    say "[3/4] installing the $WHEEL_S of the demo wheelhouse (pip --no-index: nothing is downloaded);" \
+        "envex's dependencies come from $PYTHON's environment"
     "$PYTHON" -c 'import site, sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
         > "$("$BOOT/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_envex_demo_deps.pth"
-    "$BOOT/venv/bin/python" -m pip install --isolated --no-index --no-cache-dir --disable-pip-version-check -q \
+    "$BOOT/venv/bin/python" -m pip install --isolated --no-index --no-cache-dir --disable-pip-version-check \
         --no-deps --ignore-installed "$WHEELS"/*.whl
 fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+say "[4/4] running envex-install: it verifies every bundle on the media before anything is installed"
 set +e
 "$BOOT/venv/bin/envex-install" --media "$MEDIA" "$@"
 STATUS=$?
