@@ -73,6 +73,28 @@ else
         > "$("$BOOT/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_envex_demo_deps.pth"
     "$BOOT/venv/bin/python" -m pip install --isolated --no-index --no-cache-dir --disable-pip-version-check \
         --no-deps --ignore-installed "$WHEELS"/*.whl
+    # A plain python3 lacks them: name what is missing in one line, not envex-install's ModuleNotFoundError.
+    MISSING=$("$BOOT/venv/bin/python" - <<'PY'
+import re
+from importlib.metadata import PackageNotFoundError, distribution, version
+missing = []
+for req in distribution("envex").requires or []:
+    spec, _, marker = req.partition(";")
+    if "extra" in marker:
+        continue
+    try:
+        version(re.match(r"[A-Za-z0-9._-]+", spec.strip()).group(0))
+    except PackageNotFoundError:
+        missing.append(spec.strip().replace(" ", ""))
+print(" ".join(missing))
+PY
+)
+    if [ -n "$MISSING" ]; then
+        echo "error: $PYTHON lacks envex's dependencies $MISSING (demo media carry the envex wheel only and take" \
+            "the rest from the python that runs install.sh): run it with PYTHON=/path/to/a/python3 that has them," \
+            "or install them into $PYTHON's environment, or use media with a complete wheelhouse" >&2
+        exit 2
+    fi
 fi
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 DO_NOT_TRACK=1

@@ -1,5 +1,6 @@
 """The media's `install.sh` (issue 40): it says what it is doing before each long step, with the count of wheels, and
-lets pip print its own progress.
+lets pip print its own progress; demo media run with a python3 that lacks envex's dependencies stop in one line
+naming them, not in envex-install's ModuleNotFoundError.
 
 install.sh verifies nothing itself (envex-install does, first), so the runtime bundle here is an unsigned tar of the
 payload it reads: `envex-runtime.json` and `wheelhouse/`. The demo cases carry the real envex wheel; `--help` stands
@@ -97,3 +98,20 @@ def test_each_step_is_announced_with_the_wheel_count_complete(tmp_path: Path) ->
     assert out.index("[3/4]") < out.index("Successfully installed envex-0.1.0") < out.index("[4/4]")
     assert f"envex-install --media {media} --prefix /nowhere" in out
 
+
+def test_demo_media_with_a_python_lacking_the_dependencies_fail_in_one_line(tmp_path: Path, envex_wheel: Path) -> None:
+    # A python3 without site-packages (-S): what a plain system python3 is to envex, whatever this host has installed.
+    bare = tmp_path / "python3-bare"
+    bare.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    bare.chmod(0o755)
+    media = make_media(tmp_path / "media", [envex_wheel], "demo")
+    done = run_install_sh(media, str(bare), "--prefix", str(tmp_path / "prefix"))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr and "ModuleNotFoundError" not in done.stderr
+    errors = done.stderr.strip().splitlines()
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith(f"error: {bare} lacks envex's dependencies ")
+    listed = errors[0].split(" lacks envex's dependencies ")[1].split(" (demo media")[0].split()
+    assert "typer>=0.12" in listed and "torch>=2.4" in listed and not any("pytest" in d for d in listed)  # no extras
+    assert "PYTHON=" in errors[0] and "complete wheelhouse" in errors[0]
+    assert "[4/4]" not in done.stdout and not (tmp_path / "prefix").exists()
