@@ -6,8 +6,10 @@ the bundle verified. Unknown keys are rejected.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal
 
@@ -121,9 +123,33 @@ def load_model_card(path: Path) -> ModelCard:
     return card
 
 
+def weights_problem(card: ModelCard, files: Collection[str]) -> str | None:
+    """Why the card's `weights` does not name what its format loads among the model payload's `files` (paths
+    relative to the payload root), or None when it does: for `gguf` a .gguf file of the payload, for `hf` a
+    directory of it ("." for the payload root) holding config.json. The phrase names the field, the path and the
+    payload's paths that come closest."""
+    paths = set(files)
+    if card.format == "gguf":
+        if card.weights in paths and card.weights.endswith(".gguf"):
+            return None
+        pool = sorted(f for f in paths if f.endswith(".gguf")) or sorted(paths)
+        want = "a .gguf file of the payload"
+    else:
+        folder = card.weights.rstrip("/")
+        if ("config.json" if folder == "." else f"{folder}/config.json") in paths:
+            return None
+        dirs = sorted({f.rpartition("/")[0] or "." for f in paths if f.rpartition("/")[2] == "config.json"})
+        pool = dirs or sorted({f.rpartition("/")[0] or "." for f in paths})
+        want = 'a directory of the payload holding config.json ("." for the payload root)'
+    close = difflib.get_close_matches(card.weights, pool, n=3, cutoff=0.4) or pool[:3]
+    return (f"{MODEL_CARD} field `weights` is {card.weights!r}, which is not {want}; the payload's closest: "
+            f"{', '.join(close) or 'none (the payload is empty)'}")
+
+
 def check_model_source(src: Path) -> ModelCard:
     """The card of a model bundle's source directory, checked before `envex bundle build --kind model` signs off on
-    it: present and valid. CardError in one line naming the file, the field and what to do."""
+    it: present, valid, and its `weights` naming a file (GGUF) or directory (HF) of `src`. CardError in one line
+    naming the file, the field and what to do."""
     path = Path(src) / MODEL_CARD
     if not os.path.lexists(path):
         raise CardError(f"{show(path)}: missing; a model bundle needs its card {MODEL_CARD} in --src (its fields: "
@@ -132,4 +158,12 @@ def check_model_source(src: Path) -> ModelCard:
         card = load_model_card(path)
     except OSError as exc:
         raise CardError(str(exc)) from None
+    files = [
+        (Path(directory) / name).relative_to(src).as_posix()
+        for directory, _, names in os.walk(src, followlinks=False)
+        for name in names
+    ]
+    problem = weights_problem(card, files)
+    if problem is not None:
+        raise CardError(f"{show(path)}: {problem}; fix the card or the files in --src, then build again")
     return card

@@ -196,8 +196,8 @@ def _verify(
             f"({verified.refused[0] if verified.refused else 'none verified'}); envex rollback goes back to an "
             "installed release"
         )
-    # Before the prefix, its trust pin or a slot is written: the cards (a missing or bad envex-model.json) and a
-    # choice the model cannot take; without a model, plan says so.
+    # Before the prefix, its trust pin or a slot is written: the cards (a missing or bad envex-model.json, a
+    # `weights` path not in the payload) and a choice the model cannot take; without a model, plan says so.
     check_cards(verified.bundles, opts.model)
     model = chosen_model(verified.bundles, opts.model) if opts.deterministic else None
     if model is not None:

@@ -27,6 +27,7 @@ from envex.installer.cards import (
     RuntimeCard,
     model_card,
     runtime_card,
+    weights_problem,
 )
 from envex.installer.media import InstallError
 from envex.installer.probe import Probe
@@ -298,12 +299,18 @@ def tensor_parallel_degree(probe: Probe, *, weights: int, kv: int, budget: int, 
 
 
 def checked_model_card(model: VerifiedBundle) -> ModelCard:
-    """The model bundle's card, present and valid; InstallError in one line otherwise."""
+    """The model bundle's card, valid and its `weights` naming a file (GGUF) or directory (HF) of the verified
+    payload; InstallError in one line otherwise, before any release slot is made (a wrong path used to build the
+    whole release and fail only when the gates loaded it)."""
     label = f"model bundle {model.name} {model.version}"
     try:
         card = model_card(model)
     except CardError as exc:
         raise InstallError(f"plan: {label}: {exc}") from None
+    problem = weights_problem(card, [f.path for f in model.manifest.files])
+    if problem is not None:
+        raise InstallError(f"plan: {label} ({model.path.name}): {problem}; the bundle's publisher must fix the card "
+                           "and sign the bundle again")
     return card
 
 

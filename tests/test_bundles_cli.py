@@ -151,6 +151,13 @@ def test_envex_bundle_build_refuses_a_model_without_a_valid_card(tmp_path: Path)
         "missing": (lambda: None, ["envex-model.json: missing", "write it"]),
         "invalid": (lambda: (src / "envex-model.json").write_text(json.dumps(bad)),
                     ["envex-model.json: invalid (quantization: Field required)", "offline_docs/install.md"]),
+        "weights": (lambda: (src / "envex-model.json").write_text(card.model_copy(update={"weights": "fak.gguf"})
+                                                                   .model_dump_json()),
+                    ["field `weights` is 'fak.gguf'", "closest: fake.gguf"]),
+        "hf dir": (lambda: (src / "envex-model.json").write_text(card.model_copy(update={"format": "hf",
+                                                                                          "weights": "."})
+                                                                  .model_dump_json()),
+                   ["field `weights` is '.'", "config.json"]),
     }
     for what, (prepare, needles) in cases.items():
         prepare()

@@ -252,6 +252,8 @@ def test_a_bad_model_card_is_one_line_before_anything_is_written(world, prefix, 
         "no-card": (None, ["plan: model bundle fake-model 1.1.0", "has no envex-model.json"]),
         "bad-card": ({k: v for k, v in good.items() if k != "quantization"},
                      ["envex-model.json: invalid (quantization: Field required)", "offline_docs/install.md"]),
+        "bad-weights": ({**good, "weights": "fak.gguf"},
+                        ["plan: model bundle fake-model 1.1.0", "field `weights` is 'fak.gguf'", "closest: fake.gguf"]),
     }
     before = load_state(prefix)
     for name, (card, needles) in cases.items():
@@ -266,7 +268,7 @@ def test_a_bad_model_card_is_one_line_before_anything_is_written(world, prefix, 
         assert [r.id for r in after.releases] == [r.id for r in before.releases], name
         assert after.active == before.active
         assert sorted(p.name for p in (prefix / "releases").iterdir()) == [r.id for r in before.releases]
-    done = install(world, world["media"]["1.1.0"], tmp_path / "bad-card-prefix")  # the same prefix path, rerun
+    done = install(world, world["media"]["1.1.0"], tmp_path / "bad-weights-prefix")  # the same prefix path, rerun
     assert done.returncode == 0, done.stderr
 
 
