@@ -16,6 +16,7 @@ from envex.bundles.cli import KERNELS_FROM_MODEL, MODEL_CARD_CHECK, bundle_app, 
 from envex.bundles.files import one_line
 from envex.installer.admin.cli import admin
 from envex.installer.cli import activate, demo, rollback, run_app, status
+from envex.installer.media_cli import media_app
 from envex.runtime.loader import EMBEDDED_MODEL
 from envex.verify.cli import bench, gates_app
 
@@ -46,6 +47,7 @@ app = typer.Typer(
 app.add_typer(bundle_app, name="bundle")
 app.add_typer(verify_app, name="verify")
 app.add_typer(gates_app, name="gates")
+app.add_typer(media_app, name="media")
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help=f"HF model dir, .gguf file, or {EMBEDDED_MODEL!r}")]
 DeviceOpt = Annotated[str, typer.Option(help="auto | cpu | cuda")]
