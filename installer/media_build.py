@@ -286,6 +286,9 @@ def load_signers(keys_dir: Path) -> Signers:
         root = load_root(root_path)
     except VerificationError as exc:
         raise InstallError(f"{show(root_path)}: not a valid trust root: {exc.message}") from None
+    if root.expires_at <= datetime.now(UTC):
+        raise InstallError(f"{show(root_path)}: trust root version {root.version} expired at {root.signed.expires}; "
+                           "make a newer one with `envex bundle make-root --version N+1`")  # fmt: skip
     role = root.signed.roles.bundles
     held = {key_id(k): k for k in private if key_id(k) in role.keyids}
     if len(held) < role.threshold:

@@ -318,3 +318,26 @@ def test_target_platforms_list_the_older_glibc_tags():
     tags = Target(platform="manylinux_2_28_x86_64").platforms()
     assert tags[0] == "manylinux_2_28_x86_64" and "manylinux_2_17_x86_64" in tags and "manylinux2014_x86_64" in tags
     assert Target(platform="win_amd64").platforms() == ["win_amd64"]
+
+
+def test_kernel_bundles_given_are_added_and_signed(tmp_path, capsys, wheels, keys):
+    from envex.bundles import build_bundle
+
+    src = tmp_path / "ksrc"
+    src.mkdir()
+    (src / "envex-kernels.json").write_text("{}")
+    kernels = build_bundle(src, kind="kernels", name="m-kernels", version="1.0.0", out=tmp_path, targets={
+        "accelerators": ["sm_90"], "min_driver": "580", "python": ">=3.12,<3.13", "torch": "==2.11.0",
+        "triton": "==3.6.0", "cuda": "==13.0", "kernel_sources": "0" * 64,
+    }, requires=[{"name": "m", "kind": "model", "version": "==1.0.0"}])  # fmt: skip
+    out = tmp_path / "media"
+    code, _, err = media_build(capsys, write_tiny_hf(tmp_path / "m"), out, keys, wheels["envex"], wheels["index"],
+                               "--kernels", str(kernels))  # fmt: skip
+    assert code == 0, err
+    root = load_root(out / "trust" / "root.json")
+    assert verify_bundle(out / "bundles" / "m-kernels-1.0.0.envex", root=root).kind == "kernels"
+    # A model bundle given as --kernels is refused before anything is built.
+    model_bundle = out / "bundles" / "m-1.0.0.envex"
+    code, _, err = media_build(capsys, tmp_path / "m", tmp_path / "other", keys, wheels["envex"], wheels["index"],
+                               "--kernels", str(model_bundle))  # fmt: skip
+    assert code == 2 and "a model bundle, not a kernels bundle" in err and not (tmp_path / "other").exists()
