@@ -33,7 +33,7 @@ from envex.bundles import (
     sign_bundle,
     verify_bundle,
 )
-from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, ModelCard, ModelDefaults, RuntimeCard, SmokeTest
+from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, ModelCard, RuntimeCard
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR, InstallError
 
 RUNTIME_BUNDLE = "envex-runtime"
@@ -112,28 +112,11 @@ def build_envex_wheel(out_dir: Path, root: Path | None = None) -> Path:
 
 
 def model_card_for(path: Path, served_name: str) -> ModelCard:
-    """The card of a GGUF file, from its metadata (architecture, sizes, window)."""
-    from envex.runtime.loader import load_model_config
+    """The card of a .gguf file or an HF directory, from its metadata and weights (installer/model_card.py, which
+    `envex media build` uses too: one definition of the card's fields and defaults)."""
+    from envex.installer.model_card import card_for_model
 
-    c = load_model_config(str(path))
-    attention = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
-    layer = attention + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
-    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    quantization = path.stem.rsplit(".", 1)[-1] if "." in path.stem else "gguf"
-    return ModelCard(
-        served_name=served_name,
-        format="gguf",
-        weights=path.name,
-        architecture=c.architecture,
-        parameters=embeddings + c.num_hidden_layers * layer + c.hidden_size,
-        num_layers=c.num_hidden_layers,
-        num_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
-        max_position_embeddings=c.max_position_embeddings,
-        quantization=quantization,
-        defaults=ModelDefaults(max_model_len=min(2048, c.max_position_embeddings), max_num_seqs=8),
-        smoke=SmokeTest(prompt="What is the capital of France?", expect="Paris"),
-    )
+    return card_for_model(path, served_name)
 
 
 def demo_trust(keys_dir: Path) -> tuple[Path, Path, str]:
