@@ -63,6 +63,9 @@ from envex.installer.model_card import card_for_model
 # https://download.pytorch.org/whl/cpu (give it as --extra-index-url, or its wheel in --find-links).
 TORCH_VERSION = "2.11.0"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+# What the appliance's gates need beyond envex's own dependencies: transformers loads the HF reference of a GGUF
+# model only with accelerate (the first CPU install from a complete wheelhouse failed its gates without it).
+GATE_REQUIREMENTS = ("accelerate>=0.30",)
 TorchVariant = Literal["cpu", "cu130"]
 ROOT_LIFETIME = timedelta(days=365)
 _NAME = re.compile(r"[^a-z0-9._-]+")
@@ -192,7 +195,8 @@ def build_media(request: MediaRequest, step: Step | None = None) -> BuiltMedia:
         wheels = build_wheelhouse(runtime_src / WHEELHOUSE, request.target, request.source, request.envex_wheel,
                                   on_line=step)  # fmt: skip
         envex_version = next(w.name.split("-")[1] for w in wheels if w.name.startswith("envex-"))
-        rcard = RuntimeCard(wheelhouse="complete", install=[f"envex=={envex_version}"], envex_version=envex_version,
+        rcard = RuntimeCard(wheelhouse="complete", install=[f"envex=={envex_version}", *GATE_REQUIREMENTS],
+                            envex_version=envex_version,
                             python=request.target.python_specifier)  # fmt: skip
         (runtime_src / RUNTIME_CARD).write_text(rcard.model_dump_json(indent=2) + "\n")
         step("bundling the runtime")
@@ -320,8 +324,8 @@ def build_wheelhouse(
     on_line: Step | None = None,
 ) -> list[Path]:
     """Every wheel envex needs on `target`, in `dest`: the envex wheel (built from this source tree unless given)
-    and what pip resolves from its dependencies and the target's torch. A wheel missing for the target is named
-    in one InstallError."""
+    and what pip resolves from its dependencies, the target's torch and what the gates need (GATE_REQUIREMENTS).
+    A wheel missing for the target is named in one InstallError."""
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="envex-wheel-") as tmp:
         if envex_wheel is None:
@@ -330,7 +334,8 @@ def build_wheelhouse(
             if not envex_wheel.is_file() or not envex_wheel.name.startswith("envex-"):
                 raise InstallError(f"--envex-wheel {show(envex_wheel)}: not an envex-*.whl file")
             wheel = envex_wheel
-        cmd = pip_download_command(dest, [str(wheel.resolve()), target.torch_requirement], target, source)
+        requirements = [str(wheel.resolve()), target.torch_requirement, *GATE_REQUIREMENTS]
+        cmd = pip_download_command(dest, requirements, target, source)
         lines = _run_streaming(cmd, on_line)
     if lines[0] != 0:
         raise InstallError(_pip_failure(lines[1], target, source))

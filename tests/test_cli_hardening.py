@@ -312,7 +312,7 @@ def test_every_command_fails_in_one_line_on_any_path(world, tmp_path_factory):
     @FUZZ
     @given(path=_paths(world), other=_paths(world), command=st.sampled_from([
         "verify", "trust", "sign", "key", "build-src", "build-out", "make-root", "status", "rollback", "activate",
-        "serve", "install-media", "install-prefix", "keygen-out",
+        "serve", "install-media", "install-prefix", "keygen-out", "media-model",
     ]))
     def check(path: str, other: str, command: str) -> None:
         b, t, k, s = str(world["bundle"]), str(world["trust"]), str(world["key"]), str(world["src"])
@@ -336,6 +336,8 @@ def test_every_command_fails_in_one_line_on_any_path(world, tmp_path_factory):
             "activate": ["activate", "0001-x", "--prefix", path],
             "serve": ["serve", "--launch", path],
             "keygen-out": ["bundle", "keygen", "--out", f"{w}/sub-{uuid.uuid4().hex}", "--name", "k"],
+            # refused at the model, before any key is read or wheel resolved (no path here is a model)
+            "media-model": ["media", "build", "--model", path, "--out", str(cwd / "media"), "--keys", str(cwd)],
         }.get(command)
         before = sorted(os.listdir(cwd))
         if command.startswith("install"):

@@ -52,6 +52,7 @@ def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     index = tmp_path_factory.mktemp("index")
     _wheel(index, "tinydep", "1.0", [])
+    _wheel(index, "accelerate", "1.0", [])
     _wheel(index, "torch", TORCH_VERSION, [])
     cpu = tmp_path_factory.mktemp("cpu-index")  # as PyTorch's CPU index: torch 2.11.0+cpu
     _wheel(cpu, "torch", f"{TORCH_VERSION}+cpu", [])
@@ -151,8 +152,10 @@ def test_a_tiny_hf_model_becomes_signed_media_with_a_complete_wheelhouse(tmp_pat
 
     runtime = verify_bundle(out / "bundles" / names[0], root=root)
     rcard = RuntimeCard.model_validate_json(runtime.read_file(RUNTIME_CARD))
-    assert rcard.wheelhouse == "complete" and rcard.install == ["envex==0.1.0"] and rcard.python == ">=3.12,<3.13"
+    assert rcard.wheelhouse == "complete" and rcard.install == ["envex==0.1.0", "accelerate>=0.30"]
+    assert rcard.python == ">=3.12,<3.13"
     assert sorted(f.path for f in runtime.manifest.files if f.path.startswith(WHEELHOUSE)) == [
+        f"{WHEELHOUSE}/accelerate-1.0-py3-none-any.whl",
         f"{WHEELHOUSE}/envex-0.1.0-py3-none-any.whl", f"{WHEELHOUSE}/tinydep-1.0-py3-none-any.whl",
         f"{WHEELHOUSE}/torch-{TORCH_VERSION}-py3-none-any.whl",
     ]  # fmt: skip
