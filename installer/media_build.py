@@ -395,10 +395,10 @@ def _stage_model(model: Path, dest: Path) -> None:
     dest.mkdir(parents=True)
     files = [model] if model.is_file() else sorted(p for p in model.iterdir() if p.is_file() and p.name != MODEL_CARD)
     for path in files:
-        try:
-            os.link(path, dest / path.name)
+        try:  # resolved: an HF cache snapshot's files are symlinks to its blobs, and bundles hold regular files
+            os.link(path.resolve(), dest / path.name)
         except OSError:
-            shutil.copyfile(path, dest / path.name)
+            shutil.copyfile(path.resolve(), dest / path.name)
 
 
 @contextmanager

@@ -240,8 +240,12 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(tmp_path, capsys, wheels, 
     _refused(capsys, tmp_path, wheels, keys, model, "tokenizer.json", "vocab_size", "another model's")
 
 
-def test_padding_of_the_vocabulary_is_accepted(tmp_path, capsys, wheels, keys):
+def test_padding_of_the_vocabulary_is_accepted_and_symlinked_files_are_bundled(tmp_path, capsys, wheels, keys):
     model = write_tiny_hf(tmp_path / "m", vocab=VOCAB + 64)
+    blob = tmp_path / "blobs" / "abc123"  # as an HF cache snapshot: each file a symlink to a blob
+    blob.parent.mkdir()
+    (model / "tokenizer.json").rename(blob)
+    (model / "tokenizer.json").symlink_to(blob)
     code, _, err = media_build(capsys, model, tmp_path / "media", keys, wheels["envex"], wheels["index"])
     assert code == 0, err
 
