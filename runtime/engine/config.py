@@ -148,7 +148,7 @@ MAX_TENSOR_PARALLEL = 8  # the GPUs of one NVLink host (and the one-shot all-red
 
 # The most the deterministic mode may cost a model, against the default kernels measured in the same run through
 # `envex serve` on the GPU, for the mode to be that model's default: a fraction (0.05: 5% slower; for TTFT, 5%
-# later). Keys: the cases of verify/lab/kernel_bench/bench_server.py. Until a model meets every limit, the mode
+# later). Keys: the GPU acceptance matrix's cases (verify/lab/gpu_matrix.py). Until a model meets every limit, the mode
 # is off by default for it (EngineConfig.deterministic).
 DETERMINISTIC_BAR: Mapping[str, float] = MappingProxyType({
     "b1_1k": 0.05,  # tokens/s at batch 1, 1K-token prompts
