@@ -374,7 +374,7 @@ def test_out_of_range_numbers_are_one_line(world, tmp_path_factory):
     @given(days=st.integers(min_value=-(2**80), max_value=2**80), port=st.integers(min_value=-(2**70), max_value=2**70))
     def check(days: int, port: int) -> None:
         code, err = _in_process(commands.main, [
-            "bundle", "build", "--kind", "model", "--src", str(world["src"]), "--name", "m", "--version", "1.0.0",
+            "bundle", "build", "--kind", "runtime", "--src", str(world["src"]), "--name", "m", "--version", "1.0.0",
             "--out", str(out / "m.envex"), "--force", "--expires-days", str(days)])
         if 1 <= days <= 36500:
             assert code == 0, err
