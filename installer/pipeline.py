@@ -29,7 +29,7 @@ from envex.installer.media import (
     settle_trust,
     verify_all,
 )
-from envex.installer.plan import bundle_ref, check_cards, chosen_model, make_plan, refuse_deterministic
+from envex.installer.plan import bundle_ref, check_cards, make_plan, refuse_deterministic
 from envex.installer.prefix import check_prefix, create_prefix, describe_os_error, is_envex_prefix
 from envex.installer.probe import probe
 from envex.installer.release import build_release, remove_release
@@ -198,10 +198,9 @@ def _verify(
         )
     # Before the prefix, its trust pin or a slot is written: the cards (a missing or bad envex-model.json, a
     # `weights` path not in the payload) and a choice the model cannot take; without a model, plan says so.
-    check_cards(verified.bundles, opts.model)
-    model = chosen_model(verified.bundles, opts.model) if opts.deterministic else None
-    if model is not None:
-        refuse_deterministic(model)
+    checked = check_cards(verified.bundles, opts.model)
+    if opts.deterministic and checked is not None:
+        refuse_deterministic(*checked)
     return _Checked(decision, verified)
 
 

@@ -185,7 +185,7 @@ def make_plan(
     runtime = _newest(by_kind["runtime"])
     rcard, mcard = read_cards(runtime, model)
     if deterministic:
-        refuse_deterministic(model)
+        refuse_deterministic(model, mcard)
     kernels = None
     if mode == "cuda":
         kernels = _choose_kernels(by_kind["kernels"], probe, runtime, model, notes)
@@ -323,13 +323,16 @@ def read_cards(runtime: VerifiedBundle, model: VerifiedBundle) -> tuple[RuntimeC
     return rcard, checked_model_card(model)
 
 
-def check_cards(bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...], model_name: str | None) -> None:
+def check_cards(bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...],
+                model_name: str | None) -> tuple[VerifiedBundle, ModelCard] | None:  # fmt: skip
     """read_cards for the runtime and model a plan would choose, where the media has both (make_plan says what is
-    missing): the installer runs it before a first install creates the prefix, so a bad card leaves nothing."""
+    missing): the installer runs it before a first install creates the prefix, so a bad card leaves nothing.
+    Returns the model bundle with its checked card, or None where the media lacks one of the two."""
     runtimes = [b for b in bundles if b.kind == "runtime"]
     model = chosen_model(bundles, model_name)
-    if runtimes and model is not None:
-        read_cards(_newest(runtimes), model)
+    if not runtimes or model is None:
+        return None
+    return model, read_cards(_newest(runtimes), model)[1]
 
 
 def chosen_model(bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...], name: str | None) -> VerifiedBundle | None:
@@ -338,12 +341,13 @@ def chosen_model(bundles: list[VerifiedBundle] | tuple[VerifiedBundle, ...], nam
     return _newest(models) if models else None
 
 
-def refuse_deterministic(model: VerifiedBundle) -> None:
-    """InstallError, in one line, when the deterministic mode (--deterministic) cannot run `model`: an architecture
-    without batch-invariant kernels for every layer. On the CPU it runs (the torch backend's invariant forms)."""
+def refuse_deterministic(model: VerifiedBundle, card: ModelCard) -> None:
+    """InstallError, in one line, when the deterministic mode (--deterministic) cannot run `model` (whose checked
+    card is `card`): an architecture without batch-invariant kernels for every layer. On the CPU it runs (the torch
+    backend's invariant forms)."""
     from envex.runtime.engine.config import has_invariant_kernels
 
-    architecture = checked_model_card(model).architecture
+    architecture = card.architecture
     if not has_invariant_kernels(architecture):
         raise InstallError(
             f"plan: --deterministic: {model.name} {model.version} ({architecture}) has no batch-invariant kernels "
