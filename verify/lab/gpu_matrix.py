@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from envex.verify.lab.kernel_bench.bench_server import SHAPES, run_case, step_bytes
+from envex.verify.lab.kernel_bench.bench_server import SHAPES, run_case, step_bytes, write_model_dir
 
 SCHEMA = "envex-gpu-matrix/1"
 EMBEDDED = "smollm2-135m-instruct"
@@ -112,18 +112,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}t1 {{ m['content'] }} {% endfor %}"
 
 
 def write_dummy_dir(path: Path, shape: dict) -> Path:
-    """config.json, a word-level tokenizer (token i is "t{i}", the same for a model and its draft) and a chat
-    template: what `--load-format dummy` needs to serve every endpoint."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    if (path / "tokenizer_config.json").is_file():
-        return path
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(shape))
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(shape["vocab_size"])}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    """bench_server's config.json and word-level tokenizer (token i is "t{i}", the same for a model and its draft),
+    plus a chat template: what `--load-format dummy` needs to serve every endpoint."""
+    if not (path / "tokenizer_config.json").is_file():
+        write_model_dir(path, shape, weights=False)
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return path
 
 
