@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from envex.runtime.engine import SamplingParams
 from envex.verify.common import Timer, chat_ids
 from envex.verify.data import CodingTask
-from envex.verify.reference import HFReference
+from envex.verify.reference import Reference
 from envex.verify.sandbox import SandboxLimits, run_python
 from envex.verify.stats import bootstrap_ci
 from envex.verify.types import GateEngine, GateResult
@@ -29,7 +29,7 @@ def extract_code(text: str) -> str:
     return m.group(1) if m else text
 
 
-def check_coding(engine: GateEngine, reference: HFReference, *, tasks: Sequence[CodingTask],
+def check_coding(engine: GateEngine, reference: Reference, *, tasks: Sequence[CodingTask],
                  max_tokens: int = 160, limits: SandboxLimits | None = None,
                  confidence: float = 0.95) -> GateResult:
     timer = Timer()

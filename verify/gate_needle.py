@@ -14,7 +14,7 @@ from typing import Any
 from envex.runtime.engine import SamplingParams
 from envex.verify.common import Timer, chat_ids
 from envex.verify.data import Needle, NeedleData, needle_data
-from envex.verify.reference import HFReference
+from envex.verify.reference import Reference
 from envex.verify.types import GateEngine, GateResult
 
 NAME = "needle_retrieval"
@@ -70,7 +70,7 @@ def retrieved(answer: str, text: str) -> bool:
     return re.search(rf"(?<!\d){re.escape(answer)}(?!\d)", text) is not None
 
 
-def check_needle(engine: GateEngine, reference: HFReference, *, lengths: Sequence[int] = (1024, 2048, 4096, 8192),
+def check_needle(engine: GateEngine, reference: Reference, *, lengths: Sequence[int] = (1024, 2048, 4096, 8192),
                  depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0), max_tokens: int = 24,
                  max_score_drop: float = 0.1) -> GateResult:
     timer = Timer()

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from envex.runtime.engine import SamplingParams
 from envex.verify.common import Timer, chat_ids
-from envex.verify.reference import HFReference
+from envex.verify.reference import Reference
 from envex.verify.types import GateEngine, GateResult, NumericPolicy
 
 NAME = "reference_equality"
@@ -36,7 +36,7 @@ def crossed_top_k(a: list[int], a_top: Sequence[dict[int, float]], b: list[int],
     return a_tok in (b_top[d] if d < len(b_top) else {}), b_tok in (a_top[d] if d < len(a_top) else {})
 
 
-def check_reference_equality(engine: GateEngine, reference: HFReference, *, prompts: Sequence[str],
+def check_reference_equality(engine: GateEngine, reference: Reference, *, prompts: Sequence[str],
                              max_tokens: int = 64, mode: Literal["auto", "exact", "topk"] = "auto",
                              top_k: int = 5) -> GateResult:
     timer = Timer()
@@ -78,5 +78,6 @@ def check_reference_equality(engine: GateEngine, reference: HFReference, *, prom
         evidence={"engine_policy": policy.name, "reference_policy": reference.policy_name,
                   "prompts": len(cases), "identical": n_identical, "cases": cases},
         seconds=timer.seconds,
-        summary=f"{n_identical}/{len(cases)} prompts token-identical to HF transformers ({mode} rule)",
+        summary=(f"{n_identical}/{len(cases)} prompts token-identical to HF transformers"
+                 f"{' (its signed answers)' if reference.origin == 'signed' else ''} ({mode} rule)"),
     )

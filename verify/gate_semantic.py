@@ -1,5 +1,9 @@
 """Gate: semantic regression. Per-token KL divergence KL(reference || engine) and top-1 agreement of the logits
 over a held text corpus (verify/data_corpus.json), with thresholds set per numeric policy.
+
+Against signed references (verify/signed_reference.py), which keep the reference's top tokens of each position and
+not its whole distribution, the KL is taken over those tokens plus the rest of the vocabulary as one outcome: a
+lower bound of the full KL (equal where the top tokens hold all the mass), under the same thresholds.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 
 from envex.verify.common import Timer
 from envex.verify.reference import HFReference
+from envex.verify.signed_reference import SignedReference
 from envex.verify.types import GateEngine, GateResult, NumericPolicy
 
 NAME = "semantic_regression"
@@ -34,15 +39,34 @@ def kl_and_top1(reference_logits: torch.Tensor, engine_logits: torch.Tensor) -> 
     return kl, top1
 
 
-def check_semantic(engine: GateEngine, reference: HFReference, *, texts: Sequence[str], max_len: int = 512,
-                   thresholds: dict[str, float] | None = None) -> GateResult:
+def grouped_kl_and_top1(top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                        engine_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """KL(ref || engine) over the reference's top tokens [T, k] (logprobs [T, k], most likely first) and the rest of
+    the vocabulary lumped into one outcome, and exact top-1 agreement; engine logits [T, V]."""
+    eng = torch.log_softmax(engine_logits.double(), dim=-1)
+    p = top_logprobs.double().exp()  # [T, k]
+    q_top = eng.gather(-1, top_ids)  # [T, k]
+    rest_p = (1.0 - p.sum(-1)).clamp_min(0.0)
+    rest_q = (1.0 - q_top.exp().sum(-1)).clamp_min(torch.finfo(torch.float64).tiny)
+    rest = torch.where(rest_p > 0, rest_p * (rest_p.clamp_min(torch.finfo(torch.float64).tiny).log() - rest_q.log()),
+                       torch.zeros_like(rest_p))  # fmt: skip
+    kl = ((p * (top_logprobs.double() - q_top)).sum(-1) + rest).clamp_min(0.0)
+    return kl, engine_logits.argmax(-1) == top_ids[:, 0]
+
+
+def check_semantic(engine: GateEngine, reference: HFReference | SignedReference, *, texts: Sequence[str],
+                   max_len: int = 512, thresholds: dict[str, float] | None = None) -> GateResult:
     timer = Timer()
     policy = NumericPolicy.of(engine)
     limits = thresholds or THRESHOLDS.get(policy.dtype, THRESHOLDS["bfloat16"])
     kls, agree, per_text = [], [], []
     for text in texts:
         ids = engine.tokenizer.encode(text)[:min(max_len, engine.max_model_len)]
-        kl, top1 = kl_and_top1(reference.full_logits(ids), engine.full_logits(ids).float().cpu())
+        engine_logits = engine.full_logits(ids).float().cpu()
+        if isinstance(reference, SignedReference):
+            kl, top1 = grouped_kl_and_top1(*reference.top_logprobs(ids), engine_logits)
+        else:
+            kl, top1 = kl_and_top1(reference.full_logits(ids), engine_logits)
         kls.append(kl)
         agree.append(top1)
         per_text.append({"tokens": len(ids), "mean_kl": float(kl.mean()), "max_kl": float(kl.max()),
@@ -59,7 +83,8 @@ def check_semantic(engine: GateEngine, reference: HFReference, *, texts: Sequenc
         verdict="pass" if ok else "fail",
         thresholds={"policy": policy.name, **limits},
         evidence={**measured, "engine_policy": policy.name, "reference_policy": reference.policy_name,
-                  "texts": per_text},
+                  "kl_over": "the whole vocabulary" if not isinstance(reference, SignedReference)
+                  else "the signed top tokens and the rest as one outcome (a lower bound)", "texts": per_text},
         seconds=timer.seconds,
         summary=(f"mean KL {measured['mean_kl']:.2e} nats, top-1 agreement {measured['top1']:.1%} over "
                  f"{measured['tokens']} tokens"),

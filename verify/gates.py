@@ -21,7 +21,7 @@ from envex.verify.gate_needle import check_needle
 from envex.verify.gate_reference import check_reference_equality
 from envex.verify.gate_semantic import check_semantic
 from envex.verify.gate_stopping import check_stopping
-from envex.verify.reference import HFReference
+from envex.verify.reference import HFReference, Reference
 from envex.verify.types import GateEngine, GateReport, GateResult, NumericPolicy
 
 GATE_NAMES = ("reference_equality", "needle_retrieval", "stopping", "coding", "semantic_regression", "batch_invariance")
@@ -77,13 +77,15 @@ def _run_one(name: str, fn: Callable[[], GateResult]) -> GateResult:
                           seconds=timer.seconds, summary=f"the gate could not run: {type(exc).__name__}: {exc}")
 
 
-def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite: str | Suite = "quick",
+def run_gates(engine: EngineLike, *, reference: Reference | None = None, suite: str | Suite = "quick",
               out_dir: str | Path | None = None, gates: Sequence[str] | None = None,
               progress: Callable[[str], None] | None = None) -> GateReport:
     """Run a suite of gates against `engine` (an LLMEngine, a wrapper with the same methods, or a factory).
 
     `reference` defaults to HF transformers in float32 on the engine's device type, loaded from the engine's
-    own model files. With `out_dir`, the report is also written to out_dir/gates.json.
+    own model files; a SignedReference (verify/signed_reference.py) answers from the model bundle's signed file
+    instead. The report's reference_policy says which. With `out_dir`, the report is also written to
+    out_dir/gates.json.
     """
     timer = Timer()
     eng: GateEngine = engine if hasattr(engine, "generate") else engine()  # type: ignore[operator]
@@ -101,7 +103,7 @@ def run_gates(engine: EngineLike, *, reference: HFReference | None = None, suite
             raise ValueError("reference: the engine has no `source` to load the reference from; pass reference=")
         reference = HFReference(source, device=policy.device, dtype="float32",
                                 eos_token_ids=eng.tokenizer.eos_token_ids)
-    ref = cast(HFReference, reference)  # None only when no selected gate needs it
+    ref = cast(Any, reference)  # None only when no selected gate needs it; the semantic gate also takes its logits
     prompts = data.chat_prompts()
     tasks = data.coding_tasks()
     if s.coding_tasks is not None:

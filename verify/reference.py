@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -60,8 +60,23 @@ class RefGeneration:
     finish_reason: str = "length"
 
 
+class Reference(Protocol):
+    """What a gate asks its reference: HFReference here, or the signed answers of the model bundle
+    (verify/signed_reference.py). `origin`: "local" or "signed"."""
+
+    origin: str
+
+    @property
+    def policy_name(self) -> str: ...
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int = 5, ignore_eos: bool = False,
+               stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> RefGeneration: ...
+
+
 class HFReference:
     """Greedy generation and full-sequence logits from HF transformers; the gates' yardstick."""
+
+    origin = "local"
 
     def __init__(self, model: str | ModelSource, *, device: str = "cpu", dtype: str = "float32",
                  eos_token_ids: Sequence[int] | None = None) -> None:
@@ -79,6 +94,9 @@ class HFReference:
     @property
     def policy_name(self) -> str:
         return f"{self.device.type}-{self.dtype}-torch"
+
+    def describe(self) -> dict[str, Any]:
+        return {"origin": self.origin, "reference_policy": self.policy_name, "model": str(self.source.path)}
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int = 5, ignore_eos: bool = False,

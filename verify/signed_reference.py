@@ -1,0 +1,328 @@
+"""Signed reference answers: the gates' reference results computed where a reference runs (the build host, or a
+bigger machine), shipped in the model bundle as `envex-references.json` (signed with it), and replayed on an
+appliance where the reference does not fit.
+
+Recording drives the gates themselves with the reference in both seats (`ReferenceEngine` as the engine, a
+`RecordingReference` as the reference), so every question a gate asks its reference is asked once and kept, with
+no second list of the gates' prompts to drift from theirs: greedy answers with their top-k logprobs (reference
+equality, needle cells, coding tasks) and, for the semantic gate, the top `TOP_LOGPROBS` logprobs of every position
+of each corpus text. The stopping and batch-invariance gates judge the engine alone and need no answers.
+
+On the appliance a `SignedReference` answers the same questions from the file. The semantic gate then measures the
+KL divergence over the reference's top tokens plus the rest of the vocabulary as one outcome: a lower bound of the
+full KL (they are equal where the top tokens hold all the mass); top-1 agreement is exact. A question the file has
+no answer for (another suite, another max_model_len for the needle prompts) fails its gate with one line.
+
+The file names the weights it answers for: `model_digest`, a sha256 over the model's own files (every file of the
+model bundle but the `envex-*.json` ones, by path and sha256), which the installer checks against the bundle's
+signed manifest before it runs a gate.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import platform
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from envex.runtime.engine import SamplingParams, TokenLogprob
+from envex.runtime.engine.engine import Completion
+from envex.runtime.loader import ModelSource
+from envex.verify.reference import HFReference, RefGeneration
+
+SCHEMA = "envex-references/1"
+REFERENCES_FILE = "envex-references.json"
+TOP_LOGPROBS = 32  # per position of a semantic text
+MAX_BYTES = 512 * 1024 * 1024
+# The gates that ask their reference anything (verify/gates.py runs the rest on the engine alone).
+RECORDED_GATES = ("reference_equality", "needle_retrieval", "coding", "semantic_regression")
+
+
+class ReferencesError(ValueError):
+    """A references file that cannot be used: unreadable, malformed, for other weights, or missing an answer."""
+
+
+# ---- the file ----------------------------------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GreedyAnswer(_Strict):
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    prompt_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1)
+    top_k: int = Field(ge=0, le=64)
+    token_ids: list[int] = Field(max_length=1 << 16)
+    top: list[list[tuple[int, float]]]  # per step: (token id, logprob) pairs
+    finish_reason: Literal["stop", "length"]
+
+
+class PositionTops(_Strict):
+    key: str = Field(pattern=r"^[0-9a-f]{64}$")
+    tokens: int = Field(ge=1)
+    top_ids: list[list[int]]  # [tokens][k], most likely first
+    top_logprobs: list[list[float]]
+
+
+class ReferencesFile(_Strict):
+    schema_: Literal["envex-references/1"] = Field(alias="schema")
+    model_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    reference_policy: str = Field(min_length=1, max_length=64)  # how they were computed, e.g. cpu-float32-torch
+    suites: list[str] = Field(min_length=1)
+    max_model_len: int = Field(ge=2)  # the window the needle prompts were cut for
+    created: str
+    computed_on: dict[str, str | None]
+    greedy: list[GreedyAnswer]
+    logits: list[PositionTops]
+
+
+def greedy_key(prompt_ids: Sequence[int], max_tokens: int, top_k: int, ignore_eos: bool, stop: Sequence[str]) -> str:
+    """What identifies one greedy question (HFReference's memo key, hashed)."""
+    payload = json.dumps([list(prompt_ids), max_tokens, top_k, ignore_eos, list(stop)], separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def logits_key(token_ids: Sequence[int]) -> str:
+    return hashlib.sha256(json.dumps(list(token_ids), separators=(",", ":")).encode()).hexdigest()
+
+
+def is_own_file(path: str) -> bool:
+    """Envex's files beside the model's in a model bundle (its card, these references): not the model's."""
+    return "/" not in path and path.startswith("envex-") and path.endswith(".json")
+
+
+def model_digest(files: Mapping[str, str]) -> str:
+    """sha256 over the model's own files, given as payload path -> sha256 hex (Envex's own files left out)."""
+    lines = sorted(f"{sha}  {path}\n" for path, sha in files.items() if not is_own_file(path))
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_digest(model: Path) -> str:
+    """model_digest of a model as a build host holds it: a .gguf file (its payload is that file), or an HF folder
+    (its top-level files, as the media build stages them)."""
+    files = [model] if model.is_file() else sorted(p for p in model.iterdir() if p.is_file())
+    return model_digest({p.name: file_sha256(p.resolve()) for p in files})
+
+
+def parse_references(data: bytes, where: str) -> ReferencesFile:
+    """A references file's bytes -> ReferencesFile, or ReferencesError in one line naming `where`."""
+    if len(data) > MAX_BYTES:
+        raise ReferencesError(f"{where}: {len(data)} bytes, more than {MAX_BYTES}; not a references file")
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ReferencesError(f"{where}: not JSON ({exc}); compute it again with `envex media references`") from None
+    if not isinstance(raw, dict) or raw.get("schema") != SCHEMA:
+        found = raw.get("schema") if isinstance(raw, dict) else type(raw).__name__
+        raise ReferencesError(f"{where}: schema {found!r}, expected {SCHEMA!r}; compute it with `envex media "
+                              "references` of this Envex")  # fmt: skip
+    try:
+        refs = ReferencesFile.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"])
+        raise ReferencesError(f"{where}: field {field}: {first['msg']}; compute it again with `envex media "
+                              "references`") from None  # fmt: skip
+    for answer in refs.greedy:
+        if answer.top_k and len(answer.top) != len(answer.token_ids):
+            raise ReferencesError(f"{where}: answer {answer.key[:12]} has {len(answer.top)} top-k steps for "
+                                  f"{len(answer.token_ids)} tokens; compute it again")  # fmt: skip
+    for tops in refs.logits:
+        rows = (len(tops.top_ids), len(tops.top_logprobs))
+        if rows != (tops.tokens, tops.tokens) or any(len(a) != len(b) or not a for a, b in
+                                                     zip(tops.top_ids, tops.top_logprobs, strict=True)):  # fmt: skip
+            raise ReferencesError(f"{where}: logits {tops.key[:12]} do not hold one top list per token; compute "
+                                  "it again")  # fmt: skip
+    return refs
+
+
+def load_references(path: Path, *, digest: str | None = None) -> ReferencesFile:
+    """Read and check a references file; with `digest`, it must answer for those weights."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ReferencesError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    refs = parse_references(data, str(path))
+    check_digest(refs, digest, str(path))
+    return refs
+
+
+def check_digest(refs: ReferencesFile, digest: str | None, where: str) -> None:
+    if digest is not None and refs.model_digest != digest:
+        raise ReferencesError(
+            f"{where}: computed for other weights (model digest {refs.model_digest[:12]}, these files' "
+            f"{digest[:12]}); compute the references from these files (`envex media references --model ...`)"
+        )
+
+
+# ---- replay --------------------------------------------------------------------------------------------------------
+
+
+class SignedReference:
+    """The gates' reference answered from a references file (module docstring)."""
+
+    origin = "signed"
+
+    def __init__(self, refs: ReferencesFile, where: str) -> None:
+        self.refs = refs
+        self.where = where
+        self._greedy = {a.key: a for a in refs.greedy}
+        self._logits = {t.key: t for t in refs.logits}
+
+    @property
+    def policy_name(self) -> str:
+        return f"signed-{self.refs.reference_policy}"
+
+    def describe(self) -> dict[str, Any]:
+        return {"origin": self.origin, "file": self.where, "reference_policy": self.refs.reference_policy,
+                "suites": self.refs.suites, "max_model_len": self.refs.max_model_len, "created": self.refs.created,
+                "model_digest": self.refs.model_digest}  # fmt: skip
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int = 5, ignore_eos: bool = False,
+               stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> RefGeneration:
+        key = greedy_key(prompt_ids, max_tokens, top_k, ignore_eos, tuple(stop) if decode is not None else ())
+        answer = self._greedy.get(key)
+        if answer is None:
+            raise self._missing(f"a greedy answer to a {len(prompt_ids)}-token prompt (max_tokens {max_tokens})")
+        return RefGeneration(list(answer.token_ids), [dict(step) for step in answer.top], answer.finish_reason)
+
+    def top_logprobs(self, token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's top token ids [T, k] and their logprobs [T, k] at every position of `token_ids`."""
+        tops = self._logits.get(logits_key(token_ids))
+        if tops is None:
+            raise self._missing(f"the logits of a {len(token_ids)}-token text")
+        return (torch.tensor(tops.top_ids, dtype=torch.int64),
+                torch.tensor(tops.top_logprobs, dtype=torch.float64))  # fmt: skip
+
+    def _missing(self, what: str) -> ReferencesError:
+        return ReferencesError(
+            f"{self.where}: no signed answer for {what}; the file answers the {'/'.join(self.refs.suites)} suite at "
+            f"max_model_len {self.refs.max_model_len}: gate with that suite and window, or compute the references "
+            "for yours (`envex media references`)"
+        )
+
+
+# ---- recording -----------------------------------------------------------------------------------------------------
+
+
+class RecordingReference:
+    """A local reference that keeps every answer it gives, for a references file."""
+
+    origin = "local"
+
+    def __init__(self, inner: HFReference, *, top_logprobs: int = TOP_LOGPROBS) -> None:
+        self.inner = inner
+        self.top_logprobs_k = top_logprobs
+        self.greedy_answers: dict[str, GreedyAnswer] = {}
+        self.position_tops: dict[str, PositionTops] = {}
+
+    @property
+    def policy_name(self) -> str:
+        return self.inner.policy_name
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int, *, top_k: int = 5, ignore_eos: bool = False,
+               stop: Sequence[str] = (), decode: Callable[[list[int]], str] | None = None) -> RefGeneration:
+        got = self.inner.greedy(prompt_ids, max_tokens, top_k=top_k, ignore_eos=ignore_eos, stop=stop, decode=decode)
+        key = greedy_key(prompt_ids, max_tokens, top_k, ignore_eos, tuple(stop) if decode is not None else ())
+        if key not in self.greedy_answers:
+            self.greedy_answers[key] = GreedyAnswer(
+                key=key, prompt_tokens=len(prompt_ids), max_tokens=max_tokens, top_k=top_k,
+                token_ids=list(got.token_ids), top=[sorted(step.items(), key=lambda kv: -kv[1]) for step in got.top],
+                finish_reason="stop" if got.finish_reason == "stop" else "length",
+            )  # fmt: skip
+        return got
+
+    def full_logits(self, token_ids: list[int]) -> torch.Tensor:
+        logits = self.inner.full_logits(token_ids)
+        key = logits_key(token_ids)
+        if key not in self.position_tops:
+            k = min(self.top_logprobs_k, logits.shape[-1])
+            values, ids = torch.log_softmax(logits.double(), dim=-1).topk(k, dim=-1)
+            self.position_tops[key] = PositionTops(key=key, tokens=len(token_ids), top_ids=ids.tolist(),
+                                                   top_logprobs=values.tolist())  # fmt: skip
+        return logits
+
+
+class ReferenceEngine:
+    """The reference in the engine's seat (verify.types.GateEngine's generate and full_logits), so the gates can be
+    run on the reference alone to record what they ask it."""
+
+    runner = None  # NumericPolicy.of: the reference's own float32 CPU policy
+
+    def __init__(self, reference: HFReference, tokenizer: Any, max_model_len: int) -> None:
+        self.reference = reference
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.source = reference.source
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        out = []
+        for i, ids in enumerate(prompts):
+            decode = self.tokenizer.decode if params.stop else None
+            got = self.reference.greedy(ids, params.max_tokens, top_k=params.logprobs or 0, stop=params.stop,
+                                        decode=decode)  # fmt: skip
+            logprobs = [TokenLogprob(tok, top.get(tok, 0.0), top) for tok, top in zip(got.token_ids, got.top,
+                                                                                       strict=False)]  # fmt: skip
+            out.append(Completion(str(i), list(ids), self.tokenizer.decode(got.token_ids), list(got.token_ids),
+                                  got.finish_reason, logprobs if params.logprobs else None))  # fmt: skip
+        return out
+
+    def full_logits(self, token_ids: list[int]) -> torch.Tensor:
+        return self.reference.full_logits(token_ids)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        raise NotImplementedError("the recorded gates never step an engine")
+
+    def step(self) -> list[Any]:
+        raise NotImplementedError("the recorded gates never step an engine")
+
+
+def record_references(source: ModelSource, *, suites: Iterable[str], max_model_len: int, digest: str,
+                      device: str = "cpu", dtype: str = "float32",
+                      progress: Callable[[str], None] | None = None) -> ReferencesFile:  # fmt: skip
+    """Run the gates that ask a reference (RECORDED_GATES) of each suite on the reference itself and keep its
+    answers. The reference is HF transformers on `device` in `dtype` (float32: what "the same answers" means)."""
+    from envex.runtime.loader import load_model_info
+    from envex.verify.gates import run_gates
+
+    suites = list(dict.fromkeys(suites))
+    if progress:
+        progress("loading the reference")
+    tokenizer = load_model_info(str(source.path)).tokenizer
+    inner = HFReference(source, device=device, dtype=dtype, eos_token_ids=tokenizer.eos_token_ids)
+    recorder = RecordingReference(inner)
+    engine = ReferenceEngine(inner, tokenizer, max_model_len)
+    for suite in suites:
+        run_gates(engine, reference=recorder, suite=suite, gates=RECORDED_GATES,  # type: ignore[arg-type]
+                  progress=(lambda gate, s=suite: progress(f"{s} suite: {gate}")) if progress else None)  # fmt: skip
+    import transformers
+
+    return ReferencesFile.model_validate({
+        "schema": SCHEMA, "model_digest": digest, "reference_policy": inner.policy_name, "suites": suites,
+        "max_model_len": max_model_len, "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "computed_on": {"torch": torch.__version__, "transformers": transformers.__version__,
+                        "machine": platform.machine(),
+                        "device": torch.cuda.get_device_name(0) if inner.device.type == "cuda" else "cpu"},
+        "greedy": [a.model_dump() for a in recorder.greedy_answers.values()],
+        "logits": [t.model_dump() for t in recorder.position_tops.values()],
+    })  # fmt: skip
+
+
+def references_bytes(refs: ReferencesFile) -> bytes:
+    return (refs.model_dump_json(by_alias=True) + "\n").encode()
