@@ -5,6 +5,7 @@
   carries), `device_install` (the installer's own steps, timed)
 - `kernel_bench/`: the kernel, engine, server, MoE, speculation, invariance and tensor-parallel benches
 - `bench_install` (the installer against a plain copy) and `admin_screenshot` (offline_docs/admin-overview.png)
+- `airgap_install`: media built here, installed, gated, served and asked inside `unshare -n` (README.md)
 - `results/`: the raw JSON and text those runs wrote
 
 Nothing in a product package imports it (tests/test_layering.py); the wheel leaves it out (pyproject.toml does not
