@@ -20,6 +20,7 @@ from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV
 from envex.installer.media import InstallError
 from envex.installer.release import release_dir, venv_python
 from envex.installer.state import CheckSummary, now_ts
+from envex.verify.signed_reference import REFERENCES_FILE
 
 REPORTS_DIR = "reports"
 # gates.json holds every gate's evidence (texts, a traceback on failure): megabytes at most.
@@ -37,11 +38,15 @@ def run_checks(
     *,
     suite: str,
     bench: bool,
+    reference: str = "auto",
+    signed_references: bool = False,
     injected_report: Path | None = None,
 ) -> tuple[CheckSummary, dict[str, Any]]:
     """Run the gates (and benchmark) of `release_id`; returns the summary for state.json and the full report.
 
-    `injected_report` is a test hook (ENVEX_TEST_GATES_REPORT, read only by the CLI): a prepared gates.json used
+    `reference` (auto | local | signed) picks the gates' reference (envex.verify.signed_reference.choose_reference);
+    `signed_references`: the model bundle holds envex-references.json, checked by the plan. `injected_report` is a
+    test hook (ENVEX_TEST_GATES_REPORT, read only by the CLI): a prepared gates.json used
     in place of running the gates, so fault-injection tests need not spend a minute per install.
     """
     out = report_dir(prefix, release_id)
@@ -66,6 +71,10 @@ def run_checks(
         ]
         if not bench:
             cmd.append("--no-bench")
+        # The float32 reference's weights: what must fit beside the engine for the local reference.
+        cmd += ["--reference", reference, "--reference-bytes", str(card.parameters * 4)]
+        if signed_references:
+            cmd += ["--references", str(slot / "model" / REFERENCES_FILE)]
         if card.smoke is not None:
             cmd += ["--smoke-prompt", card.smoke.prompt, "--smoke-expect", card.smoke.expect]
         env = {**os.environ, **OFFLINE_ENV}
@@ -90,7 +99,16 @@ def run_checks(
             report=str(report_file.relative_to(prefix)),
             bench={str(k): float(v) for k, v in dict(report.get("bench", {})).items()},
             finished_at=now_ts(),
+            reference=_reference_origin(report),
         )
     except (ValueError, TypeError, AttributeError, OSError) as exc:
         raise InstallError(f"gates: {report_file} is not a gate report ({one_line(str(exc))})") from None
     return summary, report
+
+
+def _reference_origin(report: dict[str, Any]) -> str | None:
+    """"local" or "signed": what the gate runner judged the release against (its details.reference)."""
+    details = report.get("details")
+    reference = details.get("reference") if isinstance(details, dict) else None
+    origin = reference.get("origin") if isinstance(reference, dict) else None
+    return origin if origin in ("local", "signed") else None

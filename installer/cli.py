@@ -33,6 +33,12 @@ DeterministicInstallOpt = Annotated[bool, typer.Option(
          "offline_docs/engine.md); the release's gates then require batch invariance. Refused for gpt-oss")]
 
 
+ReferenceOpt = Annotated[str, typer.Option(
+    "--reference",
+    help="what the gates judge the release against: auto (HF transformers beside the engine where it fits in "
+         "memory, else the model bundle's signed answers), local, or signed (offline_docs/gates.md)")]
+
+
 def _fail(message: str, code: int = EXIT_FAILED) -> NoReturn:
     typer.echo(f"error: {one_line(message)}", err=True)
     raise typer.Exit(code)
@@ -107,6 +113,7 @@ def run_install(
     gpu: bool = True,
     reinstall: bool = False,
     deterministic: bool = False,
+    reference: str = "auto",
 ) -> int:
     """Run the install chain with its progress display; returns the exit code."""
     from envex.installer.launch import set_offline_env
@@ -119,6 +126,8 @@ def run_install(
     pause, gates_report = _test_hooks()
     if suite not in ("quick", "full"):
         _fail(f"--suite {suite!r}: use quick or full", EXIT_USAGE)
+    if reference not in ("auto", "local", "signed"):
+        _fail(f"--reference {reference!r}: use auto, local or signed", EXIT_USAGE)
     ui = InstallUI(pause_at=pause)
 
     def confirm(fingerprint: str) -> bool:
@@ -138,6 +147,7 @@ def run_install(
         use_gpu=gpu,
         reinstall=reinstall,
         deterministic=deterministic,
+        reference=reference,
         test_gates_report=gates_report,
     )
     try:
@@ -172,6 +182,7 @@ def install_command(
     gpu: Annotated[bool, typer.Option("--gpu/--cpu", help="--cpu: install for CPU even where a GPU is present")] = True,
     reinstall: Annotated[bool, typer.Option(help="install even when the active release has the same bundles")] = False,
     deterministic: DeterministicInstallOpt = False,
+    reference: ReferenceOpt = "auto",
 ) -> None:
     """Verify the media, probe this machine, install a new release, gate it, and activate it only if it passes."""
     raise typer.Exit(
@@ -187,6 +198,7 @@ def install_command(
             gpu=gpu,
             reinstall=reinstall,
             deterministic=deterministic,
+            reference=reference,
         )
     )
 

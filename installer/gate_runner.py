@@ -6,7 +6,10 @@ numbers) and exits 0 when every gate passed, 1 when one failed, 2 when the gates
 
 Gates: `installer.smoke` (the engine loads from launch.json, answers the model card's smoke prompt greedily and
 deterministically), then the quality suite of `envex.verify.gates` (required: a release without it fails closed)
-and the benchmark of `envex.verify.bench` when present. Where launch.json's engine.tensor_parallel is above 1, then
+and the benchmark of `envex.verify.bench` when present. The suite's reference (--reference auto | local | signed,
+envex.verify.signed_reference.choose_reference): HF transformers in float32 beside the engine where it fits in
+memory (--reference-bytes), else the model bundle's signed answers (--references); details.reference says which
+and why. Where launch.json's engine.tensor_parallel is above 1, then
 `verify.tensor_parallel_equality`: greedy answers at that degree equal one GPU's, on a two-layer cut of the model
 (envex.verify.gate_tensor_parallel.run_tensor_parallel_gate).
 """
@@ -113,12 +116,22 @@ def _call(fn: Any, engine: Any, **wanted: Any) -> Any:
     return fn(engine, **{k: v for k, v in wanted.items() if accepts_any or k in params})
 
 
-def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str, str]) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class ReferenceChoice:
+    """--reference, --references and --reference-bytes (envex.verify.signed_reference.choose_reference)."""
+
+    choice: str = "auto"
+    references: Path | None = None
+    need_bytes: int | None = None
+
+
+def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str, str],
+        reference: ReferenceChoice | None = None) -> dict[str, Any]:  # fmt: skip
     from envex.installer.launch import load_launch
 
     out.mkdir(parents=True, exist_ok=True)
     config = load_launch(launch_path, require_gates=False)
-    gates, details, numbers = engine_checks(config, out, suite, bench, smoke)
+    gates, details, numbers = engine_checks(config, out, suite, bench, smoke, reference or ReferenceChoice())
     if config.tensor_parallel > 1:  # after the release's engine is gone: its GPUs are needed again
         result = tensor_parallel_gate(config, out)
         gates[TENSOR_PARALLEL_GATE] = _gate_word(result)
@@ -139,8 +152,9 @@ def tensor_parallel_gate(config: Any, out: Path) -> dict[str, Any]:
         return {"verdict": "fail", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
-def engine_checks(config: Any, out: Path, suite: str, bench: bool,
-                  smoke: tuple[str, str]) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
+def engine_checks(config: Any, out: Path, suite: str, bench: bool, smoke: tuple[str, str],
+                  reference: ReferenceChoice | None = None
+                  ) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
     """The gates and benchmark that run on the release's own engine: (verdicts, details, figures). The engine is
     closed (its tensor-parallel workers stopped) on return."""
     from envex.runtime.engine import LLMEngine
@@ -148,13 +162,15 @@ def engine_checks(config: Any, out: Path, suite: str, bench: bool,
     start = time.perf_counter()
     engine = LLMEngine(config)
     try:
-        return _engine_checks(engine, time.perf_counter() - start, config, out, suite, bench, smoke)
+        return _engine_checks(engine, time.perf_counter() - start, config, out, suite, bench, smoke,
+                              reference or ReferenceChoice())  # fmt: skip
     finally:
         engine.close()
 
 
 def _engine_checks(engine: Any, load_s: float, config: Any, out: Path, suite: str, bench: bool,
-                   smoke: tuple[str, str]) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
+                   smoke: tuple[str, str], reference: ReferenceChoice
+                   ) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
     gates: dict[str, str] = {}
     details: dict[str, Any] = {}
     numbers: dict[str, float] = {"load_seconds": round(load_s, 3)}
@@ -169,7 +185,11 @@ def _engine_checks(engine: Any, load_s: float, config: Any, out: Path, suite: st
         details["verify.gates"] = {"error": f"envex.verify.gates is not in this release ({exc}); cannot gate"}
     else:
         try:
-            report = as_json(_call(run_gates, engine, suite=suite, out_dir=out / "gates"))
+            from envex.verify.signed_reference import choose_reference
+
+            ref, why = choose_reference(engine, reference.choice, reference.references, reference.need_bytes)
+            details["reference"] = {**ref.describe(), "why": why}
+            report = as_json(_call(run_gates, engine, reference=ref, suite=suite, out_dir=out / "gates"))
             details["verify.gates"] = report
             per_gate = gate_verdicts(report)
             gates.update({f"verify.{k}": v for k, v in per_gate.items()} or {"verify.gates": verdict_of(report)})
@@ -237,9 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
     parser.add_argument("--smoke-expect", default=SMOKE_EXPECT)
+    parser.add_argument("--reference", default="auto", choices=("auto", "local", "signed"))
+    parser.add_argument("--references", type=Path, default=None, help="the model bundle's envex-references.json")
+    parser.add_argument("--reference-bytes", type=int, default=None, help="the float32 reference's weight bytes")
     args = parser.parse_args(argv)
+    choice = ReferenceChoice(args.reference, args.references, args.reference_bytes)
     try:
-        report = run(args.launch, args.out, args.suite, not args.no_bench, (args.smoke_prompt, args.smoke_expect))
+        report = run(args.launch, args.out, args.suite, not args.no_bench, (args.smoke_prompt, args.smoke_expect),
+                     choice)  # fmt: skip
     except Exception as exc:
         report = {
             "verdict": "fail",

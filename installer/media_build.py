@@ -4,16 +4,20 @@ What it writes (offline_docs/install.md, "Making install media for your model"):
 
     MEDIA/install.sh                      the bootstrap the operator runs
     MEDIA/bundles/envex-runtime-V.envex   envex and every wheel it needs on the TARGET python and platform
-    MEDIA/bundles/NAME-V.envex            the model's files and the card written here from them
+    MEDIA/bundles/NAME-V.envex            the model's files, the card written here from them, and the gates'
+                                          reference answers computed here (envex-references.json)
     MEDIA/bundles/*.envex                 kernel bundles given with --kernels (signed here too)
     MEDIA/trust/root.json                 the trust root whose fingerprint the operator confirms
     MEDIA/offline_docs/                   these docs
 
 Steps, in order, so that nothing is signed for a model that cannot be installed: (1) the model's files are read
 and checked and its card written (installer/model_card.py); (2) the keys are loaded and the trust root settled;
-(3) the wheelhouse is resolved by pip for the target (`pip download --only-binary=:all: --python-version X
---platform P`), not for this host; (4) bundles are built and signed; (5) the media, built in a hidden sibling of
---out, is renamed into place. On any failure the sibling is removed and --out is as it was.
+(3) the gates' reference answers are computed by HF transformers in float32 on this host (--reference-device), or
+taken from a file computed elsewhere (--reference-from, checked against these files' digest), or left out
+(--no-references; envex.verify.signed_reference); (4) the wheelhouse is resolved by pip for the target (`pip
+download --only-binary=:all: --python-version X --platform P`), not for this host; (5) bundles are built and
+signed; (6) the media, built in a hidden sibling of --out, is renamed into place. On any failure the sibling is
+removed and --out is as it was.
 
 Keys (KEYDIR, as `envex bundle keygen` writes them: NAME.key, NAME.pub.json): with a `root.json` in KEYDIR (made by
 `envex bundle make-root`, thresholds as bundles.md describes) that root is the media's, and the bundles are signed
@@ -57,6 +61,16 @@ from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, RuntimeC
 from envex.installer.demo import INSTALL_SH, RUNTIME_BUNDLE, build_envex_wheel
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR, InstallError
 from envex.installer.model_card import card_for_model
+from envex.verify.signed_reference import (
+    REFERENCES_FILE,
+    ReferencesError,
+    ReferencesFile,
+    folder_digest,
+    is_own_file,
+    load_references,
+    record_references,
+    references_bytes,
+)
 
 # torch of the runtime wheelhouse. On PyPI, torch 2.11.0's linux x86_64 wheel is the CUDA 13.0 build (it requires
 # nvidia-*-cu13 and triton 3.6.0): that is `cu130`. The CPU build is `2.11.0+cpu` on PyTorch's own index,
@@ -152,6 +166,10 @@ class MediaRequest:
     kernels: tuple[Path, ...] = ()
     envex_wheel: Path | None = None  # default: built from this source tree
     force: bool = False
+    references: bool = True  # the gates' reference answers in the model bundle (--no-references: False)
+    reference_from: Path | None = None  # computed elsewhere (`envex media references`); default: computed here
+    reference_suites: tuple[str, ...] = ("quick",)
+    reference_device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,7 @@ class BuiltMedia:
     bundles: tuple[Path, ...]
     wheels: int
     root_written_to_keys: bool
+    references: str | None = None  # "the quick suite (cpu-float32-torch)", or None: built without them
 
 
 @dataclass(frozen=True)
@@ -182,6 +201,7 @@ def build_media(request: MediaRequest, step: Step | None = None) -> BuiltMedia:
     card = card_for_model(request.model, name)
     step("loading the keys")
     signers = load_signers(request.keys)
+    refs = reference_answers(request, card.defaults.max_model_len, card.max_position_embeddings, step)
     parent = out.absolute().parent
     if not parent.is_dir():
         raise InstallError(f"--out {show(out)}: its folder {show(parent)} does not exist; create it first")
@@ -209,6 +229,8 @@ def build_media(request: MediaRequest, step: Step | None = None) -> BuiltMedia:
         model_src = work / "model"
         _stage_model(request.model, model_src)
         (model_src / MODEL_CARD).write_text(json.dumps(card.model_dump(), indent=2) + "\n")
+        if refs is not None:
+            (model_src / REFERENCES_FILE).write_bytes(references_bytes(refs))
         model = build_bundle(
             model_src, kind="model", name=name, version=request.version, out=bundles_dir,
             requires=[{"name": RUNTIME_BUNDLE, "kind": "runtime", "version": f">={request.runtime_version}"}],
@@ -235,7 +257,44 @@ def build_media(request: MediaRequest, step: Step | None = None) -> BuiltMedia:
         bundles=tuple(out / BUNDLES_DIR / b.name for b in built),
         wheels=len(wheels),
         root_written_to_keys=signers.root_written,
+        references=(f"the {'/'.join(refs.suites)} suite ({refs.reference_policy})" if refs is not None else None),
     )
+
+
+def reference_answers(request: MediaRequest, max_model_len: int, window: int,
+                      step: Step) -> ReferencesFile | None:  # fmt: skip
+    """The gates' reference answers for the model bundle (module docstring, step 3), or None without them."""
+    if not request.references:
+        return None
+    if request.reference_from is not None:
+        try:
+            return load_references(request.reference_from, digest=folder_digest(request.model))
+        except ReferencesError as exc:
+            raise InstallError(f"--reference-from {exc}") from None
+    step("computing the reference answers")
+    return compute_references(request.model, request.reference_suites, request.reference_device,
+                              min(max_model_len, window), step)  # fmt: skip
+
+
+def compute_references(model: Path, suites: Sequence[str], device: str, max_model_len: int,
+                       step: Step | None = None) -> ReferencesFile:  # fmt: skip
+    """HF transformers' answers to the gates of `suites` for the model at `model` (a .gguf file or an HF folder)."""
+    from envex.runtime.loader import resolve_model
+
+    unknown = [suite for suite in suites if suite not in ("quick", "full")]
+    if unknown or not suites:
+        raise InstallError(f"--reference-suite {unknown[0] if unknown else '(none)'}: use quick or full")
+    if device not in ("cpu", "cuda"):
+        raise InstallError(f"--reference-device {device!r}: use cpu or cuda")
+    try:
+        return record_references(resolve_model(str(model)), suites=suites, max_model_len=max_model_len,
+                                 digest=folder_digest(model), device=device, progress=step)  # fmt: skip
+    except Exception as exc:  # the reference cannot run here: say so, and how to go on
+        raise InstallError(
+            f"reference answers: HF transformers could not compute them on this host ({type(exc).__name__}: "
+            f"{exc}); compute them where it can (`envex media references --model ... --out RUN.json`) and give "
+            "--reference-from RUN.json, or build without them (--no-references)"
+        ) from None
 
 
 def default_name(model: Path) -> str:
@@ -393,7 +452,9 @@ def _pip_failure(lines: list[str], target: Target, source: PipSource) -> str:
 def _stage_model(model: Path, dest: Path) -> None:
     """The model's files in `dest` as hard links where the filesystem allows (no copy of many GB), else copies."""
     dest.mkdir(parents=True)
-    files = [model] if model.is_file() else sorted(p for p in model.iterdir() if p.is_file() and p.name != MODEL_CARD)
+    # Envex's own files (a card, reference answers) are written fresh, never linked: a write would reach the source.
+    files = [model] if model.is_file() else sorted(p for p in model.iterdir()
+                                                   if p.is_file() and not is_own_file(p.name))  # fmt: skip
     for path in files:
         try:  # resolved: an HF cache snapshot's files are symlinks to its blobs, and bundles hold regular files
             os.link(path.resolve(), dest / path.name)

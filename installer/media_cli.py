@@ -12,8 +12,8 @@ from envex.installer.media_build import TORCH_VERSION, MediaRequest, PipSource, 
 
 media_app = typer.Typer(help="Make signed install media.", no_args_is_help=True, add_completion=False)
 
-STEPS = ("reading the model's files", "loading the keys", "building the runtime wheelhouse", "bundling the runtime",
-         "bundling the model", "signing")  # fmt: skip
+STEPS = ("reading the model's files", "loading the keys", "computing the reference answers",
+         "building the runtime wheelhouse", "bundling the runtime", "bundling the model", "signing")  # fmt: skip
 
 
 @media_app.command("build")
@@ -47,6 +47,19 @@ def build(
         Path | None, typer.Option("--envex-wheel", help="An envex wheel (default: built from this source tree).")
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace the media at --out.")] = False,
+    no_references: Annotated[
+        bool, typer.Option("--no-references", help="Leave the gates' reference answers out of the model bundle.")
+    ] = False,
+    reference_from: Annotated[
+        Path | None, typer.Option("--reference-from", help="Reference answers computed elsewhere (`envex media "
+                                  "references`), for these same files.")  # fmt: skip
+    ] = None,
+    reference_suite: Annotated[
+        list[str] | None, typer.Option("--reference-suite", help="Gate suite to answer: quick (default), full.")
+    ] = None,
+    reference_device: Annotated[
+        str, typer.Option("--reference-device", help="Where HF transformers computes them: cpu or cuda.")
+    ] = "cpu",
 ) -> None:
     """Build signed install media for a model: card, complete wheelhouse for the target, signatures, trust root."""
     from rich.console import Console
@@ -63,17 +76,21 @@ def build(
                           torch_version=torch_version),
             source=PipSource(find_links=tuple(find_links or ()), no_index=no_index, index_url=index_url,
                              extra_index_urls=tuple(extra_index_url or ())),
-            kernels=tuple(kernels or ()), envex_wheel=envex_wheel, force=force,
+            kernels=tuple(kernels or ()), envex_wheel=envex_wheel, force=force, references=not no_references,
+            reference_from=reference_from, reference_suites=tuple(reference_suite or ("quick",)),
+            reference_device=reference_device,
         )  # fmt: skip
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True, disable=not console.is_terminal) as progress:  # fmt: skip
             task = progress.add_task(STEPS[0], total=len(STEPS))
+            current = [STEPS[0]]
 
             def step(what: str) -> None:
                 if what in STEPS:
+                    current[0] = what
                     progress.update(task, description=what, completed=STEPS.index(what))
-                else:  # a line of pip's while the wheelhouse resolves
-                    progress.update(task, description=f"{STEPS[2]}: {one_line(what)[:70]}")
+                else:  # a line of pip's while the wheelhouse resolves, or the gate the reference answers
+                    progress.update(task, description=f"{current[0]}: {one_line(what)[:70]}")
 
             built = build_media(request, step)
     except (InstallError, VerificationError, OSError, ValueError) as exc:
@@ -81,8 +98,47 @@ def build(
         raise typer.Exit(2) from None
     if built.root_written_to_keys:
         typer.echo(f"note: made a trust root of the keys in {show(keys)} and kept it there as root.json", err=True)
-    typer.echo(f"wrote {show(built.media)}: {len(built.bundles)} signed bundles, {built.wheels} wheels")
+    answers = "without reference answers" if not built.references else f"reference answers for {built.references}"
+    typer.echo(f"wrote {show(built.media)}: {len(built.bundles)} signed bundles, {built.wheels} wheels, {answers}")
     for bundle in built.bundles:
         typer.echo(f"  {bundle.name}")
     typer.echo(f"trust root fingerprint: {built.fingerprint}")
     typer.echo("give the operator this fingerprint out of band; they confirm it with --trust-fingerprint")
+
+
+@media_app.command("references")
+def references(
+    model: Annotated[Path, typer.Option("--model", help="The model: an HF directory or a .gguf file.")],
+    out: Annotated[Path, typer.Option("--out", help="The references file to write (RUN.json).")],
+    suite: Annotated[list[str] | None, typer.Option("--suite", help="Gate suite: quick (default), full.")] = None,
+    device: Annotated[str, typer.Option("--device", help="Where HF transformers runs: cpu or cuda.")] = "cpu",
+    max_model_len: Annotated[
+        int | None, typer.Option("--max-model-len", min=2, help="The window the appliance gates at (default: the "
+                                 "card's).")  # fmt: skip
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out.")] = False,
+) -> None:
+    """Compute the gates' reference answers for a model on a machine where HF transformers runs it in float32, for
+    `envex media build --reference-from` on the build host."""
+    from envex.bundles import VerificationError
+    from envex.installer.media import InstallError
+    from envex.installer.media_build import compute_references
+    from envex.installer.model_card import card_for_model
+    from envex.verify.signed_reference import references_bytes
+
+    try:
+        if out.exists() and not force:
+            raise InstallError(f"--out {show(out)}: exists; give --force to replace it, or another --out")
+        card = card_for_model(model, "references")
+        window = min(max_model_len or card.defaults.max_model_len, card.max_position_embeddings)
+        refs = compute_references(model, tuple(suite or ("quick",)), device, window,
+                                  lambda what: typer.echo(what, err=True))  # fmt: skip
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_bytes(references_bytes(refs))
+        tmp.replace(out)
+    except (InstallError, VerificationError, OSError, ValueError) as exc:
+        typer.echo(f"error: {one_line(str(exc))}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {show(out)}: {len(refs.greedy)} greedy answers and {len(refs.logits)} texts' top logprobs for "
+               f"the {'/'.join(refs.suites)} suite at max_model_len {refs.max_model_len} ({refs.reference_policy}); "
+               "give it to `envex media build --reference-from`")

@@ -49,6 +49,7 @@ class InstallOptions:
     use_gpu: bool = True
     reinstall: bool = False
     deterministic: bool = False  # --deterministic: the release runs (and its gates require) batch-invariant kernels
+    reference: str = "auto"  # --reference: the gates' reference, auto | local | signed (installer/plan.py)
     test_gates_report: Path | None = None  # test hook ENVEX_TEST_GATES_REPORT; see checks.run_checks
 
 
@@ -264,7 +265,7 @@ def _install_locked(
     with ui.step("plan"):
         refuse_downgrades(verified, opts.model)
         plan = make_plan(verified.bundles, found, model_name=opts.model, max_model_len=opts.max_model_len,
-                         deterministic=opts.deterministic)
+                         deterministic=opts.deterministic, reference=opts.reference)
     for note in plan.notes:
         ui.note(note)
     ui.ok("plan", plan.summary())
@@ -303,6 +304,8 @@ def _install_locked(
             plan.model_card,
             suite=opts.suite,
             bench=opts.bench,
+            reference=plan.reference,
+            signed_references=plan.signed_references,
             injected_report=opts.test_gates_report,
         )
     gated = state.release(release_id)
@@ -316,7 +319,8 @@ def _install_locked(
             f"{prefix / summary.report}; nothing was activated"
         )
     figures = "; " + ", ".join(f"{k} {v:g}" for k, v in list(summary.bench.items())[:3]) if summary.bench else ""
-    ui.ok("gates", f"{len(summary.gates)} gates passed ({summary.suite} suite){figures}")
+    against = f", {summary.reference} reference" if summary.reference else ""
+    ui.ok("gates", f"{len(summary.gates)} gates passed ({summary.suite} suite{against}){figures}")
     # 6. activate: launch.json, state.json, `current`, unit file
     with ui.step("activate"):
         state = holder[0] = finish_activation(prefix, state, release_id, launch)

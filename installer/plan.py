@@ -6,7 +6,9 @@ digest, and the model it was compiled for; each one refused is noted with the ke
 the kernels compile at first start), engine settings that fit the memory (on CUDA the fewest GPUs of this host
 whose memory holds the weights and one full-context sequence: the tensor-parallel degree, noted when above 1),
 the deterministic mode as the admin chose it (off unless asked for; refused for a model without its kernels),
-and a check that the disk has room for the release beside the active one.
+the gates' reference (--reference: a model bundle's signed answers, envex-references.json, must answer for the
+weights beside them; `signed` is refused for a bundle without them), and a check that the disk has room for the
+release beside the active one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ from envex.installer.cards import (
 from envex.installer.media import InstallError
 from envex.installer.probe import Probe
 from envex.installer.state import BundleRef
+from envex.verify.signed_reference import (
+    MAX_BYTES as MAX_REFERENCES_BYTES,
+)
+from envex.verify.signed_reference import (
+    REFERENCES_FILE,
+    ReferencesError,
+    check_digest,
+    model_digest,
+    parse_references,
+)
 
 GIB = 1 << 30
 CPU_RAM_FRACTION = 0.8  # leave the rest to the OS and the serving process' own overhead
@@ -55,6 +67,8 @@ class Plan:
     disk_free: int
     notes: tuple[str, ...]
     probe: Probe | None = None  # what the plan was made for; recorded in launch.json (the admin page shows it)
+    reference: str = "auto"  # the gates' reference: auto | local | signed (--reference)
+    signed_references: bool = False  # the model bundle holds signed reference answers (checked here)
 
     @property
     def bundles(self) -> list[VerifiedBundle]:
@@ -169,6 +183,7 @@ def make_plan(
     model_name: str | None = None,
     max_model_len: int | None = None,
     deterministic: bool = False,
+    reference: str = "auto",
 ) -> Plan:
     by_kind: dict[str, list[VerifiedBundle]] = {"runtime": [], "model": [], "kernels": []}
     for bundle in bundles:
@@ -186,6 +201,7 @@ def make_plan(
     rcard, mcard = read_cards(runtime, model)
     if deterministic:
         refuse_deterministic(model, mcard)
+    signed = signed_references(model, reference)
     kernels = None
     if mode == "cuda":
         kernels = _choose_kernels(by_kind["kernels"], probe, runtime, model, notes)
@@ -269,6 +285,8 @@ def make_plan(
         disk_free=probe.disk_free,
         notes=tuple(notes),
         probe=probe,
+        reference=reference,
+        signed_references=signed,
     )
 
 
@@ -353,6 +371,38 @@ def refuse_deterministic(model: VerifiedBundle, card: ModelCard) -> None:
             f"plan: --deterministic: {model.name} {model.version} ({architecture}) has no batch-invariant kernels "
             "yet (mixture-of-experts layers, attention sinks and windows); install it without --deterministic"
         )
+
+
+REFERENCE_CHOICES = ("auto", "local", "signed")
+
+
+def signed_references(model: VerifiedBundle, reference: str) -> bool:
+    """Whether `model` holds signed reference answers, checked: readable, and computed for the weights its manifest
+    signs. InstallError in one line for answers to other weights, or for --reference signed without any."""
+    if reference not in REFERENCE_CHOICES:
+        raise InstallError(f"plan: --reference {reference!r}: use one of {', '.join(REFERENCE_CHOICES)}")
+    entry = next((f for f in model.manifest.files if f.path == REFERENCES_FILE), None)
+    if entry is None:
+        if reference == "signed":
+            raise InstallError(
+                f"plan: --reference signed: model bundle {model.name} {model.version} holds no signed reference "
+                f"answers ({REFERENCES_FILE}); build its media with `envex media build`, which computes them, or "
+                "install with --reference auto"
+            )
+        return False
+    where = f"model bundle {model.name} {model.version}: {REFERENCES_FILE}"
+    if entry.size > MAX_REFERENCES_BYTES:
+        raise InstallError(f"plan: {where} is larger than {MAX_REFERENCES_BYTES} bytes; rebuild the media")
+    with BundleArchive.open(model.path) as archive:
+        data = b"".join(bytes(chunk) for chunk in archive.stream(archive.payload_members()[REFERENCES_FILE]))
+    if hashlib.sha256(data).hexdigest() != entry.sha256:
+        raise InstallError(f"plan: {where} changed since the bundle was verified; check the media")
+    try:
+        check_digest(parse_references(data, where), model_digest({f.path: f.sha256 for f in model.manifest.files}),
+                     where)  # fmt: skip
+    except ReferencesError as exc:
+        raise InstallError(f"plan: {exc}") from None
+    return True
 
 
 def engine_choices(

@@ -69,6 +69,7 @@ class CheckSummary(_Model):
     report: str  # path of the full report, relative to the prefix
     bench: dict[str, float] = Field(default_factory=dict)
     finished_at: str
+    reference: Literal["local", "signed"] | None = None  # what the gates were judged against (None: not recorded)
 
 
 class Release(_Model):

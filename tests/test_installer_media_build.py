@@ -111,8 +111,11 @@ def write_tiny_hf(folder: Path, *, vocab: int = VOCAB, tokenizer_vocab: int = VO
 def media_build(
     capsys: pytest.CaptureFixture[str], model: Path, out: Path, keys: Path, envex: Path, index: Path, *extra: str
 ) -> tuple[int, str, str]:
+    """`envex media build` without reference answers (the tiny models here have no weights to run) unless `extra`
+    says where they come from."""
+    answers = [] if any(e.startswith("--reference") for e in extra) else ["--no-references"]
     argv = ["media", "build", "--model", str(model), "--out", str(out), "--keys", str(keys), "--envex-wheel",
-            str(envex), "--find-links", str(index), "--no-index", *extra]  # fmt: skip
+            str(envex), "--find-links", str(index), "--no-index", *answers, *extra]  # fmt: skip
     code = commands.main(argv)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
@@ -314,7 +317,7 @@ def test_bad_paths_fail_in_one_line(tmp_path, capsys, wheels, keys, bad, monkeyp
         cases.append(["--model", str(model), "--out", bad, "--keys", str(keys)])
     for argv in cases:
         code = commands.main(["media", "build", *argv, "--envex-wheel", str(wheels["envex"]), "--find-links",
-                              str(wheels["index"]), "--no-index"])  # fmt: skip
+                              str(wheels["index"]), "--no-index", "--no-references"])  # fmt: skip
         err = capsys.readouterr().err
         lines = err.splitlines()
         assert code != 0 and len(lines) == 1 and lines[0].startswith("error: ") and lines[0].isprintable(), err
@@ -348,3 +351,80 @@ def test_kernel_bundles_given_are_added_and_signed(tmp_path, capsys, wheels, key
     code, _, err = media_build(capsys, tmp_path / "m", tmp_path / "other", keys, wheels["envex"], wheels["index"],
                                "--kernels", str(model_bundle))  # fmt: skip
     assert code == 2 and "a model bundle, not a kernels bundle" in err and not (tmp_path / "other").exists()
+
+
+def _references_for(model: Path, digest: str | None = None) -> bytes:
+    """A valid references file for `model`'s files (or for `digest`), answering nothing: enough to be bundled."""
+    from envex.verify.signed_reference import SCHEMA, ReferencesFile, folder_digest, references_bytes
+
+    return references_bytes(ReferencesFile.model_validate({
+        "schema": SCHEMA, "model_digest": digest or folder_digest(model), "reference_policy": "cuda-float32-torch",
+        "suites": ["quick"], "max_model_len": 2048, "created": "2026-12-06T00:00:00+00:00",
+        "computed_on": {"device": "a bigger machine"}, "greedy": [], "logits": [],
+    }))  # fmt: skip
+
+
+def test_reference_answers_computed_elsewhere_are_signed_into_the_model_bundle(tmp_path, capsys, wheels, keys):
+    from envex.verify.signed_reference import REFERENCES_FILE
+
+    model = write_tiny_hf(tmp_path / "Tiny")
+    (model / REFERENCES_FILE).write_text("a stale file beside the weights: never bundled, never written to")
+    run = tmp_path / "RUN.json"
+    run.write_bytes(_references_for(model))
+    out = tmp_path / "media"
+    code, stdout, err = media_build(capsys, model, out, keys, wheels["envex"], wheels["index"], "--reference-from",
+                                    str(run))  # fmt: skip
+    assert code == 0, err
+    assert "reference answers for the quick suite (cuda-float32-torch)" in stdout
+    bundle = out / "bundles" / "tiny-1.0.0.envex"
+    assert read_card(bundle, out / "trust" / "root.json", REFERENCES_FILE) == run.read_bytes()
+    assert (model / REFERENCES_FILE).read_text().startswith("a stale file")  # the source folder is untouched
+
+
+def test_reference_answers_for_other_weights_are_refused_before_anything_is_signed(tmp_path, capsys, wheels, keys):
+    model = write_tiny_hf(tmp_path / "Tiny")
+    run = tmp_path / "RUN.json"
+    run.write_bytes(_references_for(model, digest="0" * 64))
+    out = tmp_path / "media"
+    code, stdout, err = media_build(capsys, model, out, keys, wheels["envex"], wheels["index"], "--reference-from",
+                                    str(run))  # fmt: skip
+    lines = err.splitlines()
+    assert code == 2 and len(lines) == 1 and "computed for other weights" in lines[0] and str(run) in lines[0], err
+    assert not out.exists() and siblings(out) == [] and stdout == ""
+    run.write_text("{not json")
+    code, _, err = media_build(capsys, model, out, keys, wheels["envex"], wheels["index"], "--reference-from",
+                               str(run))  # fmt: skip
+    assert code == 2 and len(err.splitlines()) == 1 and "not JSON" in err and not out.exists(), err
+
+
+def test_reference_answers_are_computed_here_by_default(tmp_path, capsys, wheels, keys):
+    from envex.verify.signed_reference import REFERENCES_FILE, folder_digest, parse_references
+
+    model = write_tiny_hf(tmp_path / "Tiny")  # HF fills the weights the files lack: answers of a random model
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}w1", "eos_token": "w0"}))
+    out = tmp_path / "media"
+    code, stdout, err = media_build(capsys, model, out, keys, wheels["envex"], wheels["index"],
+                                    "--reference-suite", "quick")  # fmt: skip
+    assert code == 0, err
+    data = read_card(out / "bundles" / "tiny-1.0.0.envex", out / "trust" / "root.json", REFERENCES_FILE)
+    refs = parse_references(data, "bundled")
+    assert refs.suites == ["quick"] and refs.reference_policy == "cpu-float32-torch"
+    assert refs.model_digest == folder_digest(model) and refs.max_model_len == 2048  # the card's default window
+    # Greedy answers with top-5 (reference equality) and without (needle, coding), and the texts' top logprobs. (A
+    # word-level tokenizer of w0..w299 reads most prompts as the same few tokens: fewer distinct questions.)
+    assert {a.top_k for a in refs.greedy} == {5, 0} and refs.logits and all(t.tokens for t in refs.logits)
+
+
+def test_a_model_the_reference_cannot_run_here_says_how_to_go_on(tmp_path, capsys, wheels, keys):
+    model = write_tiny_hf(tmp_path / "Tiny")  # no chat template: the gates cannot ask it anything
+    out = tmp_path / "media"
+    code, stdout, err = media_build(capsys, model, out, keys, wheels["envex"], wheels["index"],
+                                    "--reference-device", "cpu")  # fmt: skip
+    lines = err.splitlines()
+    assert "chat template" in err, err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: reference answers: "), err
+    assert "--reference-from RUN.json" in lines[0] and "--no-references" in lines[0]
+    assert not out.exists() and siblings(out) == []
+    code, _, err = media_build(capsys, model, out, keys, wheels["envex"], wheels["index"], "--reference-suite", "huge")
+    assert code == 2 and "--reference-suite huge: use quick or full" in err and not out.exists(), err

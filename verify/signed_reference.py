@@ -26,7 +26,7 @@ import json
 import platform
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -35,6 +35,9 @@ from envex.runtime.engine import SamplingParams, TokenLogprob
 from envex.runtime.engine.engine import Completion
 from envex.runtime.loader import ModelSource
 from envex.verify.reference import HFReference, RefGeneration
+
+if TYPE_CHECKING:
+    from envex.verify.gates import Suite
 
 SCHEMA = "envex-references/1"
 REFERENCES_FILE = "envex-references.json"
@@ -293,28 +296,37 @@ class ReferenceEngine:
         raise NotImplementedError("the recorded gates never step an engine")
 
 
-def record_references(source: ModelSource, *, suites: Iterable[str], max_model_len: int, digest: str,
+def record_references(source: ModelSource, *, suites: Iterable[str | Suite], max_model_len: int, digest: str,
                       device: str = "cpu", dtype: str = "float32",
                       progress: Callable[[str], None] | None = None) -> ReferencesFile:  # fmt: skip
     """Run the gates that ask a reference (RECORDED_GATES) of each suite on the reference itself and keep its
     answers. The reference is HF transformers on `device` in `dtype` (float32: what "the same answers" means)."""
+    import transformers
+
     from envex.runtime.loader import load_model_info
     from envex.verify.gates import run_gates
 
     suites = list(dict.fromkeys(suites))
+    names = [s if isinstance(s, str) else s.name for s in suites]
+    # The caller shows its own progress: transformers' load report and bars would break its lines.
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     if progress:
         progress("loading the reference")
     tokenizer = load_model_info(str(source.path)).tokenizer
     inner = HFReference(source, device=device, dtype=dtype, eos_token_ids=tokenizer.eos_token_ids)
     recorder = RecordingReference(inner)
     engine = ReferenceEngine(inner, tokenizer, max_model_len)
-    for suite in suites:
-        run_gates(engine, reference=recorder, suite=suite, gates=RECORDED_GATES,  # type: ignore[arg-type]
-                  progress=(lambda gate, s=suite: progress(f"{s} suite: {gate}")) if progress else None)  # fmt: skip
-    import transformers
+    for suite, name in zip(suites, names, strict=True):
+        report = run_gates(engine, reference=recorder, suite=suite, gates=RECORDED_GATES,  # type: ignore[arg-type]
+                           progress=(lambda gate, s=name: progress(f"{s} suite: {gate}")) if progress else None)
+        for gate in report.gates:  # a gate that could not run asked nothing: its answers would be missing
+            if "error" in gate.evidence:
+                raise ReferencesError(f"the {name} suite's {gate.name} gate could not ask the reference: "
+                                      f"{gate.evidence['error']}")  # fmt: skip
 
     return ReferencesFile.model_validate({
-        "schema": SCHEMA, "model_digest": digest, "reference_policy": inner.policy_name, "suites": suites,
+        "schema": SCHEMA, "model_digest": digest, "reference_policy": inner.policy_name, "suites": names,
         "max_model_len": max_model_len, "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "computed_on": {"torch": torch.__version__, "transformers": transformers.__version__,
                         "machine": platform.machine(),
@@ -326,3 +338,48 @@ def record_references(source: ModelSource, *, suites: Iterable[str], max_model_l
 
 def references_bytes(refs: ReferencesFile) -> bytes:
     return (refs.model_dump_json(by_alias=True) + "\n").encode()
+
+
+# ---- choosing ------------------------------------------------------------------------------------------------------
+
+# The local reference's weights in float32, times this: its activations, cache and allocator slack.
+REFERENCE_OVERHEAD = 1.25
+
+
+def choose_reference(engine: Any, choice: str, references: Path | None,
+                     need_bytes: int | None) -> tuple[HFReference | SignedReference, str]:  # fmt: skip
+    """The gates' reference beside `engine` and why: `local` is HF transformers in float32 on the engine's device;
+    `signed` the answers in `references`; `auto` the local one where `need_bytes` (its float32 weights) fits in
+    the memory left on that device, else the signed ones, else the local one anyway (it may not load: the gate
+    report then says why). ReferencesError in one line when the signed answers are wanted and unusable."""
+    from envex.verify.types import NumericPolicy
+
+    if choice not in ("auto", "local", "signed"):
+        raise ReferencesError(f"reference: {choice!r} is not auto, local or signed")
+    device = NumericPolicy.of(engine).device
+    free = free_memory(device)
+    need = int(need_bytes * REFERENCE_OVERHEAD) if need_bytes is not None else None
+    fits = need is None or need <= free
+    room = (f"the float32 reference needs {need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free on {device}"
+            if need is not None else "its size was not given")  # fmt: skip
+    if choice == "signed" or (choice == "auto" and not fits and references is not None):
+        if references is None:
+            raise ReferencesError("reference: signed answers were asked for, but the model bundle has none "
+                                  "(envex-references.json); build the media with `envex media build`")  # fmt: skip
+        refs = load_references(references)
+        why = "asked for (--reference signed)" if choice == "signed" else f"the local reference does not fit: {room}"
+        return SignedReference(refs, str(references)), why
+    why = "asked for (--reference local)" if choice == "local" else (
+        f"it fits: {room}" if fits else f"no signed answers to fall back on, though {room}")  # fmt: skip
+    reference = HFReference(engine.source, device=device, dtype="float32",
+                            eos_token_ids=engine.tokenizer.eos_token_ids)  # fmt: skip
+    return reference, why
+
+
+def free_memory(device: str) -> int:
+    """Bytes free for the reference: on a GPU what the engine left (torch's view), on a CPU the available RAM."""
+    if device == "cuda":
+        return int(torch.cuda.mem_get_info()[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
