@@ -76,6 +76,10 @@ def test_media_built_here_installs_gates_activates_and_answers_with_no_network(t
         assert state["active"] == release["active"] == (out / "prefix" / "current").resolve().name
         gates = json.loads(Path(release["report"]).read_text())
         assert gates["verdict"] == "pass" and gates["gates"] == release["gates"]
+        # judged against the answers the build computed and signed into the model bundle (--reference signed)
+        assert summary["build"]["references"] == "the quick suite (cpu-float32-torch)"
+        assert release["reference"] == "signed" and gates["details"]["reference"]["origin"] == "signed"
+        assert gates["details"]["verify.gates"]["reference_policy"] == "signed-cpu-float32-torch"
 
         # the activated release, started as its unit file starts it, answered over loopback
         assert summary["serve"]["url"] == "http://127.0.0.1:8000"

@@ -298,6 +298,48 @@ def test_plan_picks_newest_and_says_what_is_missing(tmp_path, trust):
         make_plan(bundles, cpu_probe(ram_available=1000))
 
 
+def _answers(digest: str) -> bytes:
+    from envex.verify.signed_reference import SCHEMA, ReferencesFile, references_bytes
+
+    return references_bytes(ReferencesFile.model_validate({
+        "schema": SCHEMA, "model_digest": digest, "reference_policy": "cpu-float32-torch", "suites": ["quick"],
+        "max_model_len": 128, "created": "2026-12-06T00:00:00+00:00", "computed_on": {}, "greedy": [], "logits": [],
+    }))  # fmt: skip
+
+
+def test_plan_checks_signed_reference_answers_against_the_weights_they_sit_beside(tmp_path, trust):
+    import hashlib
+
+    from envex.verify.signed_reference import REFERENCES_FILE, model_digest
+
+    for name in ("none", "ok", "other", "bad"):
+        (tmp_path / name).mkdir()
+    bundles = verified(media_with(tmp_path / "none", trust), trust)
+    plan = make_plan(bundles, cpu_probe())
+    assert plan.reference == "auto" and plan.signed_references is False
+    with pytest.raises(InstallError) as info:
+        make_plan(bundles, cpu_probe(), reference="signed")
+    assert "--reference signed: model bundle fake-model 1.0.0 holds no signed reference answers" in str(info.value)
+    with pytest.raises(InstallError, match="--reference 'remote': use one of auto, local, signed"):
+        make_plan(bundles, cpu_probe(), reference="remote")
+
+    digest = model_digest({"fake.gguf": hashlib.sha256(b"GGUF fake weights").hexdigest()})
+    ok = verified(media_with(tmp_path / "ok", trust, model_files={REFERENCES_FILE: _answers(digest)}), trust)
+    plan = make_plan(ok, cpu_probe(), reference="signed")
+    assert plan.reference == "signed" and plan.signed_references is True
+
+    other = verified(media_with(tmp_path / "other", trust, model_files={REFERENCES_FILE: _answers("0" * 64)}), trust)
+    for reference in ("auto", "local", "signed"):  # answers for other weights are a broken bundle, whatever is asked
+        with pytest.raises(InstallError) as info:
+            make_plan(other, cpu_probe(), reference=reference)
+        message = str(info.value)
+        assert "\n" not in message and message.startswith("plan: model bundle fake-model 1.0.0: envex-references")
+        assert "computed for other weights" in message
+    bad = verified(media_with(tmp_path / "bad", trust, model_files={REFERENCES_FILE: b"[1, 2]"}), trust)
+    with pytest.raises(InstallError, match="schema 'list', expected 'envex-references/1'"):
+        make_plan(bad, cpu_probe())
+
+
 def test_plan_refuses_targets_and_requirements_it_cannot_meet(tmp_path, trust):
     media = media_with(
         tmp_path,

