@@ -428,3 +428,31 @@ def test_a_model_the_reference_cannot_run_here_says_how_to_go_on(tmp_path, capsy
     assert not out.exists() and siblings(out) == []
     code, _, err = media_build(capsys, model, out, keys, wheels["envex"], wheels["index"], "--reference-suite", "huge")
     assert code == 2 and "--reference-suite huge: use quick or full" in err and not out.exists(), err
+
+
+def test_envex_media_references_computes_answers_another_build_host_bundles(tmp_path, capsys, wheels, keys):
+    from envex.verify.signed_reference import REFERENCES_FILE, folder_digest, parse_references
+
+    model = write_tiny_hf(tmp_path / "Tiny")
+    (model / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}w1", "eos_token": "w0"}))
+    run = tmp_path / "RUN.json"
+    code = commands.main(["media", "references", "--model", str(model), "--out", str(run), "--max-model-len", "1024"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    refs = parse_references(run.read_bytes(), "RUN.json")
+    assert refs.model_digest == folder_digest(model) and refs.max_model_len == 1024 and refs.suites == ["quick"]
+    assert f"wrote {run}: {len(refs.greedy)} greedy answers" in out and "--reference-from" in out
+    # An existing file is kept without --force; bad choices are one line each, and nothing is written.
+    before = run.read_bytes()
+    for argv, needle in (([], "exists; give --force"), (["--force", "--suite", "huge"], "use quick or full"),
+                         (["--force", "--device", "tpu"], "--reference-device 'tpu': use cpu or cuda")):  # fmt: skip
+        code = commands.main(["media", "references", "--model", str(model), "--out", str(run), *argv])
+        lines = capsys.readouterr().err.splitlines()
+        assert code == 2 and len(lines) == 1 and needle in lines[0], lines
+        assert run.read_bytes() == before
+    media = tmp_path / "media"
+    code, stdout, err = media_build(capsys, model, media, keys, wheels["envex"], wheels["index"], "--reference-from",
+                                    str(run))  # fmt: skip
+    assert code == 0, err
+    assert read_card(media / "bundles" / "tiny-1.0.0.envex", media / "trust" / "root.json", REFERENCES_FILE) == before
