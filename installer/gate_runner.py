@@ -89,7 +89,9 @@ def _gate_word(gate: dict[str, Any]) -> str:
 def smoke_gate(engine: Any, prompt: str, expect: str) -> dict[str, Any]:
     from envex.runtime.engine import SamplingParams
 
-    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    tok = engine.tokenizer
+    # A base model (no chat template) is asked the card's prompt as a completion (model_card.BASE_SMOKE).
+    chat = prompt if tok.chat_template is None else tok.apply_chat_template([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=12, temperature=0.0)  # "The capital of France is Paris." is 8 tokens
     start = time.perf_counter()
     first = engine.generate([chat], params)[0]

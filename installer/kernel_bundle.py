@@ -211,7 +211,9 @@ def _warm(model: str, settings: dict[str, Any], report: Path) -> None:
     if config.device != "cuda":
         raise SystemExit("kernels: a kernel bundle is built on a CUDA GPU (the plan's settings say device cuda)")
     engine = LLMEngine(config)  # the warm-up and the CUDA-graph captures run here, as at every start
-    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": SMOKE_PROMPT}])
+    tok = engine.tokenizer
+    chat = SMOKE_PROMPT if tok.chat_template is None else tok.apply_chat_template([{"role": "user",
+                                                                                    "content": SMOKE_PROMPT}])
     answer = engine.generate([chat], SamplingParams(max_tokens=12, temperature=0.0))[0].text
     result = {
         "built_on": _gpu_facts(),

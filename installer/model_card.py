@@ -29,6 +29,8 @@ MAX_VOCAB_PADDING = 1024
 DEFAULT_MAX_MODEL_LEN = 2048
 DEFAULT_MAX_NUM_SEQS = 8
 SMOKE = SmokeTest(prompt="What is the capital of France?", expect="Paris")
+# A base model (no chat template) is asked to complete a sentence instead of a question.
+BASE_SMOKE = SmokeTest(prompt="The capital of France is", expect="Paris")
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "fp8_e4m3",
                        "F8_E5M2": "fp8_e5m2", "I8": "int8", "U8": "uint8"}  # fmt: skip
 
@@ -91,7 +93,16 @@ def _config(spec: Path) -> Any:  # -> ModelConfig
         raise ModelFilesError(f"{show(spec)}: {exc}") from None
 
 
-def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: int, quantization: str) -> ModelCard:
+def _has_chat_template(spec: Path) -> bool:
+    """Whether the model's tokenizer renders chats (tokenizer_config.json, chat_template.jinja, or the GGUF's
+    tokenizer.chat_template): its smoke test is then a question, else a sentence to complete."""
+    from envex.runtime.loader import load_model_info
+
+    return load_model_info(str(spec)).tokenizer.chat_template is not None
+
+
+def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: int, quantization: str,
+          chat: bool = True) -> ModelCard:  # fmt: skip
     return ModelCard(
         served_name=served_name,
         format=fmt,  # type: ignore[arg-type]
@@ -106,7 +117,7 @@ def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: 
         defaults=ModelDefaults(
             max_model_len=min(DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings), max_num_seqs=DEFAULT_MAX_NUM_SEQS
         ),
-        smoke=SMOKE,
+        smoke=SMOKE if chat else BASE_SMOKE,
     )
 
 
@@ -130,7 +141,7 @@ def _gguf_card(path: Path, served_name: str) -> ModelCard:
     except (TypeError, ValueError, ImportError):
         quantization = Counter(str(t.ggml_type) for t in header.tensors).most_common(1)[0][0] if header.tensors \
             else "gguf"  # fmt: skip
-    return _card(path.name, "gguf", served_name, c, parameters, quantization)
+    return _card(path.name, "gguf", served_name, c, parameters, quantization, _has_chat_template(path))
 
 
 def _hf_card(folder: Path, served_name: str) -> ModelCard:
@@ -147,7 +158,8 @@ def _hf_card(folder: Path, served_name: str) -> ModelCard:
     for t in tensors.values():
         dtypes[t.dtype] += t.elements
     quantization = _hf_quantization(folder) or _SAFETENSORS_DTYPES.get(dtypes.most_common(1)[0][0], "unknown")
-    return _card(".", "hf", served_name, c, sum(t.elements for t in tensors.values()), quantization)
+    return _card(".", "hf", served_name, c, sum(t.elements for t in tensors.values()), quantization,
+                 _has_chat_template(folder))
 
 
 def _hf_quantization(folder: Path) -> str | None:

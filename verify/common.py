@@ -17,8 +17,11 @@ def chat_ids(tokenizer: Any, user_text: str) -> list[int]:
     """The token ids of a one-turn chat with the generation prompt (the way the server builds them).
 
     The rendered template already holds the special tokens, so nothing is added on encoding (as
-    transformers' apply_chat_template(tokenize=True) does).
+    transformers' apply_chat_template(tokenize=True) does). A model without a chat template (a base model, served
+    through /v1/completions) gets the text itself, with its special tokens, as a completion prompt would.
     """
+    if getattr(tokenizer, "chat_template", "") is None:
+        return list(tokenizer.encode(user_text))
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], add_generation_prompt=True)
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
