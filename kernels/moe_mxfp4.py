@@ -1,5 +1,8 @@
 """gpt-oss's mixture of experts on Triton: routing, then the expert projections reading MXFP4 (or float) weights
 directly, dequantized tile by tile in registers, with the clamped SwiGLU fused into the first projection.
+Qwen3-MoE's experts run the same kernels: a None bias pointer and a None alpha/limit are constexpr None to Triton,
+which compiles out the bias loads and takes the plain SwiGLU silu(gate) · up (`_expert_act`), so gpt-oss's
+kernels, their signatures and their bits are as before.
 
 Two paths, chosen by the number of token rows T (`fused_moe`):
 
@@ -109,6 +112,17 @@ def _swiglu_oai(g, u, alpha, limit):
     g = tl.minimum(g, limit)
     u = tl.minimum(tl.maximum(u, -limit), limit)
     return (u + 1.0) * (g * tl.sigmoid(alpha * g))
+
+
+@triton.jit
+def _expert_act(g, u, alpha, limit):
+    """reference.moe_activation on float32 gate and up values: gpt-oss's clamped SwiGLU, or with alpha None (a
+    constexpr, fused_moe's activation "silu") the plain silu(g) · u."""
+    if alpha is None:
+        a = g * tl.sigmoid(g) * u
+    else:
+        a = _swiglu_oai(g, u, alpha, limit)
+    return a
 
 
 @triton.jit
@@ -249,9 +263,11 @@ def _gate_up_tile(
         y = tl.sum(acc, axis=1)
     # HF rounds the projection (bias included) to the activation dtype before the SwiGLU, and its result too.
     dt = x_ptr.dtype.element_ty  # x itself is not read (its planes are): the dtype HF rounds to
-    y = (y + tl.load(b_ptr + e64 * stride_be + rows, mask=row_ok, other=0.0).to(tl.float32)).to(dt)
+    if b_ptr is not None:  # None (a constexpr): experts without biases
+        y += tl.load(b_ptr + e64 * stride_be + rows, mask=row_ok, other=0.0).to(tl.float32)
+    y = y.to(dt)
     g_val, u_val = tl.split(tl.reshape(y, [BLOCK_I, 2]))
-    a = _swiglu_oai(g_val.to(tl.float32), u_val.to(tl.float32), alpha, limit)
+    a = _expert_act(g_val.to(tl.float32), u_val.to(tl.float32), alpha, limit)
     j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
     tl.store(act_ptr + pair.to(tl.int64) * stride_act + plane_offsets(j, INTER), a.to(dt).to(tl.float32),
              mask=j < INTER)  # fmt: skip
@@ -334,7 +350,8 @@ def _down_tile(
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
             acc += wv.to(tl.float32) * xv[None, :]
         r = tl.sum(acc, axis=1)
-    r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
+    if b_ptr is not None:
+        r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
     # HF rounds each expert's output before weighting it
     tl.store(part_ptr + pair.to(tl.int64) * N + n64, tl.load(wts_ptr + pair) * r.to(dt).to(tl.float32), mask=n_ok)
     tl.debug_barrier()  # every thread's term is stored before the counter moves
@@ -600,11 +617,12 @@ def _gate_up_grouped_kernel(
                 u_lo, u_hi = u_lo.to(x_even.dtype), u_hi.to(x_even.dtype)
             acc_g += tl.dot(x_even, tl.trans(g_lo)) + tl.dot(x_odd, tl.trans(g_hi))
             acc_u += tl.dot(x_even, tl.trans(u_lo)) + tl.dot(x_odd, tl.trans(u_hi))
-    bias_row = b_ptr + e.to(tl.int64) * stride_be
     dt = act_ptr.dtype.element_ty
-    g = (acc_g + tl.load(bias_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
-    u = (acc_u + tl.load(bias_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
-    a = _swiglu_oai(g.to(tl.float32), u.to(tl.float32), alpha, limit)
+    if b_ptr is not None:
+        bias_row = b_ptr + e.to(tl.int64) * stride_be
+        acc_g += tl.load(bias_row + 2 * j, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_row + 2 * j + 1, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+    a = _expert_act(acc_g.to(dt).to(tl.float32), acc_u.to(dt).to(tl.float32), alpha, limit)
     rows = tl.where(row_ok, pair, 0).to(tl.int64)
     tl.store(act_ptr + rows[:, None] * stride_act + j[None, :], a.to(dt), mask=row_ok[:, None] & j_ok[None, :])
 
@@ -654,7 +672,9 @@ def _down_grouped_kernel(
                 lo, hi = lo.to(a_even.dtype), hi.to(a_even.dtype)
             acc += tl.dot(a_even, tl.trans(lo)) + tl.dot(a_odd, tl.trans(hi))
     dt = act_ptr.dtype.element_ty
-    r = (acc + tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
+    if b_ptr is not None:
+        acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    r = acc.to(dt)
     wt = tl.load(wts_ptr + rows, mask=row_ok, other=0.0)
     tl.store(out_ptr + rows[:, None] * stride_o + n[None, :], wt[:, None] * r.to(tl.float32),
              mask=row_ok[:, None] & n_ok[None, :])  # fmt: skip
@@ -745,6 +765,12 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids, wts
 
 
+def top_k_share(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T] float32: the share of each token's top_k experts in the softmax over all its logits (≤ 1)."""
+    v = logits.float()
+    return torch.exp(torch.logsumexp(torch.topk(v, top_k, dim=-1).values, -1) - torch.logsumexp(v, -1))
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(token, slot) pairs, flattened as t·top_k + slot, sorted by expert into tiles of block_m -> (pairs
     [max_tiles · block_m] int32, -1 where a tile is padding; tile_expert [max_tiles] int32, -1 past the last tile).
@@ -778,35 +804,55 @@ def fused_moe(
     top_k: int,
     *,
     gate_up: Weights,
-    gate_up_bias: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
     down: Weights,
-    down_bias: torch.Tensor,
+    down_bias: torch.Tensor | None,
     alpha: float,
     limit: float,
+    activation: str = "swiglu_oai",
+    renormalize: bool = True,
     gemv_max_rows: int = GEMV_MAX_ROWS,
     x_planes: torch.Tensor | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """Σ_k softmax-weighted down(swiglu(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
-    dtype: reference.moe_route followed by reference.moe_experts. x [T, H] (normed); logits [T, E]; gate_up
-    [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float or MXFP4 (blocks, scales); biases [E, 2I] and
-    [E, H]. The GEMV path (T ≤ gemv_max_rows, H and I multiples of 8) only: x_planes, x again as float32 planes
-    (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic dependents."""
+    """Σ_k softmax-weighted down(act(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
+    dtype: reference.moe_route (with renormalize) followed by reference.moe_experts. x [T, H] (normed); logits
+    [T, E]; gate_up [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float or MXFP4 (blocks, scales);
+    biases [E, 2I] and [E, H], both or neither (None); activation "swiglu_oai" (with alpha and limit) or "silu"
+    (reference.moe_activation). The GEMV path (T ≤ gemv_max_rows, H and I multiples of 8) only: x_planes, x again
+    as float32 planes (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic
+    dependents."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     t, h = x.shape
     e = logits.shape[1]
     check(logits.shape[0] == t, f"logits: {logits.shape[0]} rows for {t} tokens")
-    check_tensor("gate_up_bias", gate_up_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
-    check_tensor("down_bias", down_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
-    inter = gate_up_bias.shape[1] // 2
-    check(gate_up_bias.shape == (e, 2 * inter) and down_bias.shape == (e, h),
-          f"biases: {tuple(gate_up_bias.shape)} / {tuple(down_bias.shape)} are not [{e}, 2I] / [{e}, {h}]")  # fmt: skip
+    check(activation in ("swiglu_oai", "silu"), f"activation: {activation!r} is not swiglu_oai or silu")
+    if not renormalize:
+        # The chosen experts' shares of the full softmax are the renormalised weights times the top-k's total
+        # share: the same sum scaled per token (a torch epilogue; every published Qwen3-MoE renormalises).
+        out = fused_moe(x, logits, top_k, gate_up=gate_up, gate_up_bias=gate_up_bias, down=down,
+                        down_bias=down_bias, alpha=alpha, limit=limit, activation=activation,
+                        gemv_max_rows=gemv_max_rows, x_planes=x_planes, pdl=pdl)  # fmt: skip
+        return (out.float() * top_k_share(logits, top_k)[:, None]).to(out.dtype)
+    inter = (gate_up[0] if isinstance(gate_up, tuple) else gate_up).shape[1] // 2
+    check((gate_up_bias is None) == (down_bias is None), "biases: give both gate_up_bias and down_bias, or neither")
+    if gate_up_bias is not None and down_bias is not None:
+        check_tensor("gate_up_bias", gate_up_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        check_tensor("down_bias", down_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
+        check(gate_up_bias.shape == (e, 2 * inter) and down_bias.shape == (e, h),
+              f"biases: {tuple(gate_up_bias.shape)} / {tuple(down_bias.shape)} are not [{e}, {2 * inter}] / "
+              f"[{e}, {h}]")  # fmt: skip
     check(h % 2 == 0 and inter % 2 == 0, f"x: hidden {h} and intermediate {inter} must be even")
     check(1 <= top_k <= e, f"top_k: {top_k} must be in 1..{e} experts")
     w1, s1, we1, wn1, se1, sn1, packed1 = _weight_args("gate_up", gate_up, 2 * inter, h, x.device)
     w2, s2, we2, wn2, se2, sn2, packed2 = _weight_args("down", down, h, inter, x.device)
     check(packed1 == packed2, "gate_up/down: both MXFP4 or both float")
+    # Without biases the kernels get None pointers (stride 0), with "silu" a None alpha and limit: constexpr
+    # None to Triton, which compiles the loads and the clamps out.
+    sb1 = gate_up_bias.stride(0) if gate_up_bias is not None else 0
+    sb2 = down_bias.stride(0) if down_bias is not None else 0
+    a_arg, l_arg = (None, None) if activation == "silu" else (float(alpha), float(limit))
     out = torch.empty_like(x)
     if t == 0:
         return out
@@ -834,8 +880,7 @@ def fused_moe(
                 return _one_launch_kernel[(grid,)](
                     x, xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p, gw2, s2, down_bias, part, counters, out,
                     _barrier(x.device, programs), dry, xp.stride(0), logits.stride(0), gwe1, wn1, se1,
-                    gate_up_bias.stride(0), act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
-                    float(alpha), float(limit),
+                    sb1, act_p.stride(0), gwe2, wn2, se2, sb2, out.stride(0), a_arg, l_arg,
                     K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e), BLOCK_TK=next_pow2(top_k),
                     BLOCK_I=GEMV_PAIRS, BLOCK_N=GEMV_DOWN_ROWS, GB1=GEMV_GROUPS, GB2=GEMV_GROUPS, PACKED=True,
                     WARM=ONE_LAUNCH_WARM, WARM_LINES=next_pow2(triton.cdiv(inter // 8, 32)),
@@ -845,21 +890,21 @@ def fused_moe(
                 )  # fmt: skip
 
             key = (x.device, h, inter, e, top_k, pdl, ONE_LAUNCH_WARM, ONE_LAUNCH_SPIN_NS, ONE_LAUNCH_MAXNREG,
-                   ONE_LAUNCH_COOPERATIVE)
+                   ONE_LAUNCH_COOPERATIVE, gate_up_bias is None, activation)
             if programs <= _resident_programs(key, x.device, launch):
                 launch(programs, 0)
                 return out
         gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
         _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
             x, xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
-            xp.stride(0), logits.stride(0), gwe1, wn1, se1, gate_up_bias.stride(0), act_p.stride(0),
-            float(alpha), float(limit), K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
+            xp.stride(0), logits.stride(0), gwe1, wn1, se1, sb1, act_p.stride(0), a_arg, l_arg,
+            K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
             BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl, num_warps=1,
             **pdl_launch(pdl),
         )  # fmt: skip
         _down_gemv_kernel[(blocks, t, top_k)](
             act_p, ids, wts, gw2, s2, down_bias, part, counters, out,
-            act_p.stride(0), gwe2, wn2, se2, down_bias.stride(0), out.stride(0),
+            act_p.stride(0), gwe2, wn2, se2, sb2, out.stride(0),
             N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
             PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )  # fmt: skip
@@ -878,14 +923,14 @@ def fused_moe(
     gw2, gwe2 = _gemv_words(w2, we2, packed2)
     _gate_up_grouped_kernel[(tiles, triton.cdiv(inter, block_i))](
         x, pairs, tile_expert, gw1, s1, gate_up_bias, act,
-        x.stride(0), gwe1, wn1, se1, sn1, gate_up_bias.stride(0), act.stride(0), float(alpha), float(limit),
+        x.stride(0), gwe1, wn1, se1, sn1, sb1, act.stride(0), a_arg, l_arg,
         K=h, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=128 if packed1 else 64,
         PACKED=packed1, UPCAST_DOT=INTERPRETING, num_warps=warps,
     )  # fmt: skip
     per_pair = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
     _down_grouped_kernel[(tiles, triton.cdiv(h, block_n))](
         act, pairs, tile_expert, wts, gw2, s2, down_bias, per_pair,
-        act.stride(0), gwe2, wn2, se2, sn2, down_bias.stride(0), per_pair.stride(0),
+        act.stride(0), gwe2, wn2, se2, sn2, sb2, per_pair.stride(0),
         N=h, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if packed2 else 64, PACKED=packed2,
         UPCAST_DOT=INTERPRETING, num_warps=warps,
     )  # fmt: skip

@@ -89,18 +89,23 @@ class AttentionMetadata:
 class MoEWeights:
     """One MoE layer's experts, as the model file owns them: float stacks or MXFP4-packed ones (kernels/mxfp4.py),
     never both. Rows are outputs (the packed checkpoints' orientation); gate_up's rows interleave gate and up
-    (gate_0, up_0, gate_1, ...), as gpt-oss publishes them. Activation: gpt-oss's clamped SwiGLU (alpha, limit)."""
+    (gate_0, up_0, gate_1, ...), as gpt-oss publishes them. activation: gpt-oss's clamped SwiGLU ("swiglu_oai",
+    with alpha and limit) or the plain silu(gate) · up ("silu", Qwen3-MoE). Biases None: none. renormalize: the
+    chosen experts' weights are the softmax over their k logits (gpt-oss; Qwen3-MoE's norm_topk_prob); False:
+    their probabilities under the softmax over all experts (reference.moe_route)."""
 
-    gate_up_bias: torch.Tensor  # [E, 2I]
-    down_bias: torch.Tensor  # [E, H]
+    gate_up_bias: torch.Tensor | None = None  # [E, 2I]
+    down_bias: torch.Tensor | None = None  # [E, H]
     gate_up: torch.Tensor | None = None  # [E, 2I, H] float
     down: torch.Tensor | None = None  # [E, H, I] float
     gate_up_blocks: torch.Tensor | None = None  # [E, 2I, H/32, 16] uint8, with scales [E, 2I, H/32] uint8
     gate_up_scales: torch.Tensor | None = None
     down_blocks: torch.Tensor | None = None  # [E, H, I/32, 16] uint8, with scales [E, H, I/32] uint8
     down_scales: torch.Tensor | None = None
+    activation: str = "swiglu_oai"
     alpha: float = 1.702
     limit: float = 7.0
+    renormalize: bool = True
 
     def __post_init__(self) -> None:
         packed = (self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales)
@@ -108,6 +113,16 @@ class MoEWeights:
         if not (all(t is not None for t in floats) and all(t is None for t in packed)
                 or all(t is None for t in floats) and all(t is not None for t in packed)):
             raise ValueError("MoEWeights: give gate_up and down as float tensors or all four MXFP4 tensors")
+        if self.activation not in reference.MOE_ACTIVATIONS:
+            raise ValueError(f"MoEWeights: activation {self.activation!r} is not one of "
+                             f"{', '.join(reference.MOE_ACTIVATIONS)}")  # fmt: skip
+
+    @property
+    def intermediate_size(self) -> int:
+        """I, each expert's width (gate_up has 2I rows, float or packed)."""
+        gate_up = self.gate_up if self.gate_up is not None else self.gate_up_blocks
+        assert gate_up is not None
+        return gate_up.shape[1] // 2
 
     @property
     def quantized(self) -> bool:
@@ -188,8 +203,8 @@ class Ops(Protocol):
             router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(moe(rms_norm(x + residual)), x + residual): router logits = linear(h, router_weight, router_bias), the
-        top_k experts of each token weighted by the softmax of their logits (reference.moe_route), each expert
-        down(swiglu_oai(gate_up(h)))."""
+        top_k experts of each token weighted by the softmax of their logits (reference.moe_route, with
+        experts.renormalize), each expert down(act(gate_up(h))) (reference.moe_activation, experts.activation)."""
         ...
 
 
@@ -261,9 +276,10 @@ class TorchOps:
             h, residual = reference.rms_norm(x, norm_weight, eps), x
         else:
             h, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
-        weights, ids = reference.moe_route(F.linear(h, router_weight, router_bias), top_k)
+        weights, ids = reference.moe_route(F.linear(h, router_weight, router_bias), top_k, experts.renormalize)
         out = reference.moe_experts(h, weights, ids, experts.gate_up_matrix(), experts.gate_up_bias,
-                                    experts.down_matrix(), experts.down_bias, experts.alpha, experts.limit)
+                                    experts.down_matrix(), experts.down_bias, experts.alpha, experts.limit,
+                                    experts.activation)  # fmt: skip
         return out, residual
 
 

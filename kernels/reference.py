@@ -206,14 +206,20 @@ def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Te
     return linear(silu_and_mul(gate_up), weight)
 
 
-# ---- mixture of experts (gpt-oss) ---------------------------------------------------------------------------
+# ---- mixture of experts (gpt-oss, Qwen3-MoE) --------------------------------------------------------------------
 
 
-def moe_route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (weights [T, k], expert ids [T, k] int64): the top k logits, softmaxed over those
-    k alone in the logits' dtype (HF GptOssTopKRouter). Ties go to the lower expert id, as torch.topk breaks them."""
+    k alone in the logits' dtype (HF GptOssTopKRouter; Qwen3-MoE's softmax, top k, renormalised to sum 1
+    (norm_topk_prob) is the same: exp(l_i - m) / Σ_top-k exp(l_j - m) either way). Ties go to the lower expert
+    id, as torch.topk breaks them. renormalize False: the chosen experts' probabilities under the softmax over all
+    E logits (HF Qwen3MoeTopKRouter with norm_topk_prob false), which sum to less than 1."""
     top, ids = torch.topk(logits, top_k, dim=-1)
-    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+    if renormalize:
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+    acc = torch.promote_types(logits.dtype, torch.float32)  # HF takes this softmax in float32
+    return torch.softmax(logits, dim=-1, dtype=acc).gather(-1, ids).to(logits.dtype), ids
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -222,6 +228,17 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
     gate = gate_up[..., 0::2].clamp(max=limit)
     up = gate_up[..., 1::2].clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+MOE_ACTIVATIONS = ("swiglu_oai", "silu")  # MoEWeights.activation: gpt-oss's clamped SwiGLU, or silu(gate) · up
+
+
+def moe_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """An expert's activation on interleaved columns [g0, u0, g1, u1, ...] -> [..., I]: swiglu_oai, or the plain
+    SwiGLU silu(g) · u (Qwen3-MoE's experts, HF Qwen3MoeExperts)."""
+    if activation == "silu":
+        return torch.nn.functional.silu(gate_up[..., 0::2]) * gate_up[..., 1::2]
+    return swiglu_oai(gate_up, alpha, limit)
 
 
 def expert_matrix(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], e: int, dtype: torch.dtype) -> torch.Tensor:
@@ -239,24 +256,30 @@ def moe_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    gate_up_bias: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
     down: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-    down_bias: torch.Tensor,
+    down_bias: torch.Tensor | None,
     alpha: float,
     limit: float,
+    activation: str = "swiglu_oai",
 ) -> torch.Tensor:
-    """Σ_k weights[t, k] · down_e(swiglu_oai(gate_up_e(x[t]))) over each token's chosen experts e = ids[t, k].
+    """Σ_k weights[t, k] · down_e(act(gate_up_e(x[t]))) over each token's chosen experts e = ids[t, k].
 
-    x [T, H]; gate_up [E, 2I, H] (rows interleaved gate/up) with bias [E, 2I]; down [E, H, I] with bias [E, H];
-    either float or MXFP4 (blocks, scales) pairs. Each projection, the activation and the weighting round to x's
-    dtype where HF's expert loop does (GptOssExperts.forward), so in bf16 this is HF's arithmetic.
+    x [T, H]; gate_up [E, 2I, H] (rows interleaved gate/up) with bias [E, 2I]; down [E, H, I] with bias [E, H]
+    (None: no bias); either float or MXFP4 (blocks, scales) pairs; act: moe_activation. Each projection, the
+    activation and the weighting round to x's dtype where HF's expert loop does (GptOssExperts.forward,
+    Qwen3MoeExperts.forward), so in bf16 this is HF's arithmetic.
     """
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         tok, slot = torch.where(ids == e)
         h = x[tok]
-        gu = h @ expert_matrix(gate_up, e, x.dtype).t() + gate_up_bias[e].to(x.dtype)
-        y = swiglu_oai(gu, alpha, limit) @ expert_matrix(down, e, x.dtype).t() + down_bias[e].to(x.dtype)
+        gu = h @ expert_matrix(gate_up, e, x.dtype).t()
+        if gate_up_bias is not None:
+            gu = gu + gate_up_bias[e].to(x.dtype)
+        y = moe_activation(gu, activation, alpha, limit) @ expert_matrix(down, e, x.dtype).t()
+        if down_bias is not None:
+            y = y + down_bias[e].to(x.dtype)
         out.index_add_(0, tok, y * weights[tok, slot, None].to(x.dtype))
     return out
 

@@ -14,7 +14,8 @@ Each entry point picks its kernel from the rows it is given:
   the varlen paged_attention kernel. Sinks and a sliding window are constexpr variants of both; a window layer
   picks its key splits from the window, not from the graph's max_model_len;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
-  expert projections, MXFP4 dequantized in registers).
+  expert projections, MXFP4 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's plain
+  SwiGLU without, compiled as variants of the same kernels).
 deterministic (EngineConfig.deterministic): one path for every batch instead, so a row's bits never depend on its
 batch: the row-wise norm kernels, invariant_matmul for every projection (SwiGLU in a pass before it),
 rotary_and_store_kv and invariant_attention for decode and prefill alike (the `_det_*` methods). Where the
@@ -212,7 +213,7 @@ class TritonOps:
         x = self.materialize(x, router_weight.dtype if residual is None else residual.dtype)
         planes = None
         pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
-        gemv_path = moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.gate_up_bias.shape[1] // 2)
+        gemv_path = moe_mxfp4.takes_gemv_path(x.shape[0], x.shape[1], experts.intermediate_size)
         if gemv_path and x.shape[1] <= moe_mxfp4.NORM_ROUTER_MAX_HIDDEN:
             # the add, the norm (with the GEMVs' input planes) and the router in one launch
             h, residual, planes, logits = moe_mxfp4.norm_router(x, residual, norm_weight, eps, router_weight,
@@ -229,6 +230,7 @@ class TritonOps:
         out = moe_mxfp4.fused_moe(h, logits, top_k, gate_up=experts.gate_up_matrix(),
                                   gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
                                   down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,
+                                  activation=experts.activation, renormalize=experts.renormalize,
                                   x_planes=planes, pdl=pdl)  # fmt: skip
         return out, residual
 

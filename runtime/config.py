@@ -7,15 +7,18 @@ from typing import Any
 
 # architectures name -> (qkv bias default, q/k norm). The Llama family shares one model file (models/llama.py)
 # and differs only in these switches, read from the config where it states them; gpt-oss has its own file
-# (models/gpt_oss.py) and the MoE, sink, window and quantization fields below.
+# (models/gpt_oss.py) and the MoE, sink, window and quantization fields below; Qwen3-MoE (models/qwen3_moe.py) is
+# Qwen3's attention with MoE fields of its own.
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "LlamaForCausalLM": (False, False),
     "MistralForCausalLM": (False, False),
     "Qwen2ForCausalLM": (True, False),
     "Qwen3ForCausalLM": (False, True),
     "GptOssForCausalLM": (True, False),
+    "Qwen3MoeForCausalLM": (False, True),
 }
 GPT_OSS = "GptOssForCausalLM"
+QWEN3_MOE = "Qwen3MoeForCausalLM"
 # What HF's GptOssConfig fills in when config.json leaves it out (configuration_gpt_oss.py).
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -50,12 +53,19 @@ class YarnScaling:
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig:
-    """A mixture-of-experts MLP: every layer routes each token to top_k of num_experts experts (gpt-oss)."""
+    """A mixture-of-experts MLP: a layer routes each token to top_k of num_experts experts, each
+    intermediate_size wide (gpt-oss: every layer; Qwen3-MoE: all but dense_layers)."""
 
     num_experts: int
     top_k: int
+    intermediate_size: int
+    activation: str  # kernels.ops.MoEWeights.activation: "swiglu_oai" (gpt-oss) or "silu" (Qwen3-MoE)
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # the chosen experts' weights sum to 1 (Qwen3-MoE's norm_topk_prob; gpt-oss always); False: their share of
+    # the softmax over all experts
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (ModelConfig.intermediate_size wide) instead
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,8 +168,8 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        gpt_oss = _gpt_oss_fields(cfg) if arch == GPT_OSS else {}
-        if gpt_oss:
+        extra = _gpt_oss_fields(cfg) if arch == GPT_OSS else _qwen3_moe_fields(cfg) if arch == QWEN3_MOE else {}
+        if arch == GPT_OSS:
             sliding = None  # per layer, in layer_windows
         return cls(
             architecture=arch,
@@ -181,7 +191,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             rope_yarn=yarn,
-            **gpt_oss,
+            **extra,
         )
 
 
@@ -209,7 +219,37 @@ def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(
         layer_windows=tuple(window if t == "sliding_attention" else None for t in types),
         attention_sinks=True,
-        moe=MoEConfig(num_experts=experts, top_k=top_k, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=cfg["intermediate_size"],
+                      activation="swiglu_oai", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                       swiglu_limit=float(cfg.get("swiglu_limit", 7.0))),
         quantization=method,
     )
+
+
+def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's MoE fields from its config.json, with HF Qwen3MoeConfig's defaults (transformers 5 writes
+    num_experts as num_local_experts). A layer is sparse unless listed in mlp_only_layers or off the
+    decoder_sparse_step (HF Qwen3MoeDecoderLayer: sparse where (i + 1) % step == 0)."""
+    layers = cfg["num_hidden_layers"]
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
+    top_k = cfg.get("num_experts_per_tok", 8)
+    width = cfg.get("moe_intermediate_size", 768)
+    step = cfg.get("decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(experts, int) or experts < 1 or not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ConfigError(f"config.json: num_experts_per_tok ({top_k!r}) must be in 1..num_experts ({experts!r})")
+    if not isinstance(width, int) or width < 1:
+        raise ConfigError(f"config.json: moe_intermediate_size must be a positive integer, got {width!r}")
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"config.json: decoder_sparse_step must be a positive integer, got {step!r}")
+    if not isinstance(dense, list) or any(not isinstance(i, int) or not 0 <= i < layers for i in dense):
+        raise ConfigError(f"config.json: mlp_only_layers must list layer indices in 0..{layers - 1}, got {dense!r}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported for Qwen3-MoE; "
+                          "supported: silu")  # fmt: skip
+    if cfg.get("quantization_config"):
+        raise ConfigError("config.json: quantized Qwen3-MoE checkpoints are not supported yet; use the bf16 or "
+                          "float32 checkpoint")  # fmt: skip
+    dense_layers = tuple(i for i in range(layers) if i in dense or (i + 1) % step)
+    return dict(moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width, activation="silu",
+                              norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense_layers))

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
-from envex.runtime.config import GPT_OSS, ModelConfig
+from envex.runtime.config import GPT_OSS, QWEN3_MOE, ModelConfig
 from envex.runtime.loader import EMBEDDED_MODEL
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -169,8 +169,8 @@ def meets_deterministic_bar(costs: Mapping[str, float]) -> bool:
 
 def has_invariant_kernels(architecture: str) -> bool:
     """Whether every layer of this architecture has batch-invariant kernels (the deterministic mode): the dense
-    Llama family does; gpt-oss's MoE experts and its attention sinks and windows do not yet."""
-    return architecture != GPT_OSS
+    Llama family does; the MoE experts (gpt-oss, Qwen3-MoE) and gpt-oss's attention sinks and windows do not yet."""
+    return architecture not in (GPT_OSS, QWEN3_MOE)
 
 
 def model_window(model: ModelConfig) -> int:

@@ -19,6 +19,7 @@ from torch import nn
 from envex.kernels import mxfp4
 from envex.kernels.ops import AttentionLayer, AttentionMetadata, MoEWeights, Ops
 from envex.runtime.config import ModelConfig
+from envex.runtime.models.decoder import DecoderStack
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # HF name within a layer -> our attribute (and the qkv shard for q/k/v).
@@ -104,7 +105,7 @@ class GptOssLayer(nn.Module):
                        self.router_bias, self.experts, self.top_k)  # fmt: skip
 
 
-class GptOssForCausalLM(nn.Module):
+class GptOssForCausalLM(DecoderStack, nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         if config.tie_word_embeddings:
@@ -114,20 +115,6 @@ class GptOssForCausalLM(nn.Module):
         self.layers = nn.ModuleList(GptOssLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
         self.norm_weight = _param(config.hidden_size, dtype=dtype, device=device)
         self.lm_head_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-
-    def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """input_ids [T] -> (hidden, residual) [T, H] after the last layer, before the final norm."""
-        hidden = self.embed_tokens_weight[input_ids]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(ops, hidden, residual, kv_cache, meta)
-        assert residual is not None, "a model has at least one layer"
-        return hidden, residual
-
-    def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head on the given rows -> logits [N, V] in the model's dtype."""
-        return ops.norm_linear(hidden, residual, self.norm_weight, self.config.rms_norm_eps, self.lm_head_weight)[0]
 
     # ---- loading -------------------------------------------------------------------------------------------
 

@@ -1,0 +1,171 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (GQA, per-head q/k RMSNorm) and, in every layer
+but the dense ones (ModelConfig.moe.dense_layers: mlp_only_layers, decoder_sparse_step), a routed MoE: router
+logits without bias, softmax, top-k, renormalised when norm_topk_prob; each expert down(silu(gate(x)) · up(x)),
+no biases, no shared expert.
+
+HF reference: transformers/models/qwen3_moe/modeling_qwen3_moe.py. Parameters keep HF's names, with q/k/v packed
+into one matrix as in models/llama.py. The published checkpoint holds each expert as its own
+`mlp.experts.E.{gate,up,down}_proj.weight` ([out, in], HF's nn.Linear): they load into one stack a layer, gate and
+up rows interleaved (gate_0, up_0, gate_1, ...), the layout `Ops.moe` takes (kernels/ops.py MoEWeights).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, MoEWeights, Ops
+from envex.runtime.config import ModelConfig
+from envex.runtime.models.decoder import DecoderStack
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_QKV = {"self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v_proj": 2}
+# HF name within a layer -> our attribute
+_DIRECT = {
+    "input_layernorm.weight": "input_layernorm_weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm_weight",
+    "self_attn.o_proj.weight": "o_proj_weight",
+    "self_attn.q_norm.weight": "q_norm_weight",
+    "self_attn.k_norm.weight": "k_norm_weight",
+    "mlp.gate.weight": "router_weight",
+    "mlp.down_proj.weight": "down_proj_weight",
+}
+_DENSE_GATE_UP = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 1}  # [gate | up], as models/llama.py packs it
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Qwen3MoeLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        c = config
+        assert c.moe is not None, "Qwen3-MoE configs carry their MoE fields (ModelConfig.from_hf)"
+        h = c.hidden_size
+        self.eps = c.rms_norm_eps
+        self.top_k = c.moe.top_k
+        self.input_layernorm_weight = _param(h, dtype=dtype, device=device)
+        self.post_attention_layernorm_weight = _param(h, dtype=dtype, device=device)
+        qkv_out = c.q_size + 2 * c.kv_size
+        self.qkv_proj_weight = _param(qkv_out, h, dtype=dtype, device=device)
+        self.qkv_proj_bias = _param(qkv_out, dtype=dtype, device=device) if c.attention_bias else None
+        self.o_proj_weight = _param(h, c.q_size, dtype=dtype, device=device)
+        self.q_norm_weight = _param(c.head_dim, dtype=dtype, device=device)
+        self.k_norm_weight = _param(c.head_dim, dtype=dtype, device=device)
+        self.attn = AttentionLayer(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                   head_dim=c.head_dim, scale=c.head_dim**-0.5, q_norm=self.q_norm_weight,
+                                   k_norm=self.k_norm_weight, norm_eps=c.rms_norm_eps)  # fmt: skip
+        self.sparse = index not in c.moe.dense_layers
+        self.experts: MoEWeights | None = None
+        if self.sparse:
+            e, inter = c.moe.num_experts, c.moe.intermediate_size
+            self.router_weight = _param(e, h, dtype=dtype, device=device)
+            self.gate_up_proj = _param(e, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, gate_1...
+            self.down_proj = _param(e, h, inter, dtype=dtype, device=device)
+            self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
+                                      renormalize=c.moe.norm_topk_prob)  # fmt: skip
+        else:
+            self.gate_up_proj_weight = _param(2 * c.intermediate_size, h, dtype=dtype, device=device)
+            self.down_proj_weight = _param(h, c.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """hidden, residual [T, H] -> the MLP output and the residual stream before it (added by the next norm)."""
+        qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
+                                        self.qkv_proj_weight, self.qkv_proj_bias)  # [T, q + 2kv]
+        attn = ops.attention(qkv, *kv_cache, meta, self.attn)  # [T, q]
+        hidden = ops.linear(attn, self.o_proj_weight)
+        if self.experts is not None:
+            return ops.moe(hidden, residual, self.post_attention_layernorm_weight, self.eps, self.router_weight,
+                           None, self.experts, self.top_k)  # fmt: skip
+        gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
+                                            self.gate_up_proj_weight)  # [T, 2I]
+        return ops.act_linear(gate_up, self.down_proj_weight), residual
+
+
+class Qwen3MoeForCausalLM(DecoderStack, nn.Module):
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Qwen3MoeLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm_weight = _param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head_weight = (
+            self.embed_tokens_weight if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )  # fmt: skip
+
+    # ---- loading -------------------------------------------------------------------------------------------
+
+    def _target(self, name: str) -> torch.Tensor | None:
+        """Our tensor (a view for a packed shard) for an HF name; None for a tied LM head's copy."""
+        c = self.config
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            return None
+        top = {"model.embed_tokens.weight": self.embed_tokens_weight, "model.norm.weight": self.norm_weight,
+               "lm_head.weight": self.lm_head_weight}  # fmt: skip
+        if name in top:
+            return top[name]
+        m = _LAYER.fullmatch(name)
+        if m is not None and int(m.group(1)) < len(self.layers):
+            layer, rest = self.layers[int(m.group(1))], m.group(2)
+            module, _, kind = rest.rpartition(".")
+            if module in _QKV and (kind == "weight" or kind == "bias" and c.attention_bias):
+                sizes = [c.q_size, c.kv_size, c.kv_size]
+                start = sum(sizes[: _QKV[module]])
+                whole = layer.qkv_proj_weight if kind == "weight" else layer.qkv_proj_bias
+                return whole[start : start + sizes[_QKV[module]]]
+            expert = _EXPERT.fullmatch(rest)
+            if layer.sparse and expert is not None and int(expert.group(1)) < layer.gate_up_proj.shape[0]:
+                e, proj = int(expert.group(1)), expert.group(2)
+                return layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+            if not layer.sparse and rest in _DENSE_GATE_UP:
+                inter = c.intermediate_size
+                return layer.gate_up_proj_weight[_DENSE_GATE_UP[rest] * inter : (_DENSE_GATE_UP[rest] + 1) * inter]
+            target = getattr(layer, _DIRECT.get(rest, ""), None)
+            if isinstance(target, torch.Tensor):
+                return target
+        raise ValueError(f"weights: unexpected tensor {name!r} for {c.architecture} (dense layers: "
+                         f"{list(c.moe.dense_layers) if c.moe else []})")  # fmt: skip
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model; every parameter must be written exactly once."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            param = self._target(name)
+            if param is None:
+                continue
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.copy_(tensor)
+            seen.add(name)
+        missing = sorted(self.expected_weight_names() - seen)
+        if missing:
+            raise ValueError(
+                f"weights: {len(missing)} tensors missing, e.g. {missing[:3]}; the checkpoint is incomplete"
+            )
+
+    def expected_weight_names(self) -> set[str]:
+        c = self.config
+        assert c.moe is not None
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not c.tie_word_embeddings:
+            names.add("lm_head.weight")
+        attention = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + ["self_attn.q_norm.weight",
+                     "self_attn.k_norm.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+        if c.attention_bias:
+            attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+        sparse = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts)
+                                        for p in ("gate", "up", "down")]  # fmt: skip
+        dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        for i, layer in enumerate(self.layers):
+            names.update(f"model.layers.{i}.{p}" for p in attention + (sparse if layer.sparse else dense))
+        return names
