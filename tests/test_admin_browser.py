@@ -156,6 +156,7 @@ def test_each_page_shows_the_installed_state(page, server, fixture):
     for gate in ("installer.smoke", "verify.reference_equality", "verify.stopping"):
         assert gate in text
     assert "20/20 prompts: same greedy tokens as HF transformers" in text
+    assert "quick suite, against the signed reference" in text  # what the gates were judged against
     section.locator("summary").first.click()
     assert "capital of France" in section.inner_text()
     # benchmarks: the table and the plot (a PNG the browser decoded)

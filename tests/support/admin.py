@@ -70,6 +70,8 @@ def gates_report(tok_s: float) -> dict[str, Any]:
                 "evidence": {"prompt": "What is the capital of France?", "text": "Paris.", "deterministic": True},
             },
             "verify.gates": {"verdict": "pass", "gates": suite_gates},
+            "reference": {"origin": "signed", "reference_policy": "cpu-float32-torch",
+                          "why": "the local reference does not fit"},
         },
     }
 
