@@ -189,8 +189,8 @@ def _engine_checks(engine: Any, load_s: float, config: Any, out: Path, suite: st
         try:
             from envex.verify.signed_reference import choose_reference
 
-            ref, why = choose_reference(engine, reference.choice, reference.references, reference.need_bytes)
-            details["reference"] = {**ref.describe(), "why": why}
+            ref, details["reference"] = choose_reference(engine, reference.choice, reference.references,
+                                                         reference.need_bytes)  # fmt: skip
             report = as_json(_call(run_gates, engine, reference=ref, suite=suite, out_dir=out / "gates"))
             details["verify.gates"] = report
             per_gate = gate_verdicts(report)

@@ -131,12 +131,17 @@ def test_the_file_answers_for_its_weights_only(recorded, tmp_path):
 
 
 def test_choosing_the_reference(engine, recorded):
-    ref, why = choose_reference(engine, "auto", recorded, need_bytes=10**18)
-    assert isinstance(ref, SignedReference) and "does not fit" in why and "needs" in why
-    ref, why = choose_reference(engine, "signed", recorded, need_bytes=1)
-    assert isinstance(ref, SignedReference) and ref.describe()["origin"] == "signed"
-    ref, why = choose_reference(engine, "auto", recorded, need_bytes=4 * 134_515_008)
-    assert isinstance(ref, HFReference) and why.startswith("it fits") and ref.describe()["origin"] == "local"
+    ref, described = choose_reference(engine, "auto", recorded, need_bytes=10**18)
+    assert isinstance(ref, SignedReference) and described["origin"] == "signed"
+    assert "does not fit" in described["why"] and "needs" in described["why"]
+    ref, described = choose_reference(engine, "signed", recorded, need_bytes=1)
+    assert isinstance(ref, SignedReference) and described["why"] == "asked for (--reference signed)"
+    # The local one: None, which run_gates loads where a gate needs it (HF transformers, float32, on the device)
+    ref, described = choose_reference(engine, "auto", recorded, need_bytes=4 * 134_515_008)
+    assert ref is None and described["origin"] == "local" and described["why"].startswith("it fits")
+    assert described["reference_policy"] == "cpu-float32-torch"
+    ref, described = choose_reference(engine, "auto", None, need_bytes=10**18)
+    assert ref is None and described["why"].startswith("no signed answers to fall back on")
     with pytest.raises(ReferencesError, match="has none"):
         choose_reference(engine, "signed", None, need_bytes=1)
     with pytest.raises(ReferencesError, match="not auto, local or signed"):

@@ -47,6 +47,8 @@ T = TypeVar("T")
 class EngineReference:
     """An LLMEngine (tensor_parallel=1) answering as gate_reference's reference does: greedy tokens and top-k."""
 
+    origin = "local"  # verify.reference.Reference: computed on this machine
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.policy_name = f"{NumericPolicy.of(engine).name}-tp1"
@@ -59,6 +61,8 @@ class EngineReference:
 
 class RecordedReference:
     """An engine's greedy answers recorded ahead, so that engine can be freed before the one under test loads."""
+
+    origin = "local"
 
     def __init__(self, engine: Any, prompts: Sequence[list[int]], max_tokens: int, *, top_k: int = 5) -> None:
         live = EngineReference(engine)

@@ -347,8 +347,9 @@ REFERENCE_OVERHEAD = 1.25
 
 
 def choose_reference(engine: Any, choice: str, references: Path | None,
-                     need_bytes: int | None) -> tuple[HFReference | SignedReference, str]:  # fmt: skip
-    """The gates' reference beside `engine` and why: `local` is HF transformers in float32 on the engine's device;
+                     need_bytes: int | None) -> tuple[SignedReference | None, dict[str, Any]]:  # fmt: skip
+    """The gates' reference beside `engine`, and what it is and why (for the report): `local` is HF transformers in
+    float32 on the engine's device, returned as None (verify.gates.run_gates loads it where a gate needs it);
     `signed` the answers in `references`; `auto` the local one where `need_bytes` (its float32 weights) fits in
     the memory left on that device, else the signed ones, else the local one anyway (it may not load: the gate
     report then says why). ReferencesError in one line when the signed answers are wanted and unusable."""
@@ -357,23 +358,21 @@ def choose_reference(engine: Any, choice: str, references: Path | None,
     if choice not in ("auto", "local", "signed"):
         raise ReferencesError(f"reference: {choice!r} is not auto, local or signed")
     device = NumericPolicy.of(engine).device
-    free = free_memory(device)
     need = int(need_bytes * REFERENCE_OVERHEAD) if need_bytes is not None else None
-    fits = need is None or need <= free
+    free = free_memory(device) if need is not None else None
+    fits = need is None or free is None or need <= free
     room = (f"the float32 reference needs {need / 2**30:.2f} GiB and {free / 2**30:.2f} GiB is free on {device}"
-            if need is not None else "its size was not given")  # fmt: skip
+            if need is not None and free is not None else "its size was not given")  # fmt: skip
     if choice == "signed" or (choice == "auto" and not fits and references is not None):
         if references is None:
             raise ReferencesError("reference: signed answers were asked for, but the model bundle has none "
                                   "(envex-references.json); build the media with `envex media build`")  # fmt: skip
-        refs = load_references(references)
+        signed = SignedReference(load_references(references), str(references))
         why = "asked for (--reference signed)" if choice == "signed" else f"the local reference does not fit: {room}"
-        return SignedReference(refs, str(references)), why
+        return signed, {**signed.describe(), "why": why}
     why = "asked for (--reference local)" if choice == "local" else (
         f"it fits: {room}" if fits else f"no signed answers to fall back on, though {room}")  # fmt: skip
-    reference = HFReference(engine.source, device=device, dtype="float32",
-                            eos_token_ids=engine.tokenizer.eos_token_ids)  # fmt: skip
-    return reference, why
+    return None, {"origin": "local", "reference_policy": f"{device}-float32-torch", "why": why}
 
 
 def free_memory(device: str) -> int:
