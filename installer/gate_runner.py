@@ -259,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
     parser.add_argument("--smoke-expect", default=SMOKE_EXPECT)
-    parser.add_argument("--reference", default="auto", choices=("auto", "local", "signed"))
+    from envex.verify.signed_reference import REFERENCE_CHOICES
+
+    parser.add_argument("--reference", default="auto", choices=REFERENCE_CHOICES)
     parser.add_argument("--references", type=Path, default=None, help="the model bundle's envex-references.json")
     parser.add_argument("--reference-bytes", type=int, default=None, help="the float32 reference's weight bytes")
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from envex.bundles import SemVer, VerifiedBundle
+from envex.bundles import SemVer, VerificationError, VerifiedBundle
 from envex.bundles.archive import BundleArchive
 from envex.bundles.kernel_cache import MAX_WHEEL_BYTES, KernelCacheError, wheel_kernel_digest
 from envex.bundles.verify import DISK_HEADROOM
@@ -38,6 +38,7 @@ from envex.verify.signed_reference import (
     MAX_BYTES as MAX_REFERENCES_BYTES,
 )
 from envex.verify.signed_reference import (
+    REFERENCE_CHOICES,
     REFERENCES_FILE,
     ReferencesError,
     check_digest,
@@ -373,9 +374,6 @@ def refuse_deterministic(model: VerifiedBundle, card: ModelCard) -> None:
         )
 
 
-REFERENCE_CHOICES = ("auto", "local", "signed")
-
-
 def signed_references(model: VerifiedBundle, reference: str) -> bool:
     """Whether `model` holds signed reference answers, checked: readable, and computed for the weights its manifest
     signs. InstallError in one line for answers to other weights, or for --reference signed without any."""
@@ -391,15 +389,12 @@ def signed_references(model: VerifiedBundle, reference: str) -> bool:
             )
         return False
     where = f"model bundle {model.name} {model.version}: {REFERENCES_FILE}"
-    if entry.size > MAX_REFERENCES_BYTES:
-        raise InstallError(f"plan: {where} is larger than {MAX_REFERENCES_BYTES} bytes; rebuild the media")
-    with BundleArchive.open(model.path) as archive:
-        data = b"".join(bytes(chunk) for chunk in archive.stream(archive.payload_members()[REFERENCES_FILE]))
-    if hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise InstallError(f"plan: {where} changed since the bundle was verified; check the media")
     try:
+        data = model.read_file(REFERENCES_FILE, max_bytes=MAX_REFERENCES_BYTES)  # re-checked against the manifest
         check_digest(parse_references(data, where), model_digest({f.path: f.sha256 for f in model.manifest.files}),
                      where)  # fmt: skip
+    except VerificationError as exc:
+        raise InstallError(f"plan: {where}: {exc.message}; check the media") from None
     except ReferencesError as exc:
         raise InstallError(f"plan: {exc}") from None
     return True

@@ -43,6 +43,8 @@ SCHEMA = "envex-references/1"
 REFERENCES_FILE = "envex-references.json"
 TOP_LOGPROBS = 32  # per position of a semantic text
 MAX_BYTES = 512 * 1024 * 1024
+# What the gates judge a release against (envex-install --reference; choose_reference says how each is picked).
+REFERENCE_CHOICES = ("auto", "local", "signed")
 # The gates that ask their reference anything (verify/gates.py runs the rest on the engine alone).
 RECORDED_GATES = ("reference_equality", "needle_retrieval", "coding", "semantic_regression")
 
@@ -355,7 +357,7 @@ def choose_reference(engine: Any, choice: str, references: Path | None,
     report then says why). ReferencesError in one line when the signed answers are wanted and unusable."""
     from envex.verify.types import NumericPolicy
 
-    if choice not in ("auto", "local", "signed"):
+    if choice not in REFERENCE_CHOICES:
         raise ReferencesError(f"reference: {choice!r} is not auto, local or signed")
     device = NumericPolicy.of(engine).device
     need = int(need_bytes * REFERENCE_OVERHEAD) if need_bytes is not None else None
