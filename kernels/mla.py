@@ -40,6 +40,7 @@ from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tenso
 from envex.kernels.attention import LOG2E, _softmax_step, choose_num_splits
 
 BLOCK_H = 16  # query heads a decode program holds: tl.dot's least M, and 8 programs per sequence at 128 heads
+DECODE_BLOCK_N, DECODE_WARPS = 32, 8  # keys a decode tile, warps a program (mla_decode_attention's comment)
 _MERGE_D = 64  # latent columns one merge program combines (a [splits, 64] fp32 tile stays in registers)
 
 
@@ -337,16 +338,16 @@ def mla_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_cache: 
     else:
         part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=dev)
         part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
-    # 32 keys a tile: a [32, 512] bf16 latent tile and the [16, 512] fp32 accumulator fit 4 warps' registers
-    # (SGLang's grouped MLA decode takes the same tile); untuned.
+    # 32 keys a tile at 8 warps: 178 registers, no spills at V3's width (ptxas -v, sm_90a, Triton 3.9); at 4 warps
+    # the same tile spills (255 registers) and 16-key tiles take 188. Not yet timed on a GPU.
     _decode_kernel[(batch, head_blocks, num_splits)](
         q_abs, q_pe, latent_cache, block_tables, seq_lens, out, part_o, part_lse, float(scale) * LOG2E,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
         latent_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         NUM_HEADS=heads, RANK=rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_R=max(16, next_pow2(rank)),
-        BLOCK_P=max(16, next_pow2(rope)), BLOCK_N=block_n or 32, PAGE=page, NUM_SPLITS=num_splits,
-        UPCAST_DOT=INTERPRETING, num_warps=num_warps or 4, num_stages=num_stages or 2,
+        BLOCK_P=max(16, next_pow2(rope)), BLOCK_N=block_n or DECODE_BLOCK_N, PAGE=page, NUM_SPLITS=num_splits,
+        UPCAST_DOT=INTERPRETING, num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or 2,
     )  # fmt: skip
     if num_splits > 1:
         _merge_kernel[(batch, heads, triton.cdiv(rank, _MERGE_D))](

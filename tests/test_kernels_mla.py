@@ -371,3 +371,44 @@ def test_store_latent_at_kimi_k2_width_on_gpu() -> None:
     assert_close("latent rows", cache, want, torch.bfloat16)
     want_q = ref.deepseek_rope(q.double()[..., nope:], pos, cos.double(), sin.double(), interleaved=True)
     assert_close("q_pe", q_pe, want_q, torch.bfloat16)
+
+
+_AOT = r"""
+import json, re, subprocess, tempfile
+from pathlib import Path
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from envex.kernels import mla
+
+ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas-blackwell"  # the one that reads
+args = {name: "*bf16" for name in ("qn_ptr", "qp_ptr", "cache_ptr", "out_ptr")}  # Triton 3.9's PTX version
+args.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", part_o_ptr="*fp32", part_lse_ptr="*fp32", qk_scale="fp32")
+args.update({s: "i32" for s in ("stride_qnt", "stride_qnh", "stride_qpt", "stride_qph", "stride_cb", "stride_cs",
+                                "stride_bt", "stride_ot", "stride_oh", "stride_ps", "stride_pt", "stride_ph",
+                                "stride_ls", "stride_lt")})
+consts = dict(NUM_HEADS=128, RANK=512, ROPE=64, BLOCK_H=mla.BLOCK_H, BLOCK_R=512, BLOCK_P=64,
+              BLOCK_N=mla.DECODE_BLOCK_N, PAGE=64, NUM_SPLITS=8, UPCAST_DOT=False)
+k = triton.compile(ASTSource(fn=mla._decode_kernel, signature={**args, **{c: "constexpr" for c in consts}},
+                             constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": mla.DECODE_WARPS, "num_stages": 2})
+out = {"mma": sorted(set(re.findall(r"mma\.sync\.aligned\.(m\d+n\d+k\d+)", k.asm["ptx"])))}
+if ptxas.is_file():
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(k.asm["ptx"])
+        info = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k")],
+                              capture_output=True, text=True).stderr
+    out["spills"] = [int(n) for n in re.findall(r"(\d+) bytes spill stores", info)]
+print(json.dumps(out))
+"""
+
+
+def test_decode_kernel_compiles_for_hopper_at_v3_width_without_spills() -> None:
+    """The device code the interpreter never runs: at rank 512, rope 64 and the launcher's tile and warps, the
+    decode kernel compiles for sm_90 to bf16 tensor-core MMAs with no register spills (ptxas -v)."""
+    from envex.tests.support.kernels import compile_for_hopper
+
+    got = compile_for_hopper(_AOT)
+    assert got["mma"] == ["m16n8k16"], got
+    if "spills" in got:
+        assert got["spills"] == [0], got
