@@ -298,6 +298,17 @@ def test_decode_kernel_splits_agree_and_take_strided_queries() -> None:
     assert_close("MLA decode, strided q", four, want, torch.float32)
 
 
+def test_decode_with_a_fixed_split_count_is_batch_invariant() -> None:
+    """A sequence's output depends on its own length and num_splits only: the same bits alone and in a batch, as a
+    CUDA graph's fixed num_splits needs (not yet the deterministic mode's contract: offline_docs/mla.md)."""
+    (q_abs, q_pe, cache, tables, lens), scale, _ = _decode_case(4, 32, 16, [45, 20, 7], 8, torch.bfloat16, seed=45)
+    batch = mla.mla_decode_attention(q_abs, q_pe, cache, tables, lens, scale, max_seq_len=45, num_splits=4,
+                                     block_n=16)  # fmt: skip
+    alone = mla.mla_decode_attention(q_abs[1:2], q_pe[1:2], cache, tables[1:2], lens[1:2], scale, max_seq_len=20,
+                                     num_splits=4, block_n=16)  # fmt: skip
+    assert torch.equal(batch[1:2], alone)
+
+
 def test_prefill_path_matches_absorbed_reference_with_a_cached_prefix() -> None:
     """mla_prefill_attention (expanded) over a chunk after a cached prefix and a whole prompt, against the absorbed
     reference with the same W_UK / W_UV: the absorption is exact."""
