@@ -15,7 +15,7 @@ over the latent rows themselves, the values are the rows' first `rank` columns, 
 Kernels:
 - `mla_store_latent`: RMSNorm of c, rotary of k_pe, the row written at its slot; optionally the query's rope part
   rotated in the same launch (one program per token).
-- `mla_decode_attention`: one program per (sequence, block of BLOCK_H heads, key split); both dots of the score
+- `mla_decode_attention`: one program per (sequence, BLOCK_H (token, head) rows, key split); both dots of the score
   (q_abs·c over rank, q_pe·k_pe over rope) and the value dot p·c read the one latent tile once. More than one split:
   partial outputs with their log-sum-exp (log2 domain), combined by `_merge_kernel` (flash-decoding split-K, as
   attention.paged_attention). Floor: memory, seq_len·(rank + rope)·bytes per sequence per layer (plus re-reads of
@@ -206,23 +206,27 @@ def _decode_kernel(
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
     NUM_HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, Q_LEN: tl.constexpr = 1,
 ):  # fmt: skip
     b = tl.program_id(0)
-    h0 = tl.program_id(1) * BLOCK_H
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
 
-    h = h0 + tl.arange(0, BLOCK_H)
-    h_ok = h < NUM_HEADS
+    # BLOCK_H query rows, a row being one (new token, head) pair of this sequence, token-major: decode (Q_LEN 1)
+    # holds BLOCK_H heads of its one token; a verify step's Q_LEN tokens at consecutive positions take more rows.
+    row = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    tok = row // NUM_HEADS
+    h = row % NUM_HEADS
+    h_ok = tok < Q_LEN
+    q_pos = seq_len - Q_LEN + tok  # each row's position: it sees keys 0 .. q_pos
     r = tl.arange(0, BLOCK_R)
     r_ok = r < RANK
     p = tl.arange(0, BLOCK_P)
     p_ok = p < ROPE
-    t = b.to(tl.int64)  # one query token per sequence
-    qn = tl.load(qn_ptr + t * stride_qnt + h[:, None] * stride_qnh + r[None, :],
+    t = (b * Q_LEN + tok).to(tl.int64)  # each row's token in the packed batch
+    qn = tl.load(qn_ptr + t[:, None] * stride_qnt + h[:, None] * stride_qnh + r[None, :],
                  mask=h_ok[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
-    qp = tl.load(qp_ptr + t * stride_qpt + h[:, None] * stride_qph + p[None, :],
+    qp = tl.load(qp_ptr + t[:, None] * stride_qpt + h[:, None] * stride_qph + p[None, :],
                  mask=h_ok[:, None] & p_ok[None, :], other=0.0)  # fmt: skip
     if UPCAST_DOT:
         qn = qn.to(tl.float32)
@@ -246,17 +250,20 @@ def _decode_kernel(
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)
         s = (tl.dot(qn, tl.trans(c)) + tl.dot(qp, tl.trans(pe))) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
-        s = tl.where(k_ok[None, :], s, float("-inf"))
+        visible = k_ok[None, :]
+        if Q_LEN > 1:  # decode's one row sees every key below seq_len
+            visible = visible & (kpos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = _softmax_step(s, c, m_i, l_i, acc)  # the values are the same tile's first RANK columns
 
     l_div = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_div[:, None]
     o_mask = h_ok[:, None] & r_ok[None, :]
     if NUM_SPLITS == 1:
-        tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + r[None, :], o.to(out_ptr.dtype.element_ty),
-                 mask=o_mask)  # fmt: skip
+        tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + r[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)  # fmt: skip
     else:
-        tl.store(part_o_ptr + split * stride_ps + t * stride_pt + h[:, None] * stride_ph + r[None, :], o,
+        tl.store(part_o_ptr + split * stride_ps + t[:, None] * stride_pt + h[:, None] * stride_ph + r[None, :], o,
                  mask=o_mask)  # fmt: skip
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_div), float("-inf"))  # -inf: an empty split
         tl.store(part_lse_ptr + split * stride_ls + t * stride_lt + h, lse, mask=h_ok)
@@ -287,22 +294,28 @@ def _merge_kernel(
 
 def mla_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *, max_seq_len: int,
-                         num_splits: int | None = None, out: torch.Tensor | None = None,
+                         q_len: int = 1, num_splits: int | None = None, out: torch.Tensor | None = None,
                          partials: tuple[torch.Tensor, torch.Tensor] | None = None, block_n: int | None = None,
                          num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:  # fmt: skip
-    """Absorbed MLA decode, one new token per sequence, over the paged latent cache -> [B, H, rank] (before W_UV).
+    """Absorbed MLA over the paged latent cache, q_len new tokens per sequence (decode: 1; a speculative verify
+    step: drafts + 1) -> [T, H, rank] (before W_UV), T = B·q_len.
 
-    q_abs: [B, H, rank] (absorb_query); q_pe: [B, H, rope], rotated (mla_store_latent's). latent_cache: [num_blocks,
-    block_size, rank + rope], this step's rows already written. block_tables: [B, max_blocks]; seq_lens: [B] int32,
-    keys 0 .. seq_len - 1 (the new token's included), max_seq_len bounding them (a host int: the split count, no
-    device read). scale: mla_softmax_scale's. num_splits: key splits per sequence (None: chosen from the batch; a
-    CUDA graph fixes it). out / partials ([S, B, H, rank] and [S, B, H] float32): preallocated, else allocated.
+    q_abs: [T, H, rank] (absorb_query); q_pe: [T, H, rope], rotated (mla_store_latent's); sequence b's tokens are
+    rows b·q_len .. b·q_len + q_len - 1, at the last q_len of its seq_lens[b] positions, each seeing keys 0 .. its
+    own position. latent_cache: [num_blocks, block_size, rank + rope], this step's rows already written.
+    block_tables: [B, max_blocks]; seq_lens: [B] int32 (the new tokens included), max_seq_len bounding them (a host
+    int: the split count, no device read). scale: mla_softmax_scale's. num_splits: key splits per sequence (None:
+    chosen from the batch; a CUDA graph fixes it). out / partials ([S, T, H, rank] and [S, T, H] float32):
+    preallocated, else allocated here.
     """
     check_tensor("q_abs", q_abs, ndim=3, dtypes=FLOAT_DTYPES)
-    batch, heads, rank = q_abs.shape
+    tokens, heads, rank = q_abs.shape
+    check(isinstance(q_len, int) and q_len >= 1 and tokens % q_len == 0,
+          f"q_len: {q_len!r} must be an int ≥ 1 that divides q_abs's {tokens} rows")
+    batch = tokens // q_len
     dev = q_abs.device
     check_tensor("q_pe", q_pe, ndim=3, dtypes=(q_abs.dtype,), device=dev)
-    check(q_pe.shape[:2] == (batch, heads), f"q_pe: shape {tuple(q_pe.shape)} does not match q_abs's {batch, heads}")
+    check(q_pe.shape[:2] == (tokens, heads), f"q_pe: shape {tuple(q_pe.shape)} does not match q_abs's {tokens, heads}")
     rope = q_pe.shape[2]
     check_tensor("latent_cache", latent_cache, ndim=3, dtypes=(q_abs.dtype,), device=dev)
     check(latent_cache.shape[2] == rank + rope,
@@ -315,24 +328,24 @@ def mla_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_cache: 
     check(seq_lens.shape[0] == batch, f"seq_lens: {seq_lens.shape[0]} entries for batch {batch}")
     check(max_seq_len >= 1, f"max_seq_len: {max_seq_len} must be ≥ 1")
     if out is None:
-        out = torch.empty((batch, heads, rank), dtype=q_abs.dtype, device=dev)
+        out = torch.empty((tokens, heads, rank), dtype=q_abs.dtype, device=dev)
     check_tensor("out", out, ndim=3, dtypes=(q_abs.dtype,), device=dev)
-    check(out.shape == (batch, heads, rank), f"out: shape {tuple(out.shape)} != {(batch, heads, rank)}")
+    check(out.shape == (tokens, heads, rank), f"out: shape {tuple(out.shape)} != {(tokens, heads, rank)}")
     if batch == 0:
         return out
-    head_blocks = triton.cdiv(heads, BLOCK_H)
+    row_blocks = triton.cdiv(q_len * heads, BLOCK_H)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, head_blocks, max_seq_len, dev)
+        num_splits = choose_num_splits(batch, row_blocks, max_seq_len, dev)
     check(isinstance(num_splits, int) and num_splits >= 1, f"num_splits: {num_splits!r} must be an int ≥ 1")
     if num_splits > 1:
         if partials is None:  # rows padded: split strides divisible by 16 for every batch (_common.padded_rows)
-            rows = padded_rows(batch)
+            rows = padded_rows(tokens)
             o = torch.empty((num_splits, rows, heads, rank), dtype=torch.float32, device=dev)
             lse = torch.empty((num_splits, rows, heads), dtype=torch.float32, device=dev)
-            partials = (o[:, :batch], lse[:, :batch])
+            partials = (o[:, :tokens], lse[:, :tokens])
         part_o, part_lse = partials
-        for name, t, shape in (("o", part_o, (num_splits, batch, heads, rank)),
-                               ("lse", part_lse, (num_splits, batch, heads))):  # fmt: skip
+        for name, t, shape in (("o", part_o, (num_splits, tokens, heads, rank)),
+                               ("lse", part_lse, (num_splits, tokens, heads))):  # fmt: skip
             check(t.shape == shape and t.dtype == torch.float32 and t.stride(-1) == 1 and t.device == dev,
                   f"partials: {name} must be float32 {list(shape)} on {dev} with a contiguous last dim")
     else:
@@ -340,17 +353,17 @@ def mla_decode_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_cache: 
         part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=dev)
     # 32 keys a tile at 8 warps: 178 registers, no spills at V3's width (ptxas -v, sm_90a, Triton 3.9); at 4 warps
     # the same tile spills (255 registers) and 16-key tiles take 188. Not yet timed on a GPU.
-    _decode_kernel[(batch, head_blocks, num_splits)](
+    _decode_kernel[(batch, row_blocks, num_splits)](
         q_abs, q_pe, latent_cache, block_tables, seq_lens, out, part_o, part_lse, float(scale) * LOG2E,
         q_abs.stride(0), q_abs.stride(1), q_pe.stride(0), q_pe.stride(1), latent_cache.stride(0),
         latent_cache.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         NUM_HEADS=heads, RANK=rank, ROPE=rope, BLOCK_H=BLOCK_H, BLOCK_R=max(16, next_pow2(rank)),
         BLOCK_P=max(16, next_pow2(rope)), BLOCK_N=block_n or DECODE_BLOCK_N, PAGE=page, NUM_SPLITS=num_splits,
-        UPCAST_DOT=INTERPRETING, num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or 2,
+        UPCAST_DOT=INTERPRETING, Q_LEN=q_len, num_warps=num_warps or DECODE_WARPS, num_stages=num_stages or 2,
     )  # fmt: skip
     if num_splits > 1:
-        _merge_kernel[(batch, heads, triton.cdiv(rank, _MERGE_D))](
+        _merge_kernel[(tokens, heads, triton.cdiv(rank, _MERGE_D))](
             part_o, part_lse, out, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
             part_lse.stride(1), out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), RANK=rank, MERGE_D=_MERGE_D, num_warps=4,

@@ -256,20 +256,21 @@ def test_store_latent_kernel_matches_reference(dtype: torch.dtype, interleaved: 
     assert_close("q_pe", q_pe, want_q, dtype)
 
 
-def _decode_case(heads: int, rank: int, rope: int, seq_lens: list[int], page: int, dtype: torch.dtype, seed: int):
-    """Random absorbed queries and a random latent cache behind shuffled block tables (one spare block per
-    sequence, past its length) -> device tensors and their float64 reference output."""
+def _decode_case(heads: int, rank: int, rope: int, seq_lens: list[int], page: int, dtype: torch.dtype, seed: int,
+                 q_len: int = 1):  # fmt: skip
+    """Random absorbed queries (q_len tokens a sequence) and a random latent cache behind shuffled block tables (one
+    spare block per sequence, past its length) -> device tensors and their float64 reference output."""
     g = torch.Generator().manual_seed(seed)
     batch = len(seq_lens)
     width = max(-(-n // page) for n in seq_lens) + 1
     tables = _tables(batch, width, batch * width + 3, seed)
     cache = torch.randn(batch * width + 3, page, rank + rope, generator=g).to(dtype)
-    q_abs = (torch.randn(batch, heads, rank, generator=g) * 0.3).to(dtype)
-    q_pe = torch.randn(batch, heads, rope, generator=g).to(dtype)
+    q_abs = (torch.randn(batch * q_len, heads, rank, generator=g) * 0.3).to(dtype)
+    q_pe = torch.randn(batch * q_len, heads, rope, generator=g).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = (128 + rope) ** -0.5
-    want = ref.mla_paged_attention(q_abs.double(), q_pe.double(), cache.double(), torch.arange(batch + 1), lens,
-                                   tables, scale)  # fmt: skip
+    cu = torch.arange(0, batch * q_len + 1, q_len)
+    want = ref.mla_paged_attention(q_abs.double(), q_pe.double(), cache.double(), cu, lens, tables, scale)
     dev = [t.to(DEV) for t in (q_abs, q_pe, cache, tables, lens)]
     return dev, scale, want
 
@@ -283,6 +284,17 @@ def test_decode_kernel_matches_reference(dtype: torch.dtype, heads: int, num_spl
     got = mla.mla_decode_attention(q_abs, q_pe, cache, tables, lens, scale, max_seq_len=70, num_splits=num_splits,
                                    block_n=16)  # fmt: skip
     assert_close(f"MLA decode, {heads} heads, {num_splits} splits", got, want, dtype)
+
+
+@pytest.mark.parametrize(("heads", "num_splits"), [(5, 1), (20, 3)])
+def test_verify_step_rows_see_their_own_prefix(heads: int, num_splits: int) -> None:
+    """A speculative verify step: 3 new tokens a sequence at consecutive positions, each row causal over the cache
+    (rows of one token packed with the next token's in a 16-row tile at 5 heads; 4 tiles at 20)."""
+    (q_abs, q_pe, cache, tables, lens), scale, want = _decode_case(heads, 40, 16, [3, 40], 8, torch.float32,
+                                                                   seed=47, q_len=3)  # fmt: skip
+    got = mla.mla_decode_attention(q_abs, q_pe, cache, tables, lens, scale, max_seq_len=40, q_len=3,
+                                   num_splits=num_splits, block_n=16)  # fmt: skip
+    assert_close(f"MLA verify, {heads} heads, {num_splits} splits", got, want, torch.float32)
 
 
 def test_decode_kernel_splits_agree_and_take_strided_queries() -> None:
@@ -399,7 +411,7 @@ args.update({s: "i32" for s in ("stride_qnt", "stride_qnh", "stride_qpt", "strid
                                 "stride_bt", "stride_ot", "stride_oh", "stride_ps", "stride_pt", "stride_ph",
                                 "stride_ls", "stride_lt")})
 consts = dict(NUM_HEADS=128, RANK=512, ROPE=64, BLOCK_H=mla.BLOCK_H, BLOCK_R=512, BLOCK_P=64,
-              BLOCK_N=mla.DECODE_BLOCK_N, PAGE=64, NUM_SPLITS=8, UPCAST_DOT=False)
+              BLOCK_N=mla.DECODE_BLOCK_N, PAGE=64, NUM_SPLITS=8, UPCAST_DOT=False, Q_LEN=1)
 k = triton.compile(ASTSource(fn=mla._decode_kernel, signature={**args, **{c: "constexpr" for c in consts}},
                              constexprs=consts), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": mla.DECODE_WARPS, "num_stages": 2})
