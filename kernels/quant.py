@@ -156,7 +156,8 @@ def _group_of(group_size: int | None, k: int) -> int:
 def fp8_block(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
               block: tuple[int, int] = (128, 128)) -> PackedWeight:  # fmt: skip
     """DeepSeek-V3 / Qwen3-FP8 (`quant_method: fp8`, `weight_block_size`): weight float8_e4m3fn [N, K] and
-    weight_scale_inv float32 [ceil(N/bn), ceil(K/bk)], W = weight · weight_scale_inv per block. Stored as is."""
+    weight_scale_inv float32 [ceil(N/bn), ceil(K/bk)] (or float8_e8m0fnu where scale_fmt is "ue8m0": powers of
+    two, widened to float32 exactly), W = weight · weight_scale_inv per block. The codes are kept as they are."""
     n, k = weight.shape
     return PackedWeight(scheme=FP8_BLOCK, shape=(n, k), data=weight.contiguous(),
                         scale=weight_scale_inv.to(torch.float32).contiguous(),

@@ -2,9 +2,9 @@
 the tensors each scheme brings per layer, read into a kernels.quant.PackedWeight.
 
 Read (each is how its producer writes it; offline_docs/quantization.md has the table):
-  quant_method "fp8"                 DeepSeek-V3 / Kimi K2 / Qwen3-FP8: `weight_block_size` [128, 128] -> fp8_block
-                                     (`weight`, `weight_scale_inv`); without a block size, one `weight_scale` per
-                                     matrix -> fp8_tensor.
+  quant_method "fp8"                 DeepSeek-V3 / Kimi K2 / Qwen3-FP8 (transformers' FineGrainedFP8Config):
+                                     `weight_block_size` [128, 128] (also when left out, as transformers reads
+                                     it) -> fp8_block (`weight`, `weight_scale_inv`, float32 or ue8m0 scales).
   quant_method "compressed-tensors"  config_groups whose weights are 8-bit float ("float-quantized" or
                                      "naive-quantized"; strategy tensor, channel or block) or 4-bit int
                                      ("pack-quantized" or "naive-quantized"; strategy group or channel,
@@ -45,7 +45,9 @@ _CT_KEYS = {"quant_method", "format", "config_groups", "ignore", "kv_cache_schem
 _CT_GROUP_KEYS = {"targets", "weights", "input_activations", "output_activations", "format"}
 _CT_ARGS_KEYS = {"num_bits", "type", "symmetric", "group_size", "strategy", "block_structure", "dynamic", "actorder",
                  "scale_dtype", "zp_dtype", "observer", "observer_kwargs"}  # fmt: skip
-_FP8_KEYS = {"quant_method", "activation_scheme", "fmt", "weight_block_size", "modules_to_not_convert"}
+# transformers' FineGrainedFP8Config (and MiniMax's alias ignored_layers for modules_to_not_convert).
+_FP8_KEYS = {"quant_method", "activation_scheme", "fmt", "weight_block_size", "modules_to_not_convert",
+             "ignored_layers", "modules_to_convert", "dequantize", "scale_fmt", "expert_dtype"}  # fmt: skip
 _WHERE = "config.json quantization_config"
 
 
@@ -190,13 +192,21 @@ def _parse_fp8(q: Mapping[str, Any]) -> QuantConfig:
     acts = q.get("activation_scheme", "dynamic")
     if acts not in ("dynamic", "static"):
         raise _fail(f"fp8 activation_scheme {acts!r} must be 'dynamic' or 'static'")
-    ignore = tuple(_substring_pattern(k) for k in _names(q.get("modules_to_not_convert"), "fp8 modules_to_not_convert"))
-    block = q.get("weight_block_size")
+    if q.get("scale_fmt", "float") not in ("float", "ue8m0"):  # ue8m0: power-of-two scales, widened exactly
+        raise _fail(f"fp8 scale_fmt {q.get('scale_fmt')!r} is not supported; read: 'float', 'ue8m0'")
+    if q.get("expert_dtype", "fp8") != "fp8":
+        raise _fail(f"fp8 expert_dtype {q.get('expert_dtype')!r} is not supported; only FP8 experts are read")
+    if q.get("modules_to_convert"):
+        raise _fail("fp8 modules_to_convert (FP8 embedding tables) is not supported")
+    skip = q.get("modules_to_not_convert", q.get("ignored_layers"))
+    ignore = tuple(_substring_pattern(k) for k in _names(skip, "fp8 modules_to_not_convert"))
+    # transformers reads a missing weight_block_size as its default [128, 128]; null is per-tensor there.
+    block = q.get("weight_block_size", [128, 128])
     if block is None:
-        scheme = WeightScheme(kind=quant.FP8_TENSOR, layout=CT_FLOAT, activations=acts)
-    else:
-        scheme = WeightScheme(kind=quant.FP8_BLOCK, layout=FP8_DEEPSEEK, block=_block(block, "fp8 weight_block_size"),
-                              activations=acts)  # fmt: skip
+        raise _fail("fp8 weight_block_size null (one scale per matrix) is not supported; block-scaled FP8 and "
+                    "compressed-tensors per-tensor FP8 are")  # fmt: skip
+    scheme = WeightScheme(kind=quant.FP8_BLOCK, layout=FP8_DEEPSEEK, block=_block(block, "fp8 weight_block_size"),
+                          activations=acts)  # fmt: skip
     return QuantConfig(method=FP8, groups=((("Linear",), scheme),), ignore=ignore)
 
 

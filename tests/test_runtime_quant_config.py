@@ -93,6 +93,21 @@ def test_published_configs() -> None:
     assert s is not None and not s.zero_plus_one and not s.symmetric and s.group_size == 32
 
 
+def test_fp8_as_transformers_reads_it() -> None:
+    """FineGrainedFP8Config: a missing weight_block_size is its default [128, 128]; MiniMax's ignored_layers is
+    modules_to_not_convert (a substring of the module name); ue8m0 scales are read."""
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "scale_fmt": "ue8m0", "ignored_layers": ["gate"]}
+    got = _parse(qc)
+    assert got is not None
+    s = got.scheme_for("model.layers.0.self_attn.o_proj")
+    assert s is not None and s.block == (128, 128)
+    assert got.scheme_for("model.layers.0.block_sparse_moe.gate") is None
+    data = torch.randn(130, 256).to(q.FP8_DTYPE)
+    scale = torch.tensor([[0.5, 2.0], [4.0, 0.125]]).to(torch.float8_e8m0fnu)
+    w = load_packed(s, {"weight": data, "weight_scale_inv": scale}, module="m")
+    assert torch.equal(w.scale, scale.float())
+
+
 def test_float_and_mxfp4_checkpoints_have_no_scheme() -> None:
     assert quant_config_from_hf({"architectures": ["LlamaForCausalLM"]}) is None
     assert _parse({"quant_method": "mxfp4"}) is None  # gpt-oss's experts: runtime/config.py reads them
@@ -127,6 +142,8 @@ UNSUPPORTED = [
     (_with(DEEPSEEK_FP8, "fmt", "e5m2"), "fmt 'e5m2' is not supported"),
     (_with(DEEPSEEK_FP8, "weight_block_size", [128, 100]), "must be a power of two"),
     (_with(DEEPSEEK_FP8, "extra_option", 1), "unknown key 'extra_option'"),
+    (_with(DEEPSEEK_FP8, "weight_block_size", None), "weight_block_size null (one scale per matrix)"),
+    (_with(DEEPSEEK_FP8, "expert_dtype", "fp4"), "expert_dtype 'fp4' is not supported"),
     (_with(CT_FP8_CHANNEL, f"{_W}/symmetric", False), "asymmetric FP8 is not supported"),
     (_with(CT_FP8_CHANNEL, f"{_W}/num_bits", 4), "float with num_bits 4 is not supported"),
     (_with(CT_FP8_CHANNEL, "kv_cache_scheme", {"num_bits": 8, "type": "float"}), "kv_cache_scheme is not supported"),
