@@ -16,8 +16,9 @@ Chunked prefill (after the WY/UT form of DeltaNet, Yang et al. 2024, "Paralleliz
 Delta Rule over Sequence Length", and its gated form in Gated DeltaNet, Yang et al. 2025; the same algebra as HF's
 torch_chunk_gated_delta_rule and flash-linear-attention's chunk kernels, written here anew), two launches:
 1. `_chunk_inverse_kernel`, one program per (sequence, 64-token chunk, v head), all chunks in parallel: the chunk's
-   T = (I + strict_lower(diag(β)·K·Kᵀ ⊙ Γ))⁻¹ (Γ_ij = exp(G_i − G_j), G the in-chunk cumulative log decay) by
-   forward substitution, stored per token row in a float32 scratch [T, Hv, 64];
+   T = (I + strict_lower(diag(β)·K·Kᵀ ⊙ Γ))⁻¹ (Γ_ij = exp(G_i − G_j), G the in-chunk cumulative log decay), its
+   16-row diagonal blocks by forward substitution and the rest by a product series, stored per token row in a
+   float32 scratch [T, Hv, 64];
 2. `_chunk_scan_kernel`, one program per (sequence, v head, Dv tile), chunks in order: W = T·(β·exp(G)·K),
    U = T·(β·V), V' = U − W·S, O = (exp(G)·Q)·S + (Q·Kᵀ ⊙ Γ, causal)·V', S ← exp(G_last)·S + (exp(G_last − G)·K)ᵀ·V'.
 Chunks start at each sequence's first token of this call. Snapshots: the state after every multiple of
@@ -117,6 +118,7 @@ def _chunk_inverse_kernel(
     k_ptr, g_ptr, beta_ptr, inv_ptr, slots_ptr, cu_ptr, eps,
     stride_kt, stride_kh, stride_gt, stride_bt, stride_it, stride_ih,
     GROUP: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
+    SUB: tl.constexpr = 16,
 ):  # fmt: skip
     b = tl.program_id(0)
     c0 = tl.program_id(1) * C
@@ -137,12 +139,25 @@ def _chunk_inverse_kernel(
     below = rows[:, None] > rows[None, :]
     a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)  # [C, C]: β_i k_i·k_j
     a = tl.where(below, a * tl.exp(tl.where(below, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    # T = (I + A)⁻¹ by forward substitution: row i = e_i − A[i, :i]·T[:i, :] (rows ≥ i are still e_j, and A's
-    # row i is zero there). Rows past the sequence's end keep e_i: their A rows and columns are zero.
+    # T = (I + A)⁻¹ in two steps (the blocked triangular inverse: 16-row blocks, then a merge by products).
+    # 1. The diagonal blocks, all four at once, by forward substitution: row r = e_r − A[r, :]·Td, taking the rows
+    #    at offset i of every block in step i. Td is block-diagonal, so the product stays inside r's own block, and
+    #    the four blocks' rows share one [C] vector (disjoint columns). Rows past the sequence's end keep e_r: their
+    #    A rows and columns are zero.
+    same_block = (rows[:, None] // SUB) == (rows[None, :] // SUB)
+    d = tl.where(same_block, a, 0.0)
     inv = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, tl.minimum(n, C)):
-        a_i = tl.sum(tl.where(rows[:, None] == i, a, 0.0), axis=0)  # [C] row i of A
-        inv = tl.where(rows[:, None] == i, inv - tl.sum(a_i[:, None] * inv, axis=0)[None, :], inv)
+    for i in range(1, tl.minimum(n, SUB)):
+        at_i = (rows % SUB == i)[:, None]
+        d_i = tl.sum(tl.where(at_i, d, 0.0), axis=0)  # [C] row i of each diagonal block, in its own columns
+        inv = tl.where(at_i & same_block, inv - tl.sum(d_i[:, None] * inv, axis=0)[None, :], inv)
+    # 2. I + A = (I + D)(I + M) with M = Td·E (E: A below the diagonal blocks), M strictly block-lower, so M⁴ = 0
+    #    and (I + M)⁻¹ = I − M + M² − M³: T = (I − M + M² − M·M²)·Td, four C×C products.
+    if C > SUB:
+        m = tl.dot(inv, tl.where(same_block, 0.0, a), input_precision=PRECISION)
+        m2 = tl.dot(m, m, input_precision=PRECISION)
+        eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+        inv = tl.dot(eye - m + m2 - tl.dot(m, m2, input_precision=PRECISION), inv, input_precision=PRECISION)
     tl.store(inv_ptr + tok[:, None] * stride_it + h * stride_ih + rows[None, :], inv, mask=ok[:, None])
 
 
