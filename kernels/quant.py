@@ -269,6 +269,42 @@ def from_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
     return _int4_weight(u, scales.t(), zero, g)
 
 
+def concat_outputs(parts: list[PackedWeight]) -> PackedWeight:
+    """The weights of several projections over the same input stacked along N, as the model files fuse Q, K, V
+    (and gate, up) into one projection; exact: dequantize(result) is the parts' dequantized rows stacked. INT4
+    parts need one group size and scale dtype (a symmetric part gets zero 8 beside an asymmetric one); FP8 parts
+    with different per-matrix scales become per-row scales; fp8_block parts need one block shape, and every part
+    but the last a whole number of block rows (a block's rows cannot straddle two parts)."""
+    _fail(len(parts) > 0, "concat_outputs: no weights given")
+    first = parts[0]
+    k = first.shape[1]
+    _fail(all(p.shape[1] == k for p in parts), f"concat_outputs: input sizes {[p.shape[1] for p in parts]} differ")
+    n = sum(p.shape[0] for p in parts)
+    if first.scheme == INT4_GROUP:
+        _fail(all(p.scheme == INT4_GROUP and p.group == first.group and p.scale.dtype == first.scale.dtype
+                  for p in parts), "concat_outputs: INT4 parts need one group size and scale dtype")  # fmt: skip
+        zero = None
+        if any(p.zero is not None for p in parts):
+            eights = [torch.full_like(p.scale, SYMMETRIC_ZERO, dtype=torch.uint8) for p in parts]
+            zero = torch.cat([p.zero if p.zero is not None else e for p, e in zip(parts, eights, strict=True)])
+        return PackedWeight(scheme=INT4_GROUP, shape=(n, k), data=torch.cat([p.data for p in parts]),
+                            scale=torch.cat([p.scale for p in parts]), zero=zero, group=first.group)  # fmt: skip
+    _fail(all(p.scheme != INT4_GROUP for p in parts), "concat_outputs: FP8 and INT4 parts cannot share a projection")
+    data = torch.cat([p.data for p in parts])
+    if any(p.scheme == FP8_BLOCK for p in parts):
+        bn = first.block[0]
+        _fail(all(p.scheme == FP8_BLOCK and p.block == first.block for p in parts),
+              "concat_outputs: block-scaled FP8 parts need one block shape and no other FP8 scheme")  # fmt: skip
+        _fail(all(p.shape[0] % bn == 0 for p in parts[:-1]),
+              f"concat_outputs: row counts {[p.shape[0] for p in parts]} are not whole {bn}-row blocks")  # fmt: skip
+        return PackedWeight(scheme=FP8_BLOCK, shape=(n, k), data=data, scale=torch.cat([p.scale for p in parts]),
+                            block=first.block)  # fmt: skip
+    if all(p.scheme == FP8_TENSOR for p in parts) and all(torch.equal(p.scale, first.scale) for p in parts):
+        return PackedWeight(scheme=FP8_TENSOR, shape=(n, k), data=data, scale=first.scale.clone())
+    rows = [p.scale if p.scheme == FP8_CHANNEL else p.scale.expand(p.shape[0]) for p in parts]
+    return PackedWeight(scheme=FP8_CHANNEL, shape=(n, k), data=data, scale=torch.cat(rows).contiguous())
+
+
 # ---- reference: dequantize and multiply ----------------------------------------------------------------------------
 
 

@@ -117,12 +117,49 @@ def test_fp8_block_as_deepseek_defines_it() -> None:
     assert torch.equal(q.dequantize(w, torch.float64), want)
 
 
+def test_fp8_block_matches_transformers() -> None:
+    """transformers' own FP8 dequantization (integrations/finegrained_fp8.py, what HF runs for these checkpoints'
+    backward pass) gives the same float32 weight bit for bit, partial blocks included."""
+    finegrained_fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    data = (torch.randn(200, 300) * 100).clamp(-448, 448).to(q.FP8_DTYPE)
+    scale_inv = torch.rand(2, 3) + 0.5
+    hf = finegrained_fp8._dequantize_fp8_weight(data, scale_inv, [128, 128], torch.float32)
+    assert torch.equal(q.dequantize(q.fp8_block(data, scale_inv), torch.float32), hf)
+
+
 def test_fp8_channel_and_tensor() -> None:
     data = (torch.randn(12, 40) * 50).to(q.FP8_DTYPE)
     ch = torch.rand(12, 1, dtype=torch.float32).to(torch.bfloat16)  # compressed-tensors: [N, 1] in the model dtype
     assert torch.equal(q.dequantize(q.fp8_channel(data, ch), torch.float64), data.double() * ch.double())
     t = torch.tensor(0.0123)
     assert torch.equal(q.dequantize(q.fp8_tensor(data, t), torch.float64), data.double() * float(t))
+
+
+def test_concat_outputs_fuses_projections_exactly() -> None:
+    """Q, K and V (gate and up) stacked into one projection read the same rows as the parts."""
+    x = [torch.randn(n, 256, generator=torch.Generator().manual_seed(n)) for n in (128, 64, 64)]
+
+    def check(parts: list[q.PackedWeight], scheme: str) -> None:
+        fused = q.concat_outputs(parts)
+        assert fused.scheme == scheme and fused.shape == (256, 256)
+        rows = torch.cat([q.dequantize(p, torch.float64) for p in parts])
+        assert torch.equal(q.dequantize(fused, torch.float64), rows)
+
+    check([q.quantize_int4(w, 32, symmetric=i != 1) for i, w in enumerate(x)], q.INT4_GROUP)  # mixed zero points
+    check([q.quantize_fp8(w, q.FP8_TENSOR) for w in x], q.FP8_CHANNEL)  # three matrix scales -> per row
+    check([q.quantize_fp8(w, q.FP8_CHANNEL) for w in x], q.FP8_CHANNEL)
+    check([q.quantize_fp8(w, q.FP8_BLOCK, (64, 128)) for w in x], q.FP8_BLOCK)
+    with pytest.raises(ValueError, match="not whole 128-row blocks"):
+        q.concat_outputs([q.quantize_fp8(w, q.FP8_BLOCK) for w in x])
+    with pytest.raises(ValueError, match="one group size"):
+        q.concat_outputs([q.quantize_int4(x[0], 32), q.quantize_int4(x[1], 128)])
+
+
+def test_packed_weight_bytes_and_device() -> None:
+    w = q.quantize_int4(torch.randn(16, 256), 128, symmetric=False)
+    assert w.nbytes == 16 * 256 // 2 + 16 * 2 * 2 + 16 * 2  # codes, bf16 scales, uint8 zeros
+    moved = w.to("cpu")
+    assert moved.shape == w.shape and torch.equal(moved.data, w.data) and moved.zero is not None
 
 
 def test_packed_weight_validates() -> None:
