@@ -3,6 +3,7 @@ definitions, tests/support/quant_packing.py), dequantization against the float64
 round trips, and the packed GEMV kernels (under the interpreter here) against float64."""
 
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -225,16 +226,19 @@ def test_int4_quantizer() -> None:
 # ---- the GEMV kernels against float64 -----------------------------------------------------------------------------
 
 
+QUANTIZERS: dict[str, Callable[[torch.Tensor], q.PackedWeight]] = {
+    "fp8_block": lambda w: q.quantize_fp8(w, q.FP8_BLOCK, (16, 64)),
+    "fp8_block_128": lambda w: q.quantize_fp8(w, q.FP8_BLOCK),
+    "fp8_channel": lambda w: q.quantize_fp8(w, q.FP8_CHANNEL),
+    "fp8_tensor": lambda w: q.quantize_fp8(w, q.FP8_TENSOR),
+    "int4_g32_sym": lambda w: q.quantize_int4(w, 32),
+    "int4_g128_zero": lambda w: q.quantize_int4(w, 128, symmetric=False, scale_dtype=torch.float16),
+}
+
+
 def _weights(n: int, k: int) -> dict[str, q.PackedWeight]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(7)) / k**0.5
-    return {
-        "fp8_block": q.quantize_fp8(w, q.FP8_BLOCK, (16, 64)),
-        "fp8_block_128": q.quantize_fp8(w, q.FP8_BLOCK),
-        "fp8_channel": q.quantize_fp8(w, q.FP8_CHANNEL),
-        "fp8_tensor": q.quantize_fp8(w, q.FP8_TENSOR),
-        "int4_g32_sym": q.quantize_int4(w, 32),
-        "int4_g128_zero": q.quantize_int4(w, 128, symmetric=False, scale_dtype=torch.float16),
-    }
+    return {name: make(w) for name, make in QUANTIZERS.items()}
 
 
 WEIGHTS_40x320 = _weights(40, 320)
@@ -341,7 +345,7 @@ def test_the_kernels_compile_for_hopper() -> None:
 def test_quant_gemv_llama_shapes_gpu(name: str) -> None:
     """The default configs on Llama-3.1-8B's projection shapes (compiled, not interpreted), against float64."""
     for n, k in ((6144, 4096), (4096, 14336)):
-        w = _weights(n, k)[name].to("cuda")
+        w = QUANTIZERS[name](torch.randn(n, k, device="cuda") / k**0.5)
         a = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         y, _ = quant_gemv(a, w)
         assert_close(f"{name} {n}x{k}", y, q.quant_linear_reference(*f64(a), w), torch.bfloat16)
