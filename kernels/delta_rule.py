@@ -75,12 +75,29 @@ def _store_state(ptrs, s, smask):
 
 
 @triton.jit
+def _gates(g_ptr, beta_ptr, g_off, b_off, ok, alog_ptr, dtb_ptr, h, GATING: tl.constexpr):
+    """(g, β) in float32 at the given offsets, 0 where not ok. GATING: g_ptr and beta_ptr hold the projection's raw
+    a and b; then g = -exp(A_log[h])·softplus(a + dt_bias[h]) in float32 and β = sigmoid(b) rounded to b's dtype,
+    as HF computes them."""
+    g = tl.load(g_ptr + g_off, mask=ok, other=0.0).to(tl.float32)
+    b_raw = tl.load(beta_ptr + b_off, mask=ok, other=0.0)
+    if GATING:
+        x = g + tl.load(dtb_ptr + h).to(tl.float32)
+        soft = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's softplus (threshold 20)
+        g = tl.where(ok, -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * soft, 0.0)
+        beta = tl.where(ok, tl.sigmoid(b_raw.to(tl.float32)).to(b_raw.dtype).to(tl.float32), 0.0)
+    else:
+        beta = b_raw.to(tl.float32)
+    return g, beta
+
+
+@triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr, scale, eps,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr, scale, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_INIT: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, GATING: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -103,8 +120,8 @@ def _recurrent_kernel(
         qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + eps) * scale
         kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + eps)
         vt = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
-        gt = tl.load(g_ptr + t64 * stride_gt + h).to(tl.float32)
-        bt = tl.load(beta_ptr + t64 * stride_bt + h).to(tl.float32)
+        gt, bt = _gates(g_ptr, beta_ptr, t64 * stride_gt + h, t64 * stride_bt + h, i < hi - lo, alog_ptr, dtb_ptr, h,
+                        GATING)  # fmt: skip
         s = s * tl.exp(gt)
         delta = (vt - tl.sum(s * kt[:, None], axis=0)) * bt  # β(v − Sᵀk)
         s = s + kt[:, None] * delta[None, :]
@@ -115,10 +132,10 @@ def _recurrent_kernel(
 
 @triton.jit
 def _chunk_inverse_kernel(
-    k_ptr, g_ptr, beta_ptr, inv_ptr, slots_ptr, cu_ptr, eps,
+    k_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, inv_ptr, slots_ptr, cu_ptr, eps,
     stride_kt, stride_kh, stride_gt, stride_bt, stride_it, stride_ih,
     GROUP: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
-    SUB: tl.constexpr = 16,
+    SUB: tl.constexpr = 16, GATING: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     c0 = tl.program_id(1) * C
@@ -134,8 +151,8 @@ def _chunk_inverse_kernel(
     k = tl.load(k_ptr + tok[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :],
                 mask=ok[:, None] & (dk < DK)[None, :], other=0.0).to(tl.float32)  # fmt: skip
     k = _l2_rows(k, eps)
-    beta = tl.load(beta_ptr + tok * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
-    gc = tl.cumsum(tl.load(g_ptr + tok * stride_gt + h, mask=ok, other=0.0).to(tl.float32), axis=0)
+    g, beta = _gates(g_ptr, beta_ptr, tok * stride_gt + h, tok * stride_bt + h, ok, alog_ptr, dtb_ptr, h, GATING)
+    gc = tl.cumsum(g, axis=0)
     below = rows[:, None] > rows[None, :]
     a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)  # [C, C]: β_i k_i·k_j
     a = tl.where(below, a * tl.exp(tl.where(below, gc[:, None] - gc[None, :], 0.0)), 0.0)
@@ -163,12 +180,13 @@ def _chunk_inverse_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, inv_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, inv_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr,
     start_ptr, snap_ptr, snap_every, scale, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_it, stride_ih,
     stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, stride_snap,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
     C: tl.constexpr, HAS_INIT: tl.constexpr, SNAPSHOTS: tl.constexpr, PRECISION: tl.constexpr,
+    GATING: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -195,8 +213,7 @@ def _chunk_scan_kernel(
         k = _l2_rows(k.to(tl.float32), eps)
         v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + dv[None, :],
                     mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        beta = tl.load(beta_ptr + tok * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + tok * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
+        g, beta = _gates(g_ptr, beta_ptr, tok * stride_gt + h, tok * stride_bt + h, ok, alog_ptr, dtb_ptr, h, GATING)
         gc = tl.cumsum(g, axis=0)  # padded rows add 0: they carry the last token's G
         inv = tl.load(inv_ptr + tok[:, None] * stride_it + h * stride_ih + rows[None, :], mask=ok[:, None], other=0.0)
         w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)  # [C, BLOCK_K]
@@ -386,6 +403,17 @@ def _check_snapshots(snapshot_every: int, snapshot_slots: torch.Tensor | None, s
     return True
 
 
+def _gating(gating: tuple[torch.Tensor, torch.Tensor] | None, n_v: int, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The kernels' (A_log, dt_bias) pointers: checked when given, else g twice (unread placeholders)."""
+    if gating is None:
+        return g, g
+    check(isinstance(gating, tuple) and len(gating) == 2, "gating: pass (A_log, dt_bias), the layer's [Hv] parameters")
+    for name, t in zip(("A_log", "dt_bias"), gating, strict=True):
+        check_tensor(f"gating {name}", t, ndim=1, dtypes=FLOAT_DTYPES, device=g.device)
+        check(t.shape[0] == n_v, f"gating {name}: {t.shape[0]} entries for {n_v} value heads")
+    return gating
+
+
 def _out(out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     if out is None:
         return torch.empty_like(like, memory_format=torch.contiguous_format)
@@ -403,28 +431,33 @@ def _block_v(d_v: int) -> int:
 def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             state_pool: torch.Tensor, slots: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                             has_initial_state: torch.Tensor | None = None,
+                            gating: tuple[torch.Tensor, torch.Tensor] | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The recurrent gated delta rule, state_pool[slots[b]] updated in place -> o [T, Hv, Dv] in v's dtype.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (any row strides, unit last stride: views of the conv
     output are fine). Without cu_seqlens row b is sequence b's one new token (decode); with it, each sequence's
     tokens run one after another (a verify step, a short prefill). A negative slot is a padding row: its output is
-    left unwritten. has_initial_state [B]: where 0, the sequence starts from a zero state instead of its slot's."""
+    left unwritten. has_initial_state [B]: where 0, the sequence starts from a zero state instead of its slot's.
+    gating (A_log, dt_bias), each [Hv]: g and beta are then the projection's raw a and b, and the kernel computes
+    g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b) (rounded to b's dtype) as HF's layer does."""
     tokens = q.shape[0] if q.dim() == 3 else 0
     batch = tokens if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, tokens, q.device)
     n_k, d_k, n_v, d_v = _check_heads(q, k, v, g, beta, state_pool, slots, batch)
     _check_batch_flags(has_initial_state, batch, q.device)
+    a_log, dt_bias = _gating(gating, n_v, g)
     out = _out(out, v)
     if batch == 0:
         return out
     block_v = _block_v(d_v)
     _recurrent_kernel[(batch, n_v, triton.cdiv(d_v, block_v))](
-        q, k, v, g, beta, out, state_pool, slots, cu_seqlens if cu_seqlens is not None else slots,
+        q, k, v, g, beta, a_log, dt_bias, out, state_pool, slots, cu_seqlens if cu_seqlens is not None else slots,
         has_initial_state if has_initial_state is not None else slots, d_k**-0.5, L2_EPS,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         GROUP=n_v // n_k, DK=d_k, DV=d_v, BLOCK_K=next_pow2(d_k), BLOCK_V=block_v,
-        VARLEN=cu_seqlens is not None, HAS_INIT=has_initial_state is not None, num_warps=4,
+        VARLEN=cu_seqlens is not None, HAS_INIT=has_initial_state is not None, GATING=gating is not None,
+        num_warps=4,
     )  # fmt: skip
     return out
 
@@ -433,13 +466,14 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              cu_seqlens: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, *,
                              max_q_len: int, has_initial_state: torch.Tensor | None = None,
                              start_pos: torch.Tensor | None = None, snapshot_slots: torch.Tensor | None = None,
-                             snapshot_every: int = 0, out: torch.Tensor | None = None,
+                             snapshot_every: int = 0, gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+                             out: torch.Tensor | None = None,
                              dot_precision: str | None = None) -> torch.Tensor:  # fmt: skip
     """The chunked (64-token) gated delta rule over packed sequences, starting from state_pool[slots[b]] (zeros
     where has_initial_state[b] is 0) and writing the final state there -> o [T, Hv, Dv] in v's dtype.
 
-    Shapes as gated_delta_rule_decode; cu_seqlens [B + 1]; max_q_len ≥ the longest sequence of the call (sizes
-    the grid of the chunk-inverse launch, as attention's max_q_len). Snapshots (snapshot_every > 0): the state
+    Shapes and gating as gated_delta_rule_decode; cu_seqlens [B + 1]; max_q_len ≥ the longest sequence of the call
+    (sizes the grid of the chunk-inverse launch, as attention's max_q_len). Snapshots (snapshot_every > 0): the state
     after every multiple c of snapshot_every tokens of sequence b in (start_pos[b], start_pos[b] + len], start_pos
     [B] the tokens its state held before this call, goes to state_pool[snapshot_slots[b, n]] for the n-th such c
     (n from 0; a negative entry: not written). snapshot_slots [B, W] needs W ≥ that count. Snapshot slots must be
@@ -453,27 +487,29 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     check(isinstance(max_q_len, int) and max_q_len >= 0, f"max_q_len: {max_q_len!r} must be an int ≥ 0")
     precision = dot_precision or ("ieee" if q.dtype == torch.float32 else "tf32")
     check(precision in ("ieee", "tf32", "tf32x3"), f"dot_precision: {precision!r}; use ieee, tf32 or tf32x3")
+    a_log, dt_bias = _gating(gating, n_v, g)
     out = _out(out, v)
     if batch == 0 or tokens == 0 or max_q_len == 0:
         return out
     inverse = torch.empty((tokens, n_v, CHUNK), dtype=torch.float32, device=q.device)  # per-chunk T, by token row
     block_k = next_pow2(d_k)
     _chunk_inverse_kernel[(batch, triton.cdiv(max_q_len, CHUNK), n_v)](
-        k, g, beta, inverse, slots, cu_seqlens, L2_EPS,
+        k, g, beta, a_log, dt_bias, inverse, slots, cu_seqlens, L2_EPS,
         k.stride(0), k.stride(1), g.stride(0), beta.stride(0), inverse.stride(0), inverse.stride(1),
-        GROUP=n_v // n_k, DK=d_k, BLOCK_K=block_k, C=CHUNK, PRECISION=precision, num_warps=4,
+        GROUP=n_v // n_k, DK=d_k, BLOCK_K=block_k, C=CHUNK, PRECISION=precision, GATING=gating is not None,
+        num_warps=4,
     )  # fmt: skip
     block_v = _block_v(d_v)
     snap = snapshot_slots if snapshots else slots
     _chunk_scan_kernel[(batch, n_v, triton.cdiv(d_v, block_v))](
-        q, k, v, g, beta, inverse, out, state_pool, slots, cu_seqlens,
+        q, k, v, g, beta, a_log, dt_bias, inverse, out, state_pool, slots, cu_seqlens,
         has_initial_state if has_initial_state is not None else slots, start_pos if snapshots else slots, snap,
         max(snapshot_every, 1), d_k**-0.5, L2_EPS,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         inverse.stride(0), inverse.stride(1), out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), snap.stride(0),
         GROUP=n_v // n_k, DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, C=CHUNK,
-        HAS_INIT=has_initial_state is not None, SNAPSHOTS=snapshots, PRECISION=precision,
+        HAS_INIT=has_initial_state is not None, SNAPSHOTS=snapshots, PRECISION=precision, GATING=gating is not None,
         num_warps=4 if INTERPRETING or block_k <= 64 else 8,
     )  # fmt: skip
     return out

@@ -105,6 +105,15 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """HF's gating of one layer from the projection's raw a, b [T, Hv] and the layer's A_log, dt_bias [Hv] -> (g, beta):
+    g = -exp(A_log)·softplus(a + dt_bias) in float32 (or wider), beta = sigmoid(b) in b's dtype."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    g = -a_log.to(acc).exp() * torch.nn.functional.softplus(a.to(acc) + dt_bias.to(acc))
+    return g, b.sigmoid()
+
+
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF Qwen3NextRMSNormGated over the last dim: RMSNorm(x) in float32 (or wider), cast to x's dtype, times the
     weight, times silu(z) in float32 (or wider), cast to x's dtype."""

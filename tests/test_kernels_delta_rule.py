@@ -114,6 +114,37 @@ def test_reference_gated_norm_is_hfs() -> None:
         assert torch.equal(ref.gated_rms_norm(x16, z16, norm16.weight, 1e-6), norm16(x16, z16))
 
 
+def test_references_compose_to_hfs_gated_deltanet_layer() -> None:
+    """HF's whole Qwen3NextGatedDeltaNet (no cache, 70 tokens: two chunks) in float32 against its projections
+    around the float64 references: conv + SiLU, the gating from a and b, the delta rule, the gated norm."""
+    hf = _hf()
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=8, num_hidden_layers=1, layer_types=["linear_attention"])  # fmt: skip
+    torch.manual_seed(12)
+    layer = hf.Qwen3NextGatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():
+        for p in (layer.dt_bias, layer.norm.weight):
+            p.copy_(torch.randn_like(p))
+        x = torch.randn(1, 70, 32)
+        want = layer(x)
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(x), layer.in_proj_ba(x))
+        mixed = torch.cat([t.reshape(70, -1) for t in (q, k, v)], dim=1).double()  # [T, conv_dim]
+        cu, slot = _cu([70], "cpu"), torch.tensor([0])
+        conv_pool = torch.full((1, 3, mixed.shape[1]), float("nan"), dtype=torch.float64)
+        mixed = ref.causal_conv1d(mixed, layer.conv1d.weight[:, 0].double(), None, cu, conv_pool, slot,
+                                  has_initial_state=torch.tensor([0]))  # fmt: skip
+        q, k, v = mixed.split([32, 32, 32], dim=1)
+        g, beta = ref.gates(a[0].double(), b[0].double(), layer.A_log.double(), layer.dt_bias.double())
+        state_pool = torch.full((1, 4, 16, 8), float("nan"), dtype=torch.float64)
+        o = ref.gated_delta_rule(q.reshape(70, 2, 16), k.reshape(70, 2, 16), v.reshape(70, 4, 8), g, beta, cu,
+                                 state_pool, slot, has_initial_state=torch.tensor([0]))  # fmt: skip
+        o = ref.gated_rms_norm(o, z[0].double(), layer.norm.weight.double(), cfg.rms_norm_eps)
+        got = o.reshape(70, 32) @ layer.out_proj.weight.double().t()
+    assert rel_err(got, want[0]) < 1e-5
+
+
 # --- (b) the Triton kernels against the float64 references -----------------------------------------------------
 
 
@@ -335,6 +366,33 @@ def test_chunk_boundary_decode_and_prefix_hit_give_the_uninterrupted_run() -> No
     same("prefix hit", _mixer(*rows(48, n), [n - 48], hit, [1], weights), 48, n, hit, 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_compute_the_gates_from_a_and_b(dtype: torch.dtype) -> None:
+    # a and b as strided views of one [T, 2·Hv] projection output, as in_proj_ba gives them; 70 tokens: the padded
+    # rows of the second chunk must get g = 0 and beta = 0 from the gating too.
+    gen = torch.Generator().manual_seed(13)
+    lens = [70, 3]
+    q, k, v, _, _ = _delta_inputs(lens, 1, 2, 16, 16, dtype, seed=14)
+    ba = (torch.randn(73, 4, generator=gen) * 2).to(dtype).to(DEV)
+    b, a = ba[:, :2], ba[:, 2:]
+    a_log = torch.randn(2, generator=gen).to(DEV)
+    dt_bias = torch.randn(2, generator=gen).to(dtype).to(DEV)
+    pool = _pool(3, 2, 16, 16, seed=15)
+    slots = torch.tensor([2, 0], dtype=I32, device=DEV)
+    g, beta = ref.gates(*f64(a, b, a_log, dt_bias))
+    want_pool = pool.double()
+    want = ref.gated_delta_rule(*f64(q, k, v), g, beta, _cu(lens), want_pool, slots)
+    got_pool = pool.clone()
+    out = dr.gated_delta_rule_chunked(q, k, v, a, b, _cu(lens), got_pool, slots, max_q_len=70, gating=(a_log, dt_bias))
+    assert_close("gating.chunked.o", out, want, dtype)
+    assert_close("gating.chunked.state", got_pool, want_pool, dtype)
+    # Decode: the next token of each.
+    want = ref.gated_delta_rule(*f64(q[:2], k[:2], v[:2]), g[:2], beta[:2], _cu([1, 1]), want_pool, slots)
+    out = dr.gated_delta_rule_decode(q[:2], k[:2], v[:2], a[:2], b[:2], got_pool, slots, gating=(a_log, dt_bias))
+    assert_close("gating.decode.o", out, want, dtype)
+    assert_close("gating.decode.state", got_pool, want_pool, dtype)
+
+
 def test_launchers_reject_bad_input() -> None:
     q, k, v, g, beta = _delta_inputs([2], 2, 4, 16, 16, torch.float32)
     pool = _pool(2, 4, 16, 16)
@@ -345,6 +403,8 @@ def test_launchers_reject_bad_input() -> None:
         dr.gated_delta_rule_decode(q, k, v, g, beta, pool[..., :8], slots)
     with pytest.raises(ValueError, match="slots: 1 entries for 2 sequences"):
         dr.gated_delta_rule_decode(q, k, v, g, beta, pool, slots[:1])
+    with pytest.raises(ValueError, match="gating dt_bias: 2 entries for 4 value heads"):
+        dr.gated_delta_rule_decode(q, k, v, g, beta, pool, slots, gating=(torch.zeros(4), torch.zeros(2)))
     with pytest.raises(ValueError, match="snapshot_slots/start_pos: snapshot_every > 0 needs both"):
         dr.gated_delta_rule_chunked(q, k, v, g, beta, _cu([2]), pool, slots[:1], max_q_len=2, snapshot_every=16)
     x = torch.randn(2, 8, device=DEV)
@@ -373,13 +433,13 @@ def compiled(fn, ptrs, floats, consts, warps):
 
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
 ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=f32, o_ptr=bf, state_ptr=f32, slots_ptr=i32,
-            cu_ptr=i32, init_ptr=i32, start_ptr=i32, snap_ptr=i32, inv_ptr=f32)
+            cu_ptr=i32, init_ptr=i32, start_ptr=i32, snap_ptr=i32, inv_ptr=f32, alog_ptr=f32, dtb_ptr=bf)
 heads = dict(GROUP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32)
 out = {
     "inverse": compiled(dr._chunk_inverse_kernel, ptrs, {"eps"}, dict(GROUP=2, DK=128, BLOCK_K=128, C=64,
-                        PRECISION="tf32"), 4),
+                        PRECISION="tf32", GATING=True), 4),
     "scan": compiled(dr._chunk_scan_kernel, ptrs, {"scale", "eps"}, dict(heads, C=64, HAS_INIT=True, SNAPSHOTS=True,
-                     PRECISION="tf32"), 8),
+                     PRECISION="tf32", GATING=True), 8),
 }
 print(json.dumps(out))
 """
@@ -419,7 +479,8 @@ def test_gpu_chunked_prefill_and_decode_at_qwen3_next_shapes(state_dtype: torch.
                                       has_initial_state=init, **kw)  # fmt: skip
     assert_close("gpu.chunked.o", out, want, torch.bfloat16)
     written = [6, 0, 3, 2, 5, 1, 4]
-    assert_close("gpu.chunked.state", got_pool[written], want_pool[written], state_dtype)
+    # bf16's bound for a float32 state too: the chunk products take TF32 operands for 16-bit inputs (dot_precision)
+    assert_close("gpu.chunked.state", got_pool[written], want_pool[written], torch.bfloat16)
     _untouched(got_pool, pool, written)
     # Batch-invariant: sequence 1 alone gives its batched output and state bit for bit (each program reads one
     # sequence only, in a fixed order).
