@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, TypedDict, Unpack
 
 import typer
 
@@ -19,6 +19,9 @@ from envex.installer.cli import activate, demo, rollback, run_app, status
 from envex.installer.media_cli import media_app
 from envex.runtime.loader import EMBEDDED_MODEL
 from envex.verify.cli import bench, gates_app
+
+if TYPE_CHECKING:
+    from envex.runtime.engine.config import EngineConfig
 
 
 def _stage_kernels(model: str, dest: Path, min_driver: str | None) -> dict[str, object]:
@@ -66,11 +69,28 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def engine_config(**kwargs: object):  # -> EngineConfig
-    from envex.runtime.engine.config import EngineConfig
+class EngineOptions(TypedDict, total=False):
+    """The engine settings a command takes from its options: EngineConfig's fields of the same names and types
+    (each default is EngineConfig's), so a setting can be followed from the option to the kernel."""
+
+    model: str
+    device: str
+    dtype: str
+    backend: str
+    max_model_len: int | None
+    deterministic: bool | None
+    tensor_parallel: int
+    draft_model: str | None
+    num_speculative_tokens: int
+    load_format: str
+
+
+def engine_config(**options: Unpack[EngineOptions]) -> EngineConfig:
+    """The EngineConfig of a command's options, or the command's one-line error (exit 2)."""
+    from envex.runtime.engine.config import EngineConfig  # torch: only when a command runs the engine
 
     try:
-        return EngineConfig(**kwargs)  # type: ignore[arg-type]
+        return EngineConfig(**options)
     except ValueError as exc:
         raise fail(str(exc)) from None
 

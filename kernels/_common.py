@@ -132,3 +132,17 @@ def arrival_counters(owner: str, device: torch.device, n: int, *, least: int = 4
         have = torch.zeros(max(n, least), dtype=torch.int32, device=device)
         _COUNTERS[(owner, device)] = have
     return have
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kvh, kpos, k_ok, d, d_ok, stride_kb, stride_ks,
+                 stride_kh, stride_bt, PAGE: tl.constexpr):  # fmt: skip
+    """The keys and values at positions kpos [N] of sequence b's KV head kvh, gathered token by token through its
+    block table from the paged cache [blocks, PAGE, Hkv, D] -> k, v [N, D] (0 where not k_ok or not d_ok). The one
+    paged-KV tile load of the attention kernels (attention.py, invariant_attention.py)."""
+    blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+    kv_off = blk * stride_kb + (kpos % PAGE) * stride_ks + kvh * stride_kh  # [N]
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v

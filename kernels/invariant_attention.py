@@ -43,6 +43,7 @@ from envex.kernels._common import (
     check,
     check_paged_attention_inputs,
     check_tensor,
+    load_kv_tile,
     next_pow2,
     padded_rows,
     pdl_enter,
@@ -82,11 +83,8 @@ def _split_state(q, q_pos, lo, hi, b, kvh, d, d_ok, qk_scale, k_cache_ptr, v_cac
     for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         k_ok = kpos < hi
-        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-        kv_off = blk * stride_kb + (kpos % PAGE) * stride_ks + kvh * stride_kh  # [BLOCK_N]
-        kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kvh, kpos, k_ok, d, d_ok, stride_kb,
+                            stride_ks, stride_kh, stride_bt, PAGE)  # fmt: skip
         s = _dot(q, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST_DOT)  # raw logits
         s = tl.where((kpos[None, :] <= q_pos[:, None]) & k_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))

@@ -1,4 +1,4 @@
-"""N-gram prompt lookup for speculative decoding in one kernel: runtime/engine/drafters.py's torch ngram_propose
+"""N-gram prompt lookup for speculative decoding in one kernel: kernels/reference.py's ngram_propose
 (about 30 small ops over a [B, window] gather, 0.16 ms per verify step on the H200 at batch 1) as one program per
 sequence. Same rule, same outputs: the k tokens after the latest earlier occurrence (start >= len - window) of the
 sequence's last n tokens, longest n first (n = max_ngram .. 1); count 0 when none occurs.
@@ -73,7 +73,7 @@ def ngram_propose(hist: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k:
                   window: int, block: int = BLOCK, limit: torch.Tensor | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """drafters.ngram_propose in one launch: hist [S, L] int64, rows [B] (row of hist per sequence), lens [B] (its
+    """reference.ngram_propose in one launch: hist [S, L] int64, rows [B] (row of hist per sequence), lens [B] (its
     length, <= L) -> drafts [B, k] int64 and their count [B] int64, equal to the torch version's everywhere.
     Static shapes and no host reads (graph-safe). limit: [B], each count capped at max(limit, 0) as well (the
     verify step's k_limit). out: (drafts, count) to write, contiguous int64 [B, k] and [B] (the verify graph's

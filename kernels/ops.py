@@ -1,4 +1,4 @@
-"""The one interface between a model file and the kernels: `Ops`, its per-step metadata, and the torch backend.
+"""The one interface between a model file and the kernels: `Ops`, its per-step metadata, and what a backend can do.
 
 A model (envex.runtime.models.<arch>) calls only these fused entry points, on every device and batch size; the
 backend chooses the kernel inside each (the batch-1 GEMV with the norm or activation folded in, cuBLAS, the
@@ -10,9 +10,11 @@ torch reference):
     attention     (q/k RMSNorm) + rotary + KV-cache write + paged causal attention (+ sinks, sliding window)
     moe           residual add + RMSNorm + router (top-k, softmax) + experts (float or MXFP4) -> (y, new residual)
 
-`TorchOps` is kernels/reference.py behind that interface: the reference every other backend is proven against
-(tests, and the gates against HF transformers). `TritonOps` (triton_ops.py) is the CUDA fast path. This module
-imports no Triton, so the torch backend runs where Triton is not installed.
+The backends live in their own files: torch_ops.py (kernels/reference.py behind this interface, and its
+batch-invariant forms), triton_ops.py (the CUDA fast path), invariant_ops.py (the batch-invariant Triton path).
+Each states what it supports (`Capabilities`); backends.py lists them and builds one. A model file states what it
+needs (`features`), and the engine's config checks one against the other once (EngineConfig.resolved). This
+module imports no backend and no Triton.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 from envex.kernels import reference
 
@@ -142,6 +143,33 @@ class MoEWeights:
         return self.down_blocks, self.down_scales
 
 
+# Model features a backend may have kernels for (a model file's `features` names those it needs).
+MOE = "mixture-of-experts layers"
+SINKS = "attention sinks"
+SLIDING_WINDOW = "sliding-window attention"
+FEATURES = (MOE, SINKS, SLIDING_WINDOW)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Capabilities:
+    """What a backend supports: checked against a model's needs and the engine's settings in one place
+    (EngineConfig.resolved), so a kernel never meets a request it cannot serve."""
+
+    devices: frozenset[str]  # device types it runs on ("cpu", "cuda")
+    features: frozenset[str]  # model features (FEATURES) it has kernels for
+    batch_invariant: bool = False  # a row's bits never depend on its batch (the deterministic mode)
+    # Under tensor parallelism its batch invariance needs every all-reduce to add the ranks in rank order
+    # (envex.runtime.parallel.comm, `ordered`).
+    ordered_all_reduce: bool = False
+    speculation: bool = True  # verify steps (k + 1 query tokens per sequence, q_per_seq)
+    tensor_parallel: bool = True  # row-parallel projections reduced through a Communicator
+
+    def missing(self, needs: frozenset[str] | set[str]) -> list[str]:
+        """The needed features this backend has no kernels for, in FEATURES order."""
+        return [f for f in FEATURES if f in needs and f not in self.features]
+
+
+
 class Communicator(Protocol):
     """Tensor parallelism's collectives (envex.runtime.parallel.comm): every rank calls each one in the same order
     with the same shapes, eagerly or inside the same captured graph."""
@@ -208,92 +236,8 @@ class Ops(Protocol):
         ...
 
 
-# The expert projections group tokens by expert, so a token's rows meet BLAS in batch-dependent shapes.
-NO_INVARIANT_MOE = ("deterministic: mixture-of-experts layers have no batch-invariant kernels yet; serve this model "
-                    "without --deterministic")
-
-
 def split_qkv(qkv: torch.Tensor, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views q [T, Hq, D], k and v [T, Hkv, D] of the fused QKV output."""
     q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
     return (q.reshape(-1, layer.num_heads, layer.head_dim), k.reshape(-1, layer.num_kv_heads, layer.head_dim),
             v.reshape(-1, layer.num_kv_heads, layer.head_dim))  # fmt: skip
-
-
-class TorchOps:
-    """kernels/reference.py as a backend: any device, any dtype; the definition the fast paths must equal.
-
-    deterministic: the batch-invariant forms (reference.linear_invariant, paged_attention_invariant), which give a
-    row the same bits whatever its batch on the CPU; norms and activations are row-wise already."""
-
-    name = "torch"
-
-    def __init__(self, *, deterministic: bool = False) -> None:
-        self.deterministic = deterministic
-        self._linear = reference.linear_invariant if deterministic else F.linear
-
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if comm is not None:
-            x = comm.all_reduce(x)
-        if residual is None:
-            normed, residual = reference.rms_norm(x, norm_weight, eps), x
-        else:
-            normed, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
-        return self._linear(normed, weight, bias), residual
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._linear(x, weight, bias)
-
-    def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._linear(reference.silu_and_mul(gate_up), weight)
-
-    def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return hidden
-
-    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
-        q, k, v = split_qkv(qkv, layer)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q = reference.rms_norm(q, layer.q_norm, layer.norm_eps)
-            k = reference.rms_norm(k, layer.k_norm, layer.norm_eps)
-        q, _ = reference.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
-                                             meta.slot_mapping)  # fmt: skip
-        seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
-        attend = reference.paged_attention_invariant if self.deterministic else reference.paged_attention
-        out = attend(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, meta.block_tables, layer.scale,
-                     q_lens=meta.q_lens_host, seq_lens_host=meta.seq_lens_host, sinks=layer.sinks,
-                     window=layer.sliding_window)  # fmt: skip
-        return out.reshape(-1, layer.q_size)
-
-    def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
-            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if self.deterministic:
-            raise ValueError(NO_INVARIANT_MOE)
-        if residual is None:
-            h, residual = reference.rms_norm(x, norm_weight, eps), x
-        else:
-            h, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
-        weights, ids = reference.moe_route(F.linear(h, router_weight, router_bias), top_k, experts.renormalize)
-        out = reference.moe_experts(h, weights, ids, experts.gate_up_matrix(), experts.gate_up_bias,
-                                    experts.down_matrix(), experts.down_bias, experts.alpha, experts.limit,
-                                    experts.activation)  # fmt: skip
-        return out, residual
-
-
-def make_ops(backend: str, device: torch.device, *, deterministic: bool = False, split_k: bool = True) -> Ops:
-    """The backend's Ops: "torch" anywhere, "triton" on a CUDA device. deterministic: batch-invariant kernels
-    (EngineConfig.deterministic; offline_docs/engine.md). split_k: TritonOps may hand O and down on as split-K
-    partials to the next norm (off under tensor parallelism, where that norm all-reduces its input first)."""
-    if backend == "torch":
-        return TorchOps(deterministic=deterministic)
-    if backend == "triton":
-        if device.type != "cuda":
-            raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
-        from envex.kernels.triton_ops import TritonOps  # imports Triton: only where the fast path runs
-
-        return TritonOps(pdl=torch.cuda.get_device_capability(device) >= (9, 0), deterministic=deterministic,
-                         split_k=split_k)  # fmt: skip
-    raise ValueError(f"backend: {backend!r} is not one of torch, triton")

@@ -357,3 +357,91 @@ def paged_attention_invariant(
             out[q0 + i] = torch.einsum("hgqk,khd->qhgd", probs, vals[lo:hi]).reshape(hq, d)
         q0 += q_len
     return out
+
+# ---- speculative decoding (runtime/engine/spec/): n-gram prompt lookup and a verify step's inputs ---------------
+
+# Prompt lookup's search window and longest n-gram: the drafter's defaults, shared by every form of the rule.
+NGRAM_WINDOW = 2048
+NGRAM_MAX = 3
+
+
+def propose_ngram(tokens: list[int], k: int, *, max_ngram: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> list[int]:
+    """The reference rule: the k tokens after the latest earlier occurrence (start >= len - window) of the last n
+    tokens, longest n first; [] when none occurs. ngram_propose (below: torch, on the device), kernels/ngram.py
+    (the same in one Triton kernel, which the n-gram drafter runs on a GPU) and the drafter's host index
+    (runtime/engine/spec/drafters.py, NgramIndex) must equal it."""
+    n_tokens = len(tokens)
+    lo = max(0, n_tokens - window)
+    for n in range(min(max_ngram, n_tokens - 1), 0, -1):
+        pattern = tokens[n_tokens - n:]
+        for i in range(n_tokens - n - 1, lo - 1, -1):
+            if tokens[i:i + n] == pattern:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+def ngram_propose(hist: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k: int, *,
+                  max_ngram: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
+    """propose_ngram for a batch, on the device, in static shapes (graph-safe): hist [S, L] int64, rows [B] (row
+    of hist per sequence), lens [B] (its length) -> drafts [B, k] int64 and their count [B] (0: no match).
+
+    Every candidate start i in [len - window, len - 2] is compared with the last n tokens at once ([B, window]
+    gathers), and the latest matching i wins, longest n first, exactly as the reference rule."""
+    width = hist.shape[1]
+    window = min(window, width)
+    flat = hist.reshape(-1)
+    base = (rows * width)[:, None]  # [B, 1]
+    lens = lens[:, None]  # [B, 1]
+
+    def at(pos: torch.Tensor) -> torch.Tensor:  # hist[row, pos] with pos clamped into the row
+        return flat[base + pos.clamp(0, width - 1)]
+
+    starts = lens - window + torch.arange(window, device=hist.device)[None, :]  # [B, W] candidate starts
+    shifted = [at(starts + m) for m in range(max_ngram)]  # shifted[m][b, w] = token at starts + m
+    best = torch.full_like(lens, -1)  # [B, 1]
+    best_n = torch.zeros_like(lens)
+    for n in range(max_ngram, 0, -1):
+        ok = (starts >= 0) & (starts <= lens - n - 1)
+        for m in range(n):
+            ok &= shifted[m] == at(lens - n + m)
+        latest = torch.where(ok, starts, -1).amax(dim=1, keepdim=True)  # [B, 1]
+        take = (best < 0) & (latest >= 0)
+        best = torch.where(take, latest, best)
+        best_n = torch.where(take, n, best_n)
+    follow = best + best_n  # [B, 1] first proposed position
+    count = torch.where(best >= 0, (lens - follow).clamp(0, k), 0)[:, 0]
+    drafts = at(follow + torch.arange(k, device=hist.device)[None, :])  # [B, k]
+    return drafts, count
+
+
+def verify_inputs(hist: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, drafts: torch.Tensor,
+                        num_drafts: torch.Tensor, k_limit: torch.Tensor, block_tables: torch.Tensor, *,
+                        block_size: int, max_model_len: int) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """A verify step's inputs from the drafts: (ids, positions, slots [B·(K+1)], seq_lens_after [B] int32), and
+    num_drafts capped in place so that no draft reaches past the context. Row b's k + 1 tokens are its newest
+    (hist[rows[b], seq_lens[b] - 1], not yet cached) and its drafts; rows past its drafts, and every row of a
+    padding sequence (k_limit -1), get slot -1 (nothing written). kernels/spec_inputs.py is the same in one launch."""
+    k = drafts.shape[1]
+    num_drafts.copy_(torch.minimum(num_drafts, (max_model_len - seq_lens).clamp(min=0)))
+    newest = hist[rows, seq_lens - 1]  # [B]
+    ids = torch.cat([newest[:, None], drafts], dim=1)  # [B, K+1]
+    j = torch.arange(k + 1, device=hist.device)[None, :]
+    pos = (seq_lens[:, None] - 1 + j).clamp(max=max_model_len - 1)  # garbage rows stay inside the rotary tables
+    # A step chained past a finishing sequence's end (seq_lens up to max_model_len + 2) writes nothing: its clamped
+    # positions would overwrite the last cached key.
+    valid = (j <= num_drafts[:, None]) & (k_limit[:, None] >= 0) & (seq_lens[:, None] - 1 + j < max_model_len)
+    slots = block_tables.gather(1, pos // block_size).long() * block_size + pos % block_size
+    return (ids.reshape(-1), pos.reshape(-1), torch.where(valid, slots, -1).reshape(-1),
+            (seq_lens + k).to(torch.int32))  # fmt: skip
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------------------
+
+
+def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """[W, n] -> [n]: the rows added in order to a float32 zero and rounded once to their dtype, the one-shot
+    kernel's arithmetic (kernels/allreduce.py) for a message of any size."""
+    total = torch.zeros(parts.shape[1:], dtype=torch.float32, device=parts.device)
+    for part in parts:
+        total += part.float()
+    return total.to(parts.dtype)

@@ -1,4 +1,4 @@
-"""A speculative verify step's inputs in one launch: runtime/engine/cuda_graphs.py's `verify_inputs_torch` (about
+"""A speculative verify step's inputs in one launch: kernels/reference.py's `verify_inputs` (about
 20 small torch ops: the newest tokens gathered from the history, the ids, positions, cache slots and lengths of
 the k + 1 rows per sequence) as one program per sequence. Inside the verify graph each small op is a launch of
 1-2 µs plus its gap, which the batch-1 step pays in full (verify/lab/journal-kernels.md, v16).

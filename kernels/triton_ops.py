@@ -16,39 +16,20 @@ Each entry point picks its kernel from the rows it is given:
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's plain
   SwiGLU without, compiled as variants of the same kernels).
-deterministic (EngineConfig.deterministic): one path for every batch instead, so a row's bits never depend on its
-batch: the row-wise norm kernels, invariant_matmul for every projection (SwiGLU in a pass before it),
-rotary_and_store_kv and invariant_attention for decode and prefill alike (the `_det_*` methods). Where the
-invariant matmul splits O or down into K pieces (decode batches), the next norm adds the pieces in the reduce
-kernel's order instead of that launch: the same bits.
+invariant_ops.py is the batch-invariant path on the same kernels (the deterministic mode).
 The model file never sees these choices; the gates prove the result equals TorchOps.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import (
-    activation,
-    attention,
-    decode_attention,
-    gemv,
-    invariant_attention,
-    invariant_matmul,
-    moe_mxfp4,
-    norm,
-    rotary,
-)
-from envex.kernels._common import check, next_pow2
-from envex.kernels.ops import (
-    NO_INVARIANT_MOE,
-    AttentionLayer,
-    AttentionMetadata,
-    Communicator,
-    MoEWeights,
-    split_qkv,
-)
+from envex.kernels import activation, attention, decode_attention, gemv, invariant_matmul, moe_mxfp4, norm, rotary
+from envex.kernels._common import check
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MoEWeights, split_qkv
 
 # Smallest K (input width) whose projection TritonOps splits into halves for the next norm to sum.
 SPLIT_K_MIN = 4096
@@ -79,14 +60,14 @@ def _split_k_product(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torc
 
 class TritonOps:
     name = "triton"
+    deterministic: ClassVar[bool] = False
 
-    def __init__(self, *, pdl: bool = False, deterministic: bool = False, split_k: bool = True) -> None:
+    def __init__(self, *, pdl: bool = False, split_k: bool = True) -> None:
         # pdl: launch the one-row kernels with programmatic dependent launch (Hopper and later). Every kernel so
         # launched waits on its predecessor before reading activations, so mixing with plain launches is safe.
         # split_k: O and down may return float32 split partials for the next norm to sum (module docstring; in
-        # the deterministic mode the invariant matmul's own pieces, which the norm adds in the reduce's order).
+        # the invariant backend the invariant matmul's own pieces, which the norm adds in the reduce's order).
         self.pdl = pdl
-        self.deterministic = deterministic
         self.split_k = split_k
 
     @staticmethod
@@ -106,17 +87,21 @@ class TritonOps:
             x = self.materialize(x, weight.dtype if residual is None else residual.dtype)
         if comm is not None:
             # One row: reduce alone, the GEMV folds the add and the norm into its weight pass anyway. More rows:
-            # the reduce, the add and the norm in one pass over the peers' rows where the size allows. Not in the
-            # deterministic mode: that pass has its own norm arithmetic, and takes only the sizes that fit.
-            fused = None
-            if not (self.deterministic or self._gemv(x)):
-                fused = comm.all_reduce_add_rms_norm(x, residual, norm_weight, eps)
+            # the reduce, the add and the norm in one pass over the peers' rows where the size allows.
+            fused = comm.all_reduce_add_rms_norm(x, residual, norm_weight, eps) if self._fuse_reduce(x) else None
             if fused is not None:
                 normed, residual = fused
                 return self._project(normed, weight, bias), residual
             x = comm.all_reduce(x)  # not PDL-launched (Communicator.all_reduce); the GEMV after it is
-        if self.deterministic:
-            return self._det_norm_linear(x, residual, norm_weight, eps, weight, bias)
+        return self._norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def _fuse_reduce(self, x: torch.Tensor) -> bool:
+        """Whether norm_linear takes the fused all-reduce + add + norm pass for these rows."""
+        return not self._gemv(x)
+
+    def _norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """norm_linear on reduced, materialized rows."""
         if self._gemv(x):
             prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
@@ -130,24 +115,17 @@ class TritonOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         check(x.dim() == 2, f"x: expected [T, K] rows, got shape {tuple(x.shape)}")
-        if self.deterministic:
-            return invariant_matmul.matmul(x, weight, bias, pdl=self._row_pdl(x), partials=self.split_k)
         splits = self._splits(x, weight, bias)
         return _split_k_product(x, weight, splits) if splits > 1 else self._project(x, weight, bias)
 
     def _project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias) as [T, N] rows."""
-        if self.deterministic:
-            return invariant_matmul.matmul(x, weight, bias, pdl=self._row_pdl(x))
         if self._gemv(x):
             return gemv.gemv(x, weight, bias=bias, pdl=self.pdl)[0]
         return F.linear(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         check(gate_up.dim() == 2, f"gate_up: expected [T, 2I] rows, got shape {tuple(gate_up.shape)}")
-        if self.deterministic:
-            return invariant_matmul.matmul(gate_up, weight, prologue=invariant_matmul.PROLOGUE_SILU_MUL,
-                                           pdl=self._row_pdl(gate_up), partials=self.split_k)  # fmt: skip
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         act = activation.silu_and_mul(gate_up)
@@ -165,13 +143,11 @@ class TritonOps:
         return 2 if rows <= 16 or (rows <= 64 and k >= 2 * weight.shape[0]) else 1
 
     def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        # the pieces added as the norm kernel adds them (in the deterministic mode: the reduce kernel's bits)
+        # the pieces added as the norm kernel adds them (in the invariant backend: the reduce kernel's bits)
         return invariant_matmul.sum_pieces(hidden, dtype) if _is_partials(hidden) else hidden
 
     def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                   layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
-        if self.deterministic:
-            return self._det_attention(qkv, k_cache, v_cache, meta, layer)
         tokens = qkv.shape[0]
         window = layer.sliding_window
         # A window layer reads at most `window` keys: its split count comes from that, not from the (graph's)
@@ -208,8 +184,6 @@ class TritonOps:
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
             router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if self.deterministic:
-            raise ValueError(NO_INVARIANT_MOE)
         x = self.materialize(x, router_weight.dtype if residual is None else residual.dtype)
         planes = None
         pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
@@ -236,41 +210,3 @@ class TritonOps:
 
     def _row_pdl(self, x: torch.Tensor) -> bool:
         return self.pdl and x.shape[0] == 1  # the batch-1 chain (PDL only there), as the GEMV path launches it
-
-    # ---- deterministic mode: the same kernels and launch shapes for every batch ----------------------------
-
-    def _det_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
-                         eps: float, weight: torch.Tensor, bias: torch.Tensor | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if residual is None:  # one program per row: a row's norm never sees another row
-            normed, residual = norm.rms_norm(x, norm_weight, eps), x
-        else:
-            normed, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
-        return invariant_matmul.matmul(normed, weight, bias, pdl=self._row_pdl(x)), residual
-
-    def _det_attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       meta: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
-        """Decode and prefill alike: q/k norm, rotary + K/V write (one program per token), then the invariant
-        attention reading every key, the new one included, from the cache."""
-        if layer.sinks is not None or layer.sliding_window is not None:
-            raise ValueError("deterministic: attention sinks and sliding windows have no batch-invariant kernel "
-                             "yet; serve this model without --deterministic")  # fmt: skip
-        tokens = qkv.shape[0]
-        pdl = self._row_pdl(qkv)
-        q, k, v = split_qkv(qkv, layer)
-        if layer.q_norm is not None and layer.k_norm is not None:
-            q = norm.rms_norm(_rows(q), layer.q_norm, layer.norm_eps).view(q.shape)
-            k = norm.rms_norm(_rows(k), layer.k_norm, layer.norm_eps).view(k.shape)
-        if meta.is_decode and layer.head_dim == next_pow2(layer.head_dim):  # rotary inside the split launch
-            return invariant_attention.decode_attention_rotary(
-                q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                layer.scale, max_seq_len=meta.max_seq_len, num_programs=meta.num_splits, pdl=pdl,
-            ).view(tokens, layer.q_size)  # fmt: skip
-        q, _ = rotary.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
-                                          meta.slot_mapping, pdl=pdl)  # fmt: skip
-        out = invariant_attention.paged_attention(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, layer.scale,
-            max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len, positions=meta.positions,
-            num_programs=meta.num_splits, pdl=pdl,
-        )  # fmt: skip
-        return out.view(tokens, layer.q_size)

@@ -62,10 +62,10 @@ def _spread(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_the_deterministic_modes_sum_of_any_size_is_the_kernels(dtype: torch.dtype, world: int) -> None:
     """TPCommunicator(ordered=True) adds a message the one-shot kernel does not take in the kernel's order
-    (comm.ordered_sum): the same bits, element for element, so a row's sum does not depend on the batch's size.
+    (reference.ordered_sum): the same bits, element for element, so a row's sum does not depend on the batch's size.
     With two ranks NCCL's and gloo's own sum is correctly rounded and gives those bits too (a two-term sum, and
     float32 has the 2p + 2 bits for bf16's and fp16's p); with more, another order would differ."""
-    from envex.runtime.parallel.comm import ordered_sum
+    from envex.kernels.reference import ordered_sum
 
     n = 4099
     parts = [_spread(n, dtype, seed=world * 10 + r).to(DEV) for r in range(world)]
@@ -173,7 +173,7 @@ class TwinRanks:
 def test_norm_linear_reduces_partial_sums_on_both_backends(tokens: int, fused: bool, residual: bool) -> None:
     """TritonOps and TorchOps give the same (linear(rms_norm(reduce(x) + residual)), reduce(x) + residual); one row
     reduces alone (the GEMV folds the norm), more rows take the fused path where the communicator has one."""
-    from envex.kernels.ops import TorchOps
+    from envex.kernels.torch_ops import TorchOps
     from envex.kernels.triton_ops import TritonOps
 
     x = torch.randn(tokens, 64, device=DEV)
@@ -193,16 +193,16 @@ def test_norm_linear_reduces_partial_sums_on_both_backends(tokens: int, fused: b
 
 @pytest.mark.parametrize("tokens", [1, 3, 70])
 def test_the_deterministic_mode_reduces_then_norms_at_every_size(tokens: int) -> None:
-    """Under tensor parallelism the deterministic TritonOps never takes the fused all-reduce + norm (its own norm
-    arithmetic, and only for the sizes that fit the peer buffer): it all-reduces, then runs the mode's norm and
+    """Under tensor parallelism the batch-invariant Triton backend never takes the fused all-reduce + norm (its own
+    norm arithmetic, and only for the sizes that fit the peer buffer): it all-reduces, then runs the mode's norm and
     projection, so a row's bits are the same whatever the batch, equal to the same rows with the reduction done
     beforehand."""
-    from envex.kernels.triton_ops import TritonOps
+    from envex.kernels.invariant_ops import InvariantTritonOps
 
     x = torch.randn(70, 64, device=DEV)
     res = torch.randn(70, 64, device=DEV)
     nw, w = torch.randn(64, device=DEV), torch.randn(48, 64, device=DEV) / 8
-    ops, comm = TritonOps(deterministic=True, split_k=False), TwinRanks(fused=True)
+    ops, comm = InvariantTritonOps(split_k=False), TwinRanks(fused=True)
     y, total = ops.norm_linear(x[:tokens], res[:tokens], nw, 1e-5, w, comm=comm)
     assert comm.calls == ["all_reduce"]
     y_all, total_all = ops.norm_linear(x * 2, res, nw, 1e-5, w)  # the reduced rows, all 70 in one batch

@@ -5,7 +5,7 @@ import torch
 
 from envex.kernels import gemv
 from envex.kernels import reference as ref
-from envex.kernels.ops import TorchOps
+from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
 from envex.tests.support.kernels import assert_close, f64
 

@@ -1,6 +1,6 @@
-"""TritonOps(deterministic=True) through the model file: within tolerance of the torch reference, and a sequence's
-logits bit-identical whether it is prefilled in one chunk or in pieces next to another sequence, decoded alone
-through the batch-1 step or in a padded graph batch, or recomputed by a prefill over its generated tokens (what
+"""InvariantTritonOps (deterministic mode) through the model file: within tolerance of the torch reference, and a
+sequence's logits bit-identical whether it is prefilled in one chunk or in pieces next to another sequence, decoded
+alone through the batch-1 step or in a padded graph batch, or recomputed by a prefill over its generated tokens (what
 preemption does). On the CPU the kernels run under the Triton interpreter and the graphs run their step eagerly.
 """
 
@@ -11,11 +11,12 @@ import torch
 
 from envex.kernels import invariant_matmul
 from envex.kernels.accuracy import rel_err
-from envex.kernels.ops import AttentionMetadata, TorchOps
-from envex.kernels.triton_ops import TritonOps
+from envex.kernels.invariant_ops import InvariantTritonOps
+from envex.kernels.ops import AttentionMetadata
+from envex.kernels.torch_ops import TorchOps
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.cuda_graphs import DecodeGraphs
-from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.models import dummy_weights
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
 from envex.tests.support.kernels import compile_for_hopper, eager_step
 
@@ -55,14 +56,14 @@ OTHER = [5, 6, 7, 8, 9, 10, 11]
 
 
 def test_deterministic_triton_ops_equal_the_reference_within_tolerance() -> None:
-    fast, slow = _runner(TritonOps(deterministic=True)), _runner(TorchOps())
+    fast, slow = _runner(InvariantTritonOps()), _runner(TorchOps())
     for name, ids, starts in (("prefill", [PROMPT], [0]), ("decode", [[12]], [19])):
         want, got = _step(slow, ids, starts, [[3, 7, 1]]), _step(fast, ids, starts, [[3, 7, 1]])
         assert rel_err(got, want) < (2e-3 if DEV.type == "cpu" else 5e-3), f"{name}: {rel_err(got, want):.2e}"
 
 
 def test_a_sequence_s_logits_do_not_depend_on_its_batch() -> None:
-    runner = _runner(TritonOps(deterministic=True))
+    runner = _runner(InvariantTritonOps())
     table, other_table = [3, 7, 1], [5, 9]
     full = _step(runner, [PROMPT], [0], [table])  # [19, V]: the whole prompt in one chunk
     decoded = [_step(runner, [[t]], [19 + i], [table])[0] for i, t in enumerate((12, 30))]  # batch-1 steps
@@ -101,7 +102,7 @@ def test_the_pieces_summed_by_the_norm_give_the_reduce_kernel_s_bits(monkeypatch
         return out
 
     monkeypatch.setattr(invariant_matmul, "matmul", recording)
-    pieces, reduced = _runner(TritonOps(deterministic=True)), _runner(TritonOps(deterministic=True, split_k=False))
+    pieces, reduced = _runner(InvariantTritonOps()), _runner(InvariantTritonOps(split_k=False))
     reference = _runner(TorchOps())
     table, other_table = [3, 7, 1], [5, 9]
     for ids, starts, tables in (([PROMPT], [0], [table]), ([[12]], [19], [table]),

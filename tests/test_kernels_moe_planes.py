@@ -103,7 +103,8 @@ def test_the_moe_entry_takes_norm_and_router_apart_for_rows_wider_than_one_progr
     here) the norm with its planes and the router projection, launched apart. Both give the same bits (the norm's
     arithmetic is the same, and these logits are far from ties), and the residual sum is the torch backend's within
     bf16 rounding."""
-    from envex.kernels.ops import MoEWeights, TorchOps
+    from envex.kernels.ops import MoEWeights
+    from envex.kernels.torch_ops import TorchOps
     from envex.kernels.triton_ops import TritonOps
 
     e, h, inter, top_k = 6, 64, 64, 4

@@ -1,5 +1,5 @@
 """The n-gram prompt-lookup kernel (kernels/ngram.py) against the torch ngram_propose and the reference rule
-propose_ngram (runtime/engine/drafters.py): equal drafts (every element, including those past the count, which the
+propose_ngram (kernels/reference.py): equal drafts (every element, including those past the count, which the
 verify step feeds to the model) and counts, on the interpreter on CPU; and its sm_90 build."""
 
 import pytest
@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envex.kernels import ngram
-from envex.runtime.engine.drafters import NgramDrafter, SpecInputs, ngram_propose, propose_ngram
+from envex.kernels.reference import ngram_propose, propose_ngram
+from envex.runtime.engine.spec.drafters import NgramDrafter, SpecInputs
 from envex.tests.support.kernels import compile_for_hopper
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,5 +1,5 @@
 """The verify step's inputs in one kernel (kernels/spec_inputs.py) against the torch composition it replaces
-(cuda_graphs.verify_inputs_torch): equal ids, positions, cache slots, lengths and capped draft counts, element for
+(reference.verify_inputs): equal ids, positions, cache slots, lengths and capped draft counts, element for
 element, on the interpreter on CPU."""
 
 import pytest
@@ -7,8 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envex.kernels import spec_inputs
-from envex.runtime.engine.cuda_graphs import verify_inputs_torch
+from envex.kernels import reference, spec_inputs
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -42,7 +41,7 @@ def test_equals_the_torch_composition(k: int, page: int, max_len: int, data) -> 
     args = _step(lens, k, limits, proposed, page, max_len, seed=sum(lens) + k)
     hist, rows, seq_lens, drafts, num_drafts, k_limit, tables = args
     want_nd = num_drafts.clone()
-    want = verify_inputs_torch(hist, rows, seq_lens, drafts, want_nd, k_limit, tables, block_size=page,
+    want = reference.verify_inputs(hist, rows, seq_lens, drafts, want_nd, k_limit, tables, block_size=page,
                                max_model_len=max_len)  # fmt: skip
     got = spec_inputs.verify_inputs(hist, rows, seq_lens, drafts, num_drafts, k_limit, tables, block_size=page,
                                     max_model_len=max_len)  # fmt: skip

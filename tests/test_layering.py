@@ -125,3 +125,96 @@ def test_the_check_sees_function_level_and_package_imports(package: str, source:
         assert flagged == []
     else:
         assert len(flagged) == 1 and expected in flagged[0], flagged
+
+
+# ---- no import cycle between the modules of kernels/ or runtime/ ------------------------------------------------
+# A cycle makes the import order matter and hides which module is the lower one. Every import counts, as above,
+# except those under `if TYPE_CHECKING:` (annotations only: never run). Parent packages' __init__ modules, which
+# Python runs first, are not edges: a package may re-export its modules.
+
+CYCLE_FREE = ("kernels", "runtime")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(["envex", *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def module_imports(source: str, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The modules of `known` that `module` imports (relative imports resolved; `from pkg import name` is the module
+    pkg.name where that is one), leaving out imports under `if TYPE_CHECKING:`."""
+    tree = ast.parse(source)
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                   for stmt in node.body for n in ast.walk(stmt)}  # fmt: skip
+    base = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            anchor = base
+            for _ in range(max(node.level - 1, 0)):
+                anchor = anchor.rpartition(".")[0]
+            source_module = ".".join(filter(None, (anchor if node.level else None, node.module)))
+            found |= {f"{source_module}.{a.name}" if f"{source_module}.{a.name}" in known else source_module
+                      for a in node.names}  # fmt: skip
+    return (found & known) - {module}
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_inside_kernels_or_runtime() -> None:
+    paths = {_module_name(p): p for package in CYCLE_FREE for p in sorted((ROOT / package).rglob("*.py"))}
+    known = set(paths)
+    graph = {m: module_imports(p.read_text(encoding="utf-8"), m, p.name == "__init__.py", known)
+             for m, p in paths.items()}  # fmt: skip
+    assert "envex.kernels.ops" in graph["envex.kernels.triton_ops"], "the check must see imports"
+    cycles = import_cycles(graph)
+    assert not cycles, "import cycles (move the shared piece into a lower module):\n" + "\n".join(map(str, cycles))
+
+
+def test_the_cycle_check_sees_lazy_relative_and_typing_imports() -> None:
+    known = {"envex.runtime.a", "envex.runtime.b", "envex.runtime.pkg", "envex.runtime.pkg.c"}
+    lazy = "def f():\n    from envex.runtime import b\n"
+    assert module_imports(lazy, "envex.runtime.a", False, known) == {"envex.runtime.b"}
+    assert module_imports("from .pkg import c\n", "envex.runtime.a", False, known) == {"envex.runtime.pkg.c"}
+    typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from envex.runtime.a import X\n"
+    assert module_imports(typing_only, "envex.runtime.b", False, known) == set()
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

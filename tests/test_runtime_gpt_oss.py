@@ -13,10 +13,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from envex.kernels import mxfp4
 from envex.kernels.accuracy import rel_err
-from envex.kernels.ops import AttentionMetadata, TorchOps
+from envex.kernels.ops import AttentionMetadata
+from envex.kernels.torch_ops import TorchOps
 from envex.runtime.config import ConfigError, ModelConfig
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.models import dummy_weights
 from envex.runtime.models.gpt_oss import GptOssForCausalLM
 from envex.runtime.models.rope import rope_cos_sin
 

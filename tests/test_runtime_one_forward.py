@@ -12,11 +12,12 @@ import torch
 
 from envex.kernels import triton_ops
 from envex.kernels.accuracy import rel_err
-from envex.kernels.ops import AttentionMetadata, TorchOps
+from envex.kernels.ops import AttentionMetadata
+from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.cuda_graphs import DecodeGraphs, graph_ladder
-from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.models import dummy_weights
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
 from envex.tests.support.kernels import eager_step
 

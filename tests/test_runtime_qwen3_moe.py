@@ -17,11 +17,11 @@ from safetensors.torch import load_file
 from envex.kernels import moe_mxfp4
 from envex.kernels import reference as ref
 from envex.kernels.accuracy import rel_err
-from envex.kernels.ops import TorchOps
+from envex.kernels.torch_ops import TorchOps
 from envex.runtime.config import QWEN3_MOE, ConfigError, ModelConfig
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.runtime.engine.config import has_invariant_kernels
-from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.models import dummy_weights
 from envex.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 from envex.runtime.models.rope import rope_cos_sin
 from envex.runtime.parallel.state import check_tensor_parallel

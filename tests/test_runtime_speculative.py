@@ -1,4 +1,4 @@
-"""Speculative decoding (runtime/engine/speculative.py, drafters.py): the device n-gram drafter equals the
+"""Speculative decoding (runtime/engine/spec/): the device n-gram drafter equals the
 reference rule, rejection sampling follows the target distribution (chi-square), greedy answers equal plain
 decoding with every drafter, with and without overlapped scheduling, joins, aborts and preemption, the prefix cache
 never holds an unaccepted token, and the depth controller turns speculation off where it does not pay.
@@ -16,16 +16,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from envex.kernels.reference import ngram_propose, propose_ngram
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from envex.runtime.engine.drafters import NgramIndex, ngram_propose, propose_ngram
-from envex.runtime.engine.speculative import (
-    DepthController,
-    SpecState,
-    StepCosts,
-    accept_greedy,
-    k_ladder,
-    rejection_sample,
-)
+from envex.runtime.engine.spec.decoder import accept_greedy, rejection_sample
+from envex.runtime.engine.spec.depth import DepthController, SpecState, StepCosts, k_ladder
+from envex.runtime.engine.spec.drafters import NgramIndex
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 

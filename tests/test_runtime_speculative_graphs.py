@@ -1,4 +1,4 @@
-"""The (batch, k) verify step (cuda_graphs.SpecGraphs) on the Triton ops equals the model file's plain eager step on
+"""The (batch, k) verify step (spec/graphs.py, SpecGraphs) on the Triton ops equals the model file's plain eager step on
 the torch reference: k+1 query rows per sequence, causal over the paged cache, inputs derived on the device from
 the token history, padding rows and rows past a sequence's drafts writing nothing. On CPU the Triton kernels run
 under the interpreter and the step eagerly (capture=False); on a GPU it is captured and replayed.
@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from envex.kernels.accuracy import rel_err
-from envex.kernels.ops import AttentionMetadata, TorchOps
+from envex.kernels.ops import AttentionMetadata
+from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
 from envex.runtime.config import ModelConfig
-from envex.runtime.engine.cuda_graphs import SpecGraphs
-from envex.runtime.engine.drafters import SpecInputs
-from envex.runtime.engine.model_runner import dummy_weights
+from envex.runtime.engine.spec.drafters import SpecInputs
+from envex.runtime.engine.spec.graphs import SpecGraphs
+from envex.runtime.models import dummy_weights
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
 from envex.tests.support.kernels import eager_step
 

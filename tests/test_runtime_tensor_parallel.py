@@ -161,7 +161,7 @@ def test_decode_graph_steps_replay_from_rank_0s_message(tmp_path: Path) -> None:
     (Graphs run eagerly here; the collectives are stand-ins.)"""
     from types import SimpleNamespace
 
-    from envex.kernels.ops import TorchOps
+    from envex.kernels.torch_ops import TorchOps
     from envex.runtime.engine.cuda_graphs import DecodeGraphs
     from envex.runtime.models.rope import rope_cos_sin
 

@@ -26,6 +26,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from envex.kernels import gemv
+from envex.kernels.invariant_ops import InvariantTritonOps
 from envex.kernels.triton_ops import TritonOps
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.runtime.engine.cuda_graphs import DecodeGraphs
@@ -143,7 +144,7 @@ def _triton_engine(model: Path, monkeypatch: pytest.MonkeyPatch, *, deterministi
                                     num_kv_blocks=BLOCKS, async_scheduling=True,
                                     deterministic=deterministic))  # fmt: skip
     runner = engine.runner
-    runner.ops = TritonOps(deterministic=deterministic)
+    runner.ops = InvariantTritonOps() if deterministic else TritonOps()
     for p in runner.model.parameters():
         p.data = p.data.contiguous()  # the CPU runner stores matrices column-major (for BLAS); CUDA does not
     runner.decode_graphs = DecodeGraphs(runner, max_batch=SEQS, capture=False)

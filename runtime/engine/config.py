@@ -7,12 +7,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
-from envex.runtime.config import GPT_OSS, QWEN3_MOE, ModelConfig
+from envex.kernels import backends
+from envex.kernels.ops import SLIDING_WINDOW
+from envex.runtime.config import ModelConfig
 from envex.runtime.loader import EMBEDDED_MODEL
+from envex.runtime.models import model_features
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", *backends.NAMES)
 # auto: the weights in the model's files; dummy: random weights of the right shapes and realistic magnitudes made
 # on the device from config.json alone (for benchmarks: speed does not depend on the values; answers do).
 LOAD_FORMATS = ("auto", "dummy")
@@ -100,7 +103,7 @@ class EngineConfig:
         (model_window): the one place where defaults are decided. The engine runs on the result, and the
         installer records it in launch.json (from the model card, without loading the weights). gpus: how many
         CUDA devices this process sees (None: not checked). architecture: the model's (ModelConfig.architecture),
-        which decides whether the deterministic mode can run (None: taken as one that can)."""
+        whose needs the backend must support (check_backend; None: taken as one that needs nothing)."""
         if self.device == "cuda" and not cuda_available:
             raise ValueError("device: cuda was asked for but no CUDA device is visible; use --device cpu")
         device = ("cuda" if cuda_available else "cpu") if self.device == "auto" else self.device
@@ -109,14 +112,11 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel: {self.tensor_parallel} GPUs asked for but {gpus} visible; lower "
                              "--tensor-parallel")  # fmt: skip
         backend = ("triton" if cuda else "torch") if self.backend == "auto" else self.backend
-        if backend == "triton" and not cuda:
-            raise ValueError("backend: triton needs a CUDA device; use --backend torch on cpu")
-        if self.deterministic and backend == "torch" and cuda:  # cuBLAS picks kernels by shape
-            raise ValueError("deterministic: the torch backend is batch-invariant on the CPU only; use --backend "
-                             "triton on cuda")
-        if self.deterministic and architecture is not None and not has_invariant_kernels(architecture):
-            raise ValueError(f"deterministic: {architecture} has no batch-invariant kernels yet (mixture-of-experts "
-                             "layers, attention sinks and windows); serve it with --no-deterministic")  # fmt: skip
+        num_speculative_tokens = self.num_speculative_tokens or (4 if self.draft_model else 0)
+        refusal = check_backend(backend, device, deterministic=bool(self.deterministic), architecture=architecture,
+                                speculation=num_speculative_tokens > 0, tensor_parallel=self.tensor_parallel > 1)
+        if refusal is not None:
+            raise ValueError(refusal)
         return replace(
             self,
             device=device,
@@ -128,14 +128,20 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens or (8192 if cuda else 2048),
             use_cuda_graphs=self.use_cuda_graphs and backend == "triton",
             # Overlap hides host work behind device work; on the CPU it would only delay outputs by a step.
-            # Verify steps keep their accepted counts on the device, so they overlap too (speculative.py).
+            # Verify steps keep their accepted counts on the device, so they overlap too (spec/decoder.py).
             async_scheduling=cuda if self.async_scheduling is None else self.async_scheduling,
-            num_speculative_tokens=self.num_speculative_tokens or (4 if self.draft_model else 0),
+            num_speculative_tokens=num_speculative_tokens,
             speculative_max_batch=self.speculative_max_batch or (32 if cuda else 8),
             warm_up=cuda if self.warm_up is None else self.warm_up,
             # off unless asked for: no model has met DETERMINISTIC_BAR (see the field)
             deterministic=bool(self.deterministic),
         )
+
+    @property
+    def kernels(self) -> backends.Backend:
+        """The backend these settings choose (kernels/backends.py: `backend`, in its batch-invariant form when
+        `deterministic`): what builds the model's Ops and states what they support."""
+        return backends.backend(self.backend, deterministic=bool(self.deterministic))
 
     @property
     def is_resolved(self) -> bool:
@@ -167,10 +173,45 @@ def meets_deterministic_bar(costs: Mapping[str, float]) -> bool:
     return all(key in costs and costs[key] <= limit for key, limit in DETERMINISTIC_BAR.items())
 
 
+_DEVICE_NAMES = {"cpu": "the CPU", "cuda": "CUDA"}
+
+
+def check_backend(backend: str, device: str, *, deterministic: bool, architecture: str | None, speculation: bool,
+                  tensor_parallel: bool) -> str | None:
+    """The one place where a feature refuses another: what the backend (kernels/backends.py, with the deterministic
+    mode its batch-invariant form) supports, against the device, what the model file of `architecture` needs
+    (runtime/models, `features`) and the engine's optional parts. None when it can run; else the one-line refusal,
+    with what to do."""
+    chosen = backends.backend(backend, deterministic=deterministic)
+    caps = chosen.capabilities
+    if device not in caps.devices:
+        if deterministic and device in backends.backend(backend).capabilities.devices:  # cuBLAS picks by shape
+            where = " and ".join(_DEVICE_NAMES[d] for d in sorted(caps.devices))
+            return (f"deterministic: the {backend} backend is batch-invariant on {where} only; use --backend triton "
+                    "on cuda")
+        return f"backend: {backend} needs a CUDA device; use --backend torch on cpu"
+    needs = model_features(architecture) if architecture is not None else frozenset()
+    missing = caps.missing(needs)
+    if missing and deterministic:
+        return (f"deterministic: {architecture} has no batch-invariant kernels yet ({', '.join(missing)}); serve it "
+                "with --no-deterministic")
+    if missing:
+        return f"backend: {backend} has no kernels for {architecture}'s {', '.join(missing)}; use --backend torch"
+    if speculation and SLIDING_WINDOW in needs:  # the window KV pool (window_kv.py) has no verify steps yet
+        return (f"num_speculative_tokens: speculative decoding does not run with sliding-window layers "
+                f"({architecture}) yet; set it to 0")
+    if speculation and not caps.speculation:
+        return f"num_speculative_tokens: speculative decoding does not run on {chosen.label}; set it to 0"
+    if tensor_parallel and not caps.tensor_parallel:
+        return f"tensor_parallel: {chosen.label} does not run under tensor parallelism; use --tensor-parallel 1"
+    return None
+
+
 def has_invariant_kernels(architecture: str) -> bool:
-    """Whether every layer of this architecture has batch-invariant kernels (the deterministic mode): the dense
-    Llama family does; the MoE experts (gpt-oss, Qwen3-MoE) and gpt-oss's attention sinks and windows do not yet."""
-    return architecture not in (GPT_OSS, QWEN3_MOE)
+    """Whether the deterministic mode can serve this architecture (check_backend on the CPU, whose batch-invariant
+    backend has the same kernels as the GPU's): the dense Llama family can; the MoE experts (gpt-oss, Qwen3-MoE)
+    and gpt-oss's attention sinks and windows have no batch-invariant kernels yet."""
+    return not backends.backend("torch", deterministic=True).capabilities.missing(model_features(architecture))
 
 
 def model_window(model: ModelConfig) -> int:

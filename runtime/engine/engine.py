@@ -1,4 +1,7 @@
-"""LLMEngine: admits requests and runs steps: schedule -> launch -> finish (step.py), with per-request deltas out."""
+"""LLMEngine: admits requests and runs steps: schedule -> launch -> finish (step.py), with per-request deltas out.
+
+The engine builds the plain model runner; speculative decoding (spec/), when configured, wraps it and joins the
+step loop through one hook (step.StepHook)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ import torch
 from envex.runtime.engine.block_manager import BlockManager
 from envex.runtime.engine.config import EngineConfig, model_window
 from envex.runtime.engine.detokenizer import IncrementalDetokenizer
+from envex.runtime.engine.model_runner import ModelRunner
 from envex.runtime.engine.scheduler import ScheduledChunk, Scheduler
 from envex.runtime.engine.sequence import Sequence, Status
-from envex.runtime.engine.speculative import build_runner
+from envex.runtime.engine.spec import SpecDecoder, build_speculation, draft_kv_bytes, load_draft
 from envex.runtime.engine.step import LaunchedStep, StepRunner
 from envex.runtime.engine.types import (
     EngineError,
@@ -82,7 +86,12 @@ class LLMEngine:
             check_tensor_parallel(loaded.config, config.tensor_parallel)
             self.workers = Workers(config, config.tensor_parallel)
         parallel = self.workers.state if self.workers is not None else None
-        self.runner, self.spec = build_runner(config, loaded, parallel=parallel)
+        # The plain runner; a draft model's KV cache takes its share of the same memory budget (spec/).
+        draft = load_draft(config, loaded)
+        self.runner = ModelRunner(config, loaded, parallel=parallel,
+                                  extra_kv_bytes_per_block=draft_kv_bytes(config, draft))  # fmt: skip
+        self.spec: SpecDecoder | None = (build_speculation(config, self.runner, draft)
+                                         if config.num_speculative_tokens else None)  # fmt: skip
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching  # off: window_kv.py
                                    and (self.runner.windows is None or self.runner.windows.prefix_caching))  # fmt: skip
@@ -93,7 +102,7 @@ class LLMEngine:
                                 max_model_len=self.max_model_len,
                                 generator=torch.Generator(device=self.runner.device).manual_seed(config.seed),
                                 spec=self.spec)
-        self._in_flight: LaunchedStep | None = None  # a pure decode step launched and not yet read (overlap)
+        self._in_flight: LaunchedStep | None = None  # a decode or verify step launched and not yet read (overlap)
         if config.warm_up:
             self.warm_up()
 
@@ -240,17 +249,18 @@ class LLMEngine:
         own step, so outputs trail the device by one step."""
         previous, self._in_flight = self._in_flight, None
         outputs: list[RequestOutput] = []
-        if previous is not None and previous.spec is not None:
+        if previous is not None and previous.is_verify:
             # A verify step in flight: its successor can be launched from the device's state while the batch is
-            # steady; otherwise it is read first and the scheduler plans from known tokens (step.py).
-            chained = self.steps.chain(previous)
+            # steady; otherwise it is read first and the scheduler plans from known tokens (spec/decoder.py).
+            assert self.spec is not None
+            chained = self.spec.chain(previous, self.steps)
             outputs = self.steps.finish(previous)
             if chained is not None:
                 return outputs + self._hold_or_finish(chained)
             previous = None
         elif previous is not None and not self._may_overlap():
             return self.steps.finish(previous)  # read it first: the next step needs every token on the host
-        elif previous is not None and self.steps.wants_spec():
+        elif previous is not None and self.spec is not None and self.spec.wants(self.steps):
             outputs, previous = self.steps.finish(previous), None  # drafting needs every token on the device
         chunks = self.scheduler.schedule()
         launched = self.steps.launch(chunks, previous) if chunks else None
@@ -263,7 +273,7 @@ class LLMEngine:
     def _hold_or_finish(self, launched: LaunchedStep) -> list[RequestOutput]:
         """Keep a decode or verify step in flight (read next time) under overlapped scheduling, else read it."""
         if (self.config.async_scheduling and launched.may_overlap
-                and not all(seq.is_finished for seq in launched.sequences)):  # fmt: skip
+                and not all(seq.is_finished for seq in launched.seqs)):  # fmt: skip
             self._in_flight = launched
             self.steps.counters.overlapped_steps += 1
             return []

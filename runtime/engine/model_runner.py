@@ -12,19 +12,20 @@ same plan or replay the same graph from it (runtime/parallel/workers.py), so no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import torch
 
-from envex.kernels import mxfp4
-from envex.kernels.ops import AttentionMetadata, make_ops
+from envex.kernels.ops import AttentionMetadata
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.cuda_graphs import DecodeGraphs
+from envex.runtime.engine.device import fill_pending, upload
 from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.window_kv import WindowBlocks
 from envex.runtime.loader import LoadedModel
-from envex.runtime.models import model_class
+from envex.runtime.models import dummy_weights, model_class
 from envex.runtime.models.rope import rope_cos_sin
+from envex.runtime.parallel.plan import EagerPlan
 from envex.runtime.parallel.state import ParallelState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,85 +40,6 @@ def _column_major_weights(model: torch.nn.Module) -> None:
     for param in model.parameters():
         if param.dim() == 2:
             param.data = param.data.t().contiguous().t()
-
-
-@torch.no_grad()
-def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights with realistic magnitudes, made on the model's device (vLLM's --load-format dummy): norm
-    weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers;
-    MXFP4-packed matrices (`X_blocks` with `X_scales`) random codes at that same magnitude."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    params = dict(model.named_parameters())
-    for name, param in params.items():
-        if name.endswith("_blocks") and param.dtype == torch.uint8:
-            mxfp4.fill_random_(param, params[name.removesuffix("_blocks") + "_scales"], gen)
-        elif name.endswith("_scales") and param.dtype == torch.uint8:
-            continue  # filled with its blocks
-        elif name.endswith("norm_weight"):
-            param.fill_(1.0)
-        elif param.dim() == 1:
-            param.normal_(0.0, 0.02, generator=gen)
-        else:
-            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
-
-
-def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without waiting for the device's queue (a blocking copy from pageable
-    memory would first drain the stream, and with it the overlap of host and device work)."""
-    t = torch.tensor(values, dtype=dtype)
-    return t.to(device, non_blocking=True) if device.type != "cpu" else t
-
-
-def fill_pending(input_ids: torch.Tensor, rows: list[int], src_rows: list[int], src: torch.Tensor) -> None:
-    """input_ids[rows] = src[src_rows], on the device: tokens the previous step sampled that the host has not read
-    (overlapped scheduling). The steady state, the same decode batch as the last step in the same order, is one
-    copy."""
-    if rows == src_rows == list(range(len(rows))):
-        input_ids[:len(rows)].copy_(src[:len(rows)])
-    else:
-        dev = input_ids.device
-        input_ids.index_copy_(0, upload(rows, torch.int64, dev),
-                              src.index_select(0, upload(src_rows, torch.int64, dev)))
-
-
-@dataclass
-class EagerPlan:
-    """One eager step's host metadata, as every rank runs it. ids: pending tokens are 0 here (filled on rank 0's
-    device, then broadcast); tables: every sequence's block table padded to one width."""
-
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    q_lens: list[int]
-    seq_lens: list[int]
-    tables: list[list[int]]
-    ends: list[int]  # rows whose logits are wanted: the last row of each chunk that completes its sequence
-    prompt_rows: dict[int, tuple[int, int]]  # chunk index -> its rows (prompt logprobs)
-
-    def pack(self) -> list[int]:
-        """What rank 0 sends: sizes, then the lists (not the ids: those go from its device)."""
-        chunks, width = len(self.q_lens), len(self.tables[0])
-        rows = list(chain.from_iterable((i, a, b) for i, (a, b) in self.prompt_rows.items()))
-        return [chunks, len(self.positions), width, len(self.ends), len(self.prompt_rows), *self.positions,
-                *self.slots, *self.q_lens, *self.seq_lens, *chain.from_iterable(self.tables), *self.ends,
-                *rows]  # fmt: skip
-
-    @classmethod
-    def unpack(cls, data: list[int]) -> EagerPlan:
-        chunks, tokens, width, ends, prompts = data[:5]
-        at = 5
-
-        def take(n: int) -> list[int]:
-            nonlocal at
-            at += n
-            return data[at - n : at]
-
-        positions, slots, q_lens, seq_lens = take(tokens), take(tokens), take(chunks), take(chunks)
-        flat = take(chunks * width)
-        tables = [flat[i * width : (i + 1) * width] for i in range(chunks)]
-        end_rows, rows = take(ends), take(3 * prompts)
-        prompt_rows = {rows[j]: (rows[j + 1], rows[j + 2]) for j in range(0, len(rows), 3)}
-        return cls([0] * tokens, positions, slots, q_lens, seq_lens, tables, end_rows, prompt_rows)
 
 
 @dataclass
@@ -140,8 +62,8 @@ class ModelRunner:
         self.parallel = parallel if parallel is not None and parallel.world_size > 1 else None
         self.device = self.parallel.device if self.parallel is not None else torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
-        self.ops = make_ops(config.backend, self.device, deterministic=config.deterministic,
-                            split_k=self.parallel is None)  # fmt: skip
+        # Split-K partials only on one device: under tensor parallelism the next norm all-reduces its input first.
+        self.ops = config.kernels.make(self.device, split_k=self.parallel is None)
         mc = self.model_config
         shard = self.parallel or ParallelState()
         self.num_kv_heads = shard.kv_heads(mc)  # this rank's KV heads: what its cache holds
@@ -168,10 +90,8 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for i in range(mc.num_hidden_layers)
         ]
-        self.decode_graphs = None
+        self.decode_graphs: DecodeGraphs | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":
-            from envex.runtime.engine.cuda_graphs import DecodeGraphs
-
             self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
 
     def _num_blocks(self) -> int:

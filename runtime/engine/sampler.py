@@ -12,7 +12,7 @@ from collections import Counter
 
 import torch
 
-from envex.runtime.engine.model_runner import upload
+from envex.runtime.engine.device import upload
 from envex.runtime.engine.sequence import Sequence
 from envex.runtime.engine.types import SamplingParams, TokenLogprob
 

@@ -13,7 +13,7 @@ from envex.runtime.engine.detokenizer import IncrementalDetokenizer
 from envex.runtime.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from envex.runtime.engine.speculative import SpecState
+    from envex.runtime.engine.spec.depth import SpecState
 
 
 class Status(enum.Enum):
@@ -46,7 +46,7 @@ class Sequence:
     # num_tokens (the scheduler plans the next step around them) but join output_token_ids only when read.
     num_pending_tokens: int = 0
     pending_row: int = -1  # the newest pending token's row in the in-flight step's sampled-token tensor
-    # Speculative decoding: its device row, acceptance and depth (speculative.SpecState); None until considered.
+    # Speculative decoding: its device row, acceptance and depth (spec/depth.py, SpecState); None until considered.
     spec: SpecState | None = None
 
     @property

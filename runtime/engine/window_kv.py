@@ -41,9 +41,6 @@ class WindowBlocks:
                  num_engine_blocks: int) -> None:  # fmt: skip
         windows = {w for w in model.layer_windows if w is not None}
         assert len(windows) == 1, "one window size per model (gpt-oss)"
-        if config.num_speculative_tokens:
-            raise ValueError("num_speculative_tokens: speculative decoding does not run with sliding-window layers "
-                             "(gpt-oss) yet; set it to 0")  # fmt: skip
         self.window = windows.pop()
         self.block_size = bs = config.block_size
         self.layers = [i for i, w in enumerate(model.layer_windows) if w is not None]

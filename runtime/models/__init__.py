@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
+from envex.kernels import mxfp4
 from envex.runtime.config import GPT_OSS, QWEN3_MOE, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
 from envex.runtime.models.gpt_oss import GptOssForCausalLM
 from envex.runtime.models.llama import LlamaForCausalLM
@@ -15,6 +17,13 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
+def model_features(architecture: str) -> frozenset[str]:
+    """What the model file of this architecture needs of a backend (kernels/ops.py FEATURES), as it states it;
+    nothing for an architecture it does not know (model_class refuses that)."""
+    cls = MODEL_REGISTRY.get(architecture)
+    return getattr(cls, "features", frozenset()) if cls is not None else frozenset()
+
+
 def model_class(config: ModelConfig) -> type[nn.Module]:
     try:
         return MODEL_REGISTRY[config.architecture]
@@ -22,3 +31,23 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
         raise ConfigError(
             f"architecture {config.architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}"
         ) from None
+
+
+@torch.no_grad()
+def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights with realistic magnitudes, made on the model's device (vLLM's --load-format dummy): norm
+    weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers;
+    MXFP4-packed matrices (`X_blocks` with `X_scales`) random codes at that same magnitude."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if name.endswith("_blocks") and param.dtype == torch.uint8:
+            mxfp4.fill_random_(param, params[name.removesuffix("_blocks") + "_scales"], gen)
+        elif name.endswith("_scales") and param.dtype == torch.uint8:
+            continue  # filled with its blocks
+        elif name.endswith("norm_weight"):
+            param.fill_(1.0)
+        elif param.dim() == 1:
+            param.normal_(0.0, 0.02, generator=gen)
+        else:
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from envex.kernels import mxfp4
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, MoEWeights, Ops
+from envex.kernels.ops import MOE, SINKS, SLIDING_WINDOW, AttentionLayer, AttentionMetadata, MoEWeights, Ops
 from envex.runtime.config import ModelConfig
 from envex.runtime.models.decoder import DecoderStack
 
@@ -106,6 +106,8 @@ class GptOssLayer(nn.Module):
 
 
 class GptOssForCausalLM(DecoderStack, nn.Module):
+    features = frozenset({MOE, SINKS, SLIDING_WINDOW})  # what the layers need of a backend (kernels/ops.py)
+
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         if config.tie_word_embeddings:

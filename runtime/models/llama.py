@@ -66,6 +66,9 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # What the layers need of a backend beyond the base entry points (kernels/ops.py FEATURES): nothing. A model
+    # with a sliding window is served within it (config.model_window), so it needs no window kernels.
+    features: frozenset[str] = frozenset()
     # HF name -> (our packed parameter, shard index); shard order is the order of the packed rows.
     packed_modules = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, MoEWeights, Ops
+from envex.kernels.ops import MOE, AttentionLayer, AttentionMetadata, MoEWeights, Ops
 from envex.runtime.config import ModelConfig
 from envex.runtime.models.decoder import DecoderStack
 
@@ -90,6 +90,8 @@ class Qwen3MoeLayer(nn.Module):
 
 
 class Qwen3MoeForCausalLM(DecoderStack, nn.Module):
+    features = frozenset({MOE})  # what the layers need of a backend (kernels/ops.py)
+
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config

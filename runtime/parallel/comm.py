@@ -22,20 +22,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from envex.kernels.reference import ordered_sum
+
 log = logging.getLogger(__name__)
 
 # One-shot reads every peer's copy, W x the bytes, so it wins while latency dominates; 1 MiB covers a decode step's
 # hidden rows up to batch 64 at H = 8192 (bench_tp.py measures the crossover with NCCL).
 CUSTOM_MAX_BYTES = 1 << 20
-
-
-def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
-    """[W, n] -> [n]: the rows added in order to a float32 zero and rounded once to their dtype, the one-shot
-    kernel's arithmetic (kernels/allreduce.py) for a message of any size."""
-    total = torch.zeros(parts.shape[1:], dtype=torch.float32, device=parts.device)
-    for part in parts:
-        total += part.float()
-    return total.to(parts.dtype)
 
 
 class _PeerBuffers:

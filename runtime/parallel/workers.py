@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from envex.runtime.parallel.comm import TPCommunicator
+from envex.runtime.parallel.plan import EagerPlan
 from envex.runtime.parallel.state import NO_MULTICAST_ENV, ParallelState
 
 STOP, EAGER, GRAPH = 0, 1, 2
@@ -98,8 +99,6 @@ def init_rank(rank: int, world: int, init_method: str, device_type: str, *, orde
 
 def follow(runner: Any, state: ParallelState) -> None:
     """A worker's loop: run every step rank 0 sends until it says stop. runner: this rank's ModelRunner."""
-    from envex.runtime.engine.model_runner import EagerPlan  # not at the top: the engine package imports this one
-
     assert state.channel is not None
     with torch.inference_mode():
         while True:
@@ -140,8 +139,9 @@ class Workers:
         self.procs = [subprocess.Popen([*argv, "--rank", str(r)], env=env) for r in range(1, world)]
         self._stopping = False
         threading.Thread(target=self._watch, name="envex-tp-watch", daemon=True).start()
+        ordered = config.kernels.capabilities.ordered_all_reduce  # the batch-invariant backend's rank-order sums
         try:
-            self.state = init_rank(0, world, init_method, config.device, ordered=config.deterministic)
+            self.state = init_rank(0, world, init_method, config.device, ordered=ordered)
         except BaseException:
             self._stopping = True
             for proc in self.procs:
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     from envex.runtime.loader import load_model_info
 
     config = EngineConfig(**json.loads(args.config))
-    state = init_rank(args.rank, args.world, args.init, config.device, ordered=config.deterministic)
+    ordered = config.kernels.capabilities.ordered_all_reduce
+    state = init_rank(args.rank, args.world, args.init, config.device, ordered=ordered)
     runner = ModelRunner(config, load_model_info(config.model), parallel=state)
     follow(runner, state)
     dist.destroy_process_group()

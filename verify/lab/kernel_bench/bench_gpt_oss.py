@@ -134,7 +134,7 @@ def write_reduced_checkpoint(path: Path, cfg: dict[str, Any], layers: int, *, de
     from safetensors.torch import save_file
 
     from envex.runtime.config import ModelConfig
-    from envex.runtime.engine.model_runner import dummy_weights
+    from envex.runtime.models import dummy_weights
     from envex.runtime.models.gpt_oss import GptOssForCausalLM
 
     small = {**cfg, "num_hidden_layers": layers, "layer_types": cfg["layer_types"][:layers]}

@@ -82,10 +82,10 @@ def _replay_ms(replay, iters: int = 20) -> float:
 def bench_graphs(context: int, shape: dict, device: str) -> dict:
     """Step time of the captured decode (k = 0) and verify graphs of a shape, every sequence at `context`."""
     from envex.runtime.engine.config import EngineConfig, model_window
-    from envex.runtime.engine.cuda_graphs import SpecGraphs
-    from envex.runtime.engine.drafters import NgramDrafter
     from envex.runtime.engine.model_runner import ModelRunner
-    from envex.runtime.engine.speculative import SpecDecoder
+    from envex.runtime.engine.spec.decoder import SpecDecoder
+    from envex.runtime.engine.spec.drafters import NgramDrafter
+    from envex.runtime.engine.spec.graphs import SpecGraphs
     from envex.runtime.loader import load_model_info
 
     t0 = time.perf_counter()
@@ -162,7 +162,7 @@ class _FakeSeq:
     """What SpecDecoder.launch reads of a sequence: its row, its block table and greedy sampling settings."""
 
     def __init__(self, row: int, table: list[int]) -> None:
-        from envex.runtime.engine.speculative import SpecState
+        from envex.runtime.engine.spec.depth import SpecState
         from envex.runtime.engine.types import SamplingParams
 
         self.spec = SpecState(row=row)

@@ -11,32 +11,36 @@ paged cache) and keeps a draft only where the target model would have produced i
 
 The sequences' tokens live on the device (`SpecDecoder.hist`, `lens`): a verify step reads its inputs from there
 and appends what it accepted there, so the next verify step can be launched before the host has read how many
-tokens this one appended (overlapped scheduling; step.py). The host mirrors the counts when it reads a step.
+tokens this one appended (overlapped scheduling; see below). The host mirrors the counts when it reads a step.
 
-Depth is chosen per request (`DepthController`): from the request's running acceptance and the measured relative
-cost of a (batch, k) step, the k that maximises tokens per unit of step time, or none when no k pays.
+Depth is chosen per request (depth.py). The engine's step loop knows speculation through one hook
+(step.StepHook), which SpecDecoder implements: it may take a step of pure decodes over as a verify step
+(`launch_verify`), launch the successor of a verify step in flight from the device's state alone (`chain`),
+before the host knows how many tokens the first appended (the host only allocates blocks for the most it could
+have appended; the chain holds while the batch is steady: the same sequences, nothing waiting to be admitted,
+blocks to spare, speculation still paying), and read its own steps (`finish_verify`). A plain decode step in
+flight is read before a verify step is launched (`wants`: drafting needs every token on the device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import torch
 
-from envex.runtime.engine.drafters import Drafter, NgramDrafter, NgramIndex
-from envex.runtime.engine.model_runner import upload
+from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.cuda_graphs import graph_ladder
+from envex.runtime.engine.device import upload
+from envex.runtime.engine.model_runner import DTYPES, ModelRunner
 from envex.runtime.engine.sampler import sampling_probs
+from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.sequence import Sequence, Status
-from envex.runtime.engine.types import SamplingParams
-
-K_LADDER = (1, 2, 4, 8, 16)
-
-
-def k_ladder(max_k: int) -> tuple[int, ...]:
-    """The draft depths verify graphs are captured for: powers of two below max_k, and max_k."""
-    if max_k < 1:
-        raise ValueError(f"num_speculative_tokens: must be >= 1 for a ladder, got {max_k}")
-    return tuple(k for k in K_LADDER if k < max_k) + (max_k,)
+from envex.runtime.engine.spec.depth import DepthController, SpecState, StepCosts, k_ladder
+from envex.runtime.engine.spec.drafters import Drafter, DraftModelDrafter, NgramDrafter, NgramIndex
+from envex.runtime.engine.spec.graphs import SpecGraphs
+from envex.runtime.engine.step import LaunchedStep, StepRunner
+from envex.runtime.engine.types import RequestOutput, SamplingParams
+from envex.runtime.loader import LoadedModel, load_model_info
 
 
 def eligible(params: SamplingParams) -> bool:
@@ -98,156 +102,14 @@ def rejection_sample(probs: torch.Tensor, drafts: torch.Tensor, num_drafts: torc
     return tokens, accepted
 
 
-# ---- per-request state and depth -------------------------------------------------------------------------------
-
-
-@dataclass
-class SpecState:
-    """One sequence's speculative-decoding state (Sequence.spec)."""
-
-    row: int | None = None  # its row of SpecDecoder.hist, while it holds one
-    synced: int = 0  # leading tokens valid in that row
-    draft_valid: int = 0  # leading positions whose draft-model K/V are valid
-    pending_max: int = 0  # tokens the launched-but-unread verify steps may still append (1 + k each)
-    on: bool = False  # speculating (hysteresis of DepthController)
-    # Decayed sums: drafts accepted, drafts tried, steps with a proposal, steps; the prior is
-    # DepthController.start's.
-    hits: float = 1.0
-    trials: float = 2.0
-    proposed: float = 2.0
-    steps: float = 2.0
-    plain_steps: int = 0  # steps since it last speculated (probing, for drafters without a shadow)
-    shadow: NgramIndex | None = None  # the host's n-gram index over its known tokens
-
-    @property
-    def acceptance(self) -> float:
-        return self.hits / self.trials
-
-    @property
-    def proposal_rate(self) -> float:
-        return self.proposed / self.steps
-
-
-class StepCosts:
-    """Relative cost of a verify step: cost(batch, k) = time(batch, K) / time(batch, 0) at the ladder's K >= k.
-
-    Measured on the captured graphs at start (cuda_graphs.SpecGraphs.measure_costs); without a measurement, a
-    model where a draft row costs `per_row` of a step and k > 0 a fixed `switch` (the batch-1 GEMV gives way to
-    GEMM when a sequence brings several rows), and `batch` rows saturate the device's compute."""
-
-    def __init__(self, *, per_row: float = 0.02, switch: float = 0.1, saturate: int = 64) -> None:
-        self.per_row, self.switch, self.saturate = per_row, switch, saturate
-        self.table: dict[tuple[int, int], float] = {}
-
-    def __call__(self, batch: int, k: int) -> float:
-        if k == 0:
-            return 1.0
-        if self.table:
-            sizes = sorted({b for b, _ in self.table})
-            depths = sorted({kk for _, kk in self.table})
-            b = next((s for s in sizes if s >= batch), sizes[-1])
-            kk = next((d for d in depths if d >= k), depths[-1])
-            return self.table[(b, kk)]
-        rows, base = batch * (k + 1), max(1, batch)
-        return (1.0 + self.switch + self.per_row * k * batch) * max(1.0, rows / self.saturate) / max(
-            1.0, base / self.saturate)
-
-
-class DepthController:
-    """k per request: with per-draft acceptance a and proposal rate r (decayed averages), k drafts add
-    r * (a + a^2 + ... + a^k) tokens per step at cost(batch, k); it picks the ladder k with the most tokens per
-    unit of time, and none unless that beats plain decoding by `enter` (10%; staying on down to `stay`, 2%, so a
-    request does not flap between the two: each switch costs the overlap one step, and an estimate near break-even
-    gains nothing anyway)."""
-
-    def __init__(self, ks: tuple[int, ...], costs: StepCosts, *, max_batch: int, decay: float = 0.9,
-                 enter: float = 1.1, stay: float = 1.02, probe_every: int = 32, shadow: bool) -> None:  # fmt: skip
-        self.ks, self.costs, self.max_batch = ks, costs, max_batch
-        self.decay, self.enter, self.stay, self.probe_every, self.shadow = decay, enter, stay, probe_every, shadow
-
-    @staticmethod
-    def gain(state: SpecState, k: int) -> float:
-        """Expected tokens a step with k drafts adds beyond the one plain decoding gives."""
-        a = state.acceptance
-        return state.proposal_rate * sum(a**i for i in range(1, k + 1))
-
-    def value(self, state: SpecState, batch: int, k: int) -> float:
-        """Tokens per unit of step time at depth k, relative to plain decoding."""
-        return (1.0 + self.gain(state, k)) / self.costs(batch, k)
-
-    def depth(self, state: SpecState, batch: int, cap: int) -> int:
-        """The draft depth for this request in a step of `batch` sequences, at most `cap` (0: plain decoding)."""
-        if batch > self.max_batch or cap < 1:
-            return 0
-        best_k, best = 0, 1.0
-        for k in self.ks:
-            if k <= cap and (v := self.value(state, batch, k)) > best:
-                best_k, best = k, v
-        if best < (self.stay if state.on else self.enter):
-            state.on = False
-            if not self.shadow and state.plain_steps >= self.probe_every:
-                return min(self.ks[0], cap)  # no host-side estimate: try one short draft now and then
-            return 0
-        state.on = True
-        return best_k
-
-    def start(self) -> SpecState:
-        """A new request's state. With a shadow (n-gram lookup), a request starts off and the host index turns it
-        on once the answer repeats its context (a few tokens: chat answers never pay the wider steps); without
-        one (a draft model, which usually agrees with the target), it starts on at a per-draft acceptance of 1/2."""
-        if self.shadow:
-            return SpecState(hits=0.8, trials=4.0, proposed=2.0, steps=4.0)  # a = 0.2, r = 0.5, as four steps
-        return SpecState()
-
-    def observe_step(self, state: SpecState, proposed: int, accepted: int) -> None:
-        d = self.decay
-        state.steps = d * state.steps + 1
-        state.proposed = d * state.proposed + (proposed > 0)
-        if proposed:
-            state.hits = d * state.hits + accepted
-            state.trials = d * state.trials + accepted + (accepted < proposed)
-        state.plain_steps = 0
-
-    def observe_shadow(self, state: SpecState, proposal: list[int], token: int) -> None:
-        """A token decoded without speculation, and what the n-gram drafter would have proposed before it."""
-        d = self.decay
-        state.steps = d * state.steps + 1
-        state.proposed = d * state.proposed + bool(proposal)
-        if proposal:
-            state.hits = d * state.hits + (proposal[0] == token)
-            state.trials = d * state.trials + 1
-
-
-# ---- the device-side decoder ------------------------------------------------------------------------------------
-
-
-@dataclass
-class SpecLaunch:
-    """A launched verify step: per batch row [tokens (K+1) | accepted | proposed], on the device until read."""
-
-    seqs: list[Sequence]
-    ks: list[int]
-    k: int
-    result: torch.Tensor  # int64 [B, K+3]
-    errors: dict[int, str] = field(default_factory=dict)
-    host: torch.Tensor | None = None
-    ready: torch.cuda.Event | None = None
-
-    def read(self) -> list[list[int]]:
-        if self.ready is None:
-            return self.result.tolist()
-        self.ready.synchronize()
-        assert self.host is not None
-        return self.host.tolist()
+# ---- the device-side decoder, and the step loop's hook ----------------------------------------------------------
 
 
 class SpecDecoder:
     """The sequences' tokens on the device, the drafter, the (batch, k) verify graphs and the depth controller."""
 
-    def __init__(self, runner, drafter: Drafter, *, max_k: int, max_batch: int, max_num_seqs: int,
+    def __init__(self, runner: ModelRunner, drafter: Drafter, *, max_k: int, max_batch: int, max_num_seqs: int,
                  capture: bool, costs: StepCosts | None = None) -> None:  # fmt: skip
-        from envex.runtime.engine.cuda_graphs import SpecGraphs, graph_ladder
-
         self.runner = runner
         self.device = runner.device
         self.drafter = drafter
@@ -374,7 +236,7 @@ class SpecDecoder:
     # ---- the step ------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], ks: list[int], generator: torch.Generator | None) -> SpecLaunch:
+    def launch(self, seqs: list[Sequence], ks: list[int], generator: torch.Generator | None) -> LaunchedStep:
         """Draft, verify and accept on the device for sequences whose hist rows hold their tokens; nothing
         waits for the device. Appends the accepted tokens to hist / lens there."""
         k = next(kk for kk in self.ks if kk >= max(ks))
@@ -390,14 +252,114 @@ class SpecDecoder:
         pos = lens_t[:, None] + torch.arange(k + 1, device=self.device)[None, :]
         self.hist.view(-1).index_copy_(0, (rows_t[:, None] * self.width + pos).reshape(-1), tokens.reshape(-1))
         self.lens.index_add_(0, rows_t, accepted + 1)
-        result = torch.cat([tokens, accepted[:, None], num_drafts[:, None]], dim=1)
-        launch = SpecLaunch(seqs, ks, k, result, errors)
-        if result.is_cuda:
-            launch.host = torch.empty(result.shape, dtype=result.dtype, pin_memory=True)
-            launch.host.copy_(result, non_blocking=True)
-            launch.ready = torch.cuda.Event()
-            launch.ready.record()
-        return launch
+        result = torch.cat([tokens, accepted[:, None], num_drafts[:, None]], dim=1)  # [B, K+3]
+        return LaunchedStep(seqs, result, errors=errors, may_overlap=True, ks=ks).copy_to_host()
+
+    # ---- the step loop's hook (step.StepHook) ----------------------------------------------------------------
+
+    def launch_verify(self, chunks: list[ScheduledChunk], steps: StepRunner) -> LaunchedStep | None:
+        """A verify step for a step of pure decode chunks whose tokens the host knows, when speculation pays."""
+        seqs = [c.seq for c in chunks]
+        if any(c.num_tokens != 1 or not c.completes or c.start < len(c.seq.prompt_token_ids)
+               or c.seq.num_pending_tokens for c in chunks):  # fmt: skip
+            return None
+        ks = self.plan(seqs, budget=steps.scheduler.max_num_batched_tokens)
+        if ks is None:
+            return None
+        blocks = steps.blocks
+        for i, seq in enumerate(seqs):  # drafts only in blocks to spare: they never preempt anyone
+            if not blocks.ensure(seq, seq.num_tokens + ks[i]):
+                ks[i] = max(0, min(ks[i], len(seq.block_table) * blocks.block_size - seq.num_tokens))
+        if not any(ks) or not self.sync(seqs):
+            return None
+        return self._launch_step(seqs, ks, steps)
+
+    def chain(self, previous: LaunchedStep, steps: StepRunner) -> LaunchedStep | None:
+        """Launch the successor of a verify step in flight from the device's state alone, while the batch is
+        steady: the same running sequences, nothing waiting, speculation still paying, blocks for the most the
+        step in flight could append. None: read `previous` first and schedule from known tokens."""
+        scheduler = steps.scheduler
+        if not previous.is_verify or scheduler.waiting:
+            return None
+        seqs = [s for s in previous.seqs if not s.is_finished]
+        if {id(s) for s in seqs} != {id(s) for s in scheduler.running}:
+            return None
+        # The step in flight appends at least one token: a sequence it takes to max_tokens has nothing left.
+        seqs = [s for s in seqs if len(s.output_token_ids) + 1 < s.params.max_tokens]
+        ks = self.plan(seqs, budget=scheduler.max_num_batched_tokens, chained=True) if seqs else None
+        if ks is None:
+            return None
+        for seq, k in zip(seqs, ks, strict=True):
+            state = seq.spec
+            assert state is not None and state.row is not None
+            if not steps.blocks.ensure(seq, min(seq.num_known_tokens + state.pending_max + k, self.max_model_len)):
+                return None
+        return self._launch_step(seqs, ks, steps)
+
+    def _launch_step(self, seqs: list[Sequence], ks: list[int], steps: StepRunner) -> LaunchedStep:
+        launched = self.launch(seqs, ks, steps.generator)
+        for seq, k in zip(seqs, ks, strict=True):
+            assert seq.spec is not None
+            seq.spec.pending_max += 1 + k
+        return launched
+
+    def wants(self, steps: StepRunner) -> bool:
+        """Whether the running batch would speculate now (then a plain step in flight is read first)."""
+        scheduler = steps.scheduler
+        if scheduler.waiting or not scheduler.running:
+            return False
+        seqs = scheduler.running
+        if any(s.num_tokens - s.num_computed_tokens > 1 for s in seqs):  # a prompt still being computed
+            return False
+        return self.plan(seqs, budget=scheduler.max_num_batched_tokens) is not None
+
+    def on_decoded(self, seq: Sequence, token: int, batch: int) -> None:
+        """A token a plain step decoded: what the drafter would have done, for its depth."""
+        if eligible(seq.params):
+            self.on_token(seq, token, speculated=False, batch=batch)
+
+    def finish_verify(self, launched: LaunchedStep, steps: StepRunner) -> list[RequestOutput]:
+        """Read a verify step: append each sequence's accepted tokens, stop, detokenize, emit."""
+        assert launched.ks is not None
+        rows = launched.read()
+        k = launched.result.shape[1] - 3
+        counters = steps.counters
+        counters.spec_steps += 1
+        counters.spec_depth = k
+        outputs: list[RequestOutput] = []
+        for j, seq in enumerate(launched.seqs):
+            state = seq.spec
+            assert state is not None
+            state.pending_max -= 1 + launched.ks[j]
+            if seq.is_finished:  # stopped or aborted while this step was in flight: its tokens are dropped
+                continue
+            if j in launched.errors:
+                outputs.append(steps.fail(seq, launched.errors[j]))
+                continue
+            tokens, accepted, proposed = rows[j][:k + 1], rows[j][k + 1], rows[j][k + 2]
+            self.controller.observe_step(state, proposed, accepted)
+            appended = 0
+            for token in tokens[:accepted + 1]:
+                self.on_token(seq, token, speculated=True)
+                steps.append_token(seq, token, None)
+                appended += 1
+                if seq.is_finished:
+                    break
+            counters.spec_sequence_steps += 1
+            counters.spec_tokens += appended
+            counters.draft_tokens += proposed
+            counters.accepted_drafts += min(accepted, appended)
+            counters.draft_rejections += accepted < proposed
+            # The device holds every token read so far; K/V are cached for all but the newest.
+            state.synced = seq.num_known_tokens
+            state.draft_valid = max(state.draft_valid, seq.num_known_tokens - 2)
+            seq.num_computed_tokens = seq.num_known_tokens - 1
+            steps.blocks.commit(seq)
+            outputs.append(steps.output(seq))
+            if seq.is_finished:
+                steps.retire(seq)
+        return outputs
+
 
     def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, seqs: list[Sequence],
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, dict[int, str]]:  # fmt: skip
@@ -441,48 +403,55 @@ def _failure(params: SamplingParams, exc: Exception) -> str:
             f"top_k={params.top_k!r}): {type(exc).__name__}: {exc}").replace("\n", " ")
 
 
-# ---- construction -----------------------------------------------------------------------------------------------
+# ---- construction: speculation wraps the engine's runner ----------------------------------------------------------
 
 _TOKENIZER_PROBE = "def f(x):\n    return [x, 'ü', 1.5e-3]  # Grüße, 世界"
 
 
-def build_runner(config, loaded, parallel=None):  # (EngineConfig, LoadedModel, ParallelState | None) -> ...
-    """The target's ModelRunner and, when speculation is on, its SpecDecoder with the configured drafter. A draft
-    model's KV cache takes its share of the same memory budget (the target gets fewer blocks) and the same block
-    count, so both caches are addressed by the target's block tables. parallel: rank 0 of a tensor-parallel group
-    (EngineConfig refuses speculation with it)."""
-    from dataclasses import replace
+def load_draft(config: EngineConfig, loaded: LoadedModel) -> LoadedModel | None:
+    """The configured draft model (None: n-gram lookup, or speculation off), checked against the target: the same
+    tokenizer, a window as long as max_model_len."""
+    if not config.num_speculative_tokens or config.draft_model is None:
+        return None
+    draft = load_model_info(config.draft_model)
+    dc, tc = draft.config, loaded.config
+    if dc.vocab_size != tc.vocab_size or draft.tokenizer.encode(_TOKENIZER_PROBE) != loaded.tokenizer.encode(
+            _TOKENIZER_PROBE):  # fmt: skip
+        raise ValueError(f"draft_model: {config.draft_model!r} does not share the model's tokenizer "
+                         f"(vocabulary {dc.vocab_size} vs {tc.vocab_size}); give a draft of the same family")
+    assert config.max_model_len is not None
+    if dc.max_position_embeddings < config.max_model_len:
+        raise ValueError(f"draft_model: its window ({dc.max_position_embeddings}) is shorter than max_model_len "
+                         f"({config.max_model_len}); lower --max-model-len")
+    return draft
 
-    from envex.runtime.engine.drafters import DraftModelDrafter
-    from envex.runtime.engine.model_runner import DTYPES, ModelRunner
-    from envex.runtime.loader import load_model_info
 
-    if not config.num_speculative_tokens:
-        return ModelRunner(config, loaded, parallel=parallel), None
-    drafter: Drafter
-    if config.draft_model is None:
-        runner = ModelRunner(config, loaded)
-        drafter = NgramDrafter()
-    else:
-        draft = load_model_info(config.draft_model)
-        dc, tc = draft.config, loaded.config
-        if dc.vocab_size != tc.vocab_size or draft.tokenizer.encode(_TOKENIZER_PROBE) != loaded.tokenizer.encode(
-                _TOKENIZER_PROBE):  # fmt: skip
-            raise ValueError(f"draft_model: {config.draft_model!r} does not share the model's tokenizer "
-                             f"(vocabulary {dc.vocab_size} vs {tc.vocab_size}); give a draft of the same family")
-        if dc.max_position_embeddings < config.max_model_len:
-            raise ValueError(f"draft_model: its window ({dc.max_position_embeddings}) is shorter than max_model_len "
-                             f"({config.max_model_len}); lower --max-model-len")
-        bits = torch.finfo(DTYPES[config.dtype]).bits
-        extra = 2 * dc.num_hidden_layers * config.block_size * dc.num_key_value_heads * dc.head_dim * bits // 8
-        runner = ModelRunner(config, loaded, extra_kv_bytes_per_block=extra)
+def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
+    """What a draft model's KV cache costs per block of the target's: it takes its share of the same memory budget
+    (the target gets fewer blocks) and the same block count, so both caches are addressed by the target's block
+    tables."""
+    if draft is None:
+        return 0
+    dc = draft.config
+    bits = torch.finfo(DTYPES[config.dtype]).bits
+    return 2 * dc.num_hidden_layers * config.block_size * dc.num_key_value_heads * dc.head_dim * bits // 8
+
+
+def build_speculation(config: EngineConfig, runner: ModelRunner, draft: LoadedModel | None) -> SpecDecoder:
+    """The SpecDecoder around the target's runner, with the configured drafter (a draft model's own runner over
+    the same number of blocks, or n-gram lookup); on warm-up, the relative cost of every captured (batch, k) step
+    measured on this device. EngineConfig refuses speculation under tensor parallelism."""
+    drafter: Drafter = NgramDrafter()
+    if draft is not None:
         draft_config = replace(config, model=config.draft_model, num_kv_blocks=runner.num_blocks,
                                use_cuda_graphs=False, num_speculative_tokens=0, draft_model=None)  # fmt: skip
+        assert config.max_num_batched_tokens is not None
         drafter = DraftModelDrafter(ModelRunner(draft_config, draft),
                                     max_num_batched_tokens=config.max_num_batched_tokens)  # fmt: skip
+    assert config.speculative_max_batch is not None
     spec = SpecDecoder(runner, drafter, max_k=config.num_speculative_tokens, max_batch=config.speculative_max_batch,
                        max_num_seqs=config.max_num_seqs,
                        capture=config.use_cuda_graphs and runner.device.type == "cuda")  # fmt: skip
     if config.warm_up:  # the relative cost of every captured (batch, k) step on this device
         spec.costs.table = spec.graphs.measure_costs(runner.decode_graphs)
-    return runner, spec
+    return spec

@@ -1,4 +1,4 @@
-"""Drafters for speculative decoding: who proposes the tokens a verify step checks (speculative.py verifies them).
+"""Drafters for speculative decoding: who proposes the tokens a verify step checks (decoder.py verifies them).
 
 A drafter proposes up to k tokens per sequence, on the device, from the sequences' token histories (a device
 buffer, `SpecInputs.hist`) and writes them into the step's static draft buffer; everything it does is static
@@ -24,13 +24,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from envex.kernels.ops import AttentionMetadata
+from envex.kernels.reference import NGRAM_MAX, NGRAM_WINDOW, ngram_propose
+from envex.runtime.engine.scheduler import ScheduledChunk
 
 if TYPE_CHECKING:
     from envex.runtime.engine.sequence import Sequence
-
-# Prompt lookup's search window and longest n-gram, shared by the device routine and the host reference.
-NGRAM_WINDOW = 2048
-NGRAM_MAX = 3
 
 
 @dataclass
@@ -83,23 +81,10 @@ class Drafter(Protocol):
 # ---- n-gram prompt lookup --------------------------------------------------------------------------------------
 
 
-def propose_ngram(tokens: list[int], k: int, *, max_ngram: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> list[int]:
-    """The reference rule: the k tokens after the latest earlier occurrence (start >= len - window) of the last n
-    tokens, longest n first; [] when none occurs. ngram_propose (torch, on the device), kernels/ngram.py (the same
-    in one Triton kernel, which NgramDrafter runs on a GPU) and NgramIndex (host) must equal it."""
-    n_tokens = len(tokens)
-    lo = max(0, n_tokens - window)
-    for n in range(min(max_ngram, n_tokens - 1), 0, -1):
-        pattern = tokens[n_tokens - n:]
-        for i in range(n_tokens - n - 1, lo - 1, -1):
-            if tokens[i:i + n] == pattern:
-                return tokens[i + n:i + n + k]
-    return []
-
-
 class NgramIndex:
-    """propose_ngram, incrementally: for each n, the latest start of every n-gram that has a token after it.
-    Appending a token is a few dict writes; a proposal is a few dict reads (the reference rule scans the window)."""
+    """kernels/reference.py's propose_ngram, incrementally: for each n, the latest start of every n-gram that has a
+    token after it. Appending a token is a few dict writes; a proposal is a few dict reads (the reference rule scans
+    the window)."""
 
     def __init__(self, *, max_ngram: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> None:
         self.max_ngram = max_ngram
@@ -128,40 +113,6 @@ class NgramIndex:
             if start is not None and start >= lo:
                 return toks[start + n:start + n + k]
         return []
-
-
-def ngram_propose(hist: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, k: int, *,
-                  max_ngram: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> tuple[torch.Tensor, torch.Tensor]:
-    """propose_ngram for a batch, on the device, in static shapes (graph-safe): hist [S, L] int64, rows [B] (row
-    of hist per sequence), lens [B] (its length) -> drafts [B, k] int64 and their count [B] (0: no match).
-
-    Every candidate start i in [len - window, len - 2] is compared with the last n tokens at once ([B, window]
-    gathers), and the latest matching i wins, longest n first, exactly as the reference rule."""
-    width = hist.shape[1]
-    window = min(window, width)
-    flat = hist.reshape(-1)
-    base = (rows * width)[:, None]  # [B, 1]
-    lens = lens[:, None]  # [B, 1]
-
-    def at(pos: torch.Tensor) -> torch.Tensor:  # hist[row, pos] with pos clamped into the row
-        return flat[base + pos.clamp(0, width - 1)]
-
-    starts = lens - window + torch.arange(window, device=hist.device)[None, :]  # [B, W] candidate starts
-    shifted = [at(starts + m) for m in range(max_ngram)]  # shifted[m][b, w] = token at starts + m
-    best = torch.full_like(lens, -1)  # [B, 1]
-    best_n = torch.zeros_like(lens)
-    for n in range(max_ngram, 0, -1):
-        ok = (starts >= 0) & (starts <= lens - n - 1)
-        for m in range(n):
-            ok &= shifted[m] == at(lens - n + m)
-        latest = torch.where(ok, starts, -1).amax(dim=1, keepdim=True)  # [B, 1]
-        take = (best < 0) & (latest >= 0)
-        best = torch.where(take, latest, best)
-        best_n = torch.where(take, n, best_n)
-    follow = best + best_n  # [B, 1] first proposed position
-    count = torch.where(best >= 0, (lens - follow).clamp(0, k), 0)[:, 0]
-    drafts = at(follow + torch.arange(k, device=hist.device)[None, :])  # [B, k]
-    return drafts, count
 
 
 class NgramDrafter:
@@ -197,8 +148,8 @@ class NgramDrafter:
 
 class DraftModelDrafter:
     """A smaller model of the same tokenizer drafts k tokens greedily (a one-hot proposal, so acceptance is exact
-    for sampled requests too: speculative.accept). It has its own ModelRunner (weights and KV cache) whose cache has
-    the target's number of blocks, addressed by the target's block tables.
+    for sampled requests too: decoder.rejection_sample). It has its own ModelRunner (weights and KV cache) whose cache
+    has the target's number of blocks, addressed by the target's block tables.
 
     Per step, in its own graph: pass 1 feeds each sequence's last two tokens (positions len-2, len-1; the first
     re-writes a K/V it may already hold, which covers the step after all drafts were accepted, whose last draft
@@ -258,8 +209,6 @@ class DraftModelDrafter:
     def catch_up(self, seqs: list[Sequence]) -> None:
         """Run the draft model over each sequence's tokens it has not seen (all but the last two, which the next
         step's pass 1 feeds), in chunks of the token budget, eagerly."""
-        from envex.runtime.engine.scheduler import ScheduledChunk
-
         chunks: list[ScheduledChunk] = []
         budget = self.max_num_batched_tokens
         for seq in seqs:

@@ -1,0 +1,88 @@
+"""The torch backend: kernels/reference.py behind the `Ops` interface (kernels/ops.py), on any device and dtype.
+
+`TorchOps` is the reference every other backend is proven against (tests, and the gates against HF
+transformers). `InvariantTorchOps` is its batch-invariant form (reference.linear_invariant,
+paged_attention_invariant), which gives a row the same bits whatever its batch on the CPU; norms and activations
+are row-wise already. Neither imports Triton, so this backend runs where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from envex.kernels import reference
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MoEWeights, split_qkv
+
+
+class TorchOps:
+    """kernels/reference.py as a backend: any device, any dtype; the definition the fast paths must equal."""
+
+    name = "torch"
+    deterministic: ClassVar[bool] = False
+    _linear: ClassVar[Callable[..., torch.Tensor]] = staticmethod(F.linear)
+    _attend: ClassVar[Callable[..., torch.Tensor]] = staticmethod(reference.paged_attention)
+
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if comm is not None:
+            x = comm.all_reduce(x)
+        if residual is None:
+            normed, residual = reference.rms_norm(x, norm_weight, eps), x
+        else:
+            normed, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
+        return self._linear(normed, weight, bias), residual
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._linear(x, weight, bias)
+
+    def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._linear(reference.silu_and_mul(gate_up), weight)
+
+    def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return hidden
+
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+        q, k, v = split_qkv(qkv, layer)
+        if layer.q_norm is not None and layer.k_norm is not None:
+            q = reference.rms_norm(q, layer.q_norm, layer.norm_eps)
+            k = reference.rms_norm(k, layer.k_norm, layer.norm_eps)
+        q, _ = reference.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
+                                             meta.slot_mapping)  # fmt: skip
+        seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
+        out = self._attend(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, meta.block_tables, layer.scale,
+                           q_lens=meta.q_lens_host, seq_lens_host=meta.seq_lens_host, sinks=layer.sinks,
+                           window=layer.sliding_window)  # fmt: skip
+        return out.reshape(-1, layer.q_size)
+
+    def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+            router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if residual is None:
+            h, residual = reference.rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
+        weights, ids = reference.moe_route(F.linear(h, router_weight, router_bias), top_k, experts.renormalize)
+        out = reference.moe_experts(h, weights, ids, experts.gate_up_matrix(), experts.gate_up_bias,
+                                    experts.down_matrix(), experts.down_bias, experts.alpha, experts.limit,
+                                    experts.activation)  # fmt: skip
+        return out, residual
+
+
+class InvariantTorchOps(TorchOps):
+    """TorchOps with the batch-invariant projections and attention (batch-invariant on the CPU; on CUDA cuBLAS
+    picks kernels by shape, so backends.py declares it CPU-only). No invariant MoE: the expert projections group
+    tokens by expert, so a token's rows meet BLAS in batch-dependent shapes."""
+
+    deterministic = True
+    _linear = staticmethod(reference.linear_invariant)
+    _attend = staticmethod(reference.paged_attention_invariant)
+
+    def moe(self, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        raise ValueError("InvariantTorchOps.moe: mixture-of-experts layers have no batch-invariant kernel; use "
+                         "TorchOps (EngineConfig.resolved refuses such a model in the deterministic mode)")
