@@ -9,26 +9,30 @@ slot id (`slots`, int32; a negative id is a padding row of a CUDA-graph batch: n
 Tokens are packed as in the rest of kernels/: sequence b is rows cu_seqlens[b]:cu_seqlens[b+1]. v head h reads
 q/k head h // (Hv / Hk) (HF's repeat_interleave). q and k are L2-normalised in float32 (eps 1e-6) and q is scaled
 by Dk^-0.5 inside the kernels, as HF's `use_qk_l2norm_in_kernel=True`. g is the log decay (≤ 0), beta the write
-strength, both per (token, v head), computed by the caller (g = -exp(A_log)·softplus(a + dt_bias), beta =
-sigmoid(b)). State math is float32 throughout.
+strength, both per (token, v head): passed ready, or computed in the kernels from the projection's raw a and b
+(`gating=(A_log, dt_bias)`: g = -exp(A_log)·softplus(a + dt_bias), beta = sigmoid(b)). State math is float32.
 
 Chunked prefill (after the WY/UT form of DeltaNet, Yang et al. 2024, "Parallelizing Linear Transformers with the
 Delta Rule over Sequence Length", and its gated form in Gated DeltaNet, Yang et al. 2025; the same algebra as HF's
-torch_chunk_gated_delta_rule and flash-linear-attention's chunk kernels, written here anew), two launches:
-1. `_chunk_inverse_kernel`, one program per (sequence, 64-token chunk, v head), all chunks in parallel: the chunk's
-   T = (I + strict_lower(diag(β)·K·Kᵀ ⊙ Γ))⁻¹ (Γ_ij = exp(G_i − G_j), G the in-chunk cumulative log decay), its
-   16-row diagonal blocks by forward substitution and the rest by a product series, stored per token row in a
-   float32 scratch [T, Hv, 64];
-2. `_chunk_scan_kernel`, one program per (sequence, v head, Dv tile), chunks in order: W = T·(β·exp(G)·K),
-   U = T·(β·V), V' = U − W·S, O = (exp(G)·Q)·S + (Q·Kᵀ ⊙ Γ, causal)·V', S ← exp(G_last)·S + (exp(G_last − G)·K)ᵀ·V'.
+torch_chunk_gated_delta_rule and flash-linear-attention's chunk kernels, written here anew), three launches, so
+that only the state's recurrence runs chunk after chunk:
+1. `_chunk_prep_kernel`, one program per (sequence, 64-token chunk, v head), all chunks in parallel: G the in-chunk
+   cumulative log decay, T = (I + strict_lower(diag(β)·K·Kᵀ ⊙ Γ))⁻¹ (Γ_ij = exp(G_i − G_j); 16-row diagonal blocks
+   by forward substitution, the rest by a product series), W = T·(β·exp(G)·K), U = T·(β·V) and the decayed keys
+   exp(G_last − G)·K, into float32 scratch by token row;
+2. `_chunk_state_kernel`, one program per (sequence, v head, Dv tile), chunks in order: it stores S at the chunk's
+   start, V' = U − W·S (over U), S ← exp(G_last)·S + (exp(G_last − G)·K)ᵀ·V';
+3. `_chunk_output_kernel`, one program per (sequence, chunk, v head, Dv tile), in parallel again:
+   O = (exp(G)·Q)·S₀ + (Q·Kᵀ ⊙ Γ, causal)·V' from the chunk's starting state S₀, and the snapshots.
 Chunks start at each sequence's first token of this call. Snapshots: the state after every multiple of
 `snapshot_every` tokens of the sequence (any positive count, not only chunk boundaries: one more masked K·V' product
 per snapshot) is written to further slots of the same pool, so a prefix cache can restore the state as of a hit;
 the conv prefill writes its snapshots to the conv pool at the same counts.
 
 Floors: decode is memory (the state read and written once: 2·Hv·Dk·Dv·4 B a sequence a layer, 4.2 MB at
-Qwen3-Next-80B's 32 × 128 × 128); the chunked prefill is FLOPs (by count, ~14 MFLOP a 64-token chunk and v head
-at Dk = Dv = 128, the Dv tiles' repeated q·kᵀ and W included). Not measured yet.
+Qwen3-Next-80B's 32 × 128 × 128); the chunked prefill is FLOPs (by count, ~16 MFLOP a 64-token chunk and v head
+at Dk = Dv = 128, the output's q·kᵀ repeated in its four Dv tiles) plus its float32 scratch (~3 KB a token and v
+head written and about as much read, the chunk-start states included). Not measured yet.
 """
 
 from __future__ import annotations
@@ -40,6 +44,10 @@ import triton.language as tl
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
 
 CHUNK = 64  # tokens of one chunk of the chunked prefill
+# The state scan's W and decayed-key loads double-buffered: at Dk = 128 three stages take 240 KB of shared memory,
+# over the H100's 227 KB a block; two take 168 KB (sm_90 compile, tests/test_kernels_delta_rule.py).
+STATE_STAGES = 2
+INVERSE_BLOCK = tl.constexpr(16)  # rows of the chunk inverse's diagonal blocks: CHUNK / 16 = 4 blocks, M⁴ = 0
 L2_EPS = 1e-6  # HF's and FLA's l2norm epsilon
 MAX_CONV_WIDTH = 4  # Qwen3-Next's linear_conv_kernel_dim (and Mamba's d_conv)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -131,12 +139,40 @@ def _recurrent_kernel(
 
 
 @triton.jit
-def _chunk_inverse_kernel(
-    k_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, inv_ptr, slots_ptr, cu_ptr, eps,
-    stride_kt, stride_kh, stride_gt, stride_bt, stride_it, stride_ih,
-    GROUP: tl.constexpr, DK: tl.constexpr, BLOCK_K: tl.constexpr, C: tl.constexpr, PRECISION: tl.constexpr,
-    SUB: tl.constexpr = 16, GATING: tl.constexpr = False,
+def _unit_lower_inverse(a, rows, n, C: tl.constexpr, SUB: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)⁻¹ for a strictly lower-triangular A [C, C] whose rows and columns from n on are zero, as a blocked
+    triangular inverse with SUB-row blocks:
+    1. the diagonal blocks, all at once, by forward substitution: row r = e_r − A[r, :]·Td, taking the rows at
+       offset i of every block in step i. Td is block-diagonal, so the product stays inside r's own block and the
+       blocks' rows share one [C] vector (disjoint columns);
+    2. I + A = (I + D)(I + M) with M = Td·E (E: A below the diagonal blocks), M strictly block-lower, so M⁴ = 0 for
+       four blocks and (I + M)⁻¹ = I − M + M² − M³: T = (I − M + M² − M·M²)·Td, four C×C products."""
+    same_block = (rows[:, None] // SUB) == (rows[None, :] // SUB)
+    d = tl.where(same_block, a, 0.0)
+    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
+    inv = eye
+    for i in range(1, tl.minimum(n, SUB)):
+        at_i = (rows % SUB == i)[:, None]
+        d_i = tl.sum(tl.where(at_i, d, 0.0), axis=0)  # [C] row i of each diagonal block, in its own columns
+        inv = tl.where(at_i & same_block, inv - tl.sum(d_i[:, None] * inv, axis=0)[None, :], inv)
+    if C > SUB:
+        m = tl.dot(inv, tl.where(same_block, 0.0, a), input_precision=PRECISION)
+        m2 = tl.dot(m, m, input_precision=PRECISION)
+        inv = tl.dot(eye - m + m2 - tl.dot(m, m2, input_precision=PRECISION), inv, input_precision=PRECISION)
+    return inv
+
+
+@triton.jit
+def _chunk_prep_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, w_ptr, kd_ptr, u_ptr, gc_ptr, slots_ptr, cu_ptr, eps,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_wt, stride_wh, stride_ut, stride_uh,
+    stride_gct,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+    C: tl.constexpr, PRECISION: tl.constexpr, GATING: tl.constexpr = False,
 ):  # fmt: skip
+    """One (sequence, chunk, v head): G = the in-chunk cumsum of g, T = (I + A)⁻¹ with A = strict_lower(diag(β)·K·Kᵀ
+    ⊙ Γ), W = T·(β·exp(G)·K), U = T·(β·V) and the keys decayed to the chunk's end exp(G_last − G)·K, stored by token
+    row (float32; the decayed keys in kd_ptr with W's strides)."""
     b = tl.program_id(0)
     c0 = tl.program_id(1) * C
     h = tl.program_id(2)
@@ -148,46 +184,40 @@ def _chunk_inverse_kernel(
     ok = rows < n
     tok = (lo + c0 + rows).to(tl.int64)
     dk = tl.arange(0, BLOCK_K)
+    k_ok = dk < DK
     k = tl.load(k_ptr + tok[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :],
-                mask=ok[:, None] & (dk < DK)[None, :], other=0.0).to(tl.float32)  # fmt: skip
+                mask=ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
     k = _l2_rows(k, eps)
     g, beta = _gates(g_ptr, beta_ptr, tok * stride_gt + h, tok * stride_bt + h, ok, alog_ptr, dtb_ptr, h, GATING)
     gc = tl.cumsum(g, axis=0)
+    tl.store(gc_ptr + tok * stride_gct + h, gc, mask=ok)
     below = rows[:, None] > rows[None, :]
     a = tl.dot(k * beta[:, None], tl.trans(k), input_precision=PRECISION)  # [C, C]: β_i k_i·k_j
     a = tl.where(below, a * tl.exp(tl.where(below, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    # T = (I + A)⁻¹ in two steps (the blocked triangular inverse: 16-row blocks, then a merge by products).
-    # 1. The diagonal blocks, all four at once, by forward substitution: row r = e_r − A[r, :]·Td, taking the rows
-    #    at offset i of every block in step i. Td is block-diagonal, so the product stays inside r's own block, and
-    #    the four blocks' rows share one [C] vector (disjoint columns). Rows past the sequence's end keep e_r: their
-    #    A rows and columns are zero.
-    same_block = (rows[:, None] // SUB) == (rows[None, :] // SUB)
-    d = tl.where(same_block, a, 0.0)
-    inv = (rows[:, None] == rows[None, :]).to(tl.float32)
-    for i in range(1, tl.minimum(n, SUB)):
-        at_i = (rows % SUB == i)[:, None]
-        d_i = tl.sum(tl.where(at_i, d, 0.0), axis=0)  # [C] row i of each diagonal block, in its own columns
-        inv = tl.where(at_i & same_block, inv - tl.sum(d_i[:, None] * inv, axis=0)[None, :], inv)
-    # 2. I + A = (I + D)(I + M) with M = Td·E (E: A below the diagonal blocks), M strictly block-lower, so M⁴ = 0
-    #    and (I + M)⁻¹ = I − M + M² − M³: T = (I − M + M² − M·M²)·Td, four C×C products.
-    if C > SUB:
-        m = tl.dot(inv, tl.where(same_block, 0.0, a), input_precision=PRECISION)
-        m2 = tl.dot(m, m, input_precision=PRECISION)
-        eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-        inv = tl.dot(eye - m + m2 - tl.dot(m, m2, input_precision=PRECISION), inv, input_precision=PRECISION)
-    tl.store(inv_ptr + tok[:, None] * stride_it + h * stride_ih + rows[None, :], inv, mask=ok[:, None])
+    inv = _unit_lower_inverse(a, rows, n, C, INVERSE_BLOCK, PRECISION)
+    w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)
+    kmask = ok[:, None] & k_ok[None, :]
+    tl.store(w_ptr + tok[:, None] * stride_wt + h * stride_wh + dk[None, :], w, mask=kmask)
+    g_last = tl.sum(g, axis=0)  # masked rows add 0
+    kd = k * tl.exp(g_last - gc)[:, None]
+    tl.store(kd_ptr + tok[:, None] * stride_wt + h * stride_wh + dk[None, :], kd, mask=kmask)
+    dv = tl.arange(0, BLOCK_DV)
+    vmask = ok[:, None] & (dv < DV)[None, :]
+    v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=vmask, other=0.0)
+    u = tl.dot(inv, v.to(tl.float32) * beta[:, None], input_precision=PRECISION)
+    tl.store(u_ptr + tok[:, None] * stride_ut + h * stride_uh + dv[None, :], u, mask=vmask)
 
 
 @triton.jit
-def _chunk_scan_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, inv_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr,
-    start_ptr, snap_ptr, snap_every, scale, eps,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_it, stride_ih,
-    stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, stride_snap,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    C: tl.constexpr, HAS_INIT: tl.constexpr, SNAPSHOTS: tl.constexpr, PRECISION: tl.constexpr,
-    GATING: tl.constexpr = False,
+def _chunk_state_kernel(
+    w_ptr, kd_ptr, u_ptr, gc_ptr, h_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr, chunk_ptr,
+    stride_wt, stride_wh, stride_ut, stride_uh, stride_gct, stride_hc, stride_hh, stride_hk,
+    stride_ss, stride_sh, stride_sk,
+    DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    C: tl.constexpr, HAS_INIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """One (sequence, v head, Dv tile), chunks in order, nothing but the state: it stores the state at each chunk's
+    start (h), turns U into V' = U − W·S in place, and steps S ← exp(G_last)·S + (exp(G_last − G)·K)ᵀ·V'."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -195,53 +225,82 @@ def _chunk_scan_kernel(
         return
     lo = tl.load(cu_ptr + b)
     seq_len = tl.load(cu_ptr + b + 1) - lo
-    hk = h // GROUP
-    rows = tl.arange(0, C)
+    first_chunk = tl.load(chunk_ptr + b).to(tl.int64)
     s_ptrs, dk, dv, k_ok, v_ok, smask, s = _state_tile(state_ptr, slot, h, stride_ss, stride_sh, stride_sk, init_ptr,
                                                        b, DK, DV, BLOCK_K, BLOCK_V, HAS_INIT)  # fmt: skip
-    start = 0
-    if SNAPSHOTS:
-        start = tl.load(start_ptr + b)
-    causal = rows[:, None] >= rows[None, :]
+    rows = tl.arange(0, C)
     for c0 in range(0, seq_len, C):
         ok = c0 + rows < seq_len
         tok = (lo + c0 + rows).to(tl.int64)
+        h_ptrs = h_ptr + (first_chunk + c0 // C) * stride_hc + h * stride_hh + dk[:, None] * stride_hk + dv[None, :]
+        tl.store(h_ptrs, s, mask=smask)
         kmask = ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + hk * stride_qh + dk[None, :], mask=kmask, other=0.0)
-        k = tl.load(k_ptr + tok[:, None] * stride_kt + hk * stride_kh + dk[None, :], mask=kmask, other=0.0)
-        q = _l2_rows(q.to(tl.float32), eps) * scale
-        k = _l2_rows(k.to(tl.float32), eps)
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + dv[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-        g, beta = _gates(g_ptr, beta_ptr, tok * stride_gt + h, tok * stride_bt + h, ok, alog_ptr, dtb_ptr, h, GATING)
-        gc = tl.cumsum(g, axis=0)  # padded rows add 0: they carry the last token's G
-        inv = tl.load(inv_ptr + tok[:, None] * stride_it + h * stride_ih + rows[None, :], mask=ok[:, None], other=0.0)
-        w = tl.dot(inv, k * (beta * tl.exp(gc))[:, None], input_precision=PRECISION)  # [C, BLOCK_K]
-        u = tl.dot(inv, v * beta[:, None], input_precision=PRECISION)  # [C, BLOCK_V]
-        v_new = u - tl.dot(w, s, input_precision=PRECISION)  # what the state does not already predict
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        qk = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision=PRECISION)
-        o += tl.dot(qk, v_new, input_precision=PRECISION)
-        tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=ok[:, None] & v_ok[None, :])  # fmt: skip
-        if SNAPSHOTS:  # the state after each multiple of snap_every tokens that ends inside this chunk
-            first = ((start + c0) // snap_every + 1) * snap_every
-            last = start + tl.minimum(c0 + C, seq_len)
-            for count in range(first, last + 1, snap_every):
-                j = count - start - c0 - 1  # the chunk row of the snapshot's last token
-                gj = tl.sum(tl.where(rows == j, gc, 0.0), axis=0)
-                upto = rows <= j
-                kd = k * tl.where(upto, tl.exp(tl.where(upto, gj - gc, 0.0)), 0.0)[:, None]
-                snap = s * tl.exp(gj) + tl.dot(tl.trans(kd), v_new, input_precision=PRECISION)
-                target = tl.load(snap_ptr + b * stride_snap + count // snap_every - start // snap_every - 1)
-                target = target.to(tl.int64)
-                tl.store(state_ptr + target * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :],
-                         snap.to(state_ptr.dtype.element_ty), mask=tl.where(target >= 0, smask, False))  # fmt: skip
-        g_last = tl.sum(g, axis=0)
-        kd = k * tl.exp(g_last - gc)[:, None]
+        w = tl.load(w_ptr + tok[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=kmask, other=0.0)
+        u_ptrs = u_ptr + tok[:, None] * stride_ut + h * stride_uh + dv[None, :]
+        umask = ok[:, None] & v_ok[None, :]
+        v_new = tl.load(u_ptrs, mask=umask, other=0.0) - tl.dot(w, s, input_precision=PRECISION)
+        tl.store(u_ptrs, v_new, mask=umask)  # V' over U: this program's own tile, read just above
+        g_last = tl.load(gc_ptr + (lo + tl.minimum(seq_len, c0 + C) - 1).to(tl.int64) * stride_gct + h)
+        kd = tl.load(kd_ptr + tok[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=kmask, other=0.0)
         s = s * tl.exp(g_last) + tl.dot(tl.trans(kd), v_new, input_precision=PRECISION)
     _store_state(s_ptrs, s, smask)
+
+
+@triton.jit
+def _chunk_output_kernel(
+    q_ptr, k_ptr, gc_ptr, vn_ptr, h_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, chunk_ptr, start_ptr, snap_ptr,
+    snap_every, scale, eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_gct, stride_vnt, stride_vnh, stride_hc, stride_hh, stride_hk,
+    stride_ot, stride_oh, stride_ss, stride_sh, stride_sk, stride_snap,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    V_TILES: tl.constexpr, C: tl.constexpr, SNAPSHOTS: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (sequence, chunk, v head, Dv tile), all chunks in parallel: O = (exp(G)·Q)·S₀ + (Q·Kᵀ ⊙ Γ, causal)·V'
+    from the state S₀ at the chunk's start, and the snapshots that end inside the chunk."""
+    b = tl.program_id(0)
+    c0 = tl.program_id(1) * C
+    h = tl.program_id(2) // V_TILES
+    lo = tl.load(cu_ptr + b)
+    seq_len = tl.load(cu_ptr + b + 1) - lo
+    if (seq_len <= c0) | (tl.load(slots_ptr + b) < 0):
+        return
+    rows = tl.arange(0, C)
+    ok = c0 + rows < seq_len
+    tok = (lo + c0 + rows).to(tl.int64)
+    dk = tl.arange(0, BLOCK_K)
+    dv = (tl.program_id(2) % V_TILES) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = dk < DK
+    v_ok = dv < DV
+    smask = k_ok[:, None] & v_ok[None, :]
+    chunk = tl.load(chunk_ptr + b).to(tl.int64) + tl.program_id(1)
+    s = tl.load(h_ptr + chunk * stride_hc + h * stride_hh + dk[:, None] * stride_hk + dv[None, :], mask=smask)
+    kmask = ok[:, None] & k_ok[None, :]
+    hk = h // GROUP
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + hk * stride_qh + dk[None, :], mask=kmask, other=0.0)
+    k = tl.load(k_ptr + tok[:, None] * stride_kt + hk * stride_kh + dk[None, :], mask=kmask, other=0.0)
+    q = _l2_rows(q.to(tl.float32), eps) * scale
+    k = _l2_rows(k.to(tl.float32), eps)
+    gc = tl.load(gc_ptr + tok * stride_gct + h, mask=ok, other=0.0)
+    v_new = tl.load(vn_ptr + tok[:, None] * stride_vnt + h * stride_vnh + dv[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0)  # fmt: skip
+    causal = rows[:, None] >= rows[None, :]
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    qk = tl.where(causal, qk * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision=PRECISION) + tl.dot(qk, v_new, input_precision=PRECISION)
+    tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=ok[:, None] & v_ok[None, :])  # fmt: skip
+    if SNAPSHOTS:  # the state after each multiple of snap_every tokens that ends inside this chunk
+        start = tl.load(start_ptr + b)
+        first = ((start + c0) // snap_every + 1) * snap_every
+        for count in range(first, start + tl.minimum(c0 + C, seq_len) + 1, snap_every):
+            j = count - start - c0 - 1  # the chunk row of the snapshot's last token
+            gj = tl.sum(tl.where(rows == j, gc, 0.0), axis=0)
+            upto = rows <= j
+            kd = k * tl.where(upto, tl.exp(tl.where(upto, gj - gc, 0.0)), 0.0)[:, None]
+            snap = s * tl.exp(gj) + tl.dot(tl.trans(kd), v_new, input_precision=PRECISION)
+            target = tl.load(snap_ptr + b * stride_snap + count // snap_every - start // snap_every - 1).to(tl.int64)
+            tl.store(state_ptr + target * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :],
+                     snap.to(state_ptr.dtype.element_ty), mask=tl.where(target >= 0, smask, False))  # fmt: skip
 
 
 @triton.jit
@@ -491,26 +550,45 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     out = _out(out, v)
     if batch == 0 or tokens == 0 or max_q_len == 0:
         return out
-    inverse = torch.empty((tokens, n_v, CHUNK), dtype=torch.float32, device=q.device)  # per-chunk T, by token row
-    block_k = next_pow2(d_k)
-    _chunk_inverse_kernel[(batch, triton.cdiv(max_q_len, CHUNK), n_v)](
-        k, g, beta, a_log, dt_bias, inverse, slots, cu_seqlens, L2_EPS,
-        k.stride(0), k.stride(1), g.stride(0), beta.stride(0), inverse.stride(0), inverse.stride(1),
-        GROUP=n_v // n_k, DK=d_k, BLOCK_K=block_k, C=CHUNK, PRECISION=precision, GATING=gating is not None,
-        num_warps=4,
+    dev, group, block_k, block_v = q.device, n_v // n_k, next_pow2(d_k), _block_v(d_v)
+    v_tiles = triton.cdiv(d_v, block_v)
+    max_chunks = triton.cdiv(max_q_len, CHUNK)
+    # Scratch, float32: W and the decayed keys [T, Hv, Dk]; U [T, Hv, Dv], overwritten by V'; G [T, Hv]; the state
+    # at each chunk's start [chunks, Hv, Dk, Dv], sequence b's chunks from first_chunk[b] on (T/64 + B bound their
+    # count: no sync).
+    w = torch.empty((tokens, n_v, d_k), dtype=torch.float32, device=dev)
+    kd = torch.empty_like(w)
+    u = torch.empty((tokens, n_v, d_v), dtype=torch.float32, device=dev)
+    gc = torch.empty((tokens, n_v), dtype=torch.float32, device=dev)
+    h = torch.empty((tokens // CHUNK + batch, n_v, d_k, d_v), dtype=torch.float32, device=dev)
+    per_seq = (cu_seqlens[1:] - cu_seqlens[:-1] + CHUNK - 1) // CHUNK
+    first_chunk = (torch.cumsum(per_seq, 0) - per_seq).to(torch.int32)
+    gating_on = gating is not None
+    _chunk_prep_kernel[(batch, max_chunks, n_v)](
+        k, v, g, beta, a_log, dt_bias, w, kd, u, gc, slots, cu_seqlens, L2_EPS,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), w.stride(0), w.stride(1),
+        u.stride(0), u.stride(1), gc.stride(0),
+        GROUP=group, DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_DV=next_pow2(d_v), C=CHUNK, PRECISION=precision,
+        GATING=gating_on, num_warps=4 if INTERPRETING or block_k <= 64 else 8,
     )  # fmt: skip
-    block_v = _block_v(d_v)
+    _chunk_state_kernel[(batch, n_v, v_tiles)](
+        w, kd, u, gc, h, state_pool, slots, cu_seqlens,
+        has_initial_state if has_initial_state is not None else slots, first_chunk,
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), gc.stride(0),
+        h.stride(0), h.stride(1), h.stride(2), state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, C=CHUNK,
+        HAS_INIT=has_initial_state is not None, PRECISION=precision,
+        num_warps=4 if INTERPRETING or block_k <= 64 else 8, num_stages=STATE_STAGES,
+    )  # fmt: skip
     snap = snapshot_slots if snapshots else slots
-    _chunk_scan_kernel[(batch, n_v, triton.cdiv(d_v, block_v))](
-        q, k, v, g, beta, a_log, dt_bias, inverse, out, state_pool, slots, cu_seqlens,
-        has_initial_state if has_initial_state is not None else slots, start_pos if snapshots else slots, snap,
+    _chunk_output_kernel[(batch, max_chunks, n_v * v_tiles)](
+        q, k, gc, u, h, out, state_pool, slots, cu_seqlens, first_chunk, start_pos if snapshots else slots, snap,
         max(snapshot_every, 1), d_k**-0.5, L2_EPS,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        inverse.stride(0), inverse.stride(1), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), gc.stride(0), u.stride(0), u.stride(1),
+        h.stride(0), h.stride(1), h.stride(2), out.stride(0), out.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), snap.stride(0),
-        GROUP=n_v // n_k, DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, C=CHUNK,
-        HAS_INIT=has_initial_state is not None, SNAPSHOTS=snapshots, PRECISION=precision, GATING=gating is not None,
-        num_warps=4 if INTERPRETING or block_k <= 64 else 8,
+        GROUP=group, DK=d_k, DV=d_v, BLOCK_K=block_k, BLOCK_V=block_v, V_TILES=v_tiles, C=CHUNK,
+        SNAPSHOTS=snapshots, PRECISION=precision, num_warps=4 if INTERPRETING or block_k <= 64 else 8,
     )  # fmt: skip
     return out
 

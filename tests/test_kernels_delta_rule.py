@@ -423,23 +423,25 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from envex.kernels import delta_rule as dr
 
-def compiled(fn, ptrs, floats, consts, warps):
+def compiled(fn, ptrs, floats, consts, warps, stages=3):
     sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n in floats else "i32") for n in fn.arg_names}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": warps})
+                       options={"num_warps": warps, "num_stages": stages})
     ptx = k.asm["ptx"]
     return {"wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.(\w+)\.(\w+)", ptx))),
             "shared": k.metadata.shared}
 
 bf, f32, i32 = "*bf16", "*fp32", "*i32"
-ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=f32, beta_ptr=f32, o_ptr=bf, state_ptr=f32, slots_ptr=i32,
-            cu_ptr=i32, init_ptr=i32, start_ptr=i32, snap_ptr=i32, inv_ptr=f32, alog_ptr=f32, dtb_ptr=bf)
-heads = dict(GROUP=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32)
+ptrs = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, g_ptr=bf, beta_ptr=bf, alog_ptr=f32, dtb_ptr=bf, o_ptr=bf, state_ptr=f32,
+            slots_ptr=i32, cu_ptr=i32, init_ptr=i32, start_ptr=i32, snap_ptr=i32, chunk_ptr=i32, w_ptr=f32, u_ptr=f32,
+            gc_ptr=f32, vn_ptr=f32, h_ptr=f32, kd_ptr=f32)
+heads = dict(GROUP=2, DK=128, DV=128, BLOCK_K=128, C=64, PRECISION="tf32")
 out = {
-    "inverse": compiled(dr._chunk_inverse_kernel, ptrs, {"eps"}, dict(GROUP=2, DK=128, BLOCK_K=128, C=64,
-                        PRECISION="tf32", GATING=True), 4),
-    "scan": compiled(dr._chunk_scan_kernel, ptrs, {"scale", "eps"}, dict(heads, C=64, HAS_INIT=True, SNAPSHOTS=True,
-                     PRECISION="tf32", GATING=True), 8),
+    "prep": compiled(dr._chunk_prep_kernel, ptrs, {"eps"}, dict(heads, BLOCK_DV=128, GATING=True), 8),
+    "state": compiled(dr._chunk_state_kernel, ptrs, set(), dict(DK=128, DV=128, BLOCK_K=128, C=64, PRECISION="tf32",
+                      BLOCK_V=32, HAS_INIT=True), 8, dr.STATE_STAGES),
+    "output": compiled(dr._chunk_output_kernel, ptrs, {"scale", "eps"}, dict(heads, BLOCK_V=32, V_TILES=4,
+                       SNAPSHOTS=True), 8),
 }
 print(json.dumps(out))
 """
@@ -450,7 +452,7 @@ def test_the_kernels_compile_for_hopper() -> None:
     substitution) compiles for sm_90 at Qwen3-Next-80B's head shapes, its products on TF32 tensor cores, within the
     H100's 227 KB of shared memory a block. (The decode, conv and norm kernels compile too; not re-checked here.)"""
     got = compile_for_hopper(_AOT)
-    assert got["inverse"]["wgmma"] == got["scan"]["wgmma"] == [["f32", "tf32"]], got
+    assert got["prep"]["wgmma"] == got["state"]["wgmma"] == got["output"]["wgmma"] == [["f32", "tf32"]], got
     assert max(v["shared"] for v in got.values()) <= 227 * 1024, got
 
 
