@@ -532,7 +532,7 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     where has_initial_state[b] is 0) and writing the final state there -> o [T, Hv, Dv] in v's dtype.
 
     Shapes and gating as gated_delta_rule_decode; cu_seqlens [B + 1]; max_q_len ≥ the longest sequence of the call
-    (sizes the grid of the chunk-inverse launch, as attention's max_q_len). Snapshots (snapshot_every > 0): the state
+    (sizes the grids of the chunk-parallel launches, as attention's max_q_len). Snapshots (snapshot_every > 0): the state
     after every multiple c of snapshot_every tokens of sequence b in (start_pos[b], start_pos[b] + len], start_pos
     [B] the tokens its state held before this call, goes to state_pool[snapshot_slots[b, n]] for the n-th such c
     (n from 0; a negative entry: not written). snapshot_slots [B, W] needs W ≥ that count. Snapshot slots must be
