@@ -496,7 +496,8 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (any row strides, unit last stride: views of the conv
     output are fine). Without cu_seqlens row b is sequence b's one new token (decode); with it, each sequence's
-    tokens run one after another (a verify step, a short prefill). A negative slot is a padding row: its output is
+    tokens run one after another and the state after its last is kept (a short prefill; not a speculative verify
+    step, whose rejected tokens would stay in the state). A negative slot is a padding row: its output is
     left unwritten. has_initial_state [B]: where 0, the sequence starts from a zero state instead of its slot's.
     gating (A_log, dt_bias), each [Hv]: g and beta are then the projection's raw a and b, and the kernel computes
     g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b) (rounded to b's dtype) as HF's layer does."""
@@ -532,11 +533,11 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     where has_initial_state[b] is 0) and writing the final state there -> o [T, Hv, Dv] in v's dtype.
 
     Shapes and gating as gated_delta_rule_decode; cu_seqlens [B + 1]; max_q_len ≥ the longest sequence of the call
-    (sizes the grids of the chunk-parallel launches, as attention's max_q_len). Snapshots (snapshot_every > 0): the state
-    after every multiple c of snapshot_every tokens of sequence b in (start_pos[b], start_pos[b] + len], start_pos
-    [B] the tokens its state held before this call, goes to state_pool[snapshot_slots[b, n]] for the n-th such c
-    (n from 0; a negative entry: not written). snapshot_slots [B, W] needs W ≥ that count. Snapshot slots must be
-    none of the batch's own slots. dot_precision: Triton's input_precision for the float32 dots; default "ieee"
+    (sizes the grids of the chunk-parallel launches, as attention's max_q_len). Snapshots (snapshot_every > 0):
+    the state after every multiple c of snapshot_every tokens of sequence b in (start_pos[b], start_pos[b] + len],
+    start_pos [B] the tokens its state held before this call, goes to state_pool[snapshot_slots[b, n]] for the n-th
+    such c (n from 0; a negative entry: not written). snapshot_slots [B, W] needs W ≥ that count. Snapshot slots
+    must be none of the batch's own slots. dot_precision: Triton's input_precision for the float32 dots; default "ieee"
     for float32 inputs and "tf32" otherwise."""
     tokens = q.shape[0] if q.dim() == 3 else 0
     batch = _check_cu_seqlens(cu_seqlens, tokens, q.device)

@@ -505,6 +505,16 @@ def test_gpu_chunked_prefill_and_decode_at_qwen3_next_shapes(state_dtype: torch.
     alone_pool = pool.clone()
     alone = dr.gated_delta_rule_decode(*(x[1:2] for x in (q, k, v, g, beta)), alone_pool, slots[1:2])
     assert torch.equal(alone[0], out[1]) and torch.equal(alone_pool[slots[1]], got_pool[slots[1]])
+    # The gates from the projection's raw a and b (bf16, strided views of one [B, 2·Hv] output) inside the kernel.
+    ba = torch.randn(64, 64, device=DEV).bfloat16() * 2
+    a_log, dt_bias = torch.randn(32, device=DEV), torch.randn(32, device=DEV).bfloat16()
+    g64, beta64 = ref.gates(*f64(ba[:, 32:], ba[:, :32], a_log, dt_bias))
+    want_pool = pool.double()
+    want = ref.gated_delta_rule(*f64(q, k, v), g64, beta64, _cu([1] * 64), want_pool, slots)
+    got_pool = pool.clone()
+    out = dr.gated_delta_rule_decode(q, k, v, ba[:, 32:], ba[:, :32], got_pool, slots, gating=(a_log, dt_bias))
+    assert_close("gpu.decode.gating.o", out[live], want[live], torch.bfloat16)
+    assert_close("gpu.decode.gating.state", got_pool, want_pool, state_dtype)
 
 
 @pytest.mark.gpu
