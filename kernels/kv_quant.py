@@ -1,0 +1,588 @@
+"""Packed KV caches (int4 and fp8), their write kernel (rotary + Hadamard + quantize) and paged attention that reads
+them packed, dequantizing in registers. Issue 43; offline_docs/kv_cache.md has the formats, bytes and errors.
+
+Formats, per (token, KV head) row of D elements (kv_quant_reference.py is their float64 definition):
+
+- int4: groups of G = 64 (or 32) elements, each with a bf16 scale s = (max - min)/15 and a bf16 zero z = min,
+  codes clamp(floor((x - z)/s + 1/2), 0, 15). data uint8 [blocks, page, Hkv, D/2]: byte j holds element j in its
+  low nibble and element j + D/2 in its high nibble ("split-half": the kernel gets the row's two halves as two
+  [N, D/2] tiles with one mask and one shift each, and the q·k and p·v dots run per half). meta bf16 [blocks, page,
+  Hkv, 2·D/G]: the D/G scales, then the D/G zeros. 4.5 bits an element at G = 64 (3.56x fewer bytes than bf16).
+  A zero point with G = 64 beat symmetric codes with G = 32 at the same bytes on SmolLM2's real K/V (attention
+  output error 15.4% vs 16.6%; verify/lab/kernel_bench/kv_quant_errors.py).
+- fp8: e4m3fn with one bf16 scale per row (absmax/448, computed as the row is written: no calibration, and an
+  outlier token cannot saturate its neighbours). data float8_e4m3fn [blocks, page, Hkv, D]; meta bf16 [..., 1].
+
+Keys (and, with rotate_values, values) are multiplied by the normalised Sylvester Hadamard matrix H_D before they
+are quantized: outlier channels are spread over the whole row, so a group's range, and the error, shrink (SmolLM2:
+K error 19.5% -> 10.2% at G = 64; QuaRot, Ashkboos et al. 2024; llama.cpp's rotated q4_0 KV). H is orthogonal
+and symmetric, so the kernel rotates q the same way and (qH)·(kH) = q·k; a rotated V's output is un-rotated by H
+once per program. H_D = [[H', H'], [H', -H']] / sqrt(D) with H' = H_{D/2} (±1, built in registers from the parity of
+i & j), which matches the split-half layout: x·H_D = [(x_lo + x_hi)·H', (x_lo - x_hi)·H'] / sqrt(D), two [R, D/2] x
+[D/2, D/2] dots (fp32, ieee: exact for the ±1 entries). D must be a power of two (64, 128, 256).
+
+Floor (decode): memory, the packed K and V of every cached token read once: 2·seq_len·Hkv·(bytes_per_token/2/Hkv).
+The scales are gathered per element (an L1 broadcast); a [N, D/G] load and a broadcast is the next step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import triton
+import triton.language as tl
+
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
+from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits
+
+KV_CACHE_DTYPES = ("bf16", "fp8", "int4")
+INT4_GROUP_SIZES = (32, 64)
+DEFAULT_INT4_GROUP = 64
+# (token, head) rows a write program holds: tl.dot's smallest M on the GPU; 64 under the interpreter, whose time
+# goes by programs, not by their size (the same code, a quarter of the programs).
+_WRITE_ROWS = 64 if INTERPRETING else 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVCacheFormat:
+    """A packed KV-cache format. rotate_keys / rotate_values None: the default for the dtype, the lower attention
+    error measured (offline_docs/kv_cache.md): int4 rotates both, fp8 the keys only."""
+
+    dtype: str  # "int4" | "fp8"
+    group_size: int = DEFAULT_INT4_GROUP  # int4 only
+    rotate_keys: bool | None = None
+    rotate_values: bool | None = None
+    _resolved: tuple[bool, bool] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("int4", "fp8"):
+            raise ValueError(f"kv_cache_dtype: {self.dtype!r} is not a packed format; use 'int4' or 'fp8' "
+                             "(bf16 is the unpacked cache)")  # fmt: skip
+        if self.dtype == "int4" and self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"group_size: {self.group_size} is not one of {INT4_GROUP_SIZES}")
+        rk = True if self.rotate_keys is None else self.rotate_keys
+        rv = self.dtype == "int4" if self.rotate_values is None else self.rotate_values
+        object.__setattr__(self, "_resolved", (rk, rv))
+
+    @property
+    def keys_rotated(self) -> bool:
+        return self._resolved[0]
+
+    @property
+    def values_rotated(self) -> bool:
+        return self._resolved[1]
+
+    def data_width(self, head_dim: int) -> int:
+        """Bytes of one (token, head) row of K (or V) data."""
+        return head_dim // 2 if self.dtype == "int4" else head_dim
+
+    def meta_width(self, head_dim: int) -> int:
+        """bf16 entries of one row's meta: int4 its D/G scales and D/G zeros, fp8 its one scale."""
+        return 2 * (head_dim // self.group_size) if self.dtype == "int4" else 1
+
+    def check_head_dim(self, head_dim: int) -> None:
+        check(head_dim >= 32 and head_dim & (head_dim - 1) == 0,
+              f"head_dim: {head_dim} must be a power of two ≥ 32 for a packed KV cache (the Hadamard rotation and "
+              "the split-half packing); use kv_cache_dtype bf16")  # fmt: skip
+        if self.dtype == "int4":
+            check(head_dim % self.group_size == 0,
+                  f"group_size: {self.group_size} does not divide head_dim {head_dim}")  # fmt: skip
+
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
+        """K and V bytes of one token in one layer (data + meta)."""
+        return 2 * num_kv_heads * (self.data_width(head_dim) + 2 * self.meta_width(head_dim))
+
+    def allocate(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device | str) -> PackedKVCache:  # fmt: skip
+        """One layer's zeroed packed cache."""
+        self.check_head_dim(head_dim)
+        data_dtype = torch.uint8 if self.dtype == "int4" else torch.float8_e4m3fn
+        shape = (num_blocks, block_size, num_kv_heads)
+        dw, mw = self.data_width(head_dim), self.meta_width(head_dim)
+        return PackedKVCache(
+            fmt=self, head_dim=head_dim,
+            k_data=torch.zeros(*shape, dw, dtype=data_dtype, device=device),
+            k_meta=torch.zeros(*shape, mw, dtype=torch.bfloat16, device=device),
+            v_data=torch.zeros(*shape, dw, dtype=data_dtype, device=device),
+            v_meta=torch.zeros(*shape, mw, dtype=torch.bfloat16, device=device),
+        )  # fmt: skip
+
+
+def kv_bytes_per_token(kv_cache_dtype: str, num_kv_heads: int, head_dim: int, *,
+                       group_size: int = DEFAULT_INT4_GROUP) -> int:  # fmt: skip
+    """K and V bytes of one token in one layer for kv_cache_dtype "bf16", "fp8" or "int4" (what the block manager
+    divides its memory by; multiply by block_size for a block)."""
+    if kv_cache_dtype == "bf16":
+        return 2 * num_kv_heads * head_dim * 2
+    return KVCacheFormat(dtype=kv_cache_dtype, group_size=group_size).bytes_per_token(num_kv_heads, head_dim)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedKVCache:
+    """One layer's packed K and V: data [num_blocks, block_size, Hkv, data_width], meta bf16 [..., meta_width]."""
+
+    fmt: KVCacheFormat
+    head_dim: int
+    k_data: torch.Tensor
+    k_meta: torch.Tensor
+    v_data: torch.Tensor
+    v_meta: torch.Tensor
+
+    def __post_init__(self) -> None:
+        self.fmt.check_head_dim(self.head_dim)
+        want_d = self.fmt.data_width(self.head_dim)
+        want_m = self.fmt.meta_width(self.head_dim)
+        data_dtype = torch.uint8 if self.fmt.dtype == "int4" else torch.float8_e4m3fn
+        for name, t, width, dt in (("k_data", self.k_data, want_d, data_dtype), ("v_data", self.v_data, want_d,
+                                   data_dtype), ("k_meta", self.k_meta, want_m, torch.bfloat16),
+                                   ("v_meta", self.v_meta, want_m, torch.bfloat16)):  # fmt: skip
+            check(t.dim() == 4 and t.shape[3] == width and t.dtype == dt and t.is_contiguous(),
+                  f"{name}: expected contiguous {dt} [num_blocks, block_size, Hkv, {width}], got {t.dtype} "
+                  f"{tuple(t.shape)}")  # fmt: skip
+        check(self.k_data.shape == self.v_data.shape and self.k_meta.shape == self.v_meta.shape
+              and self.k_data.shape[:3] == self.k_meta.shape[:3],
+              "PackedKVCache: k/v data and meta must share [num_blocks, block_size, Hkv]")  # fmt: skip
+        page = self.k_data.shape[1]
+        check(page >= 1 and page & (page - 1) == 0, f"k_data: block_size {page} must be a power of two")
+
+    @property
+    def block_size(self) -> int:
+        return self.k_data.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_data.shape[2]
+
+
+@triton.jit
+def _hadamard_pm1(HALF: tl.constexpr):
+    """The ±1 Sylvester matrix H_HALF [HALF, HALF] in fp32: (-1)^popcount(i & j), the parity by xor-folding."""
+    i = tl.arange(0, HALF)[:, None]
+    j = tl.arange(0, HALF)[None, :]
+    p = i & j
+    p = p ^ (p >> 8)
+    p = p ^ (p >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    return tl.where((p & 1) == 0, 1.0, -1.0)
+
+
+@triton.jit
+def _rotate_halves(lo, hi, HALF: tl.constexpr):
+    """[lo | hi] (fp32 [R, HALF] each) times the normalised H_{2·HALF} -> (lo', hi'); its own inverse."""
+    h = _hadamard_pm1(HALF)
+    a = tl.dot(lo, h, input_precision="ieee")
+    b = tl.dot(hi, h, input_precision="ieee")
+    inv = 1.0 / tl.sqrt(2.0 * HALF)
+    return (a + b) * inv, (a - b) * inv
+
+
+@triton.jit
+def _fp8_e4m3_bits(y):
+    """fp32 y with |y| ≤ 448 -> its e4m3fn byte, rounded to nearest even (as torch's cast). Integer arithmetic:
+    Triton's interpreter rounds fp32 -> fp8 wrongly where rounding carries into the exponent (124.97 -> 64)."""
+    a = tl.abs(y)
+    ib = a.to(tl.int32, bitcast=True)
+    rounded = ib + 0x7FFFF + ((ib >> 20) & 1)  # round the 23-bit mantissa to 3 bits, ties to even
+    normal = (((rounded >> 23) - 120) << 3) | ((rounded >> 20) & 7)  # exponent rebiased 127 -> 7
+    t = a * 512.0  # subnormals (and zero) are multiples of 2^-9
+    r = tl.floor(t)
+    f = t - r
+    ri = r.to(tl.int32)
+    up = (f > 0.5) | ((f == 0.5) & ((ri & 1) == 1))
+    sub = ri + up.to(tl.int32)
+    code = tl.where(a >= 0.015625, normal, sub)
+    return (code | tl.where(y < 0, 128, 0)).to(tl.uint8)
+
+
+@triton.jit
+def _bf16(x):
+    """fp32 x rounded to nearest-even bf16 (returned as bf16): the cast itself truncates under the interpreter."""
+    ib = x.to(tl.int32, bitcast=True)
+    ib = (ib + 0x7FFF + ((ib >> 16) & 1)) & -65536
+    return ib.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 x rounded to dtype, to nearest even on the GPU and under the interpreter alike."""
+    if dtype == tl.bfloat16:
+        return _bf16(x)
+    return x.to(dtype)
+
+
+@triton.jit
+def _int4_codes(x, s, z):
+    inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)
+    return tl.minimum(tl.maximum(tl.floor((x - z) * inv + 0.5), 0.0), 15.0).to(tl.int32)
+
+
+@triton.jit
+def _encode_rows(lo, hi, ok, data_ptr, meta_ptr, drow, mrow, j, FP8: tl.constexpr, ROT: tl.constexpr,
+                 HALF: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    """Quantize rows [lo | hi] (fp32 [R, HALF] each) and store them at data_ptr + drow, meta_ptr + mrow where ok."""
+    if ROT:
+        lo, hi = _rotate_halves(lo, hi, HALF)
+    m2 = ok[:, None]
+    if FP8:
+        amax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))
+        s = _bf16(amax / 448.0)
+        sf = s.to(tl.float32)
+        inv = tl.where(sf > 0.0, 1.0 / tl.where(sf > 0.0, sf, 1.0), 0.0)[:, None]
+        lo_b = _fp8_e4m3_bits(tl.minimum(tl.maximum(lo * inv, -448.0), 448.0))
+        hi_b = _fp8_e4m3_bits(tl.minimum(tl.maximum(hi * inv, -448.0), 448.0))
+        tl.store(data_ptr + drow[:, None] + j[None, :], lo_b, mask=m2)
+        tl.store(data_ptr + drow[:, None] + HALF + j[None, :], hi_b, mask=m2)
+        tl.store(meta_ptr + mrow, s, mask=ok)
+    else:
+        NG: tl.constexpr = 2 * HALF // G  # groups of a row; scales at meta[0, NG), zeros at meta[NG, 2·NG)
+        if G <= HALF:
+            NH: tl.constexpr = HALF // G  # groups of a half
+            lo3 = tl.reshape(lo, [BLOCK_R, NH, G])  # [R, groups, G]
+            hi3 = tl.reshape(hi, [BLOCK_R, NH, G])
+            s_lo = _bf16((tl.max(lo3, axis=2) - tl.min(lo3, axis=2)) / 15.0)
+            s_hi = _bf16((tl.max(hi3, axis=2) - tl.min(hi3, axis=2)) / 15.0)
+            z_lo = _bf16(tl.min(lo3, axis=2))
+            z_hi = _bf16(tl.min(hi3, axis=2))
+            c_lo = tl.reshape(_int4_codes(lo3, s_lo.to(tl.float32)[:, :, None], z_lo.to(tl.float32)[:, :, None]),
+                              [BLOCK_R, HALF])  # fmt: skip
+            c_hi = tl.reshape(_int4_codes(hi3, s_hi.to(tl.float32)[:, :, None], z_hi.to(tl.float32)[:, :, None]),
+                              [BLOCK_R, HALF])  # fmt: skip
+            g = tl.arange(0, NH)[None, :]
+            gm = m2 & (g < NH)
+            tl.store(meta_ptr + mrow[:, None] + g, s_lo, mask=gm)
+            tl.store(meta_ptr + mrow[:, None] + NH + g, s_hi, mask=gm)
+            tl.store(meta_ptr + mrow[:, None] + NG + g, z_lo, mask=gm)
+            tl.store(meta_ptr + mrow[:, None] + NG + NH + g, z_hi, mask=gm)
+        else:  # one group is the whole row (G == D)
+            mx = tl.maximum(tl.max(lo, axis=1), tl.max(hi, axis=1))
+            mn = tl.minimum(tl.min(lo, axis=1), tl.min(hi, axis=1))
+            s = _bf16((mx - mn) / 15.0)
+            z = _bf16(mn)
+            c_lo = _int4_codes(lo, s.to(tl.float32)[:, None], z.to(tl.float32)[:, None])
+            c_hi = _int4_codes(hi, s.to(tl.float32)[:, None], z.to(tl.float32)[:, None])
+            tl.store(meta_ptr + mrow, s, mask=ok)
+            tl.store(meta_ptr + mrow + 1, z, mask=ok)
+        tl.store(data_ptr + drow[:, None] + j[None, :], (c_lo | (c_hi << 4)).to(tl.uint8), mask=m2)
+
+
+@triton.jit
+def _write_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kd_ptr, km_ptr, vd_ptr, vm_ptr,
+    n_kv_rows, n_q_rows,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, stride_qot, stride_qoh,
+    N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr, NG2: tl.constexpr,
+    DATA_W: tl.constexpr, FP8: tl.constexpr, ROT_K: tl.constexpr, ROT_V: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    """Programs 0 .. cdiv(n_kv_rows, BLOCK_R)-1 own BLOCK_R (token, KV head) rows: rotary on k, then k and v encoded
+    into their slot; the rest own (token, query head) rows: rotary on q into q_out (as rotary.py rounds it)."""
+    pid = tl.program_id(0)
+    n_kv_progs = tl.cdiv(n_kv_rows, BLOCK_R)
+    j = tl.arange(0, HALF)
+    if pid < n_kv_progs:
+        r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        t = (r // N_KV).to(tl.int64)
+        h = r % N_KV
+        slot = tl.load(slot_ptr + t, mask=r < n_kv_rows, other=-1)
+        ok = (r < n_kv_rows) & (slot >= 0)  # a negative slot: a padding token, nothing to cache
+        pos = tl.load(pos_ptr + t, mask=ok, other=0)
+        m2 = ok[:, None]
+        c = tl.load(cos_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
+        s = tl.load(sin_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
+        k_row = k_ptr + t[:, None] * stride_kt + h[:, None] * stride_kh
+        x1 = tl.load(k_row + j[None, :], mask=m2, other=0.0)
+        x2 = tl.load(k_row + HALF + j[None, :], mask=m2, other=0.0)
+        # rotary.py's rounding: fp32 math, the rotated k rounded to k's dtype (what the bf16 cache would hold)
+        lo = _round_to(x1.to(tl.float32) * c - x2.to(tl.float32) * s, x1.dtype).to(tl.float32)
+        hi = _round_to(x2.to(tl.float32) * c + x1.to(tl.float32) * s, x1.dtype).to(tl.float32)
+        slot_c = tl.maximum(slot, 0).to(tl.int64)
+        drow = (slot_c * N_KV + h) * DATA_W  # contiguous [num_blocks·page, Hkv, width]: a slot is Hkv rows
+        mrow = (slot_c * N_KV + h) * NG2
+        _encode_rows(lo, hi, ok, kd_ptr, km_ptr, drow, mrow, j, FP8, ROT_K, HALF, G, BLOCK_R)
+        v_row = v_ptr + t[:, None] * stride_vt + h[:, None] * stride_vh
+        v_lo = tl.load(v_row + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        v_hi = tl.load(v_row + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        _encode_rows(v_lo, v_hi, ok, vd_ptr, vm_ptr, drow, mrow, j, FP8, ROT_V, HALF, G, BLOCK_R)
+    else:
+        r = (pid - n_kv_progs) * BLOCK_R + tl.arange(0, BLOCK_R)
+        ok = r < n_q_rows
+        t = (r // N_Q).to(tl.int64)
+        h = r % N_Q
+        pos = tl.load(pos_ptr + t, mask=ok, other=0)
+        m2 = ok[:, None]
+        c = tl.load(cos_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
+        s = tl.load(sin_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
+        q_row = q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh
+        x1 = tl.load(q_row + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        x2 = tl.load(q_row + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        o_row = q_out_ptr + t[:, None] * stride_qot + h[:, None] * stride_qoh
+        out_ty = q_out_ptr.dtype.element_ty
+        tl.store(o_row + j[None, :], _round_to(x1 * c - x2 * s, out_ty), mask=m2)
+        tl.store(o_row + HALF + j[None, :], _round_to(x2 * c + x1 * s, out_ty), mask=m2)
+
+
+def rotary_and_write_packed_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                               cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
+                               cache: PackedKVCache) -> torch.Tensor:  # fmt: skip
+    """rotary.rotary_and_store_kv for a packed cache, one launch: q [T, Hq, D] rotated -> q_rot (returned, q's dtype);
+    k [T, Hkv, D] rotated (rounded to k's dtype), Hadamard-rotated if the format says so, quantized and written
+    with v at slot_mapping (negative: skipped). cos/sin: [max_pos, D/2] float32."""
+    from envex.kernels.rotary import check_token_inputs
+
+    check_token_inputs(q, k, v, positions, cos, sin, slot_mapping)
+    tokens, n_q, head_dim = q.shape
+    n_kv = k.shape[1]
+    check(head_dim == cache.head_dim and n_kv == cache.num_kv_heads,
+          f"k: {n_kv} heads x {head_dim} do not match the cache's {cache.num_kv_heads} x {cache.head_dim}")  # fmt: skip
+    check(cache.k_data.device == q.device, f"cache: on {cache.k_data.device}, q on {q.device}")
+    q_rot = torch.empty((tokens, n_q, head_dim), dtype=q.dtype, device=q.device)
+    if tokens == 0:
+        return q_rot
+    fmt = cache.fmt
+    n_kv_rows, n_q_rows = tokens * n_kv, tokens * n_q
+    grid = (triton.cdiv(n_kv_rows, _WRITE_ROWS) + triton.cdiv(n_q_rows, _WRITE_ROWS),)
+    # fp8 rows are written as their bytes (_fp8_e4m3_bits); a uint8 view of int4 data is itself
+    _write_kernel[grid](
+        q, k, v, positions, cos, sin, slot_mapping, q_rot, cache.k_data.view(torch.uint8), cache.k_meta,
+        cache.v_data.view(torch.uint8), cache.v_meta, n_kv_rows, n_q_rows,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+        q_rot.stride(0), q_rot.stride(1),
+        N_Q=n_q, N_KV=n_kv, HALF=head_dim // 2, G=fmt.group_size, NG2=fmt.meta_width(head_dim),
+        DATA_W=fmt.data_width(head_dim), FP8=fmt.dtype == "fp8", ROT_K=fmt.keys_rotated, ROT_V=fmt.values_rotated,
+        BLOCK_R=_WRITE_ROWS, num_warps=4,
+    )  # fmt: skip
+    return q_rot
+
+
+@triton.jit
+def _load_packed(data_ptr, meta_ptr, doff, moff, k_ok, j, FP8: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr,
+                 NG: tl.constexpr):  # fmt: skip
+    """Rows at doff/moff [N] of a packed cache -> their two halves, fp32 [N, HALF] each (0 where not k_ok)."""
+    m2 = k_ok[:, None]
+    if FP8:
+        s = tl.load(meta_ptr + moff, mask=k_ok, other=0.0).to(tl.float32)[:, None]
+        lo = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        hi = tl.load(data_ptr + doff[:, None] + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        return lo * s, hi * s
+    b = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0).to(tl.int32)
+    g_lo = (j // G)[None, :]
+    g_hi = ((j + HALF) // G)[None, :]
+    mp = meta_ptr + moff[:, None]
+    s_lo = tl.load(mp + g_lo, mask=m2, other=0.0).to(tl.float32)
+    s_hi = tl.load(mp + g_hi, mask=m2, other=0.0).to(tl.float32)
+    z_lo = tl.load(mp + NG + g_lo, mask=m2, other=0.0).to(tl.float32)
+    z_hi = tl.load(mp + NG + g_hi, mask=m2, other=0.0).to(tl.float32)
+    return (b & 15).to(tl.float32) * s_lo + z_lo, (b >> 4).to(tl.float32) * s_hi + z_hi
+
+
+# stride_bt follows the step's longest block table: not specialised (as attention._attn_kernel's).
+@triton.jit(do_not_specialize=["stride_bt"])
+def _packed_attn_kernel(
+    q_ptr, kd_ptr, km_ptr, vd_ptr, vm_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_db, stride_ds, stride_dh, stride_mb, stride_ms, stride_mh, stride_bt,
+    stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+    GROUP: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, FP8: tl.constexpr,
+    ROT_K: tl.constexpr, ROT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
+):  # fmt: skip
+    """attention._attn_kernel over the packed cache: one program per (tile of BLOCK_M (token, query head) rows of
+    one KV head's GQA group, sequence, KV head x key split); K/V tiles dequantized in registers, q·k and p·v per
+    half of D."""
+    pid_m = tl.program_id(0)
+    b = tl.program_id(1)
+    kvh = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + b)
+    if pid_m * BLOCK_M >= q_len * GROUP:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = rows // GROUP
+    head = kvh * GROUP + rows % GROUP
+    row_ok = tok < q_len
+    q_pos = seq_len - q_len + tok
+    j = tl.arange(0, HALF)
+    q_rows = (q_start + tok).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + j[None, :]
+    q_mask = row_ok[:, None]
+    q_lo = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    q_hi = tl.load(q_ptrs + HALF, mask=q_mask, other=0.0)
+    dot_ty = q_lo.dtype
+    if UPCAST_DOT:  # the interpreter multiplies bf16 dot operands as raw bits (_common.INTERPRETING)
+        dot_ty = tl.float32
+    if ROT_K:  # q in the keys' rotated basis: (qH)·(kH) = q·k
+        q_lo, q_hi = _rotate_halves(q_lo.to(tl.float32), q_hi.to(tl.float32), HALF)
+    q_lo = q_lo.to(dot_ty)
+    q_hi = q_hi.to(dot_ty)
+
+    # Keys this tile may see, split NUM_SPLITS ways in BLOCK_N multiples (as _attn_kernel).
+    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
+    kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok + 1)
+    kv_start = 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(seq_len - q_len + (pid_m * BLOCK_M) // GROUP - WINDOW + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * chunk
+    hi = tl.minimum(kv_end, lo + chunk)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink joins split 0's softmax as one more logit (log2 domain, unscaled) with no value
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
+    acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos < hi
+        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
+        doff = blk * stride_db + (kpos % PAGE) * stride_ds + kvh * stride_dh
+        moff = blk * stride_mb + (kpos % PAGE) * stride_ms + kvh * stride_mh
+        k_lo, k_hi = _load_packed(kd_ptr, km_ptr, doff, moff, k_ok, j, FP8, HALF, G, NG)
+        s = tl.dot(q_lo, tl.trans(k_lo.to(dot_ty))) + tl.dot(q_hi, tl.trans(k_hi.to(dot_ty)))
+        s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+        visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        if WINDOW > 0:
+            visible = visible & (kpos[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        v_lo, v_hi = _load_packed(vd_ptr, vm_ptr, doff, moff, k_ok, j, FP8, HALF, G, NG)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(dot_ty)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(dot_ty))
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(dot_ty))
+        m_i = m_new
+
+    l_div = tl.where(l_i > 0.0, l_i, 1.0)
+    o_lo = acc_lo / l_div[:, None]
+    o_hi = acc_hi / l_div[:, None]
+    if ROT_V:  # Σ p·(vH) = (Σ p·v)H: back to the model's basis (linear, so before the split merge)
+        o_lo, o_hi = _rotate_halves(o_lo, o_hi, HALF)
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + j[None, :]
+        tl.store(o_ptrs, o_lo.to(out_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(o_ptrs + HALF, o_hi.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        p_ptrs = part_o_ptr + split * stride_ps + q_rows[:, None] * stride_pt + head[:, None] * stride_ph + j[None, :]
+        tl.store(p_ptrs, o_lo, mask=q_mask)
+        tl.store(p_ptrs + HALF, o_hi, mask=q_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_div), float("-inf"))
+        tl.store(part_lse_ptr + split * stride_ls + q_rows * stride_lt + head, lse, mask=row_ok)
+
+
+def packed_paged_attention(
+    q: torch.Tensor,
+    cache: PackedKVCache,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_q_len: int,
+    max_seq_len: int,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """attention.paged_attention over a packed cache: packed varlen queries q [T, Hq, D] (rotary applied, not the
+    Hadamard rotation: the kernel applies it), sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b+1] at the last q_len
+    of its seq_lens[b] cached (already written) tokens. Decode (q_len 1), speculative verify rows (q_len k + 1) and
+    prefill over a packed prefix (any q_len; no split, no tile skipping the causal mask yet) run through the same
+    kernel; split-K for short query chunks, merged by attention's merge kernel. sinks [Hq], window: as
+    reference.paged_attention. -> [T, Hq, D] in q's dtype."""
+    check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
+    tokens, n_q, head_dim = q.shape
+    check(head_dim == cache.head_dim, f"q: head_dim {head_dim} != the cache's {cache.head_dim}")
+    n_kv, page = cache.num_kv_heads, cache.block_size
+    check(n_q % n_kv == 0, f"q: {n_q} query heads is not a multiple of {n_kv} KV heads")
+    check(cache.k_data.device == q.device, f"cache: on {cache.k_data.device}, q on {q.device}")
+    check_tensor("cu_seqlens_q", cu_seqlens_q, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=(torch.int32, torch.int64), device=q.device)
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32, torch.int64), device=q.device)
+    batch = seq_lens.shape[0]
+    check(cu_seqlens_q.shape[0] == batch + 1, f"cu_seqlens_q: {cu_seqlens_q.shape[0]} entries for batch {batch}")
+    check(block_tables.shape[0] == batch, f"block_tables: {block_tables.shape[0]} rows for batch {batch}")
+    check(max_q_len >= 1 and max_seq_len >= max_q_len, f"max_q_len {max_q_len} / max_seq_len {max_seq_len} invalid")
+    check(window is None or window >= 1, f"window: {window} must be a positive number of tokens or None")
+    if sinks is not None:
+        check_tensor("sinks", sinks, ndim=1, dtypes=FLOAT_DTYPES, device=q.device)
+        check(sinks.shape[0] == n_q, f"sinks: {sinks.shape[0]} entries for {n_q} query heads")
+    group = n_q // n_kv
+    out = torch.empty_like(q)
+    if tokens == 0 or batch == 0:
+        return out
+    if num_splits is None:
+        keys = max_seq_len if window is None else min(max_seq_len, window + max_q_len)
+        num_splits = choose_num_splits(batch, n_kv, keys, q.device) if max_q_len <= 4 else 1
+    if block_m is None:
+        block_m = max(16, min(64, next_pow2(max_q_len * group)))
+    if num_splits > 1:
+        part_o = torch.empty((num_splits, tokens, n_q, head_dim), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_splits, tokens, n_q), dtype=torch.float32, device=q.device)
+    else:
+        part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
+    fmt = cache.fmt
+    grid = (triton.cdiv(max_q_len * group, block_m), batch, n_kv * num_splits)
+    _packed_attn_kernel[grid](
+        q, cache.k_data, cache.k_meta, cache.v_data, cache.v_meta, out, part_o, part_lse, cu_seqlens_q, seq_lens,
+        block_tables, sinks if sinks is not None else q, float(scale) * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        cache.k_data.stride(0), cache.k_data.stride(1), cache.k_data.stride(2),
+        cache.k_meta.stride(0), cache.k_meta.stride(1), cache.k_meta.stride(2), block_tables.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HALF=head_dim // 2, G=fmt.group_size, NG=fmt.meta_width(head_dim) // 2, FP8=fmt.dtype == "fp8",
+        ROT_K=fmt.keys_rotated, ROT_V=fmt.values_rotated, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
+        NUM_SPLITS=num_splits, UPCAST_DOT=INTERPRETING, HAS_SINKS=sinks is not None, WINDOW=window or 0,
+        num_warps=num_warps or 4, num_stages=num_stages or 2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _merge_splits_kernel[(tokens, n_q)](
+            part_o, part_lse, out,
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=head_dim, BLOCK_D=head_dim,
+            USE_PDL=False, num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def dequantize_blocks(cache: PackedKVCache, blocks: torch.Tensor, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The K and V of cache blocks `blocks` [n] as a plain cache pair [n, block_size, Hkv, D] in dtype, in the
+    model's basis (un-rotated): for a path that wants a bf16 cache (the torch backend, a prefill kernel that has
+    no packed variant yet). Torch ops, fp32 math."""
+    fmt = cache.fmt
+    d = cache.head_dim
+    h = torch.ones(1, 1, device=blocks.device)
+    for _ in range(int(math.log2(d))):  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = h / math.sqrt(d)
+
+    def one(data: torch.Tensor, meta: torch.Tensor, rotated: bool) -> torch.Tensor:
+        data, meta = data.index_select(0, blocks), meta.index_select(0, blocks).float()
+        if fmt.dtype == "fp8":
+            x = data.float() * meta
+        else:
+            b = data.to(torch.int32)
+            codes = torch.cat([b & 15, b >> 4], dim=-1).float()  # [n, page, Hkv, D], split-half order undone
+            ng = meta.shape[-1] // 2
+            s = meta[..., :ng].repeat_interleave(fmt.group_size, -1)
+            z = meta[..., ng:].repeat_interleave(fmt.group_size, -1)
+            x = codes * s + z
+        return (x @ h if rotated else x).to(dtype)
+
+    return one(cache.k_data, cache.k_meta, fmt.keys_rotated), one(cache.v_data, cache.v_meta, fmt.values_rotated)
