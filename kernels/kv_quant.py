@@ -269,6 +269,63 @@ def _encode_rows(lo, hi, ok, data_ptr, meta_ptr, drow, mrow, j, FP8: tl.constexp
 
 
 @triton.jit
+def _rope_rows(src, pos, cos_ptr, sin_ptr, stride_cos, m2, j, HALF: tl.constexpr):
+    """Rows [lo | hi] at src [R, 1] rotated at pos [R] (HF rotate_half, fp32 math) -> (lo, hi) fp32, not rounded."""
+    c = tl.load(cos_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
+    s = tl.load(sin_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
+    x1 = tl.load(src + j[None, :], mask=m2, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _write_kv_rows(pid, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, kd_ptr, km_ptr, vd_ptr, vm_ptr, n_rows,
+                   stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, N_KV: tl.constexpr, HALF: tl.constexpr,
+                   G: tl.constexpr, NG2: tl.constexpr, DATA_W: tl.constexpr, FP8: tl.constexpr, ROT_K: tl.constexpr,
+                   ROT_V: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    j = tl.arange(0, HALF)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    t = (r // N_KV).to(tl.int64)
+    h = r % N_KV
+    slot = tl.load(slot_ptr + t, mask=r < n_rows, other=-1)
+    ok = (r < n_rows) & (slot >= 0)  # a negative slot: a padding token, nothing to cache
+    pos = tl.load(pos_ptr + t, mask=ok, other=0)
+    m2 = ok[:, None]
+    k_row = k_ptr + t[:, None] * stride_kt + h[:, None] * stride_kh
+    lo, hi = _rope_rows(k_row, pos, cos_ptr, sin_ptr, stride_cos, m2, j, HALF)
+    # rotary.py's rounding: the rotated k rounded to k's dtype (what a bf16 cache would hold), then quantized
+    k_ty = k_ptr.dtype.element_ty
+    lo = _round_to(lo, k_ty).to(tl.float32)
+    hi = _round_to(hi, k_ty).to(tl.float32)
+    slot_c = tl.maximum(slot, 0).to(tl.int64)
+    drow = (slot_c * N_KV + h) * DATA_W  # contiguous [num_blocks·page, Hkv, width]: a slot is Hkv rows
+    mrow = (slot_c * N_KV + h) * NG2
+    _encode_rows(lo, hi, ok, kd_ptr, km_ptr, drow, mrow, j, FP8, ROT_K, HALF, G, BLOCK_R)
+    v_row = v_ptr + t[:, None] * stride_vt + h[:, None] * stride_vh
+    v_lo = tl.load(v_row + j[None, :], mask=m2, other=0.0).to(tl.float32)
+    v_hi = tl.load(v_row + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
+    _encode_rows(v_lo, v_hi, ok, vd_ptr, vm_ptr, drow, mrow, j, FP8, ROT_V, HALF, G, BLOCK_R)
+
+
+@triton.jit
+def _rotate_q_rows(pid, q_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, n_rows, stride_qt, stride_qh, stride_cos,
+                   stride_qot, stride_qoh, N_Q: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    j = tl.arange(0, HALF)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = r < n_rows
+    t = (r // N_Q).to(tl.int64)
+    h = r % N_Q
+    pos = tl.load(pos_ptr + t, mask=ok, other=0)
+    m2 = ok[:, None]
+    lo, hi = _rope_rows(q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh, pos, cos_ptr, sin_ptr, stride_cos,
+                        m2, j, HALF)  # fmt: skip
+    o_row = q_out_ptr + t[:, None] * stride_qot + h[:, None] * stride_qoh
+    out_ty = q_out_ptr.dtype.element_ty
+    tl.store(o_row + j[None, :], _round_to(lo, out_ty), mask=m2)
+    tl.store(o_row + HALF + j[None, :], _round_to(hi, out_ty), mask=m2)
+
+
+@triton.jit
 def _write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, q_out_ptr, kd_ptr, km_ptr, vd_ptr, vm_ptr,
     n_kv_rows, n_q_rows,
@@ -280,47 +337,13 @@ def _write_kernel(
     into their slot; the rest own (token, query head) rows: rotary on q into q_out (as rotary.py rounds it)."""
     pid = tl.program_id(0)
     n_kv_progs = tl.cdiv(n_kv_rows, BLOCK_R)
-    j = tl.arange(0, HALF)
     if pid < n_kv_progs:
-        r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-        t = (r // N_KV).to(tl.int64)
-        h = r % N_KV
-        slot = tl.load(slot_ptr + t, mask=r < n_kv_rows, other=-1)
-        ok = (r < n_kv_rows) & (slot >= 0)  # a negative slot: a padding token, nothing to cache
-        pos = tl.load(pos_ptr + t, mask=ok, other=0)
-        m2 = ok[:, None]
-        c = tl.load(cos_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
-        s = tl.load(sin_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
-        k_row = k_ptr + t[:, None] * stride_kt + h[:, None] * stride_kh
-        x1 = tl.load(k_row + j[None, :], mask=m2, other=0.0)
-        x2 = tl.load(k_row + HALF + j[None, :], mask=m2, other=0.0)
-        # rotary.py's rounding: fp32 math, the rotated k rounded to k's dtype (what the bf16 cache would hold)
-        lo = _round_to(x1.to(tl.float32) * c - x2.to(tl.float32) * s, x1.dtype).to(tl.float32)
-        hi = _round_to(x2.to(tl.float32) * c + x1.to(tl.float32) * s, x1.dtype).to(tl.float32)
-        slot_c = tl.maximum(slot, 0).to(tl.int64)
-        drow = (slot_c * N_KV + h) * DATA_W  # contiguous [num_blocks·page, Hkv, width]: a slot is Hkv rows
-        mrow = (slot_c * N_KV + h) * NG2
-        _encode_rows(lo, hi, ok, kd_ptr, km_ptr, drow, mrow, j, FP8, ROT_K, HALF, G, BLOCK_R)
-        v_row = v_ptr + t[:, None] * stride_vt + h[:, None] * stride_vh
-        v_lo = tl.load(v_row + j[None, :], mask=m2, other=0.0).to(tl.float32)
-        v_hi = tl.load(v_row + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
-        _encode_rows(v_lo, v_hi, ok, vd_ptr, vm_ptr, drow, mrow, j, FP8, ROT_V, HALF, G, BLOCK_R)
+        _write_kv_rows(pid, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, kd_ptr, km_ptr, vd_ptr, vm_ptr,
+                       n_kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos, N_KV, HALF, G, NG2, DATA_W,
+                       FP8, ROT_K, ROT_V, BLOCK_R)  # fmt: skip
     else:
-        r = (pid - n_kv_progs) * BLOCK_R + tl.arange(0, BLOCK_R)
-        ok = r < n_q_rows
-        t = (r // N_Q).to(tl.int64)
-        h = r % N_Q
-        pos = tl.load(pos_ptr + t, mask=ok, other=0)
-        m2 = ok[:, None]
-        c = tl.load(cos_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
-        s = tl.load(sin_ptr + pos[:, None] * stride_cos + j[None, :], mask=m2, other=0.0)
-        q_row = q_ptr + t[:, None] * stride_qt + h[:, None] * stride_qh
-        x1 = tl.load(q_row + j[None, :], mask=m2, other=0.0).to(tl.float32)
-        x2 = tl.load(q_row + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
-        o_row = q_out_ptr + t[:, None] * stride_qot + h[:, None] * stride_qoh
-        out_ty = q_out_ptr.dtype.element_ty
-        tl.store(o_row + j[None, :], _round_to(x1 * c - x2 * s, out_ty), mask=m2)
-        tl.store(o_row + HALF + j[None, :], _round_to(x2 * c + x1 * s, out_ty), mask=m2)
+        _rotate_q_rows(pid - n_kv_progs, q_ptr, pos_ptr, cos_ptr, sin_ptr, q_out_ptr, n_q_rows, stride_qt, stride_qh,
+                       stride_cos, stride_qot, stride_qoh, N_Q, HALF, BLOCK_R)  # fmt: skip
 
 
 def rotary_and_write_packed_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -363,8 +386,11 @@ def _load_packed(data_ptr, meta_ptr, doff, moff, k_ok, j, FP8: tl.constexpr, HAL
     m2 = k_ok[:, None]
     if FP8:
         s = tl.load(meta_ptr + moff, mask=k_ok, other=0.0).to(tl.float32)[:, None]
-        lo = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0.0).to(tl.float32)
-        hi = tl.load(data_ptr + doff[:, None] + HALF + j[None, :], mask=m2, other=0.0).to(tl.float32)
+        # the bytes (masked lanes 0, not an fp8 NaN pattern), then reinterpreted as e4m3
+        lo = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0)
+        hi = tl.load(data_ptr + doff[:, None] + HALF + j[None, :], mask=m2, other=0)
+        lo = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        hi = hi.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         return lo * s, hi * s
     b = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0).to(tl.int32)
     g_lo = (j // G)[None, :]
@@ -538,7 +564,8 @@ def packed_paged_attention(
     fmt = cache.fmt
     grid = (triton.cdiv(max_q_len * group, block_m), batch, n_kv * num_splits)
     _packed_attn_kernel[grid](
-        q, cache.k_data, cache.k_meta, cache.v_data, cache.v_meta, out, part_o, part_lse, cu_seqlens_q, seq_lens,
+        q, cache.k_data.view(torch.uint8), cache.k_meta, cache.v_data.view(torch.uint8), cache.v_meta, out, part_o,
+        part_lse, cu_seqlens_q, seq_lens,
         block_tables, sinks if sinks is not None else q, float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.k_data.stride(0), cache.k_data.stride(1), cache.k_data.stride(2),

@@ -13,7 +13,7 @@ from envex.kernels import kv_quant as kq
 from envex.kernels import kv_quant_reference as kref
 from envex.kernels import reference as ref
 from envex.kernels.accuracy import rel_err
-from envex.tests.support.kernels import assert_close
+from envex.tests.support.kernels import assert_close, compile_for_hopper
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -281,9 +281,9 @@ def test_int4_attention_error_band_and_what_the_rotation_buys() -> None:
 @pytest.mark.parametrize("kind", ["int4", "fp8"])
 def test_needle_wins_among_thousands_of_keys(kind: str) -> None:
     """The accumulation trap (issue 43: vLLM's FP8 KV 128K needle fell from 91% to 13%): one key matching the
-    query among 3000 random ones must still take the softmax, through 8 key splits and the merge, so the output
+    query among 2047 random ones must still take the softmax, through 8 key splits and the merge, so the output
     is the needle's value."""
-    n, d, hq, page = 3000, 64, 4, 16
+    n, d, hq, page = 2048, 64, 4, 16
     fmt = kq.KVCacheFormat(dtype=kind)
     # keys without the shared outlier offset: a query along one key then matches it alone
     cache, bt, k, v, pos, cos, sin = _filled(fmt, [n], hq, 1, d, page, seed=5, outliers=False)
@@ -300,6 +300,47 @@ def test_needle_wins_among_thousands_of_keys(kind: str) -> None:
     assert (cos_sim > 0.97).all(), cos_sim
     # and the float64 reference on the same bits agrees with the kernel
     assert_close("needle", out, _ref_attention(q.cpu(), cache, cu, sl, bt, d**-0.5), torch.bfloat16)
+
+
+_AOT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from envex.kernels import kv_quant as kq
+
+def compiled(fn, ptrs, consts):
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 4, "num_stages": 2})
+    mma = sorted(set(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.(\w+)\.(\w+)", k.asm["ptx"])))
+    return {"mma": mma, "shared": k.metadata.shared}
+
+bf, u8, i32, i64, f32 = "*bf16", "*u8", "*i32", "*i64", "*fp32"
+out = {}
+for fp8, half in ((False, 64), (True, 32)):  # Llama-8B's int4 (D 128, GQA 4); gpt-oss's fp8 (D 64, GQA 8)
+    ng = 1 if fp8 else 2 * half // 64
+    w = dict(q_ptr=bf, k_ptr=bf, v_ptr=bf, pos_ptr=i64, cos_ptr=f32, sin_ptr=f32, slot_ptr=i64, q_out_ptr=bf,
+             kd_ptr=u8, km_ptr=bf, vd_ptr=u8, vm_ptr=bf)
+    out[f"write {fp8}"] = compiled(kq._write_kernel, w, dict(N_Q=32, N_KV=8, HALF=half, G=64, NG2=2 * ng,
+                                   DATA_W=2 * half if fp8 else half, FP8=fp8, ROT_K=True, ROT_V=not fp8, BLOCK_R=16))
+    a = dict(q_ptr=bf, kd_ptr=u8, km_ptr=bf, vd_ptr=u8, vm_ptr=bf, out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32,
+             cu_q_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32, sinks_ptr=bf)
+    out[f"attention {fp8}"] = compiled(kq._packed_attn_kernel, a, dict(
+        GROUP=8 if fp8 else 4, HALF=half, G=64, NG=ng, FP8=fp8, ROT_K=True, ROT_V=not fp8, BLOCK_M=16, BLOCK_N=64,
+        PAGE=16, NUM_SPLITS=4, UPCAST_DOT=False, HAS_SINKS=fp8, WINDOW=128 if fp8 else 0))
+print(json.dumps(out))
+"""
+
+
+def test_the_kernels_compile_for_hopper() -> None:
+    """The device code (not what the interpreter runs: bf16 tensor-core dots, the fp8 bitcast, the reshapes) compiles
+    for sm_90: the write kernel for both formats, attention at Llama-8B's int4 and gpt-oss's fp8 shapes with its
+    q·k and p·v products on bf16 tensor cores."""
+    got = compile_for_hopper(_AOT)
+    for fp8 in ("False", "True"):
+        assert got[f"attention {fp8}"]["mma"] == [["f32", "bf16"]], got
+    assert max(v["shared"] for v in got.values()) <= 227 * 1024, got
 
 
 # -- GPU: the real shapes, compiled ------------------------------------------------------------------------------------
