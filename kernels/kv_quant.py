@@ -34,8 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from envex.kernels import reference
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
 from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, split_qkv
 
 KV_CACHE_DTYPES = ("bf16", "fp8", "int4")
 INT4_GROUP_SIZES = (32, 64)
@@ -522,13 +524,15 @@ def packed_paged_attention(
     num_stages: int | None = None,
     sinks: torch.Tensor | None = None,
     window: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """attention.paged_attention over a packed cache: packed varlen queries q [T, Hq, D] (rotary applied, not the
     Hadamard rotation: the kernel applies it), sequence b's rows cu_seqlens_q[b]:cu_seqlens_q[b+1] at the last q_len
     of its seq_lens[b] cached (already written) tokens. Decode (q_len 1), speculative verify rows (q_len k + 1) and
     prefill over a packed prefix (any q_len; no split, no tile skipping the causal mask yet) run through the same
     kernel; split-K for short query chunks, merged by attention's merge kernel. sinks [Hq], window: as
-    reference.paged_attention. -> [T, Hq, D] in q's dtype."""
+    reference.paged_attention. partials: preallocated float32 split buffers ([S, T, Hq, D], [S, T, Hq]) for a CUDA
+    graph, with num_splits fixed; else allocated here. -> [T, Hq, D] in q's dtype."""
     check_tensor("q", q, ndim=3, dtypes=FLOAT_DTYPES)
     tokens, n_q, head_dim = q.shape
     check(head_dim == cache.head_dim, f"q: head_dim {head_dim} != the cache's {cache.head_dim}")
@@ -556,8 +560,14 @@ def packed_paged_attention(
     if block_m is None:
         block_m = max(16, min(64, next_pow2(max_q_len * group)))
     if num_splits > 1:
-        part_o = torch.empty((num_splits, tokens, n_q, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((num_splits, tokens, n_q), dtype=torch.float32, device=q.device)
+        if partials is None:
+            partials = (torch.empty((num_splits, tokens, n_q, head_dim), dtype=torch.float32, device=q.device),
+                        torch.empty((num_splits, tokens, n_q), dtype=torch.float32, device=q.device))  # fmt: skip
+        part_o, part_lse = partials
+        for name, t, shape in (("o", part_o, (num_splits, tokens, n_q, head_dim)),
+                               ("lse", part_lse, (num_splits, tokens, n_q))):  # fmt: skip
+            check(t.shape == shape and t.dtype == torch.float32 and t.stride(-1) == 1,
+                  f"partials: {name} must be float32 {list(shape)} with a contiguous last dim")  # fmt: skip
     else:
         part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
@@ -585,6 +595,30 @@ def packed_paged_attention(
             USE_PDL=False, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def packed_attention(qkv: torch.Tensor, cache: PackedKVCache, meta: AttentionMetadata,
+                     layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+    """`Ops.attention` over a packed cache: qkv [T, (Hq + 2·Hkv)·D] un-rotated -> [T, Hq·D]; this step's K/V written
+    packed at meta.slot_mapping. Two launches (write, attention) plus the split merge. A window layer passes its
+    own pool's metadata (meta.window) and cache, as the model files do for the bf16 cache. Qwen3's per-head q/k
+    RMSNorm runs as torch ops before the write (not fused yet)."""
+    tokens = qkv.shape[0]
+    q, k, v = split_qkv(qkv, layer)
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q = reference.rms_norm(q, layer.q_norm, layer.norm_eps)
+        k = reference.rms_norm(k, layer.k_norm, layer.norm_eps)
+    q_rot = rotary_and_write_packed_kv(q, k, v, meta.positions, meta.cos, meta.sin, meta.slot_mapping, cache)
+    seq_lens = meta.seq_lens
+    if seq_lens is None:  # decode or a uniform verify step: the last position of each sequence + 1
+        q_len = meta.q_per_seq or 1
+        seq_lens = (meta.positions.view(-1, q_len)[:, -1] + 1).to(torch.int32)
+    # A window layer reads at most `window` keys: its split count comes from that, not the graph's max_seq_len.
+    num_splits = meta.num_splits if layer.sliding_window is None else None
+    out = packed_paged_attention(q_rot, cache, meta.cu_seqlens_q, seq_lens, meta.block_tables, layer.scale,
+                                 max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len, num_splits=num_splits,
+                                 sinks=layer.sinks, window=layer.sliding_window)  # fmt: skip
+    return out.view(tokens, layer.q_size)
 
 
 def dequantize_blocks(cache: PackedKVCache, blocks: torch.Tensor, dtype: torch.dtype

@@ -1,7 +1,8 @@
 """The KV-cache formats' errors on real activations (offline_docs/kv_cache.md, "Measured errors"): the embedded
-SmolLM2-135M's q, k, v of every layer over a ~400-token text (HF transformers, float32 on CPU), each format's
+SmolLM2-135M's q, k, v of every layer over a 598-token text (HF transformers, float32 on CPU), each format's
 relative error of K, V and of the causal attention output against the unquantized cache, in float64. Also the
-same on synthetic keys with a few large outlier channels. CPU, about 20 s:
+same on synthetic keys with a few large outlier channels. CPU, about 4 minutes on 2 cores
+(verify/lab/results/cpu-2026-12-06-e241abc-kv-quant-errors.txt):
 
     python -P -m envex.verify.lab.kernel_bench.kv_quant_errors
 """
