@@ -36,9 +36,10 @@ def _keys(n: int, hkv: int, d: int, g: torch.Generator, outliers: bool = True) -
 
 
 def _filled(fmt: kq.KVCacheFormat, seq_lens: list[int], hq: int, hkv: int, d: int, page: int, seed: int,
-            dtype: torch.dtype = torch.bfloat16, outliers: bool = True):  # fmt: skip
-    """A packed cache written by the write kernel for every position of each sequence through shuffled blocks
-    -> (cache, block_tables, k, v, positions, cos, sin) (k/v un-rotated, before rotary)."""
+            dtype: torch.dtype = torch.bfloat16, outliers: bool = True, kernel: bool = True):  # fmt: skip
+    """A packed cache written by the write kernel (kernel False: by the reference, the same bytes,
+    test_write_kernel_matches_reference_bits, in a fraction of the interpreter's time) for every position of each
+    sequence through shuffled blocks -> (cache, block_tables, k, v, positions, cos, sin) (k/v before rotary)."""
     g = torch.Generator().manual_seed(seed)
     per = [-(-s // page) for s in seq_lens]
     nb = sum(per) + 3
@@ -56,7 +57,15 @@ def _filled(fmt: kq.KVCacheFormat, seq_lens: list[int], hq: int, hkv: int, d: in
                        for b, s in enumerate(seq_lens)]).to(DEV)  # fmt: skip
     cos, sin = _rope_tables(max(seq_lens) + 8, d)
     cache = fmt.allocate(nb, page, hkv, d, DEV)
-    kq.rotary_and_write_packed_kv(torch.zeros(t, 1, d, dtype=dtype, device=DEV), k, v, pos, cos, sin, slots, cache)
+    if kernel:
+        kq.rotary_and_write_packed_kv(torch.zeros(t, 1, d, dtype=dtype, device=DEV), k, v, pos, cos, sin, slots, cache)
+    else:
+        parts = [p.cpu() for p in (cache.k_data, cache.k_meta, cache.v_data, cache.v_meta)]
+        kref.write_kv(k.cpu(), v.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), slots.cpu(), *parts, kind=fmt.dtype,
+                      group=fmt.group_size, rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
+                      round_to=dtype)  # fmt: skip
+        cache = dataclasses.replace(cache, k_data=parts[0].to(DEV), k_meta=parts[1].to(DEV), v_data=parts[2].to(DEV),
+                                    v_meta=parts[3].to(DEV))  # fmt: skip
     return cache, tables.to(torch.int32).to(DEV), k, v, pos, cos, sin
 
 
@@ -196,21 +205,21 @@ def test_bad_formats_are_refused_in_one_line() -> None:
 # -- packed paged attention against the float64 reference on the same bits --------------------------------------------
 
 ATTN_CASES = {
-    # name: (kind, group, rotate_values, d, hq, hkv, page, seq_lens, q_lens, splits, sinks, window)
-    "int4_decode_gqa4_splitk": ("int4", 64, True, 64, 8, 2, 8, [1, 17, 40, 64], [1, 1, 1, 1], 3, False, None),
-    "int4_decode_nosplit_g32_d128": ("int4", 32, False, 128, 6, 2, 16, [5, 33, 70], [1, 1, 1], 1, False, None),
-    "int4_verify_rows": ("int4", 64, True, 128, 8, 2, 16, [9, 40, 71], [4, 4, 4], 2, False, None),
-    "int4_sinks_window": ("int4", 64, True, 64, 8, 1, 8, [3, 50, 90], [1, 3, 3], 4, True, 24),
-    "int4_chunked_prefill": ("int4", 64, True, 64, 4, 2, 8, [50, 21], [13, 21], None, False, None),
-    "fp8_decode_splitk_sinks": ("fp8", 64, False, 64, 6, 2, 8, [2, 31, 77], [1, 1, 1], 4, True, None),
-    "fp8_verify_window_d128": ("fp8", 64, False, 128, 4, 4, 16, [20, 66], [3, 3], 2, False, 16),
+    # name: (kind, group, rotated ("k": keys, "v": values), d, hq, hkv, page, seq_lens, q_lens, splits, sinks, window)
+    "int4_decode_gqa4_splitk": ("int4", 64, "kv", 64, 8, 2, 8, [1, 17, 40, 64], [1, 1, 1, 1], 3, False, None),
+    "int4_decode_nosplit_g32_d128": ("int4", 32, "k", 128, 6, 2, 16, [5, 33, 70], [1, 1, 1], 1, False, None),
+    "int4_verify_rows": ("int4", 64, "kv", 128, 8, 2, 16, [9, 40, 71], [4, 4, 4], 2, False, None),
+    "int4_sinks_window_unrotated": ("int4", 64, "", 64, 8, 1, 8, [3, 50, 90], [1, 3, 3], 4, True, 24),
+    "int4_chunked_prefill": ("int4", 64, "kv", 64, 4, 2, 8, [50, 21], [13, 21], None, False, None),
+    "fp8_decode_splitk_sinks": ("fp8", 64, "k", 64, 6, 2, 8, [2, 31, 77], [1, 1, 1], 4, True, None),
+    "fp8_verify_window_d128_unrotated": ("fp8", 64, "", 128, 4, 4, 16, [20, 66], [3, 3], 2, False, 16),
 }
 
 
 @pytest.mark.parametrize("case", sorted(ATTN_CASES))
 def test_packed_attention_matches_reference(case: str) -> None:
-    kind, group, rot_v, d, hq, hkv, page, seq_lens, q_lens, splits, sinks, window = ATTN_CASES[case]
-    fmt = kq.KVCacheFormat(dtype=kind, group_size=group, rotate_values=rot_v)
+    kind, group, rot, d, hq, hkv, page, seq_lens, q_lens, splits, sinks, window = ATTN_CASES[case]
+    fmt = kq.KVCacheFormat(dtype=kind, group_size=group, rotate_keys="k" in rot, rotate_values="v" in rot)
     cache, bt, *_ = _filled(fmt, seq_lens, hq, hkv, d, page, seed=len(case))
     g = torch.Generator().manual_seed(7)
     cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32).to(DEV)
@@ -290,7 +299,7 @@ def _quant_vs_exact(fmt: kq.KVCacheFormat, seed: int, seq: int = 128) -> tuple[f
     the rotary keys of) the unquantized keys, with outlier channels, and values; bf16 q, 4 sequences, GQA 4."""
     hq, hkv, d, page = 8, 2, 128, 16
     seq_lens = [seq, seq // 2, seq // 3, 7]
-    cache, bt, k, v, pos, cos, sin = _filled(fmt, seq_lens, hq, hkv, d, page, seed)
+    cache, bt, k, v, pos, cos, sin = _filled(fmt, seq_lens, hq, hkv, d, page, seed, kernel=False)
     g = torch.Generator().manual_seed(seed + 1)
     # queries that attend somewhat sharply, as real heads do: near one of the keys they see
     k_rot = ref.rotary(k.double().cpu(), pos.cpu(), cos.double().cpu(), sin.double().cpu())
@@ -333,7 +342,7 @@ def test_needle_wins_among_thousands_of_keys(kind: str) -> None:
     n, d, hq, page = 2048, 64, 4, 16
     fmt = kq.KVCacheFormat(dtype=kind)
     # keys without the shared outlier offset: a query along one key then matches it alone
-    cache, bt, k, v, pos, cos, sin = _filled(fmt, [n], hq, 1, d, page, seed=5, outliers=False)
+    cache, bt, k, v, pos, cos, sin = _filled(fmt, [n], hq, 1, d, page, seed=5, outliers=False, kernel=False)
     needle = 1234
     k_rot = ref.rotary(k.double().cpu(), pos.cpu(), cos.double().cpu(), sin.double().cpu())[needle, 0]
     g = torch.Generator().manual_seed(6)
