@@ -210,7 +210,7 @@ ATTN_CASES = {
     "int4_decode_nosplit_g32_d128": ("int4", 32, "k", 128, 6, 2, 16, [5, 33, 70], [1, 1, 1], 1, False, None),
     "int4_verify_rows": ("int4", 64, "kv", 128, 8, 2, 16, [9, 40, 71], [4, 4, 4], 2, False, None),
     "int4_sinks_window_unrotated": ("int4", 64, "", 64, 8, 1, 8, [3, 50, 90], [1, 3, 3], 4, True, 24),
-    "int4_chunked_prefill": ("int4", 64, "kv", 64, 4, 2, 8, [50, 21], [13, 21], None, False, None),
+    "int4_chunked_prefill_g32": ("int4", 32, "kv", 64, 4, 2, 8, [50, 21], [13, 21], None, False, None),
     "fp8_decode_splitk_sinks": ("fp8", 64, "k", 64, 6, 2, 8, [2, 31, 77], [1, 1, 1], 4, True, None),
     "fp8_verify_window_d128_unrotated": ("fp8", 64, "", 128, 4, 4, 16, [20, 66], [3, 3], 2, False, 16),
 }
