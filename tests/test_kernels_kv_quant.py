@@ -212,6 +212,7 @@ ATTN_CASES = {
     "int4_sinks_window_unrotated": ("int4", 64, "", 64, 8, 1, 8, [3, 50, 90], [1, 3, 3], 4, True, 24),
     "int4_chunked_prefill_g32": ("int4", 32, "kv", 64, 4, 2, 8, [50, 21], [13, 21], None, False, None),
     "fp8_decode_splitk_sinks": ("fp8", 64, "k", 64, 6, 2, 8, [2, 31, 77], [1, 1, 1], 4, True, None),
+    "fp8_prefill_three_row_tiles": ("fp8", 64, "k", 64, 8, 2, 8, [60, 9], [40, 9], None, True, 20),
     "fp8_verify_window_d128_unrotated": ("fp8", 64, "", 128, 4, 4, 16, [20, 66], [3, 3], 2, False, 16),
 }
 
