@@ -9,6 +9,7 @@ torch reference):
     act_linear    SwiGLU + projection
     attention     (q/k RMSNorm) + rotary + KV-cache write + paged causal attention (+ sinks, sliding window)
     moe           residual add + RMSNorm + router (top-k, softmax) + experts (float or MXFP4) -> (y, new residual)
+    mla_attention latent-row write (kv_a_layernorm + rotary) + latent-cache attention (DeepSeek's MLA) -> o_proj input
 
 The backends live in their own files: torch_ops.py (kernels/reference.py behind this interface, and its
 batch-invariant forms), triton_ops.py (the CUDA fast path), invariant_ops.py (the batch-invariant Triton path).
@@ -24,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from envex.kernels import reference
+from envex.kernels import mla_reference, reference
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +108,14 @@ class MoEWeights:
     alpha: float = 1.702
     limit: float = 7.0
     renormalize: bool = True
+    # DeepSeek's routing (MoEWeights.deepseek_route; runtime.config.MoEConfig.scoring): "sigmoid" (V3, with correction_bias,
+    # n_group and topk_group), "softmax_greedy" / "softmax_group_limited" (V2); "softmax" is reference.moe_route's.
+    scoring: str = "softmax"
+    correction_bias: torch.Tensor | None = None  # [E] V3's e_score_correction_bias: it biases the choice only
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0  # routed_scaling_factor: the routed experts' weights are multiplied by it
+    shared_experts: int = 0  # the stacks' last experts: DeepSeek's shared MLP split, chosen for every token, weight 1
 
     def __post_init__(self) -> None:
         packed = (self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales)
@@ -129,6 +138,24 @@ class MoEWeights:
     def quantized(self) -> bool:
         return self.gate_up is None
 
+    def deepseek_route(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's router on logits [T, E routed] -> (weights [T, top_k + shared], ids [T, top_k + shared] int64):
+        mla_reference.deepseek_v3_routing ("sigmoid") or deepseek_v2_routing, then the shared experts (the stacks' last
+        ones) with weight 1, so one expert pass adds them (HF: routed experts + shared_experts(x))."""
+        if self.scoring == "sigmoid":
+            assert self.correction_bias is not None, "V3 routing carries its e_score_correction_bias"
+            weights, ids = mla_reference.deepseek_v3_routing(
+                logits, self.correction_bias, top_k=top_k, n_group=self.n_group, topk_group=self.topk_group,
+                norm_topk_prob=self.renormalize, routed_scaling_factor=self.scaling)  # fmt: skip
+        else:
+            method = {"softmax_greedy": "greedy", "softmax_group_limited": "group_limited_greedy"}[self.scoring]
+            weights, ids = mla_reference.deepseek_v2_routing(logits, top_k=top_k, topk_method=method,
+                                                             n_group=self.n_group, topk_group=self.topk_group,
+                                                             routed_scaling_factor=self.scaling)  # fmt: skip
+        t, routed = logits.shape
+        shared = torch.arange(routed, routed + self.shared_experts, device=ids.device).expand(t, -1)
+        return torch.cat([weights, weights.new_ones(shared.shape)], 1), torch.cat([ids, shared], 1)
+
     def gate_up_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The float stack, or the MXFP4 (blocks, scales) pair (what kernels/reference.py takes)."""
         if self.gate_up is not None:
@@ -147,7 +174,30 @@ class MoEWeights:
 MOE = "mixture-of-experts layers"
 SINKS = "attention sinks"
 SLIDING_WINDOW = "sliding-window attention"
-FEATURES = (MOE, SINKS, SLIDING_WINDOW)
+MLA = "multi-head latent attention"
+FEATURES = (MOE, SINKS, SLIDING_WINDOW, MLA)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLALayer:
+    """One multi-head latent attention layer (DeepSeek-V2/V3; kernels/mla.py, offline_docs/mla.md): its cache holds
+    one row per token, [kv_a_layernorm(c) (kv_lora_rank), rotary(k_pe) (qk_rope_head_dim, half-split)]."""
+
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    scale: float  # the softmax scale (runtime.config.MLAConfig.softmax_scale)
+    kv_norm: torch.Tensor  # [rank] kv_a_layernorm's weight
+    w_uk: torch.Tensor  # [H, nope, rank] and [H, v, rank]: kv_b_proj's weight split per head (mla.split_kv_b_proj)
+    w_uv: torch.Tensor
+    norm_eps: float = 1e-6
+    interleaved: bool = True  # the checkpoint's rope pairs are (x0, x1), (x2, x3), ... (HF rope_interleave)
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -232,7 +282,15 @@ class Ops(Protocol):
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """(moe(rms_norm(x + residual)), x + residual): router logits = linear(h, router_weight, router_bias), the
         top_k experts of each token weighted by the softmax of their logits (reference.moe_route, with
-        experts.renormalize), each expert down(act(gate_up(h))) (reference.moe_activation, experts.activation)."""
+        experts.renormalize), each expert down(act(gate_up(h))) (reference.moe_activation, experts.activation).
+        With experts.scoring not "softmax": DeepSeek's routing (MoEWeights.deepseek_route), shared experts included."""
+        ...
+
+    def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,
+                      meta: AttentionMetadata, layer: MLALayer) -> torch.Tensor:  # fmt: skip
+        """Multi-head latent attention: q [T, H (nope + rope)] (q_b_proj's or q_proj's output, un-rotated), kv_a
+        [T, rank + rope] (kv_a_proj_with_mqa's) -> [T, H v], o_proj's input; writes this step's latent rows
+        (kv_a_layernorm, rotary) into latent_cache [num_blocks, block_size, rank + rope]."""
         ...
 
 
@@ -241,3 +299,4 @@ def split_qkv(qkv: torch.Tensor, layer: AttentionLayer) -> tuple[torch.Tensor, t
     q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
     return (q.reshape(-1, layer.num_heads, layer.head_dim), k.reshape(-1, layer.num_kv_heads, layer.head_dim),
             v.reshape(-1, layer.num_kv_heads, layer.head_dim))  # fmt: skip
+

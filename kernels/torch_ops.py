@@ -14,8 +14,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import reference
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MoEWeights, split_qkv
+from envex.kernels import mla_reference, reference
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MLALayer, MoEWeights, split_qkv
 
 
 class TorchOps:
@@ -67,11 +67,29 @@ class TorchOps:
             h, residual = reference.rms_norm(x, norm_weight, eps), x
         else:
             h, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
-        weights, ids = reference.moe_route(F.linear(h, router_weight, router_bias), top_k, experts.renormalize)
+        if experts.scoring != "softmax":  # DeepSeek's routing, shared experts included; the router in its dtype
+            logits = F.linear(h.to(router_weight.dtype), router_weight, router_bias)
+            weights, ids = experts.deepseek_route(logits, top_k)
+        else:
+            weights, ids = reference.moe_route(F.linear(h, router_weight, router_bias), top_k, experts.renormalize)
         out = reference.moe_experts(h, weights, ids, experts.gate_up_matrix(), experts.gate_up_bias,
                                     experts.down_matrix(), experts.down_bias, experts.alpha, experts.limit,
                                     experts.activation)  # fmt: skip
         return out, residual
+
+    def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,
+                      meta: AttentionMetadata, layer: MLALayer) -> torch.Tensor:  # fmt: skip
+        q = q.view(-1, layer.num_heads, layer.q_head_dim)  # [T, H, nope + rope]
+        q_nope, q_pe = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)
+        mla_reference.mla_store_latent(kv_a, layer.kv_norm, layer.norm_eps, meta.positions, meta.cos, meta.sin,
+                                       meta.slot_mapping, latent_cache, interleaved=layer.interleaved)  # fmt: skip
+        q_pe = mla_reference.deepseek_rope(q_pe, meta.positions, meta.cos, meta.sin, interleaved=layer.interleaved)
+        q_abs = torch.einsum("thd,hdr->thr", q_nope, layer.w_uk)  # [T, H, rank]: W_UK absorbed into the query
+        seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
+        o = mla_reference.mla_paged_attention(q_abs, q_pe, latent_cache, meta.cu_seqlens_q, seq_lens,
+                                              meta.block_tables, layer.scale, q_lens=meta.q_lens_host,
+                                              seq_lens_host=meta.seq_lens_host)  # fmt: skip
+        return torch.einsum("thr,hvr->thv", o, layer.w_uv).reshape(q.shape[0], -1)  # [T, H v]
 
 
 class InvariantTorchOps(TorchOps):

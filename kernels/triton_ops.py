@@ -27,9 +27,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import activation, attention, decode_attention, gemv, invariant_matmul, moe_mxfp4, norm, rotary
+from envex.kernels import activation, attention, decode_attention, gemv, invariant_matmul, mla, moe_mxfp4, norm, rotary
 from envex.kernels._common import check
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MoEWeights, split_qkv
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MLALayer, MoEWeights, split_qkv
 
 # Smallest K (input width) whose projection TritonOps splits into halves for the next norm to sum.
 SPLIT_K_MIN = 4096
@@ -184,6 +184,8 @@ class TritonOps:
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
             router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if experts.scoring != "softmax":
+            return self._deepseek_moe(x, residual, norm_weight, eps, router_weight, router_bias, experts, top_k)
         x = self.materialize(x, router_weight.dtype if residual is None else residual.dtype)
         planes = None
         pdl = self.pdl and x.shape[0] == 1  # the batch-1 chain, as the GEMV path launches it
@@ -207,6 +209,58 @@ class TritonOps:
                                   activation=experts.activation, renormalize=experts.renormalize,
                                   x_planes=planes, pdl=pdl)  # fmt: skip
         return out, residual
+
+    def _deepseek_moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """DeepSeek's routing in torch (MoEWeights.deepseek_route: sigmoid or softmax scores, groups, the correction bias,
+        the scaling factor, the shared experts as always-chosen experts), then the existing expert kernels: the
+        chosen experts are handed to fused_moe as logits log(w), every other expert far below, whose top-k softmax
+        is w / Σw, and the output is multiplied back by Σw. No kernel change; the routing is not fused (yet)."""
+        x = self.materialize(x, norm_weight.dtype if residual is None else residual.dtype)
+        if residual is None:
+            h, residual = norm.rms_norm(x, norm_weight, eps), x
+        else:
+            h, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
+        weights, ids = experts.deepseek_route(F.linear(h.to(router_weight.dtype), router_weight, router_bias), top_k)
+        weights = weights.float()
+        stack = experts.gate_up if experts.gate_up is not None else experts.gate_up_blocks
+        assert stack is not None
+        chosen = torch.full((h.shape[0], stack.shape[0]), -1e30, dtype=torch.float32, device=h.device)
+        chosen.scatter_(1, ids, weights.clamp_min(1e-30).log())  # [T, E + shared]
+        out = moe_mxfp4.fused_moe(h, chosen, ids.shape[1], gate_up=experts.gate_up_matrix(),
+                                  gate_up_bias=experts.gate_up_bias, down=experts.down_matrix(),
+                                  down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,
+                                  activation=experts.activation, renormalize=True)  # fmt: skip
+        return (out.float() * weights.sum(-1, keepdim=True)).to(out.dtype), residual
+
+    def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,
+                      meta: AttentionMetadata, layer: MLALayer) -> torch.Tensor:  # fmt: skip
+        """Decode and verify steps absorbed over the latent cache (mla_decode_attention, split-K); prefill chunks
+        expanded (mla_prefill_attention, torch, host lengths: not for CUDA graphs)."""
+        tokens = q.shape[0]
+        q = q.view(tokens, layer.num_heads, layer.q_head_dim)  # [T, H, nope + rope]
+        q_pe = mla.mla_store_latent(kv_a, layer.kv_norm, layer.norm_eps, meta.positions, meta.cos, meta.sin,
+                                    meta.slot_mapping, latent_cache, interleaved=layer.interleaved, q=q,
+                                    qk_nope_head_dim=layer.qk_nope_head_dim)  # fmt: skip
+        assert q_pe is not None
+        q_nope = q[..., : layer.qk_nope_head_dim]
+        q_len = 1 if meta.is_decode else meta.q_per_seq
+        if q_len is not None:
+            seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
+            o = mla.mla_decode_attention(mla.absorb_query(q_nope, layer.w_uk), q_pe, latent_cache, meta.block_tables,
+                                         seq_lens, layer.scale, max_seq_len=meta.max_seq_len, q_len=q_len,
+                                         num_splits=meta.num_splits)  # fmt: skip
+            return mla.expand_output(o, layer.w_uv)
+        q_lens = meta.q_lens_host
+        if q_lens is None:
+            cu = meta.cu_seqlens_q.tolist()
+            q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+        assert meta.seq_lens is not None, "a step with prefill chunks carries seq_lens"
+        seq_lens_host = meta.seq_lens_host if meta.seq_lens_host is not None else meta.seq_lens.tolist()
+        out = mla.mla_prefill_attention(q_nope, q_pe, latent_cache, meta.block_tables, layer.w_uk, layer.w_uv,
+                                        layer.scale, q_lens=q_lens, seq_lens=seq_lens_host)  # fmt: skip
+        return out.reshape(tokens, -1)  # [T, H v]
 
     def _row_pdl(self, x: torch.Tensor) -> bool:
         return self.pdl and x.shape[0] == 1  # the batch-1 chain (PDL only there), as the GEMV path launches it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +17,14 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3ForCausalLM": (False, True),
     "GptOssForCausalLM": (True, False),
     "Qwen3MoeForCausalLM": (False, True),
+    "DeepseekV3ForCausalLM": (False, False),
+    "DeepseekV2ForCausalLM": (False, False),
 }
 GPT_OSS = "GptOssForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
+# DeepSeek's architecture (models/deepseek.py): multi-head latent attention (MLAConfig) and DeepSeek's MoE routing.
+DEEPSEEK_V3, DEEPSEEK_V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
+DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)
 # What HF's GptOssConfig fills in when config.json leaves it out (configuration_gpt_oss.py).
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -66,6 +72,29 @@ class MoEConfig:
     # the softmax over all experts
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (ModelConfig.intermediate_size wide) instead
+    # DeepSeek's routing (mla_reference.deepseek_v3_routing / deepseek_v2_routing); "softmax": reference.moe_route.
+    # "sigmoid" (V3): choose by score + e_score_correction_bias among topk_group of n_group groups; "softmax_greedy"
+    # / "softmax_group_limited" (V2). The chosen weights are multiplied by routed_scaling_factor.
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_experts: int = 0  # always-on experts, each intermediate_size wide (DeepSeek's shared_experts MLP, split)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): q through a LoRA (q_a_proj, q_a_layernorm, q_b_proj) or one
+    q_proj (q_lora_rank None); K/V compressed to kv_lora_rank plus one shared rotary key of qk_rope_head_dim, cached
+    as one row per token (kernels/mla.py)."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    interleaved: bool  # rope pairs (x0, x1), (x2, x3)...: V3's rope_interleave, always for V2 (complex rotation)
+    softmax_scale: float  # (nope + rope)^-1/2 · yarn mscale(factor, mscale_all_dim)², as HF's yarn_apply_mscale
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +124,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     quantization: str | None = None  # "mxfp4": the MoE experts are stored packed (kernels/mxfp4.py)
     rope_yarn: YarnScaling | None = None
+    mla: MLAConfig | None = None  # DeepSeek: head_dim is then qk_rope_head_dim (the rotary tables' width), as HF
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -147,11 +177,15 @@ class ModelConfig:
             )
         elif rope_type == "yarn":
             src = {**legacy, **rope}
-            if src.get("mscale") or src.get("mscale_all_dim"):
+            if arch not in DEEPSEEK and (src.get("mscale") or src.get("mscale_all_dim")):
                 raise ConfigError("config.json: yarn with mscale/mscale_all_dim is not supported; supported: "
                                   "factor, beta_fast, beta_slow, truncate, attention_factor")
             factor = src.get("factor")
             original = src.get("original_max_position_embeddings")
+            if arch in DEEPSEEK and src.get("attention_factor") is None and src.get("mscale") and src.get(
+                    "mscale_all_dim") and isinstance(factor, int | float):  # HF _compute_yarn_parameters
+                src["attention_factor"] = _yarn_mscale(factor, src["mscale"]) / _yarn_mscale(factor,
+                                                                                           src["mscale_all_dim"])
             if not isinstance(factor, int | float) or not isinstance(original, int):
                 raise ConfigError("config.json: yarn rope scaling needs a numeric factor and an integer "
                                   "original_max_position_embeddings")
@@ -169,6 +203,8 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         sliding = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         extra = _gpt_oss_fields(cfg) if arch == GPT_OSS else _qwen3_moe_fields(cfg) if arch == QWEN3_MOE else {}
+        if arch in DEEPSEEK:
+            extra = _deepseek_fields(cfg, arch, {**legacy, **rope} if rope_type == "yarn" else {})
         if arch == GPT_OSS:
             sliding = None  # per layer, in layer_windows
         return cls(
@@ -179,7 +215,8 @@ class ModelConfig:
             num_hidden_layers=cfg["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=(extra["mla"].qk_rope_head_dim if "mla" in extra
+                      else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
@@ -253,3 +290,79 @@ def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     dense_layers = tuple(i for i in range(layers) if i in dense or (i + 1) % step)
     return dict(moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width, activation="silu",
                               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense_layers))
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's 0.1·mscale·ln(factor) + 1 (1 for factor ≤ 1): HF's yarn_get_mscale, DeepSeek's yarn_get_mscale."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _positive(cfg: dict[str, Any], key: str, default: Any = None) -> int:
+    value = cfg.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3's MLA and MoE fields from its config.json, with HF DeepseekV3Config's / DeepseekV2Config's
+    defaults. Layers below first_k_dense_replace are dense (HF: layer_idx >= first_k_dense_replace is MoE)."""
+    v3 = arch == DEEPSEEK_V3
+    layers = cfg["num_hidden_layers"]
+    q_lora = cfg.get("q_lora_rank", 1536)
+    if q_lora is not None:
+        q_lora = _positive(cfg, "q_lora_rank")
+    rank, nope = _positive(cfg, "kv_lora_rank", 512), _positive(cfg, "qk_nope_head_dim", 128)
+    rope, v_dim = _positive(cfg, "qk_rope_head_dim", 64), _positive(cfg, "v_head_dim", 128)
+    if rope % 2:
+        raise ConfigError(f"config.json: qk_rope_head_dim must be even, got {rope}")
+    experts = _positive(cfg, "n_routed_experts", 256 if v3 else 64)
+    top_k = cfg.get("num_experts_per_tok", 8 if v3 else None)
+    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+        raise ConfigError(f"config.json: num_experts_per_tok ({top_k!r}) must be in 1..n_routed_experts ({experts})")
+    shared = cfg.get("n_shared_experts", 1 if v3 else 2) or 0
+    first_dense = cfg.get("first_k_dense_replace", 3 if v3 else 0) or 0
+    if not isinstance(shared, int) or shared < 0 or not isinstance(first_dense, int) or not 0 <= first_dense <= layers:
+        raise ConfigError(f"config.json: n_shared_experts ({shared!r}) must be ≥ 0 and first_k_dense_replace "
+                          f"({first_dense!r}) in 0..{layers}")  # fmt: skip
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(f"config.json: moe_layer_freq {cfg['moe_layer_freq']!r} is not supported; supported: 1 "
+                          "(every layer from first_k_dense_replace on is MoE, as HF builds it)")  # fmt: skip
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring_func = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    supported = {("noaux_tc", "sigmoid"): "sigmoid"} if v3 else {("greedy", "softmax"): "softmax_greedy",
+                                                                 ("group_limited_greedy", "softmax"):
+                                                                 "softmax_group_limited"}  # fmt: skip
+    if (method, scoring_func) not in supported:
+        raise ConfigError(f"config.json: topk_method {method!r} with scoring_func {scoring_func!r} is not supported "
+                          f"for {arch}; supported: {', '.join(f'{m} with {s}' for m, s in supported)}")  # fmt: skip
+    grouped = method != "greedy"
+    n_group = _positive(cfg, "n_group", 8) if grouped else 1
+    topk_group = _positive(cfg, "topk_group", 4) if grouped else 1
+    if experts % n_group or topk_group > n_group or (v3 and experts // n_group < 2):
+        raise ConfigError(f"config.json: n_group {n_group} must divide n_routed_experts {experts} (V3: into groups "
+                          f"of two or more) and topk_group {topk_group} must be ≤ n_group")  # fmt: skip
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported for {arch}; "
+                          "supported: silu")  # fmt: skip
+    if cfg.get("attention_bias"):
+        raise ConfigError(f"config.json: attention_bias true is not supported for {arch}; no published checkpoint "
+                          "has it")  # fmt: skip
+    if cfg.get("quantization_config"):
+        raise ConfigError(f"config.json: quantized (FP8) {arch} checkpoints are not supported yet; use a bf16 or "
+                          "float32 checkpoint")  # fmt: skip
+    scale = (nope + rope) ** -0.5
+    if yarn.get("mscale_all_dim"):  # HF yarn_apply_mscale: the scale of the whole q·k, not only the rotary dims
+        scale *= _yarn_mscale(float(yarn["factor"]), float(yarn["mscale_all_dim"])) ** 2
+    routed_scale = cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)
+    return dict(
+        mla=MLAConfig(q_lora_rank=q_lora, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
+                      v_head_dim=v_dim, interleaved=bool(cfg.get("rope_interleave", True)) if v3 else True,
+                      softmax_scale=scale),
+        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=_positive(cfg, "moe_intermediate_size",
+                      2048 if v3 else 1407), activation="silu",
+                      norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
+                      dense_layers=tuple(range(first_dense)), scoring=supported[(method, scoring_func)],
+                      n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(routed_scale),
+                      shared_experts=shared),
+    )  # fmt: skip

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from envex.kernels import backends
-from envex.kernels.ops import MOE, SINKS, SLIDING_WINDOW, MoEWeights
+from envex.kernels.ops import MLA, MOE, SINKS, SLIDING_WINDOW, MoEWeights
 from envex.kernels.torch_ops import InvariantTorchOps, TorchOps
 from envex.runtime.config import GPT_OSS, QWEN3_MOE
 from envex.runtime.engine.config import EngineConfig, check_backend, has_invariant_kernels
@@ -28,7 +28,8 @@ def test_each_backend_states_its_capabilities_and_builds_its_ops() -> None:
     assert type(backends.backend("torch", deterministic=True).make(cpu)) is InvariantTorchOps
     for name in backends.NAMES:
         plain, invariant = backends.backend(name), backends.backend(name, deterministic=True)
-        assert plain.capabilities.features == {MOE, SINKS, SLIDING_WINDOW} and not plain.capabilities.batch_invariant
+        assert plain.capabilities.features == {MOE, SINKS, SLIDING_WINDOW, MLA}
+        assert not plain.capabilities.batch_invariant
         assert invariant.capabilities.batch_invariant and invariant.capabilities.ordered_all_reduce
     with pytest.raises(ValueError, match=r"^the triton backend: runs on cuda, not cpu$"):
         backends.backend("triton").make(cpu)

@@ -84,7 +84,9 @@ class ModelRunner:
         self.windows = (WindowBlocks(config, mc, self.device, self.dtype, self.num_blocks)
                         if any(w is not None for w in mc.layer_windows) else None)  # fmt: skip
         shape = (self.num_blocks, self.block_size, self.num_kv_heads, mc.head_dim)
-        self.kv_caches = [
+        # A model with a cache layout of its own (MLA: one latent row per token and layer) allocates it.
+        own_caches = getattr(self.model, "make_kv_caches", None)
+        self.kv_caches = own_caches(self.num_blocks, self.block_size, self.dtype, self.device) if own_caches else [
             self.windows.caches[i] if self.windows is not None and i in self.windows.caches else
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -100,6 +102,9 @@ class ModelRunner:
         reserved = WindowBlocks.bytes_for(self.config, mc, self.dtype) if windowed else 0
         bytes_per_block = (2 * (mc.num_hidden_layers - windowed) * self.block_size * self.num_kv_heads
                            * mc.head_dim * torch.finfo(self.dtype).bits // 8) + self.extra_kv_bytes_per_block
+        if hasattr(self.model, "kv_cache_bytes_per_block"):  # a cache layout of its own (make_kv_caches)
+            bytes_per_block = (self.model.kv_cache_bytes_per_block(self.block_size, self.dtype)
+                               + self.extra_kv_bytes_per_block)  # fmt: skip
         if self.config.num_kv_blocks is not None:
             blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":

@@ -6,12 +6,22 @@ import torch
 from torch import nn
 
 from envex.kernels import mxfp4
-from envex.runtime.config import GPT_OSS, QWEN3_MOE, SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from envex.runtime.config import (
+    DEEPSEEK_V2,
+    DEEPSEEK_V3,
+    GPT_OSS,
+    QWEN3_MOE,
+    SUPPORTED_ARCHITECTURES,
+    ConfigError,
+    ModelConfig,
+)
+from envex.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from envex.runtime.models.gpt_oss import GptOssForCausalLM
 from envex.runtime.models.llama import LlamaForCausalLM
 from envex.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
-_OWN_FILE: dict[str, type[nn.Module]] = {GPT_OSS: GptOssForCausalLM, QWEN3_MOE: Qwen3MoeForCausalLM}
+_OWN_FILE: dict[str, type[nn.Module]] = {GPT_OSS: GptOssForCausalLM, QWEN3_MOE: Qwen3MoeForCausalLM,
+                                         DEEPSEEK_V3: DeepseekV3ForCausalLM, DEEPSEEK_V2: DeepseekV2ForCausalLM}
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     arch: _OWN_FILE.get(arch, LlamaForCausalLM) for arch in SUPPORTED_ARCHITECTURES
 }

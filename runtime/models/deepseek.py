@@ -1,0 +1,242 @@
+"""DeepSeek-V3 (Kimi K2, Moonlight, DeepSeek-V3/R1) and DeepSeek-V2 (V2-Lite): multi-head latent attention and
+DeepSeek's MoE, one file; V2 differs only in its routing (softmax scores, greedy or group-limited top-k, never
+renormalised), which ModelConfig.moe.scoring carries.
+
+Attention (MLA, offline_docs/mla.md): q through a LoRA (q_a_proj, q_a_layernorm, q_b_proj) or one q_proj; K/V
+compressed by kv_a_proj_with_mqa into a latent c (kv_lora_rank) and one shared rotary key k_pe; the cache holds one
+row [kv_a_layernorm(c), rotary(k_pe)] per token and layer (`make_kv_caches`), and kv_b_proj's per-head up-projections
+are applied on the query and output sides (`Ops.mla_attention`). q_a_proj (or q_proj) and kv_a_proj_with_mqa read
+the same normed input: they load into one matrix, one `norm_linear`.
+
+MLP: dense below first_k_dense_replace, else routed experts plus shared ones: the shared MLP (n_shared_experts ×
+moe_intermediate_size wide) loads as n_shared_experts more experts at the end of the stacks, each token always
+routed to them with weight 1 (ops.deepseek_route), so one expert pass computes both (SGLang's shared-expert fusion).
+
+HF reference: transformers/models/deepseek_v3/modeling_deepseek_v3.py (and deepseek_v2). Parameter names are HF's;
+the checkpoint holds each expert as `mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up
+stacks as in models/qwen3_moe.py. The router and e_score_correction_bias stay float32, as HF keeps them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from envex.kernels.ops import MLA, MOE, AttentionMetadata, MLALayer, MoEWeights, Ops
+from envex.runtime.config import DEEPSEEK_V3, ModelConfig
+from envex.runtime.models.decoder import DecoderStack
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_SHARED = re.compile(r"mlp\.shared_experts\.(gate|up|down)_proj\.weight")
+_LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them without the config's eps
+_DIRECT = {
+    "input_layernorm.weight": "input_layernorm_weight",
+    "post_attention_layernorm.weight": "post_attention_layernorm_weight",
+    "self_attn.q_a_layernorm.weight": "q_a_layernorm_weight",
+    "self_attn.q_b_proj.weight": "q_b_proj_weight",
+    "self_attn.kv_a_layernorm.weight": "kv_a_layernorm_weight",
+    "self_attn.o_proj.weight": "o_proj_weight",
+    "mlp.gate.weight": "router_weight",
+    "mlp.gate.e_score_correction_bias": "e_score_correction_bias",
+    "mlp.down_proj.weight": "down_proj_weight",
+}
+_DENSE_GATE_UP = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 1}  # [gate | up], as models/llama.py packs it
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class DeepseekLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        c, m, moe = config, config.mla, config.moe
+        assert m is not None and moe is not None, "DeepSeek configs carry MLA and MoE fields (ModelConfig.from_hf)"
+        h, heads = c.hidden_size, c.num_attention_heads
+        self.eps = c.rms_norm_eps
+        self.top_k = moe.top_k
+        self.input_layernorm_weight = _param(h, dtype=dtype, device=device)
+        self.post_attention_layernorm_weight = _param(h, dtype=dtype, device=device)
+        q_out = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        # rows: q_a_proj (q_lora_rank) or q_proj (q_out), then kv_a_proj_with_mqa (kv_lora_rank + qk_rope_head_dim)
+        self.q_width = m.q_lora_rank if m.q_lora_rank is not None else q_out
+        self.qkv_a_proj_weight = _param(self.q_width + m.kv_lora_rank + m.qk_rope_head_dim, h, dtype=dtype,
+                                        device=device)  # fmt: skip
+        self.lora = m.q_lora_rank is not None
+        if self.lora:
+            self.q_a_layernorm_weight = _param(self.q_width, dtype=dtype, device=device)
+            self.q_b_proj_weight = _param(q_out, self.q_width, dtype=dtype, device=device)
+        self.kv_a_layernorm_weight = _param(m.kv_lora_rank, dtype=dtype, device=device)
+        # [H, nope + v, rank]: 3-D, so the CPU's column-major pass leaves it (and the views below) alone
+        self.kv_b_proj = _param(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank, dtype=dtype, device=device)
+        self.o_proj_weight = _param(h, heads * m.v_head_dim, dtype=dtype, device=device)
+        self.attn = MLALayer(num_heads=heads, qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                             v_head_dim=m.v_head_dim, kv_lora_rank=m.kv_lora_rank, scale=m.softmax_scale,
+                             kv_norm=self.kv_a_layernorm_weight, w_uk=self.kv_b_proj[:, : m.qk_nope_head_dim],
+                             w_uv=self.kv_b_proj[:, m.qk_nope_head_dim :], norm_eps=_LORA_EPS,
+                             interleaved=m.interleaved)  # fmt: skip
+        self.sparse = index not in moe.dense_layers
+        self.experts: MoEWeights | None = None
+        if self.sparse:
+            e, inter = moe.num_experts, moe.intermediate_size
+            stack = e + moe.shared_experts  # routed experts, then the shared MLP split into experts
+            self.router_weight = _param(e, h, dtype=torch.float32, device=device)
+            self.e_score_correction_bias = (_param(e, dtype=torch.float32, device=device)
+                                            if c.architecture == DEEPSEEK_V3 else None)  # fmt: skip
+            self.gate_up_proj = _param(stack, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, ...
+            self.down_proj = _param(stack, h, inter, dtype=dtype, device=device)
+            self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
+                                      renormalize=moe.norm_topk_prob, scoring=moe.scoring,
+                                      correction_bias=self.e_score_correction_bias, n_group=moe.n_group,
+                                      topk_group=moe.topk_group, scaling=moe.routed_scaling_factor,
+                                      shared_experts=moe.shared_experts)  # fmt: skip
+        else:
+            self.gate_up_proj_weight = _param(2 * c.intermediate_size, h, dtype=dtype, device=device)
+            self.down_proj_weight = _param(h, c.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: tuple[torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """hidden, residual [T, H] -> the MLP output and the residual stream before it (added by the next norm)."""
+        qkv_a, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
+                                          self.qkv_a_proj_weight)  # [T, q_width + rank + rope]
+        q = qkv_a[:, : self.q_width]
+        if self.lora:
+            q = ops.norm_linear(q, None, self.q_a_layernorm_weight, _LORA_EPS, self.q_b_proj_weight)[0]
+        attn = ops.mla_attention(q, qkv_a[:, self.q_width :], kv_cache[0], meta, self.attn)  # [T, H v]
+        hidden = ops.linear(attn, self.o_proj_weight)
+        if self.experts is not None:
+            return ops.moe(hidden, residual, self.post_attention_layernorm_weight, self.eps, self.router_weight,
+                           None, self.experts, self.top_k)  # fmt: skip
+        gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
+                                            self.gate_up_proj_weight)  # [T, 2I]
+        return ops.act_linear(gate_up, self.down_proj_weight), residual
+
+
+class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
+    features = frozenset({MOE, MLA})  # what the layers need of a backend (kernels/ops.py)
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DeepseekLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm_weight = _param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head_weight = (
+            self.embed_tokens_weight if config.tie_word_embeddings
+            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )  # fmt: skip
+
+    # ---- the latent cache (runtime/engine/model_runner.py asks for it) ---------------------------------------
+
+    def _latent_width(self) -> int:
+        m = self.config.mla
+        assert m is not None
+        return m.kv_lora_rank + m.qk_rope_head_dim
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """One latent row per token and layer, no V: (kv_lora_rank + qk_rope_head_dim) elements."""
+        return len(self.layers) * block_size * self._latent_width() * torch.finfo(dtype).bits // 8
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor]]:  # fmt: skip
+        """Each layer's cache: ([num_blocks, block_size, kv_lora_rank + qk_rope_head_dim],)."""
+        shape = (num_blocks, block_size, self._latent_width())
+        return [(torch.zeros(shape, dtype=dtype, device=device),) for _ in self.layers]
+
+    # ---- loading -------------------------------------------------------------------------------------------
+
+    def _target(self, name: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """Our tensor (a view for a packed shard) for an HF name and the shape the checkpoint stores it in; None
+        for a tied LM head's copy."""
+        c = self.config
+        m, moe = c.mla, c.moe
+        assert m is not None and moe is not None
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            return None
+        top = {"model.embed_tokens.weight": self.embed_tokens_weight, "model.norm.weight": self.norm_weight,
+               "lm_head.weight": self.lm_head_weight}  # fmt: skip
+        if name in top:
+            return top[name], tuple(top[name].shape)
+        match = _LAYER.fullmatch(name)
+        if match is not None and int(match.group(1)) < len(self.layers):
+            layer, rest = self.layers[int(match.group(1))], match.group(2)
+            q_name = "self_attn.q_a_proj.weight" if layer.lora else "self_attn.q_proj.weight"
+            if rest == q_name:
+                view = layer.qkv_a_proj_weight[: layer.q_width]
+                return view, tuple(view.shape)
+            if rest == "self_attn.kv_a_proj_with_mqa.weight":
+                view = layer.qkv_a_proj_weight[layer.q_width :]
+                return view, tuple(view.shape)
+            if rest == "self_attn.kv_b_proj.weight":
+                return layer.kv_b_proj, (layer.kv_b_proj.shape[0] * layer.kv_b_proj.shape[1], m.kv_lora_rank)
+            expert = _EXPERT.fullmatch(rest)
+            if layer.sparse and expert is not None and int(expert.group(1)) < moe.num_experts:
+                e, proj = int(expert.group(1)), expert.group(2)
+                view = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+                return view, tuple(view.shape)
+            shared = _SHARED.fullmatch(rest)
+            if layer.sparse and shared is not None and moe.shared_experts:
+                first, inter, s = moe.num_experts, moe.intermediate_size, moe.shared_experts
+                if shared.group(1) == "down":  # [H, S·I] -> S experts' [H, I]
+                    return layer.down_proj[first:].permute(1, 0, 2), (c.hidden_size, s * inter)
+                view = layer.gate_up_proj[first:, (shared.group(1) == "up") :: 2]  # [S, I, H] from [S·I, H]
+                return view, (s * inter, c.hidden_size)
+            if not layer.sparse and rest in _DENSE_GATE_UP:
+                inter = c.intermediate_size
+                view = layer.gate_up_proj_weight[_DENSE_GATE_UP[rest] * inter : (_DENSE_GATE_UP[rest] + 1) * inter]
+                return view, tuple(view.shape)
+            target = getattr(layer, _DIRECT.get(rest, ""), None)
+            if isinstance(target, torch.Tensor):
+                return target, tuple(target.shape)
+        raise ValueError(f"weights: unexpected tensor {name!r} for {c.architecture} (dense layers: "
+                         f"{list(moe.dense_layers)}, q LoRA: {m.q_lora_rank is not None})")  # fmt: skip
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model; every parameter must be written exactly once."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            found = self._target(name)
+            if found is None:
+                continue
+            param, stored = found
+            if tuple(tensor.shape) != stored:
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {stored}")
+            param.copy_(tensor.reshape(param.shape))
+            seen.add(name)
+        missing = sorted(self.expected_weight_names() - seen)
+        if missing:
+            raise ValueError(
+                f"weights: {len(missing)} tensors missing, e.g. {missing[:3]}; the checkpoint is incomplete"
+            )
+
+    def expected_weight_names(self) -> set[str]:
+        c = self.config
+        m, moe = c.mla, c.moe
+        assert m is not None and moe is not None
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not c.tie_word_embeddings:
+            names.add("lm_head.weight")
+        q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if m.q_lora_rank is not None else ["q_proj"]
+        attention = [f"self_attn.{p}.weight" for p in q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                                                           "o_proj"]] + ["input_layernorm.weight",
+                                                                         "post_attention_layernorm.weight"]
+        sparse = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts)
+                                        for p in ("gate", "up", "down")]  # fmt: skip
+        if c.architecture == DEEPSEEK_V3:
+            sparse.append("mlp.gate.e_score_correction_bias")
+        if moe.shared_experts:
+            sparse += [f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+        dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        for i, layer in enumerate(self.layers):
+            names.update(f"model.layers.{i}.{p}" for p in attention + (sparse if layer.sparse else dense))
+        return names
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    """DeepSeek-V2 (V2-Lite): the same layers; its softmax routing comes with its config (MoEConfig.scoring)."""
