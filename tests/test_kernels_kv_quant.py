@@ -196,6 +196,8 @@ def test_bad_formats_are_refused_in_one_line() -> None:
         kq.KVCacheFormat(dtype="int4", group_size=48)
     with pytest.raises(ValueError, match="head_dim: 96 must be a power of two"):
         kq.KVCacheFormat(dtype="int4").allocate(1, 16, 1, 96, "cpu")
+    with pytest.raises(ValueError, match="head_dim: 80 must be a power of two"):
+        kq.kv_bytes_per_token("fp8", 8, 80)
     cache = kq.KVCacheFormat(dtype="int4").allocate(1, 16, 2, 64, "cpu")
     with pytest.raises(ValueError, match="q: 3 query heads is not a multiple of 2 KV heads"):
         kq.packed_paged_attention(torch.zeros(1, 3, 64), cache, torch.tensor([0, 1]), torch.tensor([1]),
