@@ -6,6 +6,7 @@ refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from envex.runtime.models import dummy_weights
 from envex.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from envex.runtime.models.rope import rope_cos_sin
 from envex.runtime.parallel.state import check_tensor_parallel
+from envex.tests.support.kernels import eager_step
 from envex.tests.test_runtime_gpt_oss import VOCAB, _write_tokenizer
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
@@ -142,7 +144,8 @@ def test_missing_and_unexpected_tensors_are_named(checkpoint) -> None:
 def test_one_forward_on_triton_ops_equals_the_reference() -> None:
     """The V3 model file on the Triton ops under the interpreter (mla_store_latent, mla_prefill_attention,
     mla_decode_attention, the MoE kernels with DeepSeek's routing handed over) equals it on the torch ops: prefill of
-    two sequences over shuffled blocks, a chunk after cached tokens, and a batch-2 decode step."""
+    two sequences over shuffled blocks, a chunk after cached tokens, a batch-2 decode step and a speculative verify
+    step (two tokens a sequence, every row's logits). Batch 2: one row would take the GEMV kernels, slow here."""
     from envex.kernels.triton_ops import TritonOps
     from envex.tests.test_runtime_one_forward import PAGE, TOL, _Runner, _step
 
@@ -159,11 +162,21 @@ def test_one_forward_on_triton_ops_equals_the_reference() -> None:
     ref_runner, fast = runner(TorchOps()), runner(TritonOps())
     tables = [[3, 7], [1, 5, 2]]
     prompts = [[4, 11, 29, 3, 8], [1, 2, 3, 5, 8, 13, 21, 34, 7, 11, 18]]
-    steps = (("prefill", prompts, [0, 0]), ("chunk", [[22, 6, 1], [6, 30, 2, 2]], [5, 11]),
-             ("decode", [[12], [19]], [8, 15]))  # fmt: skip
-    for name, ids, starts in steps:
-        want, got = _step(ref_runner, ids, starts, tables), _step(fast, ids, starts, tables)
+    steps = (("prefill", prompts, [0, 0], tables), ("chunk", [[22, 6, 1], [6, 30, 2, 2]], [5, 11], tables),
+             ("decode", [[12], [19]], [8, 15], tables))  # fmt: skip
+    for name, ids, starts, table in steps:
+        want, got = _step(ref_runner, ids, starts, table), _step(fast, ids, starts, table)
         assert rel_err(got, want) < TOL, f"{name}: {rel_err(got, want):.2e}"
+
+    def verify(runner: _Runner) -> torch.Tensor:
+        tokens, meta, _ = eager_step([[3, 9], [27, 14]], [9, 16], tables, cos, sin, PAGE, dev)
+        meta = dataclasses.replace(meta, q_per_seq=2)  # the absorbed decode kernel with q_len 2
+        with torch.inference_mode():
+            hidden, residual = model(runner.ops, tokens, runner.kv_caches, meta)
+            return model.compute_logits(runner.ops, runner.ops.materialize(hidden, residual.dtype), residual)
+
+    want, got = verify(ref_runner), verify(fast)
+    assert rel_err(got, want) < TOL, f"verify: {rel_err(got, want):.2e}"
 
 
 def test_published_moonlight_config() -> None:
