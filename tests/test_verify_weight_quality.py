@@ -18,6 +18,8 @@ with the figures' ranges wide enough for summation-order noise and narrow enough
 """
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -26,6 +28,7 @@ from hypothesis import strategies as st
 from envex.verify import weight_quality as wq
 
 TOKENS, WINDOW = 256, 128
+CHECKOUT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -160,3 +163,14 @@ def test_any_input_is_a_policy_or_one_line(data: object) -> None:
         return
     assert isinstance(policy, wq.WeightPolicy)
     assert wq.parse_policy(policy.to_dict()) == policy
+
+
+def test_the_docs_table_is_the_committed_runs() -> None:
+    page = (CHECKOUT / "offline_docs" / "quantization.md").read_text(encoding="utf-8")
+    names = set(re.findall(r"verify/lab/results/([\w.-]+-weight-quality\.json)", page))
+    assert len(names) == 1, names
+    report = json.loads((CHECKOUT / "verify" / "lab" / "results" / names.pop()).read_text(encoding="utf-8"))
+    assert report["schema"] == "envex-weight-quality/1" and report["tokens"] == 4096
+    assert report["results"][0]["policy"] == {"default": "bf16", "lm_head": "bf16"}
+    assert report["results"][0]["mean_kld"] == 0.0 and report["results"][0]["top1"] == 1.0
+    assert wq.markdown_table(report) in page

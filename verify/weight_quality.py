@@ -388,7 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PolicyError, json.JSONDecodeError) as exc:
         print(f"--policy: {exc}", file=sys.stderr)
         return 2
-    report = run(policies, n_tokens=args.tokens, window=args.window, model=args.model)
+    try:
+        report = run(policies, n_tokens=args.tokens, window=args.window, model=args.model)
+    except ValueError as exc:  # PolicyError (a layer the model lacks), ModelNotFoundError, too many tokens
+        print(f"weight quality: {exc}", file=sys.stderr)
+        return 2
     text = json.dumps(report.to_dict(), indent=2)
     if args.json is not None:
         args.json.write_text(text + "\n", encoding="utf-8")
