@@ -108,8 +108,9 @@ class MoEWeights:
     alpha: float = 1.702
     limit: float = 7.0
     renormalize: bool = True
-    # DeepSeek's routing (MoEWeights.deepseek_route; runtime.config.MoEConfig.scoring): "sigmoid" (V3, with correction_bias,
-    # n_group and topk_group), "softmax_greedy" / "softmax_group_limited" (V2); "softmax" is reference.moe_route's.
+    # DeepSeek's routing (MoEWeights.deepseek_route; runtime.config.MoEConfig.scoring): "sigmoid" (V3, with
+    # correction_bias, n_group and topk_group), "softmax_greedy" / "softmax_group_limited" (V2); "softmax" is
+    # reference.moe_route's.
     scoring: str = "softmax"
     correction_bias: torch.Tensor | None = None  # [E] V3's e_score_correction_bias: it biases the choice only
     n_group: int = 1

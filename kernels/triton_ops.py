@@ -213,8 +213,8 @@ class TritonOps:
     def _deepseek_moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                       router_weight: torch.Tensor, router_bias: torch.Tensor | None, experts: MoEWeights, top_k: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """DeepSeek's routing in torch (MoEWeights.deepseek_route: sigmoid or softmax scores, groups, the correction bias,
-        the scaling factor, the shared experts as always-chosen experts), then the existing expert kernels: the
+        """DeepSeek's routing in torch (MoEWeights.deepseek_route: sigmoid or softmax scores, groups, the correction
+        bias, the scaling factor, the shared experts as always-chosen experts), then the existing expert kernels: the
         chosen experts are handed to fused_moe as logits log(w), every other expert far below, whose top-k softmax
         is w / Σw, and the output is multiplied back by Σw. No kernel change; the routing is not fused (yet)."""
         x = self.materialize(x, norm_weight.dtype if residual is None else residual.dtype)
