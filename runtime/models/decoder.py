@@ -8,10 +8,18 @@ tensor parallelism and gathers the logits).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+from torch import nn
 
 from envex.kernels.ops import AttentionMetadata, Ops
 from envex.runtime.config import ModelConfig
+
+
+def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    """An uninitialised, frozen parameter (weights are copied in by load_weights or dummy_weights)."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class DecoderStack:
@@ -34,3 +42,37 @@ class DecoderStack:
     def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the given rows -> logits [N, V] in the model's dtype."""
         return ops.norm_linear(hidden, residual, self.norm_weight, self.config.rms_norm_eps, self.lm_head_weight)[0]
+
+    # ---- loading ---------------------------------------------------------------------------------------------
+
+    def _target(self, name: str) -> torch.Tensor | tuple[torch.Tensor, tuple[int, ...]] | None:
+        """Our tensor (a view for a packed shard) for an HF name, or (tensor, the checkpoint's shape of it) where
+        the two differ; None for a tensor that is not stored (a tied LM head's copy). Raises for an unknown name."""
+        raise NotImplementedError
+
+    def expected_weight_names(self) -> set[str]:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model; every parameter must be written exactly once."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            found = self._target(name)
+            if found is None:
+                continue
+            target, stored = found if isinstance(found, tuple) else (found, tuple(found.shape))
+            if tuple(tensor.shape) != stored:
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {stored}")
+            target.copy_(tensor.reshape(target.shape))
+            seen.add(name)
+        self.check_complete(seen)
+
+    def check_complete(self, seen: set[str]) -> None:
+        """Refuse a checkpoint that left any expected tensor unwritten."""
+        missing = sorted(self.expected_weight_names() - seen)
+        if missing:
+            raise ValueError(
+                f"weights: {len(missing)} tensors missing, e.g. {missing[:3]}; the checkpoint is incomplete"
+            )

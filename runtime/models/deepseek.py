@@ -20,14 +20,13 @@ stacks as in models/qwen3_moe.py. The router and e_score_correction_bias stay fl
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from envex.kernels.ops import MLA, MOE, AttentionMetadata, MLALayer, MoEWeights, Ops
 from envex.runtime.config import DEEPSEEK_V3, ModelConfig
-from envex.runtime.models.decoder import DecoderStack
+from envex.runtime.models.decoder import DecoderStack, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -47,9 +46,6 @@ _DIRECT = {
 _DENSE_GATE_UP = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 1}  # [gate | up], as models/llama.py packs it
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
 
 class DeepseekLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -59,21 +55,21 @@ class DeepseekLayer(nn.Module):
         h, heads = c.hidden_size, c.num_attention_heads
         self.eps = c.rms_norm_eps
         self.top_k = moe.top_k
-        self.input_layernorm_weight = _param(h, dtype=dtype, device=device)
-        self.post_attention_layernorm_weight = _param(h, dtype=dtype, device=device)
+        self.input_layernorm_weight = param(h, dtype=dtype, device=device)
+        self.post_attention_layernorm_weight = param(h, dtype=dtype, device=device)
         q_out = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
         # rows: q_a_proj (q_lora_rank) or q_proj (q_out), then kv_a_proj_with_mqa (kv_lora_rank + qk_rope_head_dim)
         self.q_width = m.q_lora_rank if m.q_lora_rank is not None else q_out
-        self.qkv_a_proj_weight = _param(self.q_width + m.kv_lora_rank + m.qk_rope_head_dim, h, dtype=dtype,
+        self.qkv_a_proj_weight = param(self.q_width + m.kv_lora_rank + m.qk_rope_head_dim, h, dtype=dtype,
                                         device=device)  # fmt: skip
         self.lora = m.q_lora_rank is not None
         if self.lora:
-            self.q_a_layernorm_weight = _param(self.q_width, dtype=dtype, device=device)
-            self.q_b_proj_weight = _param(q_out, self.q_width, dtype=dtype, device=device)
-        self.kv_a_layernorm_weight = _param(m.kv_lora_rank, dtype=dtype, device=device)
+            self.q_a_layernorm_weight = param(self.q_width, dtype=dtype, device=device)
+            self.q_b_proj_weight = param(q_out, self.q_width, dtype=dtype, device=device)
+        self.kv_a_layernorm_weight = param(m.kv_lora_rank, dtype=dtype, device=device)
         # [H, nope + v, rank]: 3-D, so the CPU's column-major pass leaves it (and the views below) alone
-        self.kv_b_proj = _param(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank, dtype=dtype, device=device)
-        self.o_proj_weight = _param(h, heads * m.v_head_dim, dtype=dtype, device=device)
+        self.kv_b_proj = param(heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank, dtype=dtype, device=device)
+        self.o_proj_weight = param(h, heads * m.v_head_dim, dtype=dtype, device=device)
         self.attn = MLALayer(num_heads=heads, qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
                              v_head_dim=m.v_head_dim, kv_lora_rank=m.kv_lora_rank, scale=m.softmax_scale,
                              kv_norm=self.kv_a_layernorm_weight, w_uk=self.kv_b_proj[:, : m.qk_nope_head_dim],
@@ -84,19 +80,19 @@ class DeepseekLayer(nn.Module):
         if self.sparse:
             e, inter = moe.num_experts, moe.intermediate_size
             stack = e + moe.shared_experts  # routed experts, then the shared MLP split into experts
-            self.router_weight = _param(e, h, dtype=torch.float32, device=device)
-            self.e_score_correction_bias = (_param(e, dtype=torch.float32, device=device)
+            self.router_weight = param(e, h, dtype=torch.float32, device=device)
+            self.e_score_correction_bias = (param(e, dtype=torch.float32, device=device)
                                             if c.architecture == DEEPSEEK_V3 else None)  # fmt: skip
-            self.gate_up_proj = _param(stack, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, ...
-            self.down_proj = _param(stack, h, inter, dtype=dtype, device=device)
+            self.gate_up_proj = param(stack, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, ...
+            self.down_proj = param(stack, h, inter, dtype=dtype, device=device)
             self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
                                       renormalize=moe.norm_topk_prob, scoring=moe.scoring,
                                       correction_bias=self.e_score_correction_bias, n_group=moe.n_group,
                                       topk_group=moe.topk_group, scaling=moe.routed_scaling_factor,
                                       shared_experts=moe.shared_experts)  # fmt: skip
         else:
-            self.gate_up_proj_weight = _param(2 * c.intermediate_size, h, dtype=dtype, device=device)
-            self.down_proj_weight = _param(h, c.intermediate_size, dtype=dtype, device=device)
+            self.gate_up_proj_weight = param(2 * c.intermediate_size, h, dtype=dtype, device=device)
+            self.down_proj_weight = param(h, c.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None, kv_cache: tuple[torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -122,12 +118,12 @@ class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DeepseekLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm_weight = _param(config.hidden_size, dtype=dtype, device=device)
+        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
         self.lm_head_weight = (
             self.embed_tokens_weight if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )  # fmt: skip
 
     # ---- the latent cache (runtime/engine/model_runner.py asks for it) ---------------------------------------
@@ -194,26 +190,6 @@ class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
                 return target, tuple(target.shape)
         raise ValueError(f"weights: unexpected tensor {name!r} for {c.architecture} (dense layers: "
                          f"{list(moe.dense_layers)}, q LoRA: {m.q_lora_rank is not None})")  # fmt: skip
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model; every parameter must be written exactly once."""
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            found = self._target(name)
-            if found is None:
-                continue
-            param, stored = found
-            if tuple(tensor.shape) != stored:
-                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {stored}")
-            param.copy_(tensor.reshape(param.shape))
-            seen.add(name)
-        missing = sorted(self.expected_weight_names() - seen)
-        if missing:
-            raise ValueError(
-                f"weights: {len(missing)} tensors missing, e.g. {missing[:3]}; the checkpoint is incomplete"
-            )
 
     def expected_weight_names(self) -> set[str]:
         c = self.config

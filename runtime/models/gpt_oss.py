@@ -19,7 +19,7 @@ from torch import nn
 from envex.kernels import mxfp4
 from envex.kernels.ops import MOE, SINKS, SLIDING_WINDOW, AttentionLayer, AttentionMetadata, MoEWeights, Ops
 from envex.runtime.config import ModelConfig
-from envex.runtime.models.decoder import DecoderStack
+from envex.runtime.models.decoder import DecoderStack, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # HF name within a layer -> our attribute (and the qkv shard for q/k/v).
@@ -43,9 +43,6 @@ _DIRECT = {
 _TRANSPOSED = {"mlp.experts.gate_up_proj": "gate_up_proj", "mlp.experts.down_proj": "down_proj"}
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
 
 class GptOssLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -55,25 +52,25 @@ class GptOssLayer(nn.Module):
         h, e, inter = c.hidden_size, c.moe.num_experts, c.intermediate_size
         self.eps = c.rms_norm_eps
         self.top_k = c.moe.top_k
-        self.input_layernorm_weight = _param(h, dtype=dtype, device=device)
-        self.post_attention_layernorm_weight = _param(h, dtype=dtype, device=device)
+        self.input_layernorm_weight = param(h, dtype=dtype, device=device)
+        self.post_attention_layernorm_weight = param(h, dtype=dtype, device=device)
         qkv_out = c.q_size + 2 * c.kv_size
-        self.qkv_proj_weight = _param(qkv_out, h, dtype=dtype, device=device)
-        self.qkv_proj_bias = _param(qkv_out, dtype=dtype, device=device)
-        self.o_proj_weight = _param(h, c.q_size, dtype=dtype, device=device)
-        self.o_proj_bias = _param(h, dtype=dtype, device=device)
-        self.sinks = _param(c.num_attention_heads, dtype=dtype, device=device)
-        self.router_weight = _param(e, h, dtype=dtype, device=device)
-        self.router_bias = _param(e, dtype=dtype, device=device)
-        self.gate_up_proj_bias = _param(e, 2 * inter, dtype=dtype, device=device)
-        self.down_proj_bias = _param(e, h, dtype=dtype, device=device)
+        self.qkv_proj_weight = param(qkv_out, h, dtype=dtype, device=device)
+        self.qkv_proj_bias = param(qkv_out, dtype=dtype, device=device)
+        self.o_proj_weight = param(h, c.q_size, dtype=dtype, device=device)
+        self.o_proj_bias = param(h, dtype=dtype, device=device)
+        self.sinks = param(c.num_attention_heads, dtype=dtype, device=device)
+        self.router_weight = param(e, h, dtype=dtype, device=device)
+        self.router_bias = param(e, dtype=dtype, device=device)
+        self.gate_up_proj_bias = param(e, 2 * inter, dtype=dtype, device=device)
+        self.down_proj_bias = param(e, h, dtype=dtype, device=device)
         if c.quantization == "mxfp4":
             u8 = torch.uint8
             g = mxfp4.GROUP
-            self.gate_up_proj_blocks = _param(e, 2 * inter, h // g, g // 2, dtype=u8, device=device)
-            self.gate_up_proj_scales = _param(e, 2 * inter, h // g, dtype=u8, device=device)
-            self.down_proj_blocks = _param(e, h, inter // g, g // 2, dtype=u8, device=device)
-            self.down_proj_scales = _param(e, h, inter // g, dtype=u8, device=device)
+            self.gate_up_proj_blocks = param(e, 2 * inter, h // g, g // 2, dtype=u8, device=device)
+            self.gate_up_proj_scales = param(e, 2 * inter, h // g, dtype=u8, device=device)
+            self.down_proj_blocks = param(e, h, inter // g, g // 2, dtype=u8, device=device)
+            self.down_proj_scales = param(e, h, inter // g, dtype=u8, device=device)
             self.experts = MoEWeights(
                 gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
                 gate_up_blocks=self.gate_up_proj_blocks, gate_up_scales=self.gate_up_proj_scales,
@@ -81,8 +78,8 @@ class GptOssLayer(nn.Module):
                 alpha=c.moe.swiglu_alpha, limit=c.moe.swiglu_limit,
             )  # fmt: skip
         else:
-            self.gate_up_proj = _param(e, 2 * inter, h, dtype=dtype, device=device)
-            self.down_proj = _param(e, h, inter, dtype=dtype, device=device)
+            self.gate_up_proj = param(e, 2 * inter, h, dtype=dtype, device=device)
+            self.down_proj = param(e, h, inter, dtype=dtype, device=device)
             self.experts = MoEWeights(gate_up_bias=self.gate_up_proj_bias, down_bias=self.down_proj_bias,
                                       gate_up=self.gate_up_proj, down=self.down_proj, alpha=c.moe.swiglu_alpha,
                                       limit=c.moe.swiglu_limit)  # fmt: skip
@@ -113,14 +110,14 @@ class GptOssForCausalLM(DecoderStack, nn.Module):
         if config.tie_word_embeddings:
             raise ValueError("config.json: gpt-oss has an untied LM head; tie_word_embeddings must be false")
         self.config = config
-        self.embed_tokens_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(GptOssLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm_weight = _param(config.hidden_size, dtype=dtype, device=device)
-        self.lm_head_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
 
     # ---- loading -------------------------------------------------------------------------------------------
 
-    def _target(self, name: str) -> tuple[torch.Tensor, bool]:
+    def _checkpoint_target(self, name: str) -> tuple[torch.Tensor, bool]:
         """Our tensor (a view for a q/k/v shard) for an HF name, and whether the HF tensor is its transpose."""
         c = self.config
         top = {"model.embed_tokens.weight": self.embed_tokens_weight, "model.norm.weight": self.norm_weight,
@@ -152,23 +149,19 @@ class GptOssForCausalLM(DecoderStack, nn.Module):
         copied as bytes (a [E, N, K/2] checkpoint layout is accepted as well as [E, N, K/32, 16])."""
         seen: set[str] = set()
         for name, tensor in weights:
-            param, transposed = self._target(name)
+            target, transposed = self._checkpoint_target(name)
             if transposed:
                 tensor = tensor.transpose(-1, -2)
-            elif param.dtype == torch.uint8 and tensor.shape != param.shape and tensor.numel() == param.numel():
-                tensor = tensor.reshape(param.shape)
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            elif target.dtype == torch.uint8 and tensor.shape != target.shape and tensor.numel() == target.numel():
+                tensor = tensor.reshape(target.shape)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
                                  + (" (transposed)" if transposed else ""))  # fmt: skip
-            if (param.dtype == torch.uint8) != (tensor.dtype == torch.uint8):
-                raise ValueError(f"weights: {name!r} has dtype {tensor.dtype}, expected {param.dtype}")
-            param.copy_(tensor)
+            if (target.dtype == torch.uint8) != (tensor.dtype == torch.uint8):
+                raise ValueError(f"weights: {name!r} has dtype {tensor.dtype}, expected {target.dtype}")
+            target.copy_(tensor)
             seen.add(name)
-        missing = sorted(self.expected_weight_names() - seen)
-        if missing:
-            raise ValueError(
-                f"weights: {len(missing)} tensors missing, e.g. {missing[:3]}; the checkpoint is incomplete"
-            )
+        self.check_complete(seen)
 
     def expected_weight_names(self) -> set[str]:
         names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}

@@ -12,14 +12,13 @@ up rows interleaved (gate_0, up_0, gate_1, ...), the layout `Ops.moe` takes (ker
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from envex.kernels.ops import MOE, AttentionLayer, AttentionMetadata, MoEWeights, Ops
 from envex.runtime.config import ModelConfig
-from envex.runtime.models.decoder import DecoderStack
+from envex.runtime.models.decoder import DecoderStack, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -37,9 +36,6 @@ _DIRECT = {
 _DENSE_GATE_UP = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 1}  # [gate | up], as models/llama.py packs it
 
 
-def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
 
 class Qwen3MoeLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -49,14 +45,14 @@ class Qwen3MoeLayer(nn.Module):
         h = c.hidden_size
         self.eps = c.rms_norm_eps
         self.top_k = c.moe.top_k
-        self.input_layernorm_weight = _param(h, dtype=dtype, device=device)
-        self.post_attention_layernorm_weight = _param(h, dtype=dtype, device=device)
+        self.input_layernorm_weight = param(h, dtype=dtype, device=device)
+        self.post_attention_layernorm_weight = param(h, dtype=dtype, device=device)
         qkv_out = c.q_size + 2 * c.kv_size
-        self.qkv_proj_weight = _param(qkv_out, h, dtype=dtype, device=device)
-        self.qkv_proj_bias = _param(qkv_out, dtype=dtype, device=device) if c.attention_bias else None
-        self.o_proj_weight = _param(h, c.q_size, dtype=dtype, device=device)
-        self.q_norm_weight = _param(c.head_dim, dtype=dtype, device=device)
-        self.k_norm_weight = _param(c.head_dim, dtype=dtype, device=device)
+        self.qkv_proj_weight = param(qkv_out, h, dtype=dtype, device=device)
+        self.qkv_proj_bias = param(qkv_out, dtype=dtype, device=device) if c.attention_bias else None
+        self.o_proj_weight = param(h, c.q_size, dtype=dtype, device=device)
+        self.q_norm_weight = param(c.head_dim, dtype=dtype, device=device)
+        self.k_norm_weight = param(c.head_dim, dtype=dtype, device=device)
         self.attn = AttentionLayer(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                    head_dim=c.head_dim, scale=c.head_dim**-0.5, q_norm=self.q_norm_weight,
                                    k_norm=self.k_norm_weight, norm_eps=c.rms_norm_eps)  # fmt: skip
@@ -64,14 +60,14 @@ class Qwen3MoeLayer(nn.Module):
         self.experts: MoEWeights | None = None
         if self.sparse:
             e, inter = c.moe.num_experts, c.moe.intermediate_size
-            self.router_weight = _param(e, h, dtype=dtype, device=device)
-            self.gate_up_proj = _param(e, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, gate_1...
-            self.down_proj = _param(e, h, inter, dtype=dtype, device=device)
+            self.router_weight = param(e, h, dtype=dtype, device=device)
+            self.gate_up_proj = param(e, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, gate_1...
+            self.down_proj = param(e, h, inter, dtype=dtype, device=device)
             self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
                                       renormalize=c.moe.norm_topk_prob)  # fmt: skip
         else:
-            self.gate_up_proj_weight = _param(2 * c.intermediate_size, h, dtype=dtype, device=device)
-            self.down_proj_weight = _param(h, c.intermediate_size, dtype=dtype, device=device)
+            self.gate_up_proj_weight = param(2 * c.intermediate_size, h, dtype=dtype, device=device)
+            self.down_proj_weight = param(h, c.intermediate_size, dtype=dtype, device=device)
 
     def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -95,12 +91,12 @@ class Qwen3MoeForCausalLM(DecoderStack, nn.Module):
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens_weight = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(Qwen3MoeLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm_weight = _param(config.hidden_size, dtype=dtype, device=device)
+        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
         self.lm_head_weight = (
             self.embed_tokens_weight if config.tie_word_embeddings
-            else _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )  # fmt: skip
 
     # ---- loading -------------------------------------------------------------------------------------------
@@ -135,25 +131,6 @@ class Qwen3MoeForCausalLM(DecoderStack, nn.Module):
                 return target
         raise ValueError(f"weights: unexpected tensor {name!r} for {c.architecture} (dense layers: "
                          f"{list(c.moe.dense_layers) if c.moe else []})")  # fmt: skip
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model; every parameter must be written exactly once."""
-        seen: set[str] = set()
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            param = self._target(name)
-            if param is None:
-                continue
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-            param.copy_(tensor)
-            seen.add(name)
-        missing = sorted(self.expected_weight_names() - seen)
-        if missing:
-            raise ValueError(
-                f"weights: {len(missing)} tensors missing, e.g. {missing[:3]}; the checkpoint is incomplete"
-            )
 
     def expected_weight_names(self) -> set[str]:
         c = self.config
