@@ -64,8 +64,13 @@ class ModelCard(_Card):
     quantization: str  # e.g. "Q4_1" (GGUF), "bfloat16" (safetensors)
     defaults: ModelDefaults
     smoke: SmokeTest | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3): one latent row a token and layer (kv_lora_rank +
+    # qk_rope_head_dim elements) instead of K and V per KV head. Absent: a K/V cache.
+    kv_latent_width: int | None = Field(default=None, ge=1)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        if self.kv_latent_width is not None:
+            return self.num_layers * self.kv_latent_width * dtype_bytes
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 

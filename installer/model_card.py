@@ -118,6 +118,7 @@ def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: 
             max_model_len=min(DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings), max_num_seqs=DEFAULT_MAX_NUM_SEQS
         ),
         smoke=SMOKE if chat else BASE_SMOKE,
+        kv_latent_width=None if c.mla is None else c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,
     )
 
 

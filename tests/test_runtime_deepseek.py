@@ -141,6 +141,19 @@ def test_missing_and_unexpected_tensors_are_named(checkpoint) -> None:
         model.load_weights(weights.items())
 
 
+def test_the_model_card_sizes_the_latent_cache(checkpoint) -> None:
+    """The installer's plan sizes the KV cache from the card: for MLA that is the model's own latent rows (one
+    kv_lora_rank + qk_rope_head_dim row a token and layer), not 2 x KV heads x head_dim."""
+    from envex.installer.model_card import card_for_model
+
+    _, _, path = checkpoint
+    card = card_for_model(path, "tiny-deepseek")
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    assert cfg.mla is not None and card.kv_latent_width == cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    model = DeepseekV3ForCausalLM(cfg, dtype=torch.bfloat16, device=torch.device("meta"))
+    assert card.kv_bytes_per_token(2) * 16 == model.kv_cache_bytes_per_block(16, torch.bfloat16)
+
+
 def test_one_forward_on_triton_ops_equals_the_reference() -> None:
     """The V3 model file on the Triton ops under the interpreter (mla_store_latent, mla_prefill_attention,
     mla_decode_attention, the MoE kernels with DeepSeek's routing handed over) equals it on the torch ops: prefill of
