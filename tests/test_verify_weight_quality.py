@@ -51,10 +51,10 @@ def test_bf16_against_itself_is_exactly_zero(bench: wq.QualityBench) -> None:
 
 
 @pytest.mark.parametrize("scheme,kld,top1", [
+    # one scheme of each kind here (the suite runs on 2 cores); every scheme is in the lab run the doc's table is
+    # generated from, which test_the_docs_table_is_the_committed_runs checks
     ("fp8_block", (0.005, 0.03), (0.88, 0.98)),
-    ("fp8_channel", (0.005, 0.03), (0.88, 0.98)),
     ("int4_g128_sym", (0.2, 0.8), (0.6, 0.9)),
-    ("int4_g32_sym", (0.2, 0.8), (0.6, 0.9)),
 ])  # fmt: skip
 def test_whole_model_schemes_are_measured_and_refused(bench: wq.QualityBench, scheme: str,
                                                       kld: tuple[float, float], top1: tuple[float, float]) -> None:
