@@ -43,7 +43,6 @@ _DIRECT = {
 _TRANSPOSED = {"mlp.experts.gate_up_proj": "gate_up_proj", "mlp.experts.down_proj": "down_proj"}
 
 
-
 class GptOssLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()

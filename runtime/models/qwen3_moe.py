@@ -36,7 +36,6 @@ _DIRECT = {
 _DENSE_GATE_UP = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 1}  # [gate | up], as models/llama.py packs it
 
 
-
 class Qwen3MoeLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
