@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from envex.kernels.ops import MLA, MOE, SINKS, SLIDING_WINDOW, Capabilities, Ops
+from envex.kernels.ops import LINEAR_ATTENTION, MLA, MOE, SINKS, SLIDING_WINDOW, Capabilities, Ops
 from envex.kernels.torch_ops import InvariantTorchOps, TorchOps
 
 NAMES = ("torch", "triton")
@@ -45,7 +45,7 @@ class Backend:
         return f"the {'batch-invariant ' if self.invariant else ''}{self.name} backend"
 
 
-_ALL = frozenset({MOE, SINKS, SLIDING_WINDOW, MLA})
+_ALL = frozenset({MOE, SINKS, SLIDING_WINDOW, MLA, LINEAR_ATTENTION})
 BACKENDS: dict[tuple[str, bool], Backend] = {
     # kernels/reference.py: every feature, any device.
     ("torch", False): Backend("torch", False, Capabilities(devices=frozenset({"cpu", "cuda"}), features=_ALL)),

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
+from envex.kernels.ops import AttentionMetadata, LinearAttentionLayer
 
 CHUNK = 64  # tokens of one chunk of the chunked prefill
 # The state scan's W and decayed-key loads double-buffered: at Dk = 128 three stages take 240 KB of shared memory,
@@ -692,3 +693,30 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
         BLOCK_R=block_r, BLOCK_D=block_d, ROUND_PRODUCT=round_product, num_warps=4,
     )  # fmt: skip
     return out
+
+
+def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, meta: AttentionMetadata,
+                    layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
+    """One Gated DeltaNet layer between its projections on these kernels (the Triton backend's
+    Ops.linear_attention): mixed [T, ...] the input projection's row (LinearAttentionLayer.split) -> [T, Hv·Dv].
+    A step whose every sequence brings one token to a state it already has runs the decode kernels (state in
+    place, nothing allocated: what a CUDA graph can hold); any other step the varlen conv and the chunked delta
+    rule, each sequence from its slot or from zeros (meta.state_initialized)."""
+    assert meta.state_slots is not None, "a model with linear-attention layers gets state slots (state_slots.py)"
+    slots, initialized = meta.state_slots, meta.state_initialized
+    x, z, b, a = layer.split(mixed)
+    gating = (layer.a_log, layer.dt_bias)
+    starts = (None if meta.seq_lens_host is None or meta.q_lens_host is None
+              else [s - q for s, q in zip(meta.seq_lens_host, meta.q_lens_host, strict=True)])  # fmt: skip
+    # Without the host's lengths (a captured decode step) every sequence continues a state it has.
+    if meta.max_q_len == 1 and (starts is None or min(starts) > 0):
+        conv = causal_conv1d_update(x, layer.conv_weight, None, conv_pool, slots)
+        q, k, v = layer.split_conv(conv)
+        o = gated_delta_rule_decode(q, k, v, a, b, state_pool, slots, gating=gating)
+    else:
+        cu = meta.cu_seqlens_q
+        conv = causal_conv1d_prefill(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=initialized)
+        q, k, v = layer.split_conv(conv)
+        o = gated_delta_rule_chunked(q, k, v, a, b, cu, state_pool, slots, max_q_len=meta.max_q_len,
+                                     has_initial_state=initialized, gating=gating)  # fmt: skip
+    return gated_rms_norm(o, z, layer.norm_weight, layer.norm_eps).flatten(1)

@@ -12,7 +12,12 @@ Will move into kernels/reference.py once the refactor of that file lands.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from envex.kernels.ops import LinearAttentionLayer
 
 L2_EPS = 1e-6  # HF's l2norm (and FLA's): x * rsqrt(sum(x²) + eps), in float32 or wider
 
@@ -121,3 +126,20 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     xf = x.to(acc)
     normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return ((weight * normed).to(acc) * torch.nn.functional.silu(z.to(acc))).to(x.dtype)
+
+
+def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
+                    initialized: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                    layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
+    """One Gated DeltaNet layer between its projections, as HF's Qwen3NextGatedDeltaNet computes it (the torch
+    backend's Ops.linear_attention): mixed [T, ...] the input projection's row (LinearAttentionLayer.split) ->
+    [T, Hv·Dv] in mixed's dtype. The convolution runs in the activation dtype, the delta rule in float32 (or wider),
+    as HF's torch path; the pools are updated in place (the sequences' slots)."""
+    x, z, b, a = layer.split(mixed)
+    conv = causal_conv1d(x, layer.conv_weight, None, cu_seqlens, conv_pool, slots, has_initial_state=initialized)
+    q, k, v = layer.split_conv(conv)
+    g, beta = gates(a, b, layer.a_log, layer.dt_bias)
+    acc = torch.promote_types(mixed.dtype, torch.float32)
+    o = gated_delta_rule(q.to(acc), k.to(acc), v.to(acc), g, beta.to(acc), cu_seqlens, state_pool, slots,
+                         has_initial_state=initialized)  # fmt: skip
+    return gated_rms_norm(o.to(mixed.dtype), z, layer.norm_weight, layer.norm_eps).flatten(1)

@@ -81,6 +81,11 @@ class AttentionMetadata:
     # (runtime/engine/window_kv.py): other block tables and slots, everything else equal. None: those layers use
     # this metadata's blocks.
     window: AttentionMetadata | None = None
+    # Per-sequence state of recurrent layers (Qwen3-Next's Gated DeltaNet; runtime/engine/state_slots.py): int32 [B]
+    # each sequence's slot in the layers' state pools, and int32 [B] 1 where the slot holds the sequence's state
+    # after its first positions (this step's start), 0 where it starts from zeros. None: the model has none.
+    state_slots: torch.Tensor | None = None
+    state_initialized: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -176,7 +181,8 @@ MOE = "mixture-of-experts layers"
 SINKS = "attention sinks"
 SLIDING_WINDOW = "sliding-window attention"
 MLA = "multi-head latent attention"
-FEATURES = (MOE, SINKS, SLIDING_WINDOW, MLA)
+LINEAR_ATTENTION = "gated delta-rule linear attention"
+FEATURES = (MOE, SINKS, SLIDING_WINDOW, MLA, LINEAR_ATTENTION)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +205,45 @@ class MLALayer:
     @property
     def q_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinearAttentionLayer:
+    """One Gated DeltaNet layer (Qwen3-Next; kernels/delta_rule.py, offline_docs/hybrid.md): its heads and weights.
+    Its input is the projection's row [q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv) | z (Hv·Dv) | b (Hv) | a (Hv)], heads in
+    order; q|k|v are the convolution's channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_weight: torch.Tensor  # [q|k|v channels, K] HF's conv1d.weight[:, 0, :] (no bias)
+    a_log: torch.Tensor  # [Hv] A_log, dt_bias
+    dt_bias: torch.Tensor
+    norm_weight: torch.Tensor  # [Dv] the gated RMSNorm's
+    norm_eps: float
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    def split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Views of the projection's row [T, conv_dim + 2·value_dim... ]: (q|k|v [T, conv_dim], z [T, Hv, Dv],
+        b [T, Hv], a [T, Hv])."""
+        c, vd, hv = self.conv_dim, self.value_dim, self.num_v_heads
+        z = mixed[:, c : c + vd].unflatten(1, (hv, self.head_v_dim))
+        return mixed[:, :c], z, mixed[:, c + vd : c + vd + hv], mixed[:, c + vd + hv : c + vd + 2 * hv]
+
+    def split_conv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views q, k [T, Hk, Dk] and v [T, Hv, Dv] of the convolution's output [T, conv_dim]."""
+        kd = self.num_k_heads * self.head_k_dim
+        return (x[:, :kd].unflatten(1, (self.num_k_heads, self.head_k_dim)),
+                x[:, kd : 2 * kd].unflatten(1, (self.num_k_heads, self.head_k_dim)),
+                x[:, 2 * kd :].unflatten(1, (self.num_v_heads, self.head_v_dim)))  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -285,6 +330,15 @@ class Ops(Protocol):
         top_k experts of each token weighted by the softmax of their logits (reference.moe_route, with
         experts.renormalize), each expert down(act(gate_up(h))) (reference.moe_activation, experts.activation).
         With experts.scoring not "softmax": DeepSeek's routing (MoEWeights.deepseek_route), shared experts included."""
+        ...
+
+    def linear_attention(self, mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor,
+                         meta: AttentionMetadata, layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
+        """A Gated DeltaNet layer between its projections: mixed [T, conv_dim + 2 value_dim + 2 Hv] (the input
+        projection's row, LinearAttentionLayer) -> [T, Hv Dv], out_proj's input: causal conv1d + SiLU over q|k|v,
+        the gated delta rule, RMSNorm(o)·w·silu(z). Each sequence continues from its slot (meta.state_slots) of
+        state_pool [slots, Hv, Dk, Dv] (float32) and conv_pool [slots, K-1, conv_dim], or from zeros where
+        meta.state_initialized is 0, and leaves its state there."""
         ...
 
     def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,

@@ -14,8 +14,16 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import mla_reference, reference
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MLALayer, MoEWeights, split_qkv
+from envex.kernels import delta_rule_reference, mla_reference, reference
+from envex.kernels.ops import (
+    AttentionLayer,
+    AttentionMetadata,
+    Communicator,
+    LinearAttentionLayer,
+    MLALayer,
+    MoEWeights,
+    split_qkv,
+)
 
 
 class TorchOps:
@@ -76,6 +84,12 @@ class TorchOps:
                                     experts.down_matrix(), experts.down_bias, experts.alpha, experts.limit,
                                     experts.activation)  # fmt: skip
         return out, residual
+
+    def linear_attention(self, mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor,
+                         meta: AttentionMetadata, layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
+        assert meta.state_slots is not None, "a model with linear-attention layers gets state slots (state_slots.py)"
+        return delta_rule_reference.gated_delta_net(mixed, state_pool, conv_pool, meta.state_slots,
+                                                    meta.state_initialized, meta.cu_seqlens_q, layer)  # fmt: skip
 
     def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,
                       meta: AttentionMetadata, layer: MLALayer) -> torch.Tensor:  # fmt: skip

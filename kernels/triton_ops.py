@@ -27,9 +27,28 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import activation, attention, decode_attention, gemv, invariant_matmul, mla, moe_mxfp4, norm, rotary
+from envex.kernels import (
+    activation,
+    attention,
+    decode_attention,
+    delta_rule,
+    gemv,
+    invariant_matmul,
+    mla,
+    moe_mxfp4,
+    norm,
+    rotary,
+)
 from envex.kernels._common import check
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, Communicator, MLALayer, MoEWeights, split_qkv
+from envex.kernels.ops import (
+    AttentionLayer,
+    AttentionMetadata,
+    Communicator,
+    LinearAttentionLayer,
+    MLALayer,
+    MoEWeights,
+    split_qkv,
+)
 
 # Smallest K (input width) whose projection TritonOps splits into halves for the next norm to sum.
 SPLIT_K_MIN = 4096
@@ -233,6 +252,11 @@ class TritonOps:
                                   down_bias=experts.down_bias, alpha=experts.alpha, limit=experts.limit,
                                   activation=experts.activation, renormalize=True)  # fmt: skip
         return (out.float() * weights.sum(-1, keepdim=True)).to(out.dtype), residual
+
+    def linear_attention(self, mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor,
+                         meta: AttentionMetadata, layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
+        """kernels/delta_rule.py: the decode kernels for a step of one token a sequence, else the chunked prefill."""
+        return delta_rule.gated_delta_net(mixed, state_pool, conv_pool, meta, layer)
 
     def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,
                       meta: AttentionMetadata, layer: MLALayer) -> torch.Tensor:  # fmt: skip
