@@ -19,12 +19,16 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "Qwen3MoeForCausalLM": (False, True),
     "DeepseekV3ForCausalLM": (False, False),
     "DeepseekV2ForCausalLM": (False, False),
+    "Qwen3NextForCausalLM": (False, True),
 }
 GPT_OSS = "GptOssForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"
 # DeepSeek's architecture (models/deepseek.py): multi-head latent attention (MLAConfig) and DeepSeek's MoE routing.
 DEEPSEEK_V3, DEEPSEEK_V2 = "DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"
 DEEPSEEK = (DEEPSEEK_V3, DEEPSEEK_V2)
+# Qwen3-Next (models/qwen3_next.py): Gated DeltaNet layers beside gated full attention (HybridConfig), Qwen3-MoE's
+# routing plus a sigmoid-gated shared expert.
+QWEN3_NEXT = "Qwen3NextForCausalLM"
 # What HF's GptOssConfig fills in when config.json leaves it out (configuration_gpt_oss.py).
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
@@ -98,6 +102,35 @@ class MLAConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HybridConfig:
+    """Qwen3-Next's hybrid layers (offline_docs/hybrid.md): Gated DeltaNet (linear attention) layers, each with a
+    fixed-size per-sequence state, and gated full-attention layers that rotate only the first rotary_dim dims of
+    each head (partial_rotary_factor); every MoE layer adds a shared expert of shared_expert_size, gated per token."""
+
+    linear_layers: tuple[int, ...]  # the Gated DeltaNet layers; the others are full attention
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_width: int  # linear_conv_kernel_dim
+    rotary_dim: int
+    shared_expert_size: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolution's channels: q, k and v of every head, packed."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -125,6 +158,7 @@ class ModelConfig:
     quantization: str | None = None  # "mxfp4": the MoE experts are stored packed (kernels/mxfp4.py)
     rope_yarn: YarnScaling | None = None
     mla: MLAConfig | None = None  # DeepSeek: head_dim is then qk_rope_head_dim (the rotary tables' width), as HF
+    hybrid: HybridConfig | None = None  # Qwen3-Next
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -205,6 +239,8 @@ class ModelConfig:
         extra = _gpt_oss_fields(cfg) if arch == GPT_OSS else _qwen3_moe_fields(cfg) if arch == QWEN3_MOE else {}
         if arch in DEEPSEEK:
             extra = _deepseek_fields(cfg, arch, {**legacy, **rope} if rope_type == "yarn" else {})
+        if arch == QWEN3_NEXT:
+            extra = _qwen3_next_fields(cfg, rope_type, {**legacy, **rope})
         if arch == GPT_OSS:
             sliding = None  # per layer, in layer_windows
         return cls(
@@ -366,3 +402,46 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
                       n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(routed_scale),
                       shared_experts=shared),
     )  # fmt: skip
+
+
+def _qwen3_next_fields(cfg: dict[str, Any], rope_type: str, rope: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's fields from its config.json, with HF Qwen3NextConfig's defaults: the MoE as Qwen3-MoE's (plus
+    shared_expert_intermediate_size) and the hybrid layers (layer_types, or every full_attention_interval-th layer
+    full attention)."""
+    layers = cfg["num_hidden_layers"]
+    interval = _positive(cfg, "full_attention_interval", 4)
+    types = cfg.get("layer_types") or ["linear_attention" if (i + 1) % interval else "full_attention"
+                                       for i in range(layers)]  # fmt: skip
+    if len(types) != layers or any(t not in ("linear_attention", "full_attention") for t in types):
+        raise ConfigError(f"config.json: layer_types must list {layers} of 'linear_attention' / 'full_attention'")
+    if rope_type != "default":
+        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported for Qwen3-Next; supported: default")
+    head_dim = _positive(cfg, "head_dim", 256)
+    factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    rotary_dim = int(head_dim * factor) if isinstance(factor, int | float) else 0
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ConfigError(f"config.json: partial_rotary_factor {factor!r} must give an even number of rotary dims "
+                          f"in 2..head_dim ({head_dim})")  # fmt: skip
+    num_k, num_v = _positive(cfg, "linear_num_key_heads", 16), _positive(cfg, "linear_num_value_heads", 32)
+    if num_v % num_k:
+        raise ConfigError(f"config.json: linear_num_value_heads ({num_v}) must be a multiple of linear_num_key_heads "
+                          f"({num_k})")  # fmt: skip
+    width = _positive(cfg, "linear_conv_kernel_dim", 4)
+    if not 2 <= width <= 4:
+        raise ConfigError(f"config.json: linear_conv_kernel_dim {width} is not supported; supported: 2..4")
+    if cfg.get("attention_bias"):
+        raise ConfigError("config.json: attention_bias true is not supported for Qwen3-Next; no published checkpoint "
+                          "has it")  # fmt: skip
+    if cfg.get("quantization_config"):
+        raise ConfigError("config.json: quantized (FP8) Qwen3-Next checkpoints are not supported yet; use the bf16 or "
+                          "float32 checkpoint")  # fmt: skip
+    moe = _qwen3_moe_fields({**cfg, "num_experts": cfg.get("num_experts", 512),
+                             "num_experts_per_tok": cfg.get("num_experts_per_tok", 10),
+                             "moe_intermediate_size": cfg.get("moe_intermediate_size", 512),
+                             "norm_topk_prob": cfg.get("norm_topk_prob", True)})["moe"]  # fmt: skip
+    hybrid = HybridConfig(linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                          num_k_heads=num_k, num_v_heads=num_v, head_k_dim=_positive(cfg, "linear_key_head_dim", 128),
+                          head_v_dim=_positive(cfg, "linear_value_head_dim", 128), conv_width=width,
+                          rotary_dim=rotary_dim,
+                          shared_expert_size=_positive(cfg, "shared_expert_intermediate_size", 512))  # fmt: skip
+    return dict(moe=moe, hybrid=hybrid)

@@ -21,6 +21,7 @@ from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.cuda_graphs import DecodeGraphs
 from envex.runtime.engine.device import fill_pending, upload
 from envex.runtime.engine.scheduler import ScheduledChunk
+from envex.runtime.engine.state_slots import StateSlots, has_state
 from envex.runtime.engine.window_kv import WindowBlocks
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import dummy_weights, model_class
@@ -79,6 +80,9 @@ class ModelRunner:
         self.max_model_len = config.max_model_len
         self.cos, self.sin = rope_cos_sin(mc, self.max_model_len, self.device)
         self.block_size = config.block_size
+        # Recurrent layers (Qwen3-Next) keep per-sequence state in slots, allocated before the KV cache takes its
+        # share of memory (state_slots.py).
+        self.states = StateSlots(config, self.model, self.device, self.dtype) if has_state(self.model) else None
         self.num_blocks = self._num_blocks()
         # Sliding-window layers (gpt-oss) keep their K/V in a pool sized for their windows (window_kv.py).
         self.windows = (WindowBlocks(config, mc, self.device, self.dtype, self.num_blocks)
@@ -92,8 +96,10 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for i in range(mc.num_hidden_layers)
         ]
+        if self.states is not None:
+            self.states.place(self.kv_caches)
         self.decode_graphs: DecodeGraphs | None = None
-        if config.use_cuda_graphs and self.device.type == "cuda":
+        if config.use_cuda_graphs and self.device.type == "cuda" and self.states is None:  # no state in graphs yet
             self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
 
     def _num_blocks(self) -> int:
@@ -137,6 +143,8 @@ class ModelRunner:
         pending (seq.num_pending_tokens) reads it from row seq.pending_row there."""
         if self.windows is not None:
             self.windows.before_step(chunks)
+        if self.states is not None:
+            self.states.before_step(chunks)
         if self.decode_graphs is not None:  # a pure decode step replays a captured graph
             graph_logits = self.decode_graphs.run_chunks(chunks, pending_tokens)
             if graph_logits is not None:
@@ -201,6 +209,8 @@ class ModelRunner:
         )  # fmt: skip
         if self.windows is not None:
             meta = self.windows.attach(meta)
+        if self.states is not None:
+            meta = self.states.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
         hidden = self.ops.materialize(hidden, residual.dtype)  # rows are picked from it below
         logits = hidden.new_zeros((0, 0))

@@ -11,6 +11,7 @@ from envex.runtime.config import (
     DEEPSEEK_V3,
     GPT_OSS,
     QWEN3_MOE,
+    QWEN3_NEXT,
     SUPPORTED_ARCHITECTURES,
     ConfigError,
     ModelConfig,
@@ -19,9 +20,11 @@ from envex.runtime.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCa
 from envex.runtime.models.gpt_oss import GptOssForCausalLM
 from envex.runtime.models.llama import LlamaForCausalLM
 from envex.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
+from envex.runtime.models.qwen3_next import Qwen3NextForCausalLM
 
 _OWN_FILE: dict[str, type[nn.Module]] = {GPT_OSS: GptOssForCausalLM, QWEN3_MOE: Qwen3MoeForCausalLM,
-                                         DEEPSEEK_V3: DeepseekV3ForCausalLM, DEEPSEEK_V2: DeepseekV2ForCausalLM}
+                                         DEEPSEEK_V3: DeepseekV3ForCausalLM, DEEPSEEK_V2: DeepseekV2ForCausalLM,
+                                         QWEN3_NEXT: Qwen3NextForCausalLM}
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     arch: _OWN_FILE.get(arch, LlamaForCausalLM) for arch in SUPPORTED_ARCHITECTURES
 }

@@ -1,0 +1,361 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): Gated DeltaNet (linear-attention) layers beside gated full-attention layers, in
+the pattern of the config (layer_types, or every full_attention_interval-th layer full), and Qwen3-MoE's routed
+experts plus a shared expert gated per token by sigmoid(shared_expert_gate(h)). offline_docs/hybrid.md.
+
+- Gated DeltaNet: in_proj_qkvz and in_proj_ba load into one matrix, rows reordered from HF's per-key-head groups
+  (fix_query_key_value_ordering) into [q | k | v | z | b | a], heads in order, so q|k|v are the convolution's
+  channels; then `Ops.linear_attention` (conv1d + SiLU, gated delta rule, gated RMSNorm) and out_proj. Each layer's
+  "cache" is its per-sequence state: (state_pool [slots, Hv, Dk, Dv] float32, conv_pool [slots, K-1, conv_dim]),
+  picked by meta.state_slots (runtime/engine/state_slots.py hands each running sequence one slot for its life).
+- Gated attention: q_proj gives each head's query and its output gate; out = o_proj(attention · sigmoid(gate)).
+  q/k RMSNorm, then rotary on the first rotary_dim dims of each head only (partial_rotary_factor). The attention
+  ops rotate pairs (i, i + D/2) over the whole head: the q/k dims (and q/k norm weights) are permuted at load so
+  that the rotary half-pairs sit at (i, i + D/2) for i < rotary_dim/2, and the model's own rotary tables carry
+  cos 1, sin 0 on the other dims. q·k is unchanged by a permutation applied to both.
+- Norms: HF's Qwen3NextRMSNorm multiplies by (1 + weight): loaded as 1 + weight (input/post-attention, final,
+  q/k norms), so the shared RMSNorm ops apply them; the gated norm's weight is plain.
+- MTP (`mtp.*` tensors of the published checkpoints) is not served: those tensors are skipped.
+
+HF reference: transformers/models/qwen3_next/modeling_qwen3_next.py. The published checkpoint holds each expert as
+`mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up stacks as in models/qwen3_moe.py.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from envex.kernels.ops import (
+    LINEAR_ATTENTION,
+    MOE,
+    AttentionLayer,
+    AttentionMetadata,
+    LinearAttentionLayer,
+    MoEWeights,
+    Ops,
+)
+from envex.runtime.config import ModelConfig
+from envex.runtime.models.decoder import DecoderStack, param
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight")  # Qwen3NextRMSNorm: x·(1 + w)
+
+
+def _checked(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+    return tensor
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """new dim i <- HF dim order[i]: HF's rotary half-pairs (j, j + r/2), j < r/2, moved to (j, j + D/2), the
+    pass-through dims split over both halves after them."""
+    r2, p2 = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(r2), torch.arange(rotary_dim, rotary_dim + p2), torch.arange(r2, rotary_dim),
+                      torch.arange(rotary_dim + p2, head_dim)])  # fmt: skip
+
+
+def partial_rotary_tables(config: ModelConfig, positions: int, device: torch.device
+                          ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """cos/sin [positions, D/2] float32 for the permuted dims: HF's default RoPE over rotary_dim dims (its
+    compute_default_rope_parameters), then cos 1 and sin 0 (no rotation) on the pass-through pairs."""
+    assert config.hybrid is not None
+    dim, half = config.hybrid.rotary_dim, config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    freqs = torch.arange(positions, dtype=torch.float32)[:, None] * inv_freq[None, :]  # [P, r/2]
+    cos = torch.ones(positions, half, dtype=torch.float32)
+    sin = torch.zeros(positions, half, dtype=torch.float32)
+    cos[:, : dim // 2], sin[:, : dim // 2] = freqs.cos(), freqs.sin()
+    return cos.to(device), sin.to(device)
+
+
+class Qwen3NextLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        c, hy, moe = config, config.hybrid, config.moe
+        assert hy is not None and moe is not None, "Qwen3-Next configs carry hybrid and MoE fields (from_hf)"
+        h = c.hidden_size
+        self.eps = c.rms_norm_eps
+        self.top_k = moe.top_k
+        self.input_layernorm_weight = param(h, dtype=dtype, device=device)
+        self.post_attention_layernorm_weight = param(h, dtype=dtype, device=device)
+        self.linear = index in hy.linear_layers
+        if self.linear:
+            # rows [q | k | v | z | b | a] (LinearAttentionLayer.split)
+            self.in_proj_weight = param(hy.conv_dim + hy.value_dim + 2 * hy.num_v_heads, h, dtype=dtype,
+                                        device=device)  # fmt: skip
+            # [conv_dim, K]: 2-D, but not a matrix of a projection; the CPU's column-major pass must leave it
+            # alone, so it is kept as a view of a 3-D parameter
+            self.conv1d_weight = param(hy.conv_dim, 1, hy.conv_width, dtype=dtype, device=device)
+            self.A_log = param(hy.num_v_heads, dtype=dtype, device=device)
+            self.dt_bias = param(hy.num_v_heads, dtype=dtype, device=device)
+            self.gated_norm_weight = param(hy.head_v_dim, dtype=dtype, device=device)
+            self.out_proj_weight = param(h, hy.value_dim, dtype=dtype, device=device)
+            self.mixer = LinearAttentionLayer(num_k_heads=hy.num_k_heads, num_v_heads=hy.num_v_heads,
+                                              head_k_dim=hy.head_k_dim, head_v_dim=hy.head_v_dim,
+                                              conv_weight=self.conv1d_weight[:, 0], a_log=self.A_log,
+                                              dt_bias=self.dt_bias, norm_weight=self.gated_norm_weight,
+                                              norm_eps=c.rms_norm_eps)  # fmt: skip
+        else:
+            self.qkv_size = c.q_size + 2 * c.kv_size
+            self.qkvg_proj_weight = param(self.qkv_size + c.q_size, h, dtype=dtype, device=device)  # [q|k|v|gate]
+            self.q_norm_weight = param(c.head_dim, dtype=dtype, device=device)
+            self.k_norm_weight = param(c.head_dim, dtype=dtype, device=device)
+            self.o_proj_weight = param(h, c.q_size, dtype=dtype, device=device)
+            self.attn = AttentionLayer(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                       head_dim=c.head_dim, scale=c.head_dim**-0.5, q_norm=self.q_norm_weight,
+                                       k_norm=self.k_norm_weight, norm_eps=c.rms_norm_eps)  # fmt: skip
+        self.sparse = index not in moe.dense_layers
+        self.experts: MoEWeights | None = None
+        if self.sparse:
+            e, inter, shared = moe.num_experts, moe.intermediate_size, hy.shared_expert_size
+            self.shared_size = shared
+            self.router_weight = param(e, h, dtype=dtype, device=device)
+            self.gate_up_proj = param(e, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, gate_1...
+            self.down_proj = param(e, h, inter, dtype=dtype, device=device)
+            self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
+                                      renormalize=moe.norm_topk_prob)  # fmt: skip
+            # the shared expert's [gate | up] and its one-row gate, from the same normed input
+            self.shared_proj_weight = param(2 * shared + 1, h, dtype=dtype, device=device)
+            self.shared_down_weight = param(h, shared, dtype=dtype, device=device)
+        else:
+            self.gate_up_proj_weight = param(2 * c.intermediate_size, h, dtype=dtype, device=device)
+            self.down_proj_weight = param(h, c.intermediate_size, dtype=dtype, device=device)
+
+    def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """hidden, residual [T, H] -> the MLP output and the residual stream before it (added by the next norm).
+        kv_cache: (K, V) pages for a full-attention layer; (state_pool, conv_pool) for a Gated DeltaNet layer."""
+        if self.linear:
+            mixed, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
+                                              self.in_proj_weight)  # [T, q|k|v|z|b|a]
+            o = ops.linear_attention(mixed, kv_cache[0], kv_cache[1], meta, self.mixer)  # [T, Hv Dv]
+            hidden = ops.linear(o, self.out_proj_weight)
+        else:
+            qkvg, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
+                                             self.qkvg_proj_weight)  # [T, q + 2kv + q]
+            attn = ops.attention(qkvg[:, : self.qkv_size].contiguous(), *kv_cache, meta, self.attn)  # [T, q]
+            hidden = ops.linear(attn * torch.sigmoid(qkvg[:, self.qkv_size :]), self.o_proj_weight)
+        if self.experts is None:
+            gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
+                                                self.gate_up_proj_weight)  # [T, 2I]
+            return ops.act_linear(gate_up, self.down_proj_weight), residual
+        shared, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
+                                           self.shared_proj_weight)  # [T, 2S + 1]
+        routed, _ = ops.moe(residual, None, self.post_attention_layernorm_weight, self.eps, self.router_weight, None,
+                            self.experts, self.top_k)  # fmt: skip
+        dtype = residual.dtype
+        shared_out = ops.materialize(ops.act_linear(shared[:, : 2 * self.shared_size].contiguous(),
+                                                    self.shared_down_weight), dtype)  # fmt: skip
+        return ops.materialize(routed, dtype) + torch.sigmoid(shared[:, 2 * self.shared_size :]) * shared_out, residual
+
+
+class Qwen3NextForCausalLM(DecoderStack, nn.Module):
+    features = frozenset({MOE, LINEAR_ATTENTION})  # what the layers need of a backend (kernels/ops.py)
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hy = config.hybrid
+        assert hy is not None, "Qwen3-Next configs carry their hybrid fields (ModelConfig.from_hf)"
+        if (config.head_dim - hy.rotary_dim) % 2:
+            raise ValueError(f"Qwen3-Next: head_dim {config.head_dim} minus rotary dims {hy.rotary_dim} must be even")
+        self.config = config
+        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(Qwen3NextLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head_weight = (
+            self.embed_tokens_weight if config.tie_word_embeddings
+            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )  # fmt: skip
+        self._order = rotary_order(config.head_dim, hy.rotary_dim)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """As DecoderStack's, with the model's own (partial) rotary tables, as long as the engine's."""
+        if self._tables is None or self._tables[0].shape[0] != meta.cos.shape[0]:
+            self._tables = partial_rotary_tables(self.config, meta.cos.shape[0], meta.cos.device)
+        return super().forward(ops, input_ids, kv_caches, replace(meta, cos=self._tables[0], sin=self._tables[1]))
+
+    # ---- caches: paged K/V for the full layers, per-sequence state slots for the linear ones -----------------
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Only the full-attention layers hold pages; the linear layers' state is per sequence (state_bytes_per_slot)"""
+        c = self.config
+        full = sum(not layer.linear for layer in self.layers)
+        return 2 * full * block_size * c.num_key_value_heads * c.head_dim * torch.finfo(dtype).bits // 8
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[tuple[torch.Tensor, ...]]:  # fmt: skip
+        """(K, V) [num_blocks, block_size, Hkv, D] for each full layer; () for each linear layer, whose pools
+        make_state_pools allocates (the engine's StateSlots puts them in these places)."""
+        c = self.config
+        shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
+        return [() if layer.linear else (torch.zeros(shape, dtype=dtype, device=device),
+                                         torch.zeros(shape, dtype=dtype, device=device)) for layer in self.layers]
+
+    def state_bytes_per_slot(self, dtype: torch.dtype) -> int:
+        """One sequence's state over all linear layers: the recurrent state in float32 and the conv history."""
+        hy = self.config.hybrid
+        assert hy is not None
+        per_layer = hy.num_v_heads * hy.head_k_dim * hy.head_v_dim * 4 + (hy.conv_width - 1) * hy.conv_dim * (
+            torch.finfo(dtype).bits // 8)
+        return len(hy.linear_layers) * per_layer
+
+    def make_state_pools(self, num_slots: int, dtype: torch.dtype,
+                         device: torch.device) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """layer index -> (state_pool [num_slots, Hv, Dk, Dv] float32, conv_pool [num_slots, K-1, conv_dim])."""
+        hy = self.config.hybrid
+        assert hy is not None
+        return {i: (torch.zeros(num_slots, hy.num_v_heads, hy.head_k_dim, hy.head_v_dim, dtype=torch.float32,
+                                device=device),
+                    torch.zeros(num_slots, hy.conv_width - 1, hy.conv_dim, dtype=dtype, device=device))
+                for i in hy.linear_layers}  # fmt: skip
+
+    # ---- loading -------------------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (reordered where our layout differs); every parameter written exactly once.
+        The MTP module's tensors (`mtp.*`) are skipped: MTP is not served yet."""
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or name.startswith("mtp."):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            self._load(name, tensor)
+            seen.add(name)
+        self.check_complete(seen)
+
+    @staticmethod
+    def _put(name: str, target: torch.Tensor, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+        target.copy_(_checked(name, tensor, shape).reshape(target.shape))
+
+    @torch.no_grad()
+    def _load(self, name: str, t: torch.Tensor) -> None:
+        c = self.config
+        hy, moe = c.hybrid, c.moe
+        assert hy is not None and moe is not None
+        top = {"model.embed_tokens.weight": self.embed_tokens_weight, "model.norm.weight": self.norm_weight,
+               "lm_head.weight": self.lm_head_weight}  # fmt: skip
+        if name in top:
+            target = top[name]
+            self._put(name, target, t, tuple(target.shape))
+            if name == "model.norm.weight":
+                target.add_(1.0)
+            return
+        m = _LAYER.fullmatch(name)
+        layer = self.layers[int(m.group(1))] if m is not None and int(m.group(1)) < len(self.layers) else None
+        if layer is None or m is None or not self._load_layer(layer, m.group(2), name, t):
+            raise ValueError(f"weights: unexpected tensor {name!r} for {c.architecture} (linear-attention layers: "
+                             f"{list(hy.linear_layers)}, dense layers: {list(moe.dense_layers)})")  # fmt: skip
+
+    def _load_layer(self, layer: Qwen3NextLayer, rest: str, name: str, t: torch.Tensor) -> bool:
+        """Load one tensor of a layer; False for a name the layer does not have."""
+        c = self.config
+        hy = c.hybrid
+        assert hy is not None
+        h, d = c.hidden_size, c.head_dim
+        if rest in _ONE_PLUS:
+            target = getattr(layer, rest.replace(".", "_"))
+            self._put(name, target, t, (h,))
+            target.add_(1.0)
+            return True
+        if layer.linear and rest.startswith("linear_attn."):
+            return self._load_linear(layer, rest.removeprefix("linear_attn."), name, t)
+        if not layer.linear and rest.startswith("self_attn."):
+            part, order = rest.removeprefix("self_attn."), self._order.to(t.device)
+            w, q, kv = layer.qkvg_proj_weight, c.q_size, c.kv_size
+            if part == "q_proj.weight":  # per head: its query's D rows, then its gate's
+                heads = _checked(name, t, (2 * q, h)).view(-1, 2 * d, h)
+                w[:q].copy_(heads[:, :d][:, order].reshape(q, h))
+                w[q + 2 * kv :].copy_(heads[:, d:].reshape(q, h))
+            elif part == "k_proj.weight":
+                w[q : q + kv].copy_(_checked(name, t, (kv, h)).view(-1, d, h)[:, order].reshape(kv, h))
+            elif part == "v_proj.weight":
+                w[q + kv : q + 2 * kv].copy_(_checked(name, t, (kv, h)))
+            elif part in ("q_norm.weight", "k_norm.weight"):
+                target = layer.q_norm_weight if part == "q_norm.weight" else layer.k_norm_weight
+                target.copy_(_checked(name, t, (d,))[order] + 1.0)
+            elif part == "o_proj.weight":
+                self._put(name, layer.o_proj_weight, t, (h, c.q_size))
+            else:
+                return False
+            return True
+        if layer.sparse:
+            expert = _EXPERT.fullmatch(rest)
+            if expert is not None and int(expert.group(1)) < layer.gate_up_proj.shape[0]:
+                e, proj = int(expert.group(1)), expert.group(2)
+                target = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+                self._put(name, target, t, tuple(target.shape))
+                return True
+            s = layer.shared_size
+            rows = {"mlp.shared_expert.gate_proj.weight": (0, s), "mlp.shared_expert.up_proj.weight": (s, 2 * s),
+                    "mlp.shared_expert_gate.weight": (2 * s, 2 * s + 1)}  # fmt: skip
+            if rest in rows:
+                lo, hi = rows[rest]
+                self._put(name, layer.shared_proj_weight[lo:hi], t, (hi - lo, h))
+                return True
+            direct = {"mlp.gate.weight": layer.router_weight, "mlp.shared_expert.down_proj.weight":
+                      layer.shared_down_weight}  # fmt: skip
+        else:
+            i = c.intermediate_size
+            gate_up = layer.gate_up_proj_weight
+            direct = {"mlp.gate_proj.weight": gate_up[:i], "mlp.up_proj.weight": gate_up[i:],
+                      "mlp.down_proj.weight": layer.down_proj_weight}  # fmt: skip
+        if rest in direct:
+            self._put(name, direct[rest], t, tuple(direct[rest].shape))
+            return True
+        return False
+
+    def _load_linear(self, layer: Qwen3NextLayer, part: str, name: str, t: torch.Tensor) -> bool:
+        """A Gated DeltaNet tensor. HF's in_proj_qkvz rows come in key-head groups [q_g | k_g | v_g | z_g] (v_g, z_g:
+        the group's Hv/Hk value heads) and in_proj_ba's as [b_g | a_g]; ours are [q | k | v | z | b | a]."""
+        hy = self.config.hybrid
+        assert hy is not None
+        h, nk, dk = self.config.hidden_size, hy.num_k_heads, hy.head_k_dim
+        gv = hy.num_v_heads // nk * hy.head_v_dim  # one group's v (or z) rows
+        kd, vd, hv, w = hy.key_dim, hy.value_dim, hy.num_v_heads, layer.in_proj_weight
+        if part == "in_proj_qkvz.weight":
+            groups = _checked(name, t, (2 * kd + 2 * vd, h)).view(nk, 2 * dk + 2 * gv, h)  # [Hk, q|k|v|z rows, H]
+            bounds, start = (0, dk, 2 * dk, 2 * dk + gv, 2 * dk + 2 * gv), 0  # q, k, v, z within a group
+            for lo, hi in zip(bounds, bounds[1:], strict=False):
+                block = groups[:, lo:hi].reshape(-1, h)  # every group's rows of this kind, heads in order
+                w[start : start + block.shape[0]].copy_(block)
+                start += block.shape[0]
+        elif part == "in_proj_ba.weight":
+            base, g = hy.conv_dim + vd, hv // nk
+            groups = _checked(name, t, (2 * hv, h)).view(nk, 2 * g, h)
+            w[base : base + hv].copy_(groups[:, :g].reshape(hv, h))
+            w[base + hv : base + 2 * hv].copy_(groups[:, g:].reshape(hv, h))
+        else:
+            direct = {"conv1d.weight": layer.conv1d_weight, "A_log": layer.A_log, "dt_bias": layer.dt_bias,
+                      "norm.weight": layer.gated_norm_weight, "out_proj.weight": layer.out_proj_weight}  # fmt: skip
+            if part not in direct:
+                return False
+            self._put(name, direct[part], t, tuple(direct[part].shape))
+        return True
+
+    def expected_weight_names(self) -> set[str]:
+        c = self.config
+        assert c.moe is not None
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not c.tie_word_embeddings:
+            names.add("lm_head.weight")
+        linear = [f"linear_attn.{p}" for p in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log",
+                                               "dt_bias", "norm.weight", "out_proj.weight")]  # fmt: skip
+        full = [f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+        sparse = ["mlp.gate.weight", "mlp.shared_expert_gate.weight"] + [
+            f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")] + [
+            f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts) for p in ("gate", "up", "down")]
+        dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        for i, layer in enumerate(self.layers):
+            parts = list(_ONE_PLUS) + (linear if layer.linear else full) + (sparse if layer.sparse else dense)
+            names.update(f"model.layers.{i}.{p}" for p in parts)
+        return names

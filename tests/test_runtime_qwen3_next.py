@@ -1,0 +1,173 @@
+"""Qwen3-Next end to end on a tiny random config: Envex's model file (Gated DeltaNet layers over per-sequence state
+slots, gated full attention with partial rotary, the MoE with its gated shared expert, a dense layer) gives HF
+transformers' logits and greedy tokens from the published checkpoint layout, through the real engine: sequences of
+different lengths batched together, a prompt cut into prefill chunks and a run with preemptions all give the tokens
+of uninterrupted single runs; what the engine refuses for this model (prefix cache, speculation, deterministic mode,
+a stale state) and the config it reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from envex.kernels.accuracy import rel_err
+from envex.kernels.ops import AttentionMetadata
+from envex.kernels.torch_ops import TorchOps
+from envex.runtime.config import QWEN3_NEXT, ConfigError, ModelConfig
+from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from envex.runtime.engine.scheduler import ScheduledChunk
+from envex.runtime.engine.sequence import Sequence, Status
+from envex.runtime.models.qwen3_next import Qwen3NextForCausalLM
+from envex.tests.test_runtime_gpt_oss import VOCAB, _write_tokenizer
+
+# Layers: linear (MoE), full (MoE), linear (dense: mlp_only_layers), full (MoE). GQA 2 in the full layers, two
+# v heads per k head in the linear ones, partial rotary over 8 of 32 dims.
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+            linear_value_head_dim=16, num_experts=8, num_experts_per_tok=2, max_position_embeddings=256,
+            full_attention_interval=2, mlp_only_layers=[2], tie_word_embeddings=False)  # fmt: skip
+PROMPTS = [[5, 17, 300, 9, 44, 12, 7, 8, 9, 100, 3, 3, 99], [1, 2], list(range(100, 121))]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+# The published Qwen3-Next-80B-A3B-Instruct config.json, the fields ModelConfig.from_hf reads.
+PUBLISHED = {
+    "architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1,
+    "eos_token_id": 151645, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,
+    "intermediate_size": 5120, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_value_head_dim": 128, "max_position_embeddings": 262144,
+    "mlp_only_layers": [], "model_type": "qwen3_next", "moe_intermediate_size": 512, "norm_topk_prob": True,
+    "num_attention_heads": 16, "num_experts": 512, "num_experts_per_tok": 10, "num_hidden_layers": 48,
+    "num_key_value_heads": 2, "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 10000000, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}  # fmt: skip
+
+
+def _engine(path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=4, kv_cache_memory_gb=0.02, **kw))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(HF model, its save_pretrained dir, HF's greedy continuation of each prompt run alone)."""
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**TINY)).eval()
+    with torch.no_grad():  # decisive logits; every norm weight and gate away from its default, so a dropped one shows
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.normal_(0.0, 0.5)
+            else:
+                p.normal_(0.3, 0.3)  # Qwen3NextRMSNorm multiplies by 1 + weight
+    path = tmp_path_factory.mktemp("qwen3_next") / "tiny"
+    model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path)
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))  # fmt: skip
+            want.append(out[0, len(prompt) :].tolist())
+    return model, path, want
+
+
+def test_prefill_logits_match_transformers(checkpoint) -> None:
+    hf_model, path, _ = checkpoint
+    names = load_file(str(path / "model.safetensors")).keys()
+    assert {"model.layers.0.linear_attn.in_proj_qkvz.weight", "model.layers.1.mlp.experts.7.up_proj.weight",
+            "model.layers.1.mlp.shared_expert_gate.weight", "model.layers.2.mlp.up_proj.weight"} <= set(names)
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    model = Qwen3NextForCausalLM(config, dtype=torch.float32, device=torch.device("cpu"))
+    model.load_weights(load_file(str(path / "model.safetensors")).items())
+    prompt, page = PROMPTS[2], 4
+    n, blocks = len(prompt), -(-len(prompt) // page)
+    table = list(range(blocks))[::-1]
+    caches = model.make_kv_caches(blocks, page, torch.float32, torch.device("cpu"))
+    for layer, pools in model.make_state_pools(3, torch.float32, torch.device("cpu")).items():
+        caches[layer] = tuple(p.normal_() for p in pools)  # garbage in the slot: state_initialized 0 must ignore it
+    cos = torch.zeros(64, config.head_dim // 2)
+    meta = AttentionMetadata(
+        positions=torch.arange(n), slot_mapping=torch.tensor([table[p // page] * page + p % page for p in range(n)]),
+        cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), block_tables=torch.tensor([table], dtype=torch.int32),
+        cos=cos, sin=cos, max_q_len=n, max_seq_len=n, seq_lens=torch.tensor([n], dtype=torch.int32),
+        state_slots=torch.tensor([1], dtype=torch.int32), state_initialized=torch.tensor([0], dtype=torch.int32),
+    )  # fmt: skip
+    with torch.inference_mode():
+        got = model.compute_logits(TorchOps(), *model(TorchOps(), torch.tensor(prompt), caches, meta))
+    with torch.no_grad():
+        want = hf_model(torch.tensor([prompt])).logits[0]
+    assert rel_err(got, want) < 1e-5
+    assert torch.allclose(torch.log_softmax(got, -1), torch.log_softmax(want, -1), atol=1e-4)
+
+
+def test_greedy_batched_matches_transformers_run_alone(checkpoint) -> None:
+    """Three prompts of 13, 2 and 21 tokens in one engine (batched in every step) give HF's tokens for each run
+    alone; the paged KV holds only the full layers, the linear layers' state sits in one slot per sequence."""
+    _, path, want = checkpoint
+    engine = _engine(path)
+    runner = engine.runner
+    assert isinstance(runner.model, Qwen3NextForCausalLM) and runner.states is not None
+    assert [len(c) for c in runner.kv_caches] == [2, 2, 2, 2]
+    assert tuple(runner.kv_caches[0][0].shape[1:]) == (4, 16, 16) and runner.kv_caches[1][0].shape[2:] == (2, 32)
+    assert not engine.blocks.enable_prefix_caching  # refused for this model (state_slots.py)
+    got = engine.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in got] == want
+    assert runner.states.num_used_slots == 3
+    runner.states.before_step([])  # the next step releases the slots of the sequences whose blocks were freed
+    assert runner.states.num_used_slots == 0
+
+
+def test_chunked_prefill_and_preemption_give_the_uninterrupted_tokens(checkpoint) -> None:
+    """A 5-token step budget cuts the prompts into prefill chunks that carry the state across steps (and mixes
+    them with other sequences' decodes); then a KV pool too small for all three preempts and recomputes."""
+    _, path, want = checkpoint
+    chunked = _engine(path, max_num_batched_tokens=5)
+    assert [c.token_ids for c in chunked.generate(PROMPTS, GREEDY)] == want
+    # 11 blocks: the three prompts fit (4 + 1 + 6 blocks), their growth to 19, 8 and 27 tokens does not
+    tight = _engine(path, num_kv_blocks=11, max_model_len=44)
+    assert [c.token_ids for c in tight.generate(PROMPTS, GREEDY)] == want
+    assert tight.scheduler.num_preemptions > 0
+
+
+def test_refusals(checkpoint) -> None:
+    _, path, _ = checkpoint
+    with pytest.raises(ValueError, match=r"^deterministic: Qwen3NextForCausalLM has no batch-invariant kernels yet "
+                                         r"\(.*gated delta-rule linear attention\)"):
+        _engine(path, deterministic=True)
+    with pytest.raises(ValueError, match=r"^num_speculative_tokens: speculative decoding does not run with "
+                                         r"Qwen3NextForCausalLM's recurrent"):
+        _engine(path, num_speculative_tokens=2)
+
+
+def test_a_stale_state_is_refused(checkpoint) -> None:
+    """A running sequence whose chunk does not start where its state ends (a prefix hit or a lost step) raises."""
+    _, path, _ = checkpoint
+    states = _engine(path).runner.states
+    assert states is not None
+    seq = Sequence("r", list(range(12)), GREEDY, None, status=Status.RUNNING, block_table=[0, 1, 2])
+    states.before_step([ScheduledChunk(seq, 0, 8)])
+    states.before_step([ScheduledChunk(seq, 8, 4)])  # continues: fine
+    with pytest.raises(RuntimeError, match="resumes at token 4 but its state holds 12; refusing to serve a stale"):
+        states.before_step([ScheduledChunk(seq, 4, 4)])
+
+
+def test_published_config() -> None:
+    c = ModelConfig.from_hf(PUBLISHED)
+    assert c.architecture == QWEN3_NEXT and c.hybrid is not None and c.moe is not None
+    assert c.hybrid.linear_layers == tuple(i for i in range(48) if (i + 1) % 4)
+    assert (c.hybrid.rotary_dim, c.hybrid.conv_dim, c.hybrid.shared_expert_size) == (64, 8192, 512)
+    assert (c.moe.num_experts, c.moe.top_k, c.moe.norm_topk_prob, c.moe.dense_layers) == (512, 10, True, ())
+    model = Qwen3NextForCausalLM(c, dtype=torch.bfloat16, device=torch.device("meta"))
+    # 36 linear layers: 32 x 128 x 128 float32 state + 3 x 8192 bf16 conv rows each (offline_docs/hybrid.md)
+    assert model.state_bytes_per_slot(torch.bfloat16) == 36 * (2 * 2**20 + 48 * 2**10)
+    assert model.kv_cache_bytes_per_block(16, torch.bfloat16) == 12 * 2 * 16 * 2 * 256 * 2
+    with pytest.raises(ConfigError, match="layer_types must list 48"):
+        ModelConfig.from_hf({**PUBLISHED, "layer_types": ["full_attention"]})
+    with pytest.raises(ConfigError, match="quantized"):
+        ModelConfig.from_hf({**PUBLISHED, "quantization_config": {"quant_method": "fp8"}})
