@@ -112,6 +112,9 @@ def serve(
         "--speculative-tokens", min=0, max=16,
         help="speculative decoding: the most drafts verified per step (0: off; n-gram lookup without a draft model)",
     )] = 0,
+    kv_cache_dtype: Annotated[str, typer.Option(
+        "--kv-cache-dtype", help="KV cache: bf16 (as computed), fp8 or int4 (packed: about 2x and 3.5x the tokens "
+                                 "in the same memory; offline_docs/kv_cache.md)")] = "bf16",
     deterministic: DeterministicOpt = None,
     tensor_parallel: Annotated[int, typer.Option(
         "--tensor-parallel", min=1, help="split the model over this many GPUs of this host (one process each)")] = 1,
@@ -131,6 +134,9 @@ def serve(
     if launch is not None and (draft_model is not None or speculative_tokens):
         raise fail("--draft-model/--speculative-tokens: a release serves the settings of its launch.json "
                    "(engine.draft_model, engine.num_speculative_tokens); drop the flags or install with them")
+    if launch is not None and kv_cache_dtype != "bf16":
+        raise fail("--kv-cache-dtype: a release serves the KV cache its gates passed with (launch.json's "
+                   "engine.kv_cache_dtype); drop the flag or install again")
     if launch is not None and load_format != "auto":
         raise fail("--load-format: a release serves the weights its gates passed with; drop the flag")
     if launch is not None:
@@ -139,14 +145,14 @@ def serve(
 
         try:
             config = load_launch(launch)
-        except LaunchError as exc:
+        except (LaunchError, ValueError) as exc:  # ValueError: an engine setting's value (EngineConfig)
             raise fail(str(exc)) from None
         extra_routers = admin_routers_for_launch(launch)  # /admin for the release's prefix
     else:
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,
                                deterministic=deterministic, tensor_parallel=tensor_parallel,
                                draft_model=draft_model, num_speculative_tokens=speculative_tokens,
-                               load_format=load_format)
+                               load_format=load_format, kv_cache_dtype=kv_cache_dtype)
     from envex.runtime.server.serve import serve as run_server  # after the checks: a refusal needs no web stack
 
     try:

@@ -22,14 +22,12 @@ i & j), which matches the split-half layout: x·H_D = [(x_lo + x_hi)·H', (x_lo 
 [D/2, D/2] dots (fp32, ieee: exact for the ±1 entries). D must be a power of two ≥ 32 (64 and 128 are served).
 
 Floor (decode): memory, the packed K and V of every cached token read once: seq_len·bytes_per_token per sequence
-per layer (Llama-8B: 1152 bytes a token against bf16's 4096). One file, as the issue's kernel half was asked for:
-the formats, the write kernel and the attention kernel share the layout constants.
+per layer (Llama-8B: 1152 bytes a token against bf16's 4096). The formats and their layout constants live in
+kv_quant_format.py (no Triton there, so the engine's config and the torch backend import them anywhere); they are
+re-exported here.
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -38,126 +36,24 @@ import triton.language as tl
 from envex.kernels import reference
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
 from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits
+from envex.kernels.kv_quant_format import (
+    DEFAULT_INT4_GROUP,
+    INT4_GROUP_SIZES,
+    KV_CACHE_DTYPES,
+    KVCacheFormat,
+    PackedKVCache,
+    dequantize_blocks,
+    kv_bytes_per_token,
+)
 from envex.kernels.ops import AttentionLayer, AttentionMetadata, split_qkv
 
-KV_CACHE_DTYPES = ("bf16", "fp8", "int4")  # launch.json's kv_cache_dtype (bf16: the unpacked cache)
-INT4_GROUP_SIZES = (32, 64)
-DEFAULT_INT4_GROUP = 64
+__all__ = ["DEFAULT_INT4_GROUP", "INT4_GROUP_SIZES", "KV_CACHE_DTYPES", "KVCacheFormat", "PackedKVCache",
+           "dequantize_blocks", "kv_bytes_per_token", "packed_attention", "packed_paged_attention",
+           "rotary_and_write_packed_kv"]
+
 # (token, head) rows a write program holds: tl.dot's smallest M on the GPU; 64 under the interpreter, whose time
 # goes by programs, not by their size (the same code, a quarter of the programs).
 _WRITE_ROWS = 64 if INTERPRETING else 16
-
-
-@dataclass(frozen=True, kw_only=True)
-class KVCacheFormat:
-    """A packed KV-cache format. rotate_keys / rotate_values None: the default for the dtype, the lower attention
-    error measured (offline_docs/kv_cache.md): int4 rotates both, fp8 the keys only."""
-
-    dtype: str  # "int4" | "fp8"
-    group_size: int = DEFAULT_INT4_GROUP  # int4 only
-    rotate_keys: bool | None = None
-    rotate_values: bool | None = None
-    _resolved: tuple[bool, bool] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in ("int4", "fp8"):
-            raise ValueError(f"kv_cache_dtype: {self.dtype!r} is not a packed format; use 'int4' or 'fp8' "
-                             "(bf16 is the unpacked cache)")  # fmt: skip
-        if self.dtype == "int4" and self.group_size not in INT4_GROUP_SIZES:
-            raise ValueError(f"group_size: {self.group_size} is not one of {INT4_GROUP_SIZES}")
-        rk = True if self.rotate_keys is None else self.rotate_keys
-        rv = self.dtype == "int4" if self.rotate_values is None else self.rotate_values
-        object.__setattr__(self, "_resolved", (rk, rv))
-
-    @property
-    def keys_rotated(self) -> bool:
-        return self._resolved[0]
-
-    @property
-    def values_rotated(self) -> bool:
-        return self._resolved[1]
-
-    def data_width(self, head_dim: int) -> int:
-        """Bytes of one (token, head) row of K (or V) data."""
-        return head_dim // 2 if self.dtype == "int4" else head_dim
-
-    def meta_width(self, head_dim: int) -> int:
-        """bf16 entries of one row's meta: int4 its D/G scales and D/G zeros, fp8 its one scale."""
-        return 2 * (head_dim // self.group_size) if self.dtype == "int4" else 1
-
-    def check_head_dim(self, head_dim: int) -> None:
-        check(head_dim >= 32 and head_dim & (head_dim - 1) == 0,
-              f"head_dim: {head_dim} must be a power of two ≥ 32 for a packed KV cache (the Hadamard rotation and "
-              "the split-half packing); use kv_cache_dtype bf16")  # fmt: skip
-        if self.dtype == "int4":
-            check(head_dim % self.group_size == 0,
-                  f"group_size: {self.group_size} does not divide head_dim {head_dim}")  # fmt: skip
-
-    def bytes_per_token(self, num_kv_heads: int, head_dim: int) -> int:
-        """K and V bytes of one token in one layer (data + meta)."""
-        self.check_head_dim(head_dim)
-        return 2 * num_kv_heads * (self.data_width(head_dim) + 2 * self.meta_width(head_dim))
-
-    def allocate(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 device: torch.device | str) -> PackedKVCache:  # fmt: skip
-        """One layer's zeroed packed cache."""
-        self.check_head_dim(head_dim)
-        data_dtype = torch.uint8 if self.dtype == "int4" else torch.float8_e4m3fn
-        shape = (num_blocks, block_size, num_kv_heads)
-        dw, mw = self.data_width(head_dim), self.meta_width(head_dim)
-        return PackedKVCache(
-            fmt=self, head_dim=head_dim,
-            k_data=torch.zeros(*shape, dw, dtype=data_dtype, device=device),
-            k_meta=torch.zeros(*shape, mw, dtype=torch.bfloat16, device=device),
-            v_data=torch.zeros(*shape, dw, dtype=data_dtype, device=device),
-            v_meta=torch.zeros(*shape, mw, dtype=torch.bfloat16, device=device),
-        )  # fmt: skip
-
-
-def kv_bytes_per_token(kv_cache_dtype: str, num_kv_heads: int, head_dim: int, *,
-                       group_size: int = DEFAULT_INT4_GROUP) -> int:  # fmt: skip
-    """K and V bytes of one token in one layer for kv_cache_dtype "bf16", "fp8" or "int4" (what the block manager
-    divides its memory by; multiply by block_size for a block)."""
-    if kv_cache_dtype == "bf16":
-        return 2 * num_kv_heads * head_dim * 2
-    return KVCacheFormat(dtype=kv_cache_dtype, group_size=group_size).bytes_per_token(num_kv_heads, head_dim)
-
-
-@dataclass(frozen=True, kw_only=True)
-class PackedKVCache:
-    """One layer's packed K and V: data [num_blocks, block_size, Hkv, data_width], meta bf16 [..., meta_width]."""
-
-    fmt: KVCacheFormat
-    head_dim: int
-    k_data: torch.Tensor
-    k_meta: torch.Tensor
-    v_data: torch.Tensor
-    v_meta: torch.Tensor
-
-    def __post_init__(self) -> None:
-        self.fmt.check_head_dim(self.head_dim)
-        want_d = self.fmt.data_width(self.head_dim)
-        want_m = self.fmt.meta_width(self.head_dim)
-        data_dtype = torch.uint8 if self.fmt.dtype == "int4" else torch.float8_e4m3fn
-        for name, t, width, dt in (("k_data", self.k_data, want_d, data_dtype), ("v_data", self.v_data, want_d,
-                                   data_dtype), ("k_meta", self.k_meta, want_m, torch.bfloat16),
-                                   ("v_meta", self.v_meta, want_m, torch.bfloat16)):  # fmt: skip
-            check(t.dim() == 4 and t.shape[3] == width and t.dtype == dt and t.is_contiguous(),
-                  f"{name}: expected contiguous {dt} [num_blocks, block_size, Hkv, {width}], got {t.dtype} "
-                  f"{tuple(t.shape)}")  # fmt: skip
-        check(self.k_data.shape == self.v_data.shape and self.k_meta.shape == self.v_meta.shape
-              and self.k_data.shape[:3] == self.k_meta.shape[:3],
-              "PackedKVCache: k/v data and meta must share [num_blocks, block_size, Hkv]")  # fmt: skip
-        page = self.k_data.shape[1]
-        check(page >= 1 and page & (page - 1) == 0, f"k_data: block_size {page} must be a power of two")
-
-    @property
-    def block_size(self) -> int:
-        return self.k_data.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.k_data.shape[2]
 
 
 @triton.jit
@@ -639,31 +535,3 @@ def packed_attention(qkv: torch.Tensor, cache: PackedKVCache, meta: AttentionMet
                                  max_q_len=meta.max_q_len, max_seq_len=meta.max_seq_len, num_splits=num_splits,
                                  sinks=layer.sinks, window=layer.sliding_window)  # fmt: skip
     return out.view(tokens, layer.q_size)
-
-
-def dequantize_blocks(cache: PackedKVCache, blocks: torch.Tensor, dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The K and V of cache blocks `blocks` [n] as a plain cache pair [n, block_size, Hkv, D] in dtype, in the
-    model's basis (un-rotated): for a path that wants a bf16 cache (the torch backend, a prefill kernel that has
-    no packed variant yet). Torch ops, fp32 math."""
-    fmt = cache.fmt
-    d = cache.head_dim
-    h = torch.ones(1, 1, device=blocks.device)
-    for _ in range(int(math.log2(d))):  # Sylvester: H_2n = [[H, H], [H, -H]]
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    h = h / math.sqrt(d)
-
-    def one(data: torch.Tensor, meta: torch.Tensor, rotated: bool) -> torch.Tensor:
-        data, meta = data.index_select(0, blocks), meta.index_select(0, blocks).float()
-        if fmt.dtype == "fp8":
-            x = data.float() * meta
-        else:
-            b = data.to(torch.int32)
-            codes = torch.cat([b & 15, b >> 4], dim=-1).float()  # [n, page, Hkv, D], split-half order undone
-            ng = meta.shape[-1] // 2
-            s = meta[..., :ng].repeat_interleave(fmt.group_size, -1)
-            z = meta[..., ng:].repeat_interleave(fmt.group_size, -1)
-            x = codes * s + z
-        return (x @ h if rotated else x).to(dtype)
-
-    return one(cache.k_data, cache.k_meta, fmt.keys_rotated), one(cache.v_data, cache.v_meta, fmt.values_rotated)

@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from envex.kernels import mla_reference, reference
+from envex.kernels.kv_quant_format import PackedKVCache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,9 +319,12 @@ class Ops(Protocol):
         are."""
         ...
 
-    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
-        """qkv [T, (Hq + 2 Hkv) D] un-rotated -> attention output [T, Hq D]; writes this step's K/V into the cache."""
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor | PackedKVCache, v_cache: torch.Tensor | None,
+                  meta: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+        """qkv [T, (Hq + 2 Hkv) D] un-rotated -> attention output [T, Hq D]; writes this step's K/V into the cache:
+        k_cache and v_cache [num_blocks, block_size, Hkv, D], or k_cache a PackedKVCache (kv_quant_format.py: K and
+        V packed as int4 or fp8, written and read packed) with v_cache None. A model file passes its layer's cache
+        pair as the engine made it (`*kv_cache`) and never looks inside."""
         ...
 
     def moe(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,

@@ -14,7 +14,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import delta_rule_reference, mla_reference, reference
+from envex.kernels import delta_rule_reference, kv_quant_reference, mla_reference, reference
+from envex.kernels.kv_quant_format import PackedKVCache, dequantize_blocks
 from envex.kernels.ops import (
     AttentionLayer,
     AttentionMetadata,
@@ -54,16 +55,21 @@ class TorchOps:
     def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return hidden
 
-    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor | PackedKVCache, v_cache: torch.Tensor | None,
+                  meta: AttentionMetadata, layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
         q, k, v = split_qkv(qkv, layer)
         if layer.q_norm is not None and layer.k_norm is not None:
             q = reference.rms_norm(q, layer.q_norm, layer.norm_eps)
             k = reference.rms_norm(k, layer.k_norm, layer.norm_eps)
-        q, _ = reference.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
-                                             meta.slot_mapping)  # fmt: skip
+        block_tables = meta.block_tables
+        if isinstance(k_cache, PackedKVCache):
+            q, k_cache, v_cache, block_tables = _packed_write_and_read(q, k, v, k_cache, meta)
+        else:
+            assert v_cache is not None, "a plain cache comes as a (k, v) pair"
+            q, _ = reference.rotary_and_store_kv(q, k, v, meta.positions, meta.cos, meta.sin, k_cache, v_cache,
+                                                 meta.slot_mapping)  # fmt: skip
         seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
-        out = self._attend(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, meta.block_tables, layer.scale,
+        out = self._attend(q, k_cache, v_cache, meta.cu_seqlens_q, seq_lens, block_tables, layer.scale,
                            q_lens=meta.q_lens_host, seq_lens_host=meta.seq_lens_host, sinks=layer.sinks,
                            window=layer.sliding_window)  # fmt: skip
         return out.reshape(-1, layer.q_size)
@@ -104,6 +110,24 @@ class TorchOps:
                                               meta.block_tables, layer.scale, q_lens=meta.q_lens_host,
                                               seq_lens_host=meta.seq_lens_host)  # fmt: skip
         return torch.einsum("thr,hvr->thv", o, layer.w_uv).reshape(q.shape[0], -1)  # [T, H v]
+
+
+def _packed_write_and_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: PackedKVCache,
+                           meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A packed cache on the torch backend: this step's K/V encoded by the float64 reference (the same bytes as the
+    Triton write kernel), then the blocks this step reads dequantized into a plain cache in q's dtype and the model's
+    basis, so the plain attention reads them (q needs no Hadamard rotation: the keys come back un-rotated).
+    -> (q after rotary, k_cache, v_cache [B·max_blocks, block_size, Hkv, D], block tables into them)."""
+    fmt = cache.fmt
+    kv_quant_reference.write_kv(k, v, meta.positions, meta.cos, meta.sin, meta.slot_mapping, cache.k_data,
+                                cache.k_meta, cache.v_data, cache.v_meta, kind=fmt.dtype, group=fmt.group_size,
+                                rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
+                                round_to=k.dtype)  # fmt: skip
+    q = reference.rotary(q, meta.positions, meta.cos, meta.sin)
+    tables = meta.block_tables  # [B, max_blocks]: every row's blocks, padding included (block 0, never read)
+    k_plain, v_plain = dequantize_blocks(cache, tables.reshape(-1).long(), q.dtype)
+    local = torch.arange(tables.numel(), dtype=tables.dtype, device=tables.device).view(tables.shape)
+    return q, k_plain, v_plain, local
 
 
 class InvariantTorchOps(TorchOps):

@@ -13,6 +13,8 @@ Each entry point picks its kernel from the rows it is given:
   (q/k norm + rotary + KV write + attention, the split merge in a second launch); else rotary_and_store_kv and
   the varlen paged_attention kernel. Sinks and a sliding window are constexpr variants of both; a window layer
   picks its key splits from the window, not from the graph's max_model_len;
+- a packed KV cache (int4, fp8; kv_quant.py): the packed write kernel and the packed paged attention, for every
+  step;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's plain
   SwiGLU without, compiled as variants of the same kernels).
@@ -34,6 +36,7 @@ from envex.kernels import (
     delta_rule,
     gemv,
     invariant_matmul,
+    kv_quant,
     mla,
     moe_mxfp4,
     norm,
@@ -165,8 +168,14 @@ class TritonOps:
         # the pieces added as the norm kernel adds them (in the invariant backend: the reduce kernel's bits)
         return invariant_matmul.sum_pieces(hidden, dtype) if _is_partials(hidden) else hidden
 
-    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  layer: AttentionLayer) -> torch.Tensor:  # fmt: skip
+    def attention(self, qkv: torch.Tensor, k_cache: torch.Tensor | kv_quant.PackedKVCache,
+                  v_cache: torch.Tensor | None, meta: AttentionMetadata, layer: AttentionLayer
+                  ) -> torch.Tensor:  # fmt: skip
+        if isinstance(k_cache, kv_quant.PackedKVCache):
+            # The packed write (rotary + Hadamard + quantize) and the packed paged attention, for decode, verify
+            # rows and prefill chunks alike (kv_quant.packed_attention: two launches and the split merge).
+            return kv_quant.packed_attention(qkv, k_cache, meta, layer)
+        assert v_cache is not None, "a plain cache comes as a (k, v) pair"
         tokens = qkv.shape[0]
         window = layer.sliding_window
         # A window layer reads at most `window` keys: its split count comes from that, not from the (graph's)

@@ -8,10 +8,11 @@ from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 
 from envex.kernels import backends
+from envex.kernels.kv_quant_format import KV_CACHE_DTYPES
 from envex.kernels.ops import SLIDING_WINDOW
 from envex.runtime.config import ModelConfig
 from envex.runtime.loader import EMBEDDED_MODEL
-from envex.runtime.models import model_features
+from envex.runtime.models import MODEL_REGISTRY, model_features
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -38,6 +39,11 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0  # cpu only
     gpu_memory_utilization: float = 0.85
     enable_prefix_caching: bool = True
+    # The KV cache's format (offline_docs/kv_cache.md): bf16, K and V as computed (in the activation dtype: float32
+    # on the CPU); fp8 (e4m3, a bf16 scale per token and head: 1.97x bf16's tokens at head_dim 128) or int4 (groups
+    # of 64 with a bf16 scale and zero, Hadamard-rotated: 3.56x), written packed and read packed by the attention
+    # kernels. Sliding-window layers (gpt-oss) keep their own small pool in the activation dtype.
+    kv_cache_dtype: str = "bf16"
     max_queue: int = 256  # waiting requests beyond this are refused (HTTP 429)
     seed: int = 0
     use_cuda_graphs: bool = True
@@ -74,7 +80,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS),
-                               ("load_format", LOAD_FORMATS)):
+                               ("load_format", LOAD_FORMATS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         if not 0 <= self.num_speculative_tokens <= 16:
@@ -115,6 +121,9 @@ class EngineConfig:
         num_speculative_tokens = self.num_speculative_tokens or (4 if self.draft_model else 0)
         refusal = check_backend(backend, device, deterministic=bool(self.deterministic), architecture=architecture,
                                 speculation=num_speculative_tokens > 0, tensor_parallel=self.tensor_parallel > 1)
+        if refusal is None:
+            refusal = check_kv_cache_dtype(self.kv_cache_dtype, deterministic=bool(self.deterministic),
+                                           architecture=architecture, tensor_parallel=self.tensor_parallel > 1)
         if refusal is not None:
             raise ValueError(refusal)
         return replace(
@@ -204,6 +213,24 @@ def check_backend(backend: str, device: str, *, deterministic: bool, architectur
         return f"num_speculative_tokens: speculative decoding does not run on {chosen.label}; set it to 0"
     if tensor_parallel and not caps.tensor_parallel:
         return f"tensor_parallel: {chosen.label} does not run under tensor parallelism; use --tensor-parallel 1"
+    return None
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, *, deterministic: bool, architecture: str | None,
+                         tensor_parallel: bool) -> str | None:
+    """What a packed KV cache (fp8, int4) cannot run with yet: None when it can; else the one-line refusal."""
+    if kv_cache_dtype == "bf16":
+        return None
+    if architecture is not None and hasattr(MODEL_REGISTRY.get(architecture), "make_kv_caches"):
+        # The model lays out its own cache (MLA's latent rows; make_kv_caches): no packed form of it yet.
+        return (f"kv_cache_dtype: {kv_cache_dtype} is not available for {architecture}, whose model keeps a cache "
+                "layout of its own; use --kv-cache-dtype bf16")
+    if deterministic:
+        return (f"kv_cache_dtype: {kv_cache_dtype} has no batch-invariant attention kernel yet; use "
+                "--kv-cache-dtype bf16 with --deterministic, or --no-deterministic")
+    if tensor_parallel:
+        return (f"kv_cache_dtype: {kv_cache_dtype} has not been run under tensor parallelism yet; use "
+                "--kv-cache-dtype bf16 or --tensor-parallel 1")
     return None
 
 

@@ -108,6 +108,10 @@ class Metrics:
                [f'envex_speculative_info{{drafter="{_escape(stats.speculative_drafter or "off")}",'
                 f'max_k="{stats.speculative_max_k}"}} 1'])
         config = async_engine.engine.config  # resolved: what this server actually runs
+        # Tokens the KV pool holds in its format (fp8 / int4 packed: more blocks in the same memory), all layers.
+        metric("envex_kv_cache_capacity_tokens", "gauge", "Tokens the KV-cache pool holds, in its kv_cache_dtype.",
+               [f'envex_kv_cache_capacity_tokens{{kv_cache_dtype="{_escape(config.kv_cache_dtype)}"}} '
+                f"{stats.kv_blocks_total * config.block_size}"])
         settings = ",".join(f'{key}="{_escape(str(value).lower() if isinstance(value, bool) else str(value))}"'
                             for key, value in (("backend", config.backend), ("dtype", config.dtype),
                                                ("deterministic", config.deterministic),
