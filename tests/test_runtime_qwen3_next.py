@@ -135,6 +135,44 @@ def test_chunked_prefill_and_preemption_give_the_uninterrupted_tokens(checkpoint
     assert tight.scheduler.num_preemptions > 0
 
 
+def test_linear_attention_on_triton_ops_equals_the_reference(checkpoint) -> None:
+    """Ops.linear_attention of a loaded Gated DeltaNet layer on the Triton ops under the interpreter (delta_rule's
+    varlen conv, chunked prefill, decode kernels and gated norm) equals it on the torch ops, step after step over
+    the same slots: a prefill of two sequences (slots 2 and 0, holding garbage), a chunk continuing both, a decode
+    step of both; outputs and the states left in the pools."""
+    from envex.kernels.triton_ops import TritonOps
+
+    _, path, _ = checkpoint
+    dev = torch.device("cpu")
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    model = Qwen3NextForCausalLM(config, dtype=torch.float32, device=dev)
+    model.load_weights(load_file(str(path / "model.safetensors")).items())
+    layer = model.layers[0]
+    steps = (([5, 9], [0, 0]), ([3, 4], [5, 9]), ([1, 1], [8, 13]))  # (tokens, starts) of the two sequences
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(sum(n), layer.in_proj_weight.shape[0], generator=gen) for n, _ in steps]
+    garbage = [p.normal_(generator=gen) for p in model.make_state_pools(3, torch.float32, dev)[0]]
+
+    def run(ops) -> list[torch.Tensor]:
+        pools = [p.clone() for p in garbage]
+        out = []
+        for (lens, starts), mixed in zip(steps, inputs, strict=True):
+            cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+            meta = AttentionMetadata(
+                positions=torch.zeros(0), slot_mapping=torch.zeros(0), cu_seqlens_q=cu, block_tables=torch.zeros(0),
+                cos=torch.zeros(0), sin=torch.zeros(0), max_q_len=max(lens), max_seq_len=0,
+                q_lens_host=lens, seq_lens_host=[s + n for s, n in zip(starts, lens, strict=True)],
+                state_slots=torch.tensor([2, 0], dtype=torch.int32),
+                state_initialized=torch.tensor([int(s > 0) for s in starts], dtype=torch.int32),
+            )  # fmt: skip
+            out.append(ops.linear_attention(mixed, pools[0], pools[1], meta, layer.mixer))
+        return out + [pools[0][[0, 2]], pools[1][[0, 2]]]
+
+    names = ("prefill", "chunk", "decode", "recurrent state", "conv state")
+    for name, want, got in zip(names, run(TorchOps()), run(TritonOps()), strict=True):
+        assert rel_err(got, want) < 1e-4, f"{name}: {rel_err(got, want):.2e}"
+
+
 def test_refusals(checkpoint) -> None:
     _, path, _ = checkpoint
     with pytest.raises(ValueError, match=r"^deterministic: Qwen3NextForCausalLM has no batch-invariant kernels yet "

@@ -54,10 +54,6 @@ class StateSlots:
         self._covered: dict[Sequence, int] = {}  # tokens the slot's state holds, once this step's chunks are done
         self._step: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @staticmethod
-    def bytes_for(config: EngineConfig, model: torch.nn.Module, dtype: torch.dtype) -> int:
-        return config.max_num_seqs * model.state_bytes_per_slot(dtype)
-
     def place(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Put each recurrent layer's (state_pool, conv_pool) into its entry of the engine's per-layer caches."""
         for layer, pools in self.pools.items():
