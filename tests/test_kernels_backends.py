@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from envex.kernels import backends
-from envex.kernels.ops import MLA, MOE, SINKS, SLIDING_WINDOW, MoEWeights
+from envex.kernels.ops import LINEAR_ATTENTION, MLA, MOE, SINKS, SLIDING_WINDOW, MoEWeights
 from envex.kernels.torch_ops import InvariantTorchOps, TorchOps
-from envex.runtime.config import GPT_OSS, QWEN3_MOE
+from envex.runtime.config import GPT_OSS, QWEN3_MOE, QWEN3_NEXT
 from envex.runtime.engine.config import EngineConfig, check_backend, has_invariant_kernels
 from envex.runtime.models import model_features
 
@@ -28,7 +28,7 @@ def test_each_backend_states_its_capabilities_and_builds_its_ops() -> None:
     assert type(backends.backend("torch", deterministic=True).make(cpu)) is InvariantTorchOps
     for name in backends.NAMES:
         plain, invariant = backends.backend(name), backends.backend(name, deterministic=True)
-        assert plain.capabilities.features == {MOE, SINKS, SLIDING_WINDOW, MLA}
+        assert plain.capabilities.features == {MOE, SINKS, SLIDING_WINDOW, MLA, LINEAR_ATTENTION}
         assert not plain.capabilities.batch_invariant
         assert invariant.capabilities.batch_invariant and invariant.capabilities.ordered_all_reduce
     with pytest.raises(ValueError, match=r"^the triton backend: runs on cuda, not cpu$"):
@@ -40,6 +40,7 @@ def test_each_backend_states_its_capabilities_and_builds_its_ops() -> None:
 def test_the_model_files_state_their_needs_and_resolved_checks_them_once() -> None:
     assert model_features(LLAMA) == frozenset() and model_features(QWEN3_MOE) == {MOE}
     assert model_features(GPT_OSS) == {MOE, SINKS, SLIDING_WINDOW}
+    assert model_features(QWEN3_NEXT) == {MOE, LINEAR_ATTENTION} and not has_invariant_kernels(QWEN3_NEXT)
     assert has_invariant_kernels(LLAMA) and not has_invariant_kernels(GPT_OSS) and not has_invariant_kernels(QWEN3_MOE)
     ok = dict(deterministic=False, architecture=GPT_OSS, speculation=False, tensor_parallel=False)
     assert check_backend("triton", "cuda", **ok) is None and check_backend("torch", "cpu", **ok) is None
