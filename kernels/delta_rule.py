@@ -701,7 +701,8 @@ def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: to
     Ops.linear_attention): mixed [T, ...] the input projection's row (LinearAttentionLayer.split) -> [T, Hv·Dv].
     A step whose every sequence brings one token to a state it already has runs the decode kernels (state in
     place, nothing allocated: what a CUDA graph can hold); any other step the varlen conv and the chunked delta
-    rule, each sequence from its slot or from zeros (meta.state_initialized)."""
+    rule, each sequence from its slot or from zeros (meta.state_initialized), with the step's snapshots
+    (meta.state_snapshots) where it asks for them."""
     assert meta.state_slots is not None, "a model with linear-attention layers gets state slots (state_slots.py)"
     slots, initialized = meta.state_slots, meta.state_initialized
     x, z, b, a = layer.split(mixed)
@@ -709,14 +710,20 @@ def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: to
     starts = (None if meta.seq_lens_host is None or meta.q_lens_host is None
               else [s - q for s, q in zip(meta.seq_lens_host, meta.q_lens_host, strict=True)])  # fmt: skip
     # Without the host's lengths (a captured decode step) every sequence continues a state it has.
-    if meta.max_q_len == 1 and (starts is None or min(starts) > 0):
+    if meta.max_q_len == 1 and (starts is None or min(starts) > 0) and meta.state_snapshots is None:
         conv = causal_conv1d_update(x, layer.conv_weight, None, conv_pool, slots)
         q, k, v = layer.split_conv(conv)
         o = gated_delta_rule_decode(q, k, v, a, b, state_pool, slots, gating=gating)
     else:
         cu = meta.cu_seqlens_q
-        conv = causal_conv1d_prefill(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=initialized)
+        snaps: dict = {}
+        if meta.state_snapshots is not None:
+            assert meta.seq_lens is not None, "a step that snapshots states carries its sequences' lengths"
+            snaps = dict(start_pos=meta.seq_lens - (cu[1:] - cu[:-1]), snapshot_slots=meta.state_snapshots,
+                         snapshot_every=meta.state_snapshot_every)  # fmt: skip
+        conv = causal_conv1d_prefill(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=initialized,
+                                     **snaps)  # fmt: skip
         q, k, v = layer.split_conv(conv)
         o = gated_delta_rule_chunked(q, k, v, a, b, cu, state_pool, slots, max_q_len=meta.max_q_len,
-                                     has_initial_state=initialized, gating=gating)  # fmt: skip
+                                     has_initial_state=initialized, gating=gating, **snaps)  # fmt: skip
     return gated_rms_norm(o, z, layer.norm_weight, layer.norm_eps).flatten(1)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from envex.kernels.ops import LinearAttentionLayer
+    from envex.kernels.ops import AttentionMetadata, LinearAttentionLayer
 
 L2_EPS = 1e-6  # HF's l2norm (and FLA's): x * rsqrt(sum(x²) + eps), in float32 or wider
 
@@ -128,18 +128,26 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return ((weight * normed).to(acc) * torch.nn.functional.silu(z.to(acc))).to(x.dtype)
 
 
-def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, slots: torch.Tensor,
-                    initialized: torch.Tensor | None, cu_seqlens: torch.Tensor,
+def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, meta: AttentionMetadata,
                     layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
     """One Gated DeltaNet layer between its projections, as HF's Qwen3NextGatedDeltaNet computes it (the torch
     backend's Ops.linear_attention): mixed [T, ...] the input projection's row (LinearAttentionLayer.split) ->
     [T, Hv·Dv] in mixed's dtype. The convolution runs in the activation dtype, the delta rule in float32 (or wider),
-    as HF's torch path; the pools are updated in place (the sequences' slots)."""
+    as HF's torch path; the pools are updated in place (meta.state_slots), with the step's snapshots
+    (meta.state_snapshots) where it asks for them."""
+    assert meta.state_slots is not None, "a model with linear-attention layers gets state slots (state_slots.py)"
+    slots, cu = meta.state_slots, meta.cu_seqlens_q
+    snaps: dict = {}
+    if meta.state_snapshots is not None:
+        assert meta.seq_lens is not None, "a step that snapshots states carries its sequences' lengths"
+        snaps = dict(start_pos=meta.seq_lens - (cu[1:] - cu[:-1]), snapshot_slots=meta.state_snapshots,
+                     snapshot_every=meta.state_snapshot_every)  # fmt: skip
     x, z, b, a = layer.split(mixed)
-    conv = causal_conv1d(x, layer.conv_weight, None, cu_seqlens, conv_pool, slots, has_initial_state=initialized)
+    conv = causal_conv1d(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=meta.state_initialized,
+                         **snaps)  # fmt: skip
     q, k, v = layer.split_conv(conv)
     g, beta = gates(a, b, layer.a_log, layer.dt_bias)
     acc = torch.promote_types(mixed.dtype, torch.float32)
-    o = gated_delta_rule(q.to(acc), k.to(acc), v.to(acc), g, beta.to(acc), cu_seqlens, state_pool, slots,
-                         has_initial_state=initialized)  # fmt: skip
+    o = gated_delta_rule(q.to(acc), k.to(acc), v.to(acc), g, beta.to(acc), cu, state_pool, slots,
+                         has_initial_state=meta.state_initialized, **snaps)  # fmt: skip
     return gated_rms_norm(o.to(mixed.dtype), z, layer.norm_weight, layer.norm_eps).flatten(1)

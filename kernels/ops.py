@@ -87,6 +87,11 @@ class AttentionMetadata:
     # after its first positions (this step's start), 0 where it starts from zeros. None: the model has none.
     state_slots: torch.Tensor | None = None
     state_initialized: torch.Tensor | None = None
+    # State snapshots for the prefix cache (needs seq_lens): int32 [B, W], where sequence b's state after the n-th
+    # multiple of state_snapshot_every tokens of the sequence within this step is also written (-1: nowhere), into
+    # that slot of the same pools (delta_rule.gated_delta_rule_chunked's snapshot_slots). None: no snapshots.
+    state_snapshots: torch.Tensor | None = None
+    state_snapshot_every: int = 0
 
     @property
     def is_decode(self) -> bool:

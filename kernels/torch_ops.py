@@ -93,9 +93,7 @@ class TorchOps:
 
     def linear_attention(self, mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor,
                          meta: AttentionMetadata, layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
-        assert meta.state_slots is not None, "a model with linear-attention layers gets state slots (state_slots.py)"
-        return delta_rule_reference.gated_delta_net(mixed, state_pool, conv_pool, meta.state_slots,
-                                                    meta.state_initialized, meta.cu_seqlens_q, layer)  # fmt: skip
+        return delta_rule_reference.gated_delta_net(mixed, state_pool, conv_pool, meta, layer)
 
     def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,
                       meta: AttentionMetadata, layer: MLALayer) -> torch.Tensor:  # fmt: skip

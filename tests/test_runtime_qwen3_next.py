@@ -7,6 +7,7 @@ a stale state) and the config it reads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -115,12 +116,32 @@ def test_greedy_batched_matches_transformers_run_alone(checkpoint) -> None:
     assert isinstance(runner.model, Qwen3NextForCausalLM) and runner.states is not None
     assert [len(c) for c in runner.kv_caches] == [2, 2, 2, 2]
     assert tuple(runner.kv_caches[0][0].shape[1:]) == (4, 16, 16) and runner.kv_caches[1][0].shape[2:] == (2, 32)
-    assert not engine.blocks.enable_prefix_caching  # refused for this model (state_slots.py)
     got = engine.generate(PROMPTS, GREEDY)
     assert [c.token_ids for c in got] == want
     assert runner.states.num_used_slots == 3
     runner.states.before_step([])  # the next step releases the slots of the sequences whose blocks were freed
     assert runner.states.num_used_slots == 0
+
+
+def test_prefix_hits_restore_the_state_snapshot(checkpoint) -> None:
+    """A prompt's state is kept after its last full block (20 of 21 tokens), taken inside a prefill chunk (a 5-token
+    budget: the chunk 15..20); the same prompt again, and a later turn that extends it with the answer and three
+    more tokens, reuse those 20 tokens (paged K/V and the state snapshot) and give the tokens of uninterrupted runs."""
+    hf_model, path, want = checkpoint
+    engine = _engine(path, max_num_batched_tokens=5)
+    prompt = PROMPTS[2]
+    turn = prompt + want[2] + [7, 8, 9]
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([turn]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(turn),
+                                                                                          dtype=torch.long))
+    runs = ((prompt, want[2], 0), (prompt, want[2], 20), (turn, out[0, len(turn) :].tolist(), 20))
+    for tokens, expected, hit in runs:
+        before = engine.steps.counters.cached_tokens
+        assert engine.generate([tokens], GREEDY)[0].token_ids == expected
+        assert engine.steps.counters.cached_tokens - before == hit
+    states = engine.runner.states
+    assert states is not None and states.num_snapshots_kept == 2  # after 20 tokens, and after the turn's 28
 
 
 def test_chunked_prefill_and_preemption_give_the_uninterrupted_tokens(checkpoint) -> None:
@@ -138,8 +159,8 @@ def test_chunked_prefill_and_preemption_give_the_uninterrupted_tokens(checkpoint
 def test_linear_attention_on_triton_ops_equals_the_reference(checkpoint) -> None:
     """Ops.linear_attention of a loaded Gated DeltaNet layer on the Triton ops under the interpreter (delta_rule's
     varlen conv, chunked prefill, decode kernels and gated norm) equals it on the torch ops, step after step over
-    the same slots: a prefill of two sequences (slots 2 and 0, holding garbage), a chunk continuing both, a decode
-    step of both; outputs and the states left in the pools."""
+    the same slots: a prefill of two sequences (slots 2 and 0, holding garbage) taking a snapshot each, a chunk
+    continuing both, a decode step of both; outputs and the states and snapshots left in the pools."""
     from envex.kernels.triton_ops import TritonOps
 
     _, path, _ = checkpoint
@@ -151,24 +172,28 @@ def test_linear_attention_on_triton_ops_equals_the_reference(checkpoint) -> None
     steps = (([5, 9], [0, 0]), ([3, 4], [5, 9]), ([1, 1], [8, 13]))  # (tokens, starts) of the two sequences
     gen = torch.Generator().manual_seed(3)
     inputs = [torch.randn(sum(n), layer.in_proj_weight.shape[0], generator=gen) for n, _ in steps]
-    garbage = [p.normal_(generator=gen) for p in model.make_state_pools(3, torch.float32, dev)[0]]
+    garbage = [p.normal_(generator=gen) for p in model.make_state_pools(4, torch.float32, dev)[0]]
 
     def run(ops) -> list[torch.Tensor]:
         pools = [p.clone() for p in garbage]
         out = []
         for (lens, starts), mixed in zip(steps, inputs, strict=True):
+            ends = [s + n for s, n in zip(starts, lens, strict=True)]
             cu = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
             meta = AttentionMetadata(
                 positions=torch.zeros(0), slot_mapping=torch.zeros(0), cu_seqlens_q=cu, block_tables=torch.zeros(0),
                 cos=torch.zeros(0), sin=torch.zeros(0), max_q_len=max(lens), max_seq_len=0,
-                q_lens_host=lens, seq_lens_host=[s + n for s, n in zip(starts, lens, strict=True)],
+                seq_lens=torch.tensor(ends, dtype=torch.int32), q_lens_host=lens, seq_lens_host=ends,
                 state_slots=torch.tensor([2, 0], dtype=torch.int32),
                 state_initialized=torch.tensor([int(s > 0) for s in starts], dtype=torch.int32),
             )  # fmt: skip
+            if starts == [0, 0]:  # snapshots: sequence 0 after 4 tokens into slot 1, sequence 1 after 8 into slot 3
+                meta = dataclasses.replace(meta, state_snapshots=torch.tensor([[1, -1], [-1, 3]], dtype=torch.int32),
+                                           state_snapshot_every=4)  # fmt: skip
             out.append(ops.linear_attention(mixed, pools[0], pools[1], meta, layer.mixer))
-        return out + [pools[0][[0, 2]], pools[1][[0, 2]]]
+        return out + [pools[0], pools[1]]
 
-    names = ("prefill", "chunk", "decode", "recurrent state", "conv state")
+    names = ("prefill", "chunk", "decode", "recurrent states and snapshots", "conv states and snapshots")
     for name, want, got in zip(names, run(TorchOps()), run(TritonOps()), strict=True):
         assert rel_err(got, want) < 1e-4, f"{name}: {rel_err(got, want):.2e}"
 

@@ -8,17 +8,23 @@ Freed blocks that hold a hashed prefix stay findable (least recently freed evict
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 from envex.runtime.engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True,
+                 prefix_limit: Callable[[Sequence, list[int], int], int] | None = None) -> None:
+        """prefix_limit(seq, hashes, cached): of the `cached` leading blocks of a new prompt found in the cache
+        (hashes: the chained hashes of all its blocks that could be), how many it may reuse; None: all. A model
+        with per-sequence state can reuse a prefix only where it holds that state (state_slots.py)."""
         if num_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_limit = prefix_limit
         self._free: deque[int] = deque(range(num_blocks))
         self._ref = [0] * num_blocks
         self._hash_of: dict[int, int] = {}  # block id -> chained hash of its content
@@ -58,10 +64,12 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return
         max_blocks = (len(seq.prompt_token_ids) - 1) // self.block_size
-        for h in self._chain(seq, max_blocks):
-            block = self._block_of.get(h)
-            if block is None:
-                break
+        hashes = self._chain(seq, max_blocks)[:max_blocks]
+        cached = next((i for i, h in enumerate(hashes) if h not in self._block_of), len(hashes))
+        if self.prefix_limit is not None:
+            cached = self.prefix_limit(seq, hashes, cached)
+        for h in hashes[:cached]:
+            block = self._block_of[h]
             if self._ref[block] == 0:
                 self._evictable.pop(block, None)
             self._ref[block] += 1

@@ -94,8 +94,9 @@ class LLMEngine:
                                          if config.num_speculative_tokens else None)  # fmt: skip
         self.blocks = BlockManager(self.runner.num_blocks, config.block_size,
                                    enable_prefix_caching=config.enable_prefix_caching  # off: window_kv.py
-                                   and (self.runner.windows is None or self.runner.windows.prefix_caching)
-                                   and (self.runner.states is None or self.runner.states.prefix_caching))  # fmt: skip
+                                   and (self.runner.windows is None or self.runner.windows.prefix_caching),
+                                   # a prefix hit restores a state snapshot (state_slots.py)
+                                   prefix_limit=self.runner.states.limit_prefix if self.runner.states else None)
         self.scheduler = Scheduler(self.blocks, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)  # fmt: skip

@@ -1,24 +1,29 @@
 """Per-sequence state slots for models with recurrent layers (Qwen3-Next's Gated DeltaNet; offline_docs/hybrid.md).
 
 A recurrent layer keeps a fixed-size state per sequence (the delta rule's matrix, the convolution's last inputs)
-instead of K/V pages. The model allocates one pool per such layer (`make_state_pools`), `max_num_seqs` slots
-deep, before the KV cache takes its share of memory; this class hands each running sequence one slot for its whole
-life and tells the layers, each step, which slot each sequence reads and whether that slot already holds its state
-(`AttentionMetadata.state_slots`, `state_initialized`).
+instead of K/V pages. The model allocates one pool per such layer (`make_state_pools`) before the KV cache takes
+its share of memory: `max_num_seqs` live slots, then as many snapshot slots. This class hands each running sequence
+one live slot for its whole life and tells the layers, each step, which slot each sequence reads and whether that
+slot already holds its state (`AttentionMetadata.state_slots`, `state_initialized`).
 
 The state after token n is only right if it was built from tokens 0..n-1 of this sequence, in order, exactly once:
 - a chunk starting at position 0 starts from zeros (a new sequence, or one preempted and recomputed: preemption
   frees its blocks and restarts it at 0, so recompute is correct with no swap);
 - a chunk starting at p > 0 continues the slot only if the slot's state covers exactly p tokens; anything else
   would read a stale state, and raises instead (the known failure of hybrid serving);
-- the prefix cache is off for these models (`prefix_caching`): a hit skips tokens whose state no slot holds (state
-  snapshots at block boundaries, which the kernels can write, are not wired to the block manager yet);
+- a prefix-cache hit of p tokens is allowed only where a snapshot of the state after exactly those p tokens is kept
+  (`limit_prefix`, the block manager's prefix_limit); the snapshot is copied into the sequence's slot before its
+  first chunk. Snapshots are keyed by the block manager's chained hash of the prefix's last block, so a key names
+  one token prefix, whatever became of its blocks. One is taken per prompt, after its last full block (the longest
+  hit an equal prompt, or a later turn that extends it, can have), by the prefill kernels as they pass it
+  (`state_snapshots`); least recently used ones are overwritten first;
 - speculative decoding is refused: a verify step would leave rejected tokens in the state.
 Slots are released when the engine frees a sequence's blocks (finished, aborted, preempted), seen at the next step.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import replace
 
 import torch
@@ -36,9 +41,8 @@ def has_state(model: torch.nn.Module) -> bool:
 
 
 class StateSlots:
-    """The state pools of a model's recurrent layers and which slot each running sequence holds."""
-
-    prefix_caching = False  # see the module docstring
+    """The state pools of a model's recurrent layers, which live slot each running sequence holds, and the prefix
+    snapshots."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
@@ -47,12 +51,20 @@ class StateSlots:
                              "(linear-attention) state yet (a verify step would keep rejected tokens in it); set it "
                              "to 0")  # fmt: skip
         self.num_slots = config.max_num_seqs
+        self.num_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
+        self.block_size = config.block_size
         self.device = device
-        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(self.num_slots, dtype, device)
+        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(
+            self.num_slots + self.num_snapshots, dtype, device)
         self._free = list(range(self.num_slots - 1, -1, -1))  # a stack: the lowest ids are reused first
         self._slot: dict[Sequence, int] = {}
         self._covered: dict[Sequence, int] = {}  # tokens the slot's state holds, once this step's chunks are done
-        self._step: tuple[torch.Tensor, torch.Tensor] | None = None
+        # prefix snapshots: chained hash of the prefix's last block -> snapshot slot, least recently used first
+        self._snapshots: OrderedDict[int, int] = OrderedDict()
+        self._free_snapshots = list(range(self.num_slots + self.num_snapshots - 1, self.num_slots - 1, -1))
+        self._restore: dict[Sequence, tuple[int, int]] = {}  # admitted with a hit: (tokens, its snapshot's key)
+        self._take: dict[Sequence, tuple[int, int]] = {}  # to snapshot: (tokens of the prompt's full blocks, key)
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     def place(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Put each recurrent layer's (state_pool, conv_pool) into its entry of the engine's per-layer caches."""
@@ -64,14 +76,54 @@ class StateSlots:
     def num_used_slots(self) -> int:
         return len(self._slot)
 
+    @property
+    def num_snapshots_kept(self) -> int:
+        return len(self._snapshots)
+
+    def limit_prefix(self, seq: Sequence, hashes: list[int], cached: int) -> int:
+        """The block manager's prefix_limit: of a new prompt's `cached` leading blocks found in the cache, the most
+        whose end has a state snapshot (0: none); and the prompt's own snapshot to take, after its last full block
+        (hashes: the chained hashes of every block a hit could cover)."""
+        bs = self.block_size
+        self._take.pop(seq, None)
+        if self.num_snapshots and hashes and hashes[-1] not in self._snapshots:
+            self._take[seq] = (len(hashes) * bs, hashes[-1])
+        usable = next((j for j in range(cached, 0, -1) if hashes[j - 1] in self._snapshots), 0)
+        if usable:
+            self._snapshots.move_to_end(hashes[usable - 1])
+            self._restore[seq] = (usable * bs, hashes[usable - 1])
+        else:
+            self._restore.pop(seq, None)
+        return usable
+
+    def _snapshot_slot(self, key: int, busy: set[int]) -> int | None:
+        """A snapshot slot for `key`: a free one, else the least recently used one not read or written this step."""
+        if self._free_snapshots:
+            slot = self._free_snapshots.pop()
+        else:
+            old = next((k for k, s in self._snapshots.items() if s not in busy), None)
+            if old is None:
+                return None
+            slot = self._snapshots.pop(old)
+        self._snapshots[key] = slot
+        return slot
+
     def before_step(self, chunks: list[ScheduledChunk]) -> None:
-        """Release the slots of freed sequences, give each chunk's sequence a slot, and record for the step which
-        slot each chunk reads and whether it continues the state there."""
+        """Release the slots of freed sequences, give each chunk's sequence a slot (restoring a prefix hit's
+        snapshot into it), and record for the step which slot each chunk reads, whether it continues the state
+        there, and where its prompt's snapshot goes."""
         for seq in [s for s in self._slot if not s.block_table]:  # its engine blocks are gone
             self._free.append(self._slot.pop(seq))
             self._covered.pop(seq, None)
+        for table in (self._restore, self._take):
+            for seq in [s for s in table if not s.block_table and s.status is not Status.WAITING]:
+                del table[seq]
         slots: list[int] = []
         initialized: list[int] = []
+        snapshots: list[tuple[int, int, int]] = []  # (row, column, snapshot slot)
+        # the snapshots this step's hits read: not to be overwritten by the snapshots it takes
+        busy = {self._snapshots[self._restore[c.seq][1]] for c in chunks if c.seq in self._restore}
+        bs = self.block_size
         for c in chunks:
             seq = c.seq
             if seq not in self._slot:
@@ -79,6 +131,13 @@ class StateSlots:
                     raise RuntimeError(f"state slots: all {self.num_slots} in use; this is a bug in their release "
                                        "(runtime/engine/state_slots.py)")  # fmt: skip
                 self._slot[seq] = self._free.pop()
+            restore = self._restore.pop(seq, None)
+            if restore is not None and restore[0] == c.start:  # a prefix hit: its state from the snapshot
+                source = self._snapshots[restore[1]]
+                for pools in self.pools.values():
+                    for pool in pools:
+                        pool[self._slot[seq]].copy_(pool[source])
+                self._covered[seq] = c.start
             covered = self._covered.get(seq, 0)
             if c.start > 0 and c.start != covered and seq.status is Status.RUNNING:
                 raise RuntimeError(f"state slots: request {seq.request_id!r} resumes at token {c.start} but its "
@@ -88,10 +147,26 @@ class StateSlots:
             initialized.append(int(c.start > 0 and c.start == covered))
             slots.append(self._slot[seq])
             self._covered[seq] = c.start + c.num_tokens
+            take = self._take.get(seq)
+            if take is not None and c.start < take[0] <= c.start + c.num_tokens:
+                del self._take[seq]
+                if take[1] not in self._snapshots:
+                    target = self._snapshot_slot(take[1], busy)
+                    if target is not None:  # the n-th multiple of bs in (start, start + len] is column n
+                        busy.add(target)
+                        snapshots.append((len(slots) - 1, (take[0] - (c.start // bs + 1) * bs) // bs, target))
         step = upload([slots, initialized], torch.int32, self.device)
-        self._step = (step[0], step[1])
+        table = None
+        if snapshots:  # [B, W]: -1 where nothing is kept
+            table_host = [[-1] * (max(n for _, n, _ in snapshots) + 1) for _ in chunks]
+            for row, n, target in snapshots:
+                table_host[row][n] = target
+            table = upload(table_host, torch.int32, self.device)
+        self._step = (step[0], step[1], table)
 
     def attach(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """meta with this step's state slots (before_step must have run for the same chunks)."""
+        """meta with this step's state slots and snapshots (before_step must have run for the same chunks)."""
         assert self._step is not None, "StateSlots.before_step runs before each step"
-        return replace(meta, state_slots=self._step[0], state_initialized=self._step[1])
+        slots, initialized, snapshots = self._step
+        return replace(meta, state_slots=slots, state_initialized=initialized, state_snapshots=snapshots,
+                       state_snapshot_every=self.block_size if snapshots is not None else 0)
