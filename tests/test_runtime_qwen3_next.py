@@ -198,6 +198,21 @@ def test_linear_attention_on_triton_ops_equals_the_reference(checkpoint) -> None
         assert rel_err(got, want) < 1e-4, f"{name}: {rel_err(got, want):.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_triton_backend_on_cuda_gives_the_same_tokens(checkpoint) -> None:
+    """On a GPU, the default engine (triton backend, warm-up, overlapped scheduling) in float32 gives HF's tokens:
+    batched, with prefill chunks, and with a prefix hit restored from a snapshot."""
+    _, path, want = checkpoint
+    for budget in (None, 5):
+        engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", block_size=4,
+                                        max_num_batched_tokens=budget))  # fmt: skip
+        assert engine.config.backend == "triton" and engine.runner.decode_graphs is None  # no state in graphs yet
+        assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == want
+        assert engine.generate([PROMPTS[2]], GREEDY)[0].token_ids == want[2]
+        assert engine.steps.counters.cached_tokens == 20
+
+
 def test_refusals(checkpoint) -> None:
     _, path, _ = checkpoint
     with pytest.raises(ValueError, match=r"^deterministic: Qwen3NextForCausalLM has no batch-invariant kernels yet "
@@ -206,6 +221,8 @@ def test_refusals(checkpoint) -> None:
     with pytest.raises(ValueError, match=r"^num_speculative_tokens: speculative decoding does not run with "
                                          r"Qwen3NextForCausalLM's recurrent"):
         _engine(path, num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"^kv_cache_dtype: fp8 is not available for Qwen3NextForCausalLM"):
+        _engine(path, kv_cache_dtype="fp8")
 
 
 def test_a_stale_state_is_refused(checkpoint) -> None:
