@@ -5,6 +5,7 @@ describe the layouts."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -140,17 +141,22 @@ class PackedKVCache:
         return self.k_data.shape[2]
 
 
+@functools.lru_cache(maxsize=8)
+def _hadamard(d: int, device: torch.device) -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix [d, d] in float32 (cached: read, never modified)."""
+    h = torch.ones(1, 1, device=device)
+    for _ in range(int(math.log2(d))):  # Sylvester: H_2n = [[H, H], [H, -H]]
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(d)
+
+
 def dequantize_blocks(cache: PackedKVCache, blocks: torch.Tensor, dtype: torch.dtype
                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The K and V of cache blocks `blocks` [n] as a plain cache pair [n, block_size, Hkv, D] in dtype, in the
     model's basis (un-rotated): for a path that wants a bf16 cache (the torch backend, a prefill kernel that has
     no packed variant yet). Torch ops, fp32 math."""
     fmt = cache.fmt
-    d = cache.head_dim
-    h = torch.ones(1, 1, device=blocks.device)
-    for _ in range(int(math.log2(d))):  # Sylvester: H_2n = [[H, H], [H, -H]]
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    h = h / math.sqrt(d)
+    h = _hadamard(cache.head_dim, blocks.device)
 
     def one(data: torch.Tensor, meta: torch.Tensor, rotated: bool) -> torch.Tensor:
         data, meta = data.index_select(0, blocks), meta.index_select(0, blocks).float()

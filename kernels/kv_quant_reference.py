@@ -13,6 +13,7 @@ arithmetic on the same stored bits. Layouts (kv_quant.py's module docstring has 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -25,9 +26,15 @@ FP8_MAX = 448.0  # e4m3fn's largest finite value
 
 def hadamard(d: int, *, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
     """The normalised Sylvester Hadamard matrix [d, d] (d a power of two): H[i, j] = (-1)^popcount(i & j) / sqrt(d).
-    Symmetric and orthogonal (H @ H = I), so (q H)·(k H) = q·k."""
+    Symmetric and orthogonal (H @ H = I), so (q H)·(k H) = q·k. Cached (the torch backend's packed cache writes
+    with it every layer and step): do not modify the result."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
+    return _hadamard(d, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     i = torch.arange(d)
     bits = i[:, None] & i[None, :]
     parity = torch.zeros_like(bits)

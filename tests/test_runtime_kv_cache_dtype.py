@@ -115,7 +115,8 @@ GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def packed_engines() -> dict[str, LLMEngine]:
-    return {kv: LLMEngine(EngineConfig(device="cpu", kv_cache_dtype=kv, max_model_len=512)) for kv in ("fp8", "int4")}
+    return {kv: LLMEngine(EngineConfig(device="cpu", kv_cache_dtype=kv, max_model_len=512, kv_cache_memory_gb=0.25))
+            for kv in ("fp8", "int4")}  # fmt: skip
 
 
 def _agreeing(a: list[int], b: list[int]) -> int:
@@ -146,16 +147,17 @@ def test_packed_kv_engine_generates_as_its_bf16_self(embedded_engine: LLMEngine,
 
 
 def test_blocks_are_counted_by_bytes(embedded_engine: LLMEngine, packed_engines: dict[str, LLMEngine]) -> None:
-    """The same kv_cache_memory_gb (1 GiB) holds as many more blocks as the format has fewer bytes a token."""
+    """A GiB of KV memory holds as many more blocks as the format has fewer bytes a token (the packed engines have
+    a quarter of the bf16 engine's GiB)."""
     plain = embedded_engine.runner
     per_token = {"bf16": 2 * 3 * 64 * 4}  # K and V, 3 heads of 64, float32 (the CPU's activation dtype)
     for kv, engine in packed_engines.items():
         per_token[kv] = kv_bytes_per_token(kv, 3, 64)
         assert engine.runner.kv_bytes_per_token == per_token[kv]
-        assert engine.runner.num_blocks == 2**30 // (30 * 16 * per_token[kv])
+        assert engine.runner.num_blocks == 2**28 // (30 * 16 * per_token[kv])
     assert plain.num_blocks == 2**30 // (30 * 16 * per_token["bf16"])
     assert per_token == {"bf16": 1536, "fp8": 396, "int4": 216}
-    assert packed_engines["int4"].runner.num_blocks / plain.num_blocks == pytest.approx(1536 / 216, rel=1e-3)
+    assert 4 * packed_engines["int4"].runner.num_blocks / plain.num_blocks == pytest.approx(1536 / 216, rel=1e-3)
     # Against a bf16 activation dtype (the GPU's) the ratios are the issue's: int4 3.56x, fp8 1.94x (head_dim 64).
     assert kv_bytes_per_token("bf16", 3, 64) / kv_bytes_per_token("int4", 3, 64) == pytest.approx(3.56, abs=0.01)
     assert kv_bytes_per_token("bf16", 3, 64) / kv_bytes_per_token("fp8", 3, 64) == pytest.approx(1.94, abs=0.01)
@@ -251,3 +253,20 @@ def test_launch_json_chooses_kv_cache_dtype(tmp_path, capsys: pytest.CaptureFixt
     with pytest.raises(ValueError, match="engine.kv_cache_format"):
         LaunchManifest.model_validate_json(_launch_file(tmp_path, "fp8").read_text().replace(
             '"kv_cache_dtype"', '"kv_cache_format"'))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv", ["fp8", "int4"])
+def test_packed_kv_serves_on_cuda_with_graphs(kv: str) -> None:
+    """On the GPU: bf16 activations, the Triton backend, decode replaying CUDA graphs that captured the packed
+    write and attention, against the same engine without graphs; both answer the France question."""
+    config = EngineConfig(device="cuda", kv_cache_dtype=kv, max_model_len=2048)
+    graphs = LLMEngine(config)
+    assert graphs.runner.decode_graphs is not None and graphs.runner.kv_format is not None
+    prompt = graphs.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    with_graphs = graphs.generate([prompt], GREEDY)[0]
+    del graphs
+    eager = LLMEngine(replace(config, use_cuda_graphs=False)).generate([prompt], GREEDY)[0]
+    assert "Paris" in with_graphs.text and "Paris" in eager.text, (with_graphs.text, eager.text)
+    assert _agreeing(with_graphs.token_ids, eager.token_ids) >= 7
