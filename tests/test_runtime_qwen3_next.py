@@ -116,9 +116,12 @@ def test_greedy_batched_matches_transformers_run_alone(checkpoint) -> None:
     assert isinstance(runner.model, Qwen3NextForCausalLM) and runner.states is not None
     assert [len(c) for c in runner.kv_caches] == [2, 2, 2, 2]
     assert tuple(runner.kv_caches[0][0].shape[1:]) == (4, 16, 16) and runner.kv_caches[1][0].shape[2:] == (2, 32)
-    got = engine.generate(PROMPTS, GREEDY)
+    # The 21-token prompt asks for prompt logprobs, which bypass the prefix cache: it takes no snapshot while the
+    # 13-token one takes its own (after 12 tokens) in the same prefill step.
+    params = [GREEDY, GREEDY, dataclasses.replace(GREEDY, prompt_logprobs=0)]
+    got = engine.generate(PROMPTS, params)
     assert [c.token_ids for c in got] == want
-    assert runner.states.num_used_slots == 3
+    assert runner.states.num_used_slots == 3 and runner.states.num_snapshots_kept == 1
     runner.states.before_step([])  # the next step releases the slots of the sequences whose blocks were freed
     assert runner.states.num_used_slots == 0
 

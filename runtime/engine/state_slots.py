@@ -157,8 +157,9 @@ class StateSlots:
                         snapshots.append((len(slots) - 1, (take[0] - (c.start // bs + 1) * bs) // bs, target))
         step = upload([slots, initialized], torch.int32, self.device)
         table = None
-        if snapshots:  # [B, W]: -1 where nothing is kept
-            table_host = [[-1] * (max(n for _, n, _ in snapshots) + 1) for _ in chunks]
+        if snapshots:  # [B, W], W ≥ every chunk's count of multiples of bs (the kernels' contract); -1: not kept
+            width = max((c.start + c.num_tokens) // bs - c.start // bs for c in chunks)
+            table_host = [[-1] * width for _ in chunks]
             for row, n, target in snapshots:
                 table_host[row][n] = target
             table = upload(table_host, torch.int32, self.device)
