@@ -83,6 +83,7 @@ class EngineOptions(TypedDict, total=False):
     draft_model: str | None
     num_speculative_tokens: int
     load_format: str
+    kv_cache_dtype: str
 
 
 def engine_config(**options: Unpack[EngineOptions]) -> EngineConfig:
