@@ -192,7 +192,7 @@ def test_blocks_are_counted_by_bytes(embedded_engine: LLMEngine, packed_engines:
     assert kv_bytes_per_token("bf16", 3, 64) / kv_bytes_per_token("fp8", 3, 64) == pytest.approx(1.94, abs=0.01)
 
 
-def test_metrics_show_kv_capacity_in_tokens(packed_engines: dict[str, LLMEngine]) -> None:
+def test_metrics_and_admin_page_show_kv_capacity_in_tokens(packed_engines: dict[str, LLMEngine]) -> None:
     from fastapi.testclient import TestClient
 
     from envex.runtime.engine import AsyncEngine
@@ -202,6 +202,12 @@ def test_metrics_show_kv_capacity_in_tokens(packed_engines: dict[str, LLMEngine]
     text = TestClient(build_app(AsyncEngine(engine))).get("/metrics").text
     tokens = engine.runner.num_blocks * 16
     assert f'\nenvex_kv_cache_capacity_tokens{{kv_cache_dtype="int4"}} {tokens}\n' in text
+    # the admin page's overview card (installer/admin/overview.html) reads the same figure
+    from envex.installer.admin.views import LiveSampler, live_stats
+    from envex.runtime.server.metrics import Metrics
+
+    live = live_stats(AsyncEngine(engine), Metrics(), LiveSampler())
+    assert (live["kv_capacity_tokens"], live["kv_cache_dtype"]) == (tokens, "int4")
 
 
 # ---- choosing it, and what is refused -----------------------------------------------------------------------

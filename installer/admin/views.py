@@ -177,6 +177,9 @@ def live_stats(async_engine: Any, metrics: Any, sampler: LiveSampler) -> dict[st
         "tokens_per_s": round(sampler.sample(stats.generation_tokens_total), 2),
         "kv_blocks_used": stats.kv_blocks_used,
         "kv_blocks_total": stats.kv_blocks_total,
+        # the pool's tokens in its kv_cache_dtype (packed fp8 / int4 hold more in the same memory)
+        "kv_capacity_tokens": stats.kv_blocks_total * async_engine.engine.config.block_size,
+        "kv_cache_dtype": async_engine.engine.config.kv_cache_dtype,
         "requests_total": requests,
         "uptime_s": round(time.time() - async_engine.started_at, 1),
     }
