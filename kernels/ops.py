@@ -98,6 +98,11 @@ class AttentionMetadata:
         return self.max_q_len == 1
 
 
+# One attention layer's cache as the engine hands it to the model and the model to Ops.attention (`*kv_cache`):
+# K and V [num_blocks, block_size, Hkv, D], or a packed cache (int4 / fp8) and None.
+LayerKVCache = tuple[torch.Tensor, torch.Tensor] | tuple[PackedKVCache, None]
+
+
 @dataclass(frozen=True, kw_only=True)
 class MoEWeights:
     """One MoE layer's experts, as the model file owns them: float stacks or MXFP4-packed ones (kernels/mxfp4.py),

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from envex.kernels.kv_quant_format import PackedKVCache, format_for
-from envex.kernels.ops import AttentionMetadata
+from envex.kernels.kv_quant_format import format_for
+from envex.kernels.ops import AttentionMetadata, LayerKVCache
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.cuda_graphs import DecodeGraphs
@@ -104,7 +104,7 @@ class ModelRunner:
         if config.use_cuda_graphs and self.device.type == "cuda" and self.states is None:  # no state in graphs yet
             self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
 
-    def _layer_cache(self) -> tuple[torch.Tensor | PackedKVCache, torch.Tensor | None]:
+    def _layer_cache(self) -> LayerKVCache:
         """One layer's cache in the engine's pool, as the model passes it to Ops.attention: a (k, v) pair in the
         activation dtype, or a PackedKVCache and None."""
         mc = self.model_config

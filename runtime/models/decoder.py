@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from envex.kernels.ops import AttentionMetadata, Ops
+from envex.kernels.ops import AttentionMetadata, LayerKVCache, Ops
 from envex.runtime.config import ModelConfig
 
 
@@ -29,7 +29,7 @@ class DecoderStack:
     layers: torch.nn.ModuleList
     config: ModelConfig
 
-    def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """input_ids [T] -> (hidden, residual) [T, H] after the last layer, before the final norm."""
         hidden = self.embed_tokens_weight[input_ids]

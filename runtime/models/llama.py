@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from envex.kernels.ops import AttentionLayer, AttentionMetadata, Ops
+from envex.kernels.ops import AttentionLayer, AttentionMetadata, LayerKVCache, Ops
 from envex.runtime.config import ModelConfig
 from envex.runtime.models.rope import rope_cos_sin
 from envex.runtime.parallel.state import ParallelState
@@ -53,7 +53,7 @@ class LlamaLayer(nn.Module):
         self.comm = p.comm if p.world_size > 1 else None
 
     def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                kv_cache: LayerKVCache, meta: AttentionMetadata
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """hidden, residual [T, H] -> the MLP output and the residual stream before it (added by the next norm)."""
         qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
@@ -90,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
             else _param(vocab, config.hidden_size, dtype=dtype, device=device)
         )
 
-    def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """input_ids [T] -> (hidden, residual) [T, H] after the last layer, before the final norm; compute_logits
         takes the rows that need logits."""
