@@ -48,6 +48,14 @@ PUBLISHED = {
 }  # fmt: skip
 
 
+def _hf_greedy(model, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
 def _engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=4, kv_cache_memory_gb=0.02, **kw))
 
@@ -68,14 +76,7 @@ def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("qwen3_next") / "tiny"
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))  # fmt: skip
-            want.append(out[0, len(prompt) :].tolist())
-    return model, path, want
+    return model, path, [_hf_greedy(model, prompt) for prompt in PROMPTS]
 
 
 def test_prefill_logits_match_transformers(checkpoint) -> None:
@@ -129,22 +130,25 @@ def test_greedy_batched_matches_transformers_run_alone(checkpoint) -> None:
 def test_prefix_hits_restore_the_state_snapshot(checkpoint) -> None:
     """A prompt's state is kept after its last full block (20 of 21 tokens), taken inside a prefill chunk (a 5-token
     budget: the chunk 15..20); the same prompt again, and a later turn that extends it with the answer and three
-    more tokens, reuse those 20 tokens (paged K/V and the state snapshot) and give the tokens of uninterrupted runs."""
+    more tokens, reuse those 20 tokens (paged K/V and the state snapshot). Prompts sharing a 12-token system prompt:
+    the second finds its blocks but no state there, and keeps one; the third hits it. Every run gives HF's tokens
+    of an uninterrupted run."""
     hf_model, path, want = checkpoint
     engine = _engine(path, max_num_batched_tokens=5)
     prompt = PROMPTS[2]
     turn = prompt + want[2] + [7, 8, 9]
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([turn]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
-                                eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(turn),
-                                                                                          dtype=torch.long))
-    runs = ((prompt, want[2], 0), (prompt, want[2], 20), (turn, out[0, len(turn) :].tolist(), 20))
-    for tokens, expected, hit in runs:
+    system = PROMPTS[0][:12]
+    runs = [(prompt, 0), (prompt, 20), (turn, 20)] + [(system + [u, u + 1, u + 2, 5, 6], hit)
+                                                      for u, hit in ((40, 0), (50, 0), (60, 12))]  # fmt: skip
+    for tokens, hit in runs:
         before = engine.steps.counters.cached_tokens
+        expected = want[2] if tokens == prompt else _hf_greedy(hf_model, tokens)
         assert engine.generate([tokens], GREEDY)[0].token_ids == expected
         assert engine.steps.counters.cached_tokens - before == hit
     states = engine.runner.states
-    assert states is not None and states.num_snapshots_kept == 2  # after 20 tokens, and after the turn's 28
+    # after the prompt's 20 tokens; the turn's 24 (the end of its cached blocks, 4 past the hit) and 28; each
+    # system-prompt request's 16, and the system prompt's 12
+    assert states is not None and states.num_snapshots_kept == 7
 
 
 def test_chunked_prefill_and_preemption_give_the_uninterrupted_tokens(checkpoint) -> None:

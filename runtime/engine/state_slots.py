@@ -63,7 +63,7 @@ class StateSlots:
         self._snapshots: OrderedDict[int, int] = OrderedDict()
         self._free_snapshots = list(range(self.num_slots + self.num_snapshots - 1, self.num_slots - 1, -1))
         self._restore: dict[Sequence, tuple[int, int]] = {}  # admitted with a hit: (tokens, its snapshot's key)
-        self._take: dict[Sequence, tuple[int, int]] = {}  # to snapshot: (tokens of the prompt's full blocks, key)
+        self._take: dict[Sequence, list[tuple[int, int]]] = {}  # snapshots to take: (after how many tokens, key)
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
     def place(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
@@ -82,13 +82,16 @@ class StateSlots:
 
     def limit_prefix(self, seq: Sequence, hashes: list[int], cached: int) -> int:
         """The block manager's prefix_limit: of a new prompt's `cached` leading blocks found in the cache, the most
-        whose end has a state snapshot (0: none); and the prompt's own snapshot to take, after its last full block
-        (hashes: the chained hashes of every block a hit could cover)."""
+        whose end has a state snapshot (0: none). Records the snapshots the prompt's prefill takes (hashes: the
+        chained hashes of every block a hit could cover): after its last full block (for an equal prompt, or a later
+        turn that extends it), and after the `cached` blocks where no snapshot is kept there (the end of the prefix
+        it shares with an earlier prompt, such as a system prompt: the next prompt that shares it hits there)."""
         bs = self.block_size
-        self._take.pop(seq, None)
-        if self.num_snapshots and hashes and hashes[-1] not in self._snapshots:
-            self._take[seq] = (len(hashes) * bs, hashes[-1])
         usable = next((j for j in range(cached, 0, -1) if hashes[j - 1] in self._snapshots), 0)
+        wanted = sorted({n for n in (cached, len(hashes)) if n > usable and hashes[n - 1] not in self._snapshots})
+        self._take.pop(seq, None)
+        if self.num_snapshots and wanted:
+            self._take[seq] = [(n * bs, hashes[n - 1]) for n in wanted]
         if usable:
             self._snapshots.move_to_end(hashes[usable - 1])
             self._restore[seq] = (usable * bs, hashes[usable - 1])
@@ -147,14 +150,13 @@ class StateSlots:
             initialized.append(int(c.start > 0 and c.start == covered))
             slots.append(self._slot[seq])
             self._covered[seq] = c.start + c.num_tokens
-            take = self._take.get(seq)
-            if take is not None and c.start < take[0] <= c.start + c.num_tokens:
-                del self._take[seq]
-                if take[1] not in self._snapshots:
-                    target = self._snapshot_slot(take[1], busy)
+            for tokens, key in [t for t in self._take.get(seq, ()) if c.start < t[0] <= c.start + c.num_tokens]:
+                self._take[seq].remove((tokens, key))
+                if key not in self._snapshots:
+                    target = self._snapshot_slot(key, busy)
                     if target is not None:  # the n-th multiple of bs in (start, start + len] is column n
                         busy.add(target)
-                        snapshots.append((len(slots) - 1, (take[0] - (c.start // bs + 1) * bs) // bs, target))
+                        snapshots.append((len(slots) - 1, (tokens - (c.start // bs + 1) * bs) // bs, target))
         step = upload([slots, initialized], torch.int32, self.device)
         table = None
         if snapshots:  # [B, W], W ≥ every chunk's count of multiples of bs (the kernels' contract); -1: not kept
