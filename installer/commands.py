@@ -84,6 +84,7 @@ class EngineOptions(TypedDict, total=False):
     num_speculative_tokens: int
     load_format: str
     kv_cache_dtype: str
+    weights: str | None
 
 
 def engine_config(**options: Unpack[EngineOptions]) -> EngineConfig:
@@ -123,6 +124,9 @@ def serve(
         "--load-format", help="auto: the weights in the model's files; dummy: random weights of the right shapes "
                               "made from config.json alone (benchmarks: speed does not depend on the values, answers "
                               "do)")] = "auto",
+    weights: Annotated[str | None, typer.Option(
+        "--weights", help="quantize the model's projections at load and serve them packed: a scheme (fp8_channel, "
+                          "fp8_block, int4_g128_sym, ...) or a JSON policy (offline_docs/quantization.md)")] = None,
 ) -> None:
     """Serve the OpenAI-compatible API (and the admin page) on HOST:PORT."""
     extra_routers: list = []
@@ -138,6 +142,9 @@ def serve(
     if launch is not None and kv_cache_dtype != "bf16":
         raise fail("--kv-cache-dtype: a release serves the KV cache its gates passed with (launch.json's "
                    "engine.kv_cache_dtype); drop the flag or install again")
+    if launch is not None and weights is not None:
+        raise fail("--weights: a release serves the weights policy its gates passed with (launch.json's "
+                   "engine.weights); drop the flag or install again")
     if launch is not None and load_format != "auto":
         raise fail("--load-format: a release serves the weights its gates passed with; drop the flag")
     if launch is not None:
@@ -153,7 +160,7 @@ def serve(
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,
                                deterministic=deterministic, tensor_parallel=tensor_parallel,
                                draft_model=draft_model, num_speculative_tokens=speculative_tokens,
-                               load_format=load_format, kv_cache_dtype=kv_cache_dtype)
+                               load_format=load_format, kv_cache_dtype=kv_cache_dtype, weights=weights)
     from envex.runtime.server.serve import serve as run_server  # after the checks: a refusal needs no web stack
 
     try:

@@ -48,12 +48,15 @@ class Backend:
 _ALL = frozenset({MOE, SINKS, SLIDING_WINDOW, MLA, LINEAR_ATTENTION})
 BACKENDS: dict[tuple[str, bool], Backend] = {
     # kernels/reference.py: every feature, any device.
-    ("torch", False): Backend("torch", False, Capabilities(devices=frozenset({"cpu", "cuda"}), features=_ALL)),
-    # Its invariant forms hold on the CPU only (cuBLAS picks kernels by shape); no invariant MoE, sinks, windows.
+    ("torch", False): Backend("torch", False, Capabilities(devices=frozenset({"cpu", "cuda"}), features=_ALL,
+                                                          packed_weights=True)),
+    # Its invariant forms hold on the CPU only (cuBLAS picks kernels by shape); no invariant MoE, sinks, windows,
+    # packed weights.
     ("torch", True): Backend("torch", True, Capabilities(devices=frozenset({"cpu"}), features=frozenset(),
                                                          batch_invariant=True, ordered_all_reduce=True)),
     # The CUDA fast path: every feature.
-    ("triton", False): Backend("triton", False, Capabilities(devices=frozenset({"cuda"}), features=_ALL)),
+    ("triton", False): Backend("triton", False, Capabilities(devices=frozenset({"cuda"}), features=_ALL,
+                                                            packed_weights=True)),
     # invariant_matmul and invariant_attention: dense layers only so far.
     ("triton", True): Backend("triton", True, Capabilities(devices=frozenset({"cuda"}), features=frozenset(),
                                                            batch_invariant=True, ordered_all_reduce=True)),

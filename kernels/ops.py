@@ -270,6 +270,9 @@ class Capabilities:
     ordered_all_reduce: bool = False
     speculation: bool = True  # verify steps (k + 1 query tokens per sequence, q_per_seq)
     tensor_parallel: bool = True  # row-parallel projections reduced through a Communicator
+    # Projections whose weight is a kernels.quant.PackedWeight (FP8 / INT4, issue 42) in norm_linear, linear and
+    # act_linear; a backend without it is refused such a model in one line (runtime/packed_load.py).
+    packed_weights: bool = False
 
     def missing(self, needs: frozenset[str] | set[str]) -> list[str]:
         """The needed features this backend has no kernels for, in FEATURES order."""

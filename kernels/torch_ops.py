@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import delta_rule_reference, kv_quant_reference, mla_reference, reference
+from envex.kernels import delta_rule_reference, kv_quant_reference, mla_reference, quant, reference
 from envex.kernels.kv_quant_format import PackedKVCache, dequantize_blocks
 from envex.kernels.ops import (
     AttentionLayer,
@@ -25,6 +25,7 @@ from envex.kernels.ops import (
     MoEWeights,
     split_qkv,
 )
+from envex.kernels.quant import PackedWeight
 
 
 class TorchOps:
@@ -44,13 +45,19 @@ class TorchOps:
             normed, residual = reference.rms_norm(x, norm_weight, eps), x
         else:
             normed, residual = reference.add_rms_norm(x, residual, norm_weight, eps)
-        return self._linear(normed, weight, bias), residual
+        return self._project(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._linear(x, weight, bias)
+        return self._project(x, weight, bias)
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._linear(reference.silu_and_mul(gate_up), weight)
+        return self._project(reference.silu_and_mul(gate_up), weight)
+
+    def _project(self, x: torch.Tensor, weight: torch.Tensor | PackedWeight,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if isinstance(weight, PackedWeight):  # low-bit weights: the reference, dequantized to x's dtype
+            return quant.quant_linear_reference(x, weight, bias)
+        return self._linear(x, weight, bias)
 
     def materialize(self, hidden: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return hidden

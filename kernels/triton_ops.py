@@ -40,6 +40,7 @@ from envex.kernels import (
     mla,
     moe_mxfp4,
     norm,
+    quant_gemv,
     rotary,
 )
 from envex.kernels._common import check
@@ -52,6 +53,7 @@ from envex.kernels.ops import (
     MoEWeights,
     split_qkv,
 )
+from envex.kernels.quant import PackedWeight, dequantize
 
 # Smallest K (input width) whose projection TritonOps splits into halves for the next norm to sum.
 SPLIT_K_MIN = 4096
@@ -102,6 +104,8 @@ class TritonOps:
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None = None, comm: Communicator | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if isinstance(weight, PackedWeight):
+            return self._packed_norm_linear(x, residual, norm_weight, eps, weight, bias, comm)
         if _is_partials(x):
             if comm is None and residual is not None:  # the split-K reduce, the add and the norm in one launch
                 normed, residual = norm.add_rms_norm_partials(x, residual, norm_weight, eps, pdl=self._row_pdl(x[0]))
@@ -137,6 +141,8 @@ class TritonOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         check(x.dim() == 2, f"x: expected [T, K] rows, got shape {tuple(x.shape)}")
+        if isinstance(weight, PackedWeight):  # the packed GEMV up to its rows, else dequantize + matmul
+            return quant_gemv.quant_linear(x, weight, bias)
         splits = self._splits(x, weight, bias)
         return _split_k_product(x, weight, splits) if splits > 1 else self._project(x, weight, bias)
 
@@ -148,6 +154,11 @@ class TritonOps:
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         check(gate_up.dim() == 2, f"gate_up: expected [T, 2I] rows, got shape {tuple(gate_up.shape)}")
+        if isinstance(weight, PackedWeight):
+            if gate_up.shape[0] <= quant_gemv.GEMV_MAX_ROWS:  # SwiGLU folded into the packed GEMV's input
+                return quant_gemv.quant_gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL,
+                                             pdl=self._row_pdl(gate_up))[0]  # fmt: skip
+            return quant_gemv.quant_linear(activation.silu_and_mul(gate_up), weight)
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         act = activation.silu_and_mul(gate_up)
@@ -294,6 +305,23 @@ class TritonOps:
         out = mla.mla_prefill_attention(q_nope, q_pe, latent_cache, meta.block_tables, layer.w_uk, layer.w_uv,
                                         layer.scale, q_lens=q_lens, seq_lens=seq_lens_host)  # fmt: skip
         return out.reshape(tokens, -1)  # [T, H v]
+
+    def _packed_norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                            eps: float, weight: PackedWeight, bias: torch.Tensor | None, comm: Communicator | None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """norm_linear on a low-bit weight (kernels/quant.py): up to quant_gemv.GEMV_MAX_ROWS rows the packed GEMV
+        with the add + RMSNorm in its prologue (as the bf16 GEMV folds them), else the norm kernel, then the
+        weight dequantized for this call and a torch matmul (as quant_gemv.quant_linear past its rows)."""
+        if _is_partials(x):  # a bf16 O or down before it left split-K partials
+            x = self.materialize(x, norm_weight.dtype if residual is None else residual.dtype)
+        if comm is not None:
+            x = comm.all_reduce(x)
+        if x.shape[0] <= quant_gemv.GEMV_MAX_ROWS:
+            prologue = gemv.PROLOGUE_RMS if residual is None else gemv.PROLOGUE_ADD_RMS
+            y, total = quant_gemv.quant_gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight,
+                                             eps=eps, bias=bias, pdl=self._row_pdl(x))  # fmt: skip
+            return y, (x if total is None else total)
+        return self._norm_linear(x, residual, norm_weight, eps, dequantize(weight, x.dtype), bias)  # > 1 row: no GEMV
 
     def _row_pdl(self, x: torch.Tensor) -> bool:
         return self.pdl and x.shape[0] == 1  # the batch-1 chain (PDL only there), as the GEMV path launches it

@@ -199,7 +199,8 @@ def _parse_fp8(q: Mapping[str, Any]) -> QuantConfig:
     if q.get("modules_to_convert"):
         raise _fail("fp8 modules_to_convert (FP8 embedding tables) is not supported")
     skip = q.get("modules_to_not_convert", q.get("ignored_layers"))
-    ignore = tuple(_substring_pattern(k) for k in _names(skip, "fp8 modules_to_not_convert"))
+    # transformers keeps the output embedding in float whatever the list says (get_keys_to_not_convert): lm_head
+    ignore = (*(_substring_pattern(k) for k in _names(skip, "fp8 modules_to_not_convert")), "lm_head")
     # transformers reads a missing weight_block_size as its default [128, 128]; null is per-tensor there.
     block = q.get("weight_block_size", [128, 128])
     if block is None:
@@ -230,7 +231,8 @@ def _parse_awq(q: Mapping[str, Any]) -> QuantConfig:
     version = q.get("version", "gemm")
     if not isinstance(version, str) or version.lower() != "gemm":
         raise _fail(f"awq version {version!r} is not supported; only the 'gemm' packing is read")
-    ignore = tuple(_substring_pattern(k) for k in _names(q.get("modules_to_not_convert"), "awq modules_to_not_convert"))
+    skip = _names(q.get("modules_to_not_convert"), "awq modules_to_not_convert")
+    ignore = (*(_substring_pattern(k) for k in skip), "lm_head")  # AutoAWQ never quantizes the LM head
     scheme = WeightScheme(kind=quant.INT4_GROUP, layout=AWQ_GEMM, group_size=group, symmetric=False)
     return QuantConfig(method=AWQ, groups=((("Linear",), scheme),), ignore=ignore)
 

@@ -13,6 +13,7 @@ from envex.kernels.ops import SLIDING_WINDOW
 from envex.runtime.config import ModelConfig
 from envex.runtime.loader import EMBEDDED_MODEL
 from envex.runtime.models import MODEL_REGISTRY, model_features
+from envex.runtime.weight_policy import policy_from_setting
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -77,8 +78,17 @@ class EngineConfig:
     # Tensor parallelism: the model split over this many GPUs of one host, one process each (rank 0 is this
     # process: scheduler, sampler, server; runtime/parallel/). 1: one GPU holds the whole model.
     tensor_parallel: int = 1
+    # Low-bit weights for a float model (offline_docs/quantization.md): a weights policy (runtime/weight_policy.py),
+    # a scheme name ("fp8_channel", "int4_g128_sym", ...) or its JSON object, by which the projections are
+    # quantized at load and served packed. None: as the checkpoint stores them (a quantized one is served packed).
+    weights: str | None = None
 
     def __post_init__(self) -> None:
+        if self.weights is not None:  # launch.json may carry the object: kept as its canonical JSON text
+            policy = policy_from_setting(self.weights)  # PolicyError (a ValueError): one line
+            text = self.weights if isinstance(self.weights, str) and not self.weights.lstrip().startswith("{") \
+                else policy.label
+            object.__setattr__(self, "weights", text)
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS),
                                ("load_format", LOAD_FORMATS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in allowed:
@@ -124,6 +134,9 @@ class EngineConfig:
         if refusal is None:
             refusal = check_kv_cache_dtype(self.kv_cache_dtype, deterministic=bool(self.deterministic),
                                            architecture=architecture, tensor_parallel=self.tensor_parallel > 1)
+        if refusal is None and self.weights is not None:
+            refusal = check_weights(self.weights, backend, deterministic=bool(self.deterministic),
+                                    architecture=architecture, tensor_parallel=self.tensor_parallel > 1)
         if refusal is not None:
             raise ValueError(refusal)
         return replace(
@@ -231,6 +244,20 @@ def check_kv_cache_dtype(kv_cache_dtype: str, *, deterministic: bool, architectu
     if tensor_parallel:
         return (f"kv_cache_dtype: {kv_cache_dtype} has not been run under tensor parallelism yet; use "
                 "--kv-cache-dtype bf16 or --tensor-parallel 1")
+    return None
+
+
+def check_weights(weights: str, backend: str, *, deterministic: bool, architecture: str | None,
+                  tensor_parallel: bool) -> str | None:
+    """What a weights policy (packed low-bit projections) cannot run with yet: None when it can; else one line."""
+    chosen = backends.backend(backend, deterministic=deterministic)
+    if not chosen.capabilities.packed_weights:
+        return f"weights: {chosen.label} cannot read packed low-bit weights; drop --weights or --deterministic"
+    if architecture is not None and MODEL_REGISTRY.get(architecture) is not MODEL_REGISTRY["LlamaForCausalLM"]:
+        return (f"weights: packed low-bit weights are served for the Llama family only so far, not {architecture}; "
+                "drop --weights")
+    if tensor_parallel:
+        return "weights: packed low-bit weights do not run under tensor parallelism yet; use --tensor-parallel 1"
     return None
 
 

@@ -25,8 +25,9 @@ from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.state_slots import StateSlots, has_state
 from envex.runtime.engine.window_kv import WindowBlocks
 from envex.runtime.loader import LoadedModel
-from envex.runtime.models import dummy_weights, model_class
+from envex.runtime.models import model_class
 from envex.runtime.models.rope import rope_cos_sin
+from envex.runtime.packed_load import load_model_weights
 from envex.runtime.parallel.plan import EagerPlan
 from envex.runtime.parallel.state import ParallelState
 
@@ -72,10 +73,9 @@ class ModelRunner:
         with torch.no_grad():
             extra = {"parallel": self.parallel} if self.parallel is not None else {}
             self.model = model_class(mc)(mc, dtype=self.dtype, device=self.device, **extra)
-            if config.load_format == "dummy":
-                dummy_weights(self.model, config.seed)
-            else:
-                self.model.load_weights(loaded.iter_weights())
+            # float, or low-bit projections kept packed (a quantized checkpoint, or quantized by config.weights)
+            self.packed = load_model_weights(self.model, loaded, load_format=config.load_format, seed=config.seed,
+                                             weights=config.weights, backend=config.kernels, device=self.device)
             if self.device.type == "cpu":
                 _column_major_weights(self.model)
         self.max_model_len = config.max_model_len

@@ -1,0 +1,198 @@
+"""Low-bit weights into a model, kept packed (issue 42; offline_docs/quantization.md).
+
+Two ways in, one result: each linear projection of a Llama-family model that is low-bit becomes one
+kernels.quant.PackedWeight in place of its float parameter (the fused ones, QKV and gate-up, their parts
+concatenated along the outputs, quant.concat_outputs), and the backends' Ops dispatch on it (kernels/ops.py:
+`Capabilities.packed_weights`).
+
+- A checkpoint whose config.json carries a quantization_config (runtime/quant_config.py reads it; an unsupported
+  scheme is its one-line ConfigError): each quantized layer's tensors are read into a PackedWeight as they are
+  stored, never dequantized. The model's float parameter for it is replaced by a meta tensor before the load, so
+  its float copy is never filled (the model's own load_weights still checks every name and shape).
+- A float model and a weights policy (runtime/weight_policy.py, EngineConfig.weights): the model loads as usual,
+  then each projection the policy names is quantized by kernels/quant.py's quantizers, part by part (q, k, v
+  each, as verify/weight_quality.py measures them) and concatenated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from envex.kernels import quant
+from envex.kernels.backends import Backend
+from envex.runtime.config import ConfigError
+from envex.runtime.loader import LoadedModel
+from envex.runtime.models import dummy_weights
+from envex.runtime.models.llama import LlamaForCausalLM
+from envex.runtime.quant_config import QuantConfig, WeightScheme, load_packed, quant_config_from_hf
+from envex.runtime.weight_policy import WeightPolicy, policy_from_setting
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+@dataclass
+class _Target:
+    """One of the model's projection parameters and the checkpoint modules (HF names) stacked into it."""
+
+    owner: nn.Module
+    attr: str
+    parts: dict[int, str] = field(default_factory=dict)  # shard index -> HF module name
+    schemes: dict[str, WeightScheme | None] = field(default_factory=dict)
+
+
+def _targets(model: LlamaForCausalLM) -> dict[str, _Target]:
+    """Our projection parameters (by qualified name) -> their HF modules, from the model's own name mapping."""
+    by_id = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    out: dict[str, _Target] = {}
+    for hf_name in sorted(model.expected_weight_names()):
+        module, _, kind = hf_name.rpartition(".")
+        if kind != "weight" or module.rpartition(".")[2] not in LINEARS:
+            continue
+        found = model._target(hf_name)
+        assert found is not None, hf_name
+        param, shard = found
+        qual = by_id[id(param)]
+        owner_name, _, attr = qual.rpartition(".")
+        t = out.setdefault(qual, _Target(model.get_submodule(owner_name) if owner_name else model, attr))
+        t.parts[0 if shard is None else shard] = module
+    return out
+
+
+def packable(model: nn.Module, why: str) -> LlamaForCausalLM:
+    """The model, if it can take packed weights; else one line saying why not (what asked for them: `why`)."""
+    if not isinstance(model, LlamaForCausalLM):
+        raise ConfigError(f"{why}: packed low-bit weights are served for the Llama family (Llama, Qwen2/3, Mistral, "
+                          f"SmolLM2) only so far, not {type(model).__name__}; serve the float checkpoint")
+    if model.parallel.world_size > 1:
+        raise ConfigError(f"{why}: packed low-bit weights do not run under tensor parallelism yet; use "
+                          "--tensor-parallel 1")  # fmt: skip
+    return model
+
+
+def _install(target: _Target, packed: quant.PackedWeight) -> None:
+    """Put the PackedWeight where the float parameter was (the model reads it by the same attribute)."""
+    if target.attr in target.owner._parameters:
+        delattr(target.owner, target.attr)
+    setattr(target.owner, target.attr, packed)
+
+
+def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig,
+                   device: torch.device) -> dict[str, str]:  # fmt: skip
+    """Load a quantized checkpoint: its low-bit layers packed (module docstring), the rest through the model's
+    load_weights. Returns our parameter name -> its scheme (kernels.quant), for what was packed."""
+    model = packable(model, f"config.json quantization_config {qc.method}")
+    targets = _targets(model)
+    packed_at: dict[str, _Target] = {}  # HF module -> its target
+    for t in targets.values():
+        for module in t.parts.values():
+            t.schemes[module] = qc.scheme_for(module)
+        kinds = {None if s is None else s.kind for s in t.schemes.values()}
+        if kinds == {None}:
+            continue
+        if len(kinds) > 1:
+            raise ConfigError(f"config.json quantization_config: {', '.join(sorted(t.parts.values()))} are one "
+                              f"matrix in Envex but have different schemes ({', '.join(sorted(map(str, kinds)))}); "
+                              "quantize them alike")  # fmt: skip
+        # Its float copy is never filled: the meta tensor keeps the model's name and shape checks, not the bytes.
+        param = getattr(t.owner, t.attr)
+        setattr(t.owner, t.attr, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                              requires_grad=False))  # fmt: skip
+        packed_at.update((m, t) for m in t.parts.values())
+    tensors: dict[str, dict[str, torch.Tensor]] = {m: {} for m in packed_at}  # HF module -> suffix -> tensor
+    parts: dict[str, quant.PackedWeight] = {}
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            module, _, suffix = name.rpartition(".")
+            if module in packed_at and suffix != "bias":  # a bias stays float, in the model's parameter
+                tensors[module][suffix] = tensor
+            else:
+                yield name, tensor
+        for module, t in packed_at.items():
+            if not tensors[module]:
+                continue  # load_weights names it as missing
+            scheme = t.schemes[module]
+            assert scheme is not None
+            parts[module] = pw = load_packed(scheme, tensors.pop(module), module=module)
+            yield f"{module}.weight", torch.empty(pw.shape, device="meta")  # checked against the model's shape
+
+    model.load_weights(stream())
+    done: dict[str, str] = {}
+    for qual, t in targets.items():
+        if t.parts and t.parts[min(t.parts)] in parts:
+            pw = quant.concat_outputs([parts[t.parts[i]] for i in sorted(t.parts)]).to(device)
+            _install(t, pw)
+            done[qual] = pw.scheme
+    return done
+
+
+def quantize_by_policy(model: nn.Module, policy: WeightPolicy) -> dict[str, str]:
+    """Quantize a loaded float model's projections by `policy` (module docstring). Returns our parameter name ->
+    its scheme, for what was packed."""
+    model = packable(model, f"weights policy {policy.label}")
+    schemes = policy.resolve(model.config.num_hidden_layers)  # PolicyError for a layer the model lacks
+    done: dict[str, str] = {}
+    for qual, t in _targets(model).items():
+        modules = [t.parts[i] for i in sorted(t.parts)]
+        scheme = schemes["lm_head" if modules == ["lm_head"] else modules[0]]
+        if scheme.kind == "bf16":
+            continue
+        w = getattr(t.owner, t.attr).detach()
+        sizes = [_rows(model, qual, i, w.shape[0]) for i in sorted(t.parts)]
+        pieces = [scheme.pack(p) for p in w.split(sizes)]
+        if scheme.name == "fp8_block" and any(s % 128 for s in sizes[:-1]):
+            # parts that are not whole 128-row blocks (a small model's q/k/v): the fused matrix's blocks instead
+            pieces = [scheme.pack(w)]
+        pw = quant.concat_outputs([p for p in pieces if p is not None])
+        _install(t, pw)
+        done[qual] = pw.scheme
+    if model.config.tie_word_embeddings and policy.lm_head.kind != "bf16":
+        # the LM head of a tied model gets its own packed copy; the embedding lookup stays float
+        pw = policy.lm_head.pack(model.embed_tokens_weight.detach())
+        assert pw is not None
+        if "lm_head_weight" in model._parameters:
+            delattr(model, "lm_head_weight")
+        model.lm_head_weight = pw  # type: ignore[assignment]
+        done["lm_head_weight"] = pw.scheme
+    return done
+
+
+def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: str, seed: int, weights: str | None,
+                       backend: Backend, device: torch.device) -> dict[str, str]:  # fmt: skip
+    """Fill a freshly built model: random (load_format "dummy"), the checkpoint's float weights, or its packed
+    low-bit ones (a quantization_config); then quantize by the `weights` policy setting (EngineConfig.weights).
+    Returns our parameter name -> scheme for every packed projection (empty: all float). A backend that cannot
+    read packed weights (Capabilities.packed_weights) is refused in one line before anything is read."""
+    qc = quant_config_from_hf(loaded.hf_config) if load_format != "dummy" else None
+    policy = policy_from_setting(weights) if weights is not None else None
+    if qc is not None and policy is not None:
+        raise ConfigError(f"weights policy: {loaded.source.name} is already quantized (quantization_config "
+                          f"{qc.method}); serve it without --weights (engine.weights)")  # fmt: skip
+    what = f"quantization_config {qc.method}" if qc is not None else f"weights policy {weights}"
+    if qc is not None or policy is not None:
+        packable(model, what)  # before any weight is read
+    if (qc is not None or policy is not None) and not backend.capabilities.packed_weights:
+        raise ConfigError(f"{what}: {backend.label} cannot read packed low-bit weights; use the torch or triton "
+                          "backend without --deterministic")  # fmt: skip
+    if load_format == "dummy":
+        dummy_weights(model, seed)
+    elif qc is not None:
+        return load_quantized(model, loaded.iter_weights(), qc, device)
+    else:
+        model.load_weights(loaded.iter_weights())  # type: ignore[operator]
+    if policy is None:
+        return {}
+    return quantize_by_policy(model, policy)
+
+
+def _rows(model: LlamaForCausalLM, qual: str, shard: int, total: int) -> int:
+    """Rows of part `shard` in our parameter `qual` (the whole matrix for one that fuses nothing)."""
+    attr = qual.rpartition(".")[2].removesuffix("_weight")
+    if attr in ("qkv_proj", "gate_up_proj"):
+        s = model.shard_slice(attr, shard)
+        return s.stop - s.start
+    return total
