@@ -99,8 +99,9 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
                               "quantize them alike")  # fmt: skip
         # Its float copy is never filled: the meta tensor keeps the model's name and shape checks, not the bytes.
         param = getattr(t.owner, t.attr)
-        setattr(t.owner, t.attr, nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
-                                              requires_grad=False))  # fmt: skip
+        placeholder = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"), requires_grad=False)
+        placeholder._envex_packed_target = True  # type: ignore[attr-defined]  # _materialize leaves it
+        setattr(t.owner, t.attr, placeholder)
         packed_at.update((m, t) for m in t.parts.values())
     tensors: dict[str, dict[str, torch.Tensor]] = {m: {} for m in packed_at}  # HF module -> suffix -> tensor
     parts: dict[str, quant.PackedWeight] = {}
@@ -120,6 +121,7 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
             parts[module] = pw = load_packed(scheme, tensors.pop(module), module=module)
             yield f"{module}.weight", torch.empty(pw.shape, device="meta")  # checked against the model's shape
 
+    _materialize(model, device)  # a model built on the meta device (build_device): its float parameters
     model.load_weights(stream())
     done: dict[str, str] = {}
     for qual, t in targets.items():
@@ -128,6 +130,25 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
             _install(t, pw)
             done[qual] = pw.scheme
     return done
+
+
+def build_device(loaded: LoadedModel, load_format: str, device: torch.device) -> torch.device:
+    """Where to build the model: the meta device for a quantized checkpoint, so the float copies of the
+    projections it brings packed are never allocated (load_quantized allocates the rest); else `device`."""
+    quantized = load_format != "dummy" and quant_config_from_hf(loaded.hf_config) is not None
+    return torch.device("meta") if quantized else device
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter still on the meta device but a packed target (already replaced) memory on `device`,
+    in place (torch.utils.swap_tensors): the same Python objects, so references to them (AttentionLayer's q/k
+    norms, a tied LM head) follow."""
+    seen: set[int] = set()
+    for _, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta and id(p) not in seen and not getattr(p, "_envex_packed_target", False):
+            seen.add(id(p))
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                     requires_grad=False))  # fmt: skip
 
 
 def quantize_by_policy(model: nn.Module, policy: WeightPolicy) -> dict[str, str]:

@@ -138,6 +138,9 @@ def test_quantized_checkpoint_serves_packed_as_its_dequantized_self(tmp_path: Pa
     assert len(packed.runner.packed) == 2 * 4 and set(packed.runner.packed.values()) == {want_scheme}
     assert isinstance(packed.runner.model.layers[0].qkv_proj_weight, quant.PackedWeight)
     assert not isinstance(packed.runner.model.lm_head_weight, quant.PackedWeight)  # the configs leave it float
+    # built on the meta device: no float copy of a packed projection was ever allocated, every other one was
+    params = dict(packed.runner.model.named_parameters())
+    assert "layers.0.qkv_proj_weight" not in params and not any(p.is_meta for p in params.values())
     ids = PROMPTS[1]
     got, want = packed.full_logits(ids), ref.full_logits(ids)
     assert rel_err(got, want) < 1e-5, f"{layout}: {rel_err(got, want):.2e}"

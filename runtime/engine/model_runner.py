@@ -27,7 +27,7 @@ from envex.runtime.engine.window_kv import WindowBlocks
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import model_class
 from envex.runtime.models.rope import rope_cos_sin
-from envex.runtime.packed_load import load_model_weights
+from envex.runtime.packed_load import build_device, load_model_weights
 from envex.runtime.parallel.plan import EagerPlan
 from envex.runtime.parallel.state import ParallelState
 
@@ -72,7 +72,9 @@ class ModelRunner:
         self.num_kv_heads = shard.kv_heads(mc)  # this rank's KV heads: what its cache holds
         with torch.no_grad():
             extra = {"parallel": self.parallel} if self.parallel is not None else {}
-            self.model = model_class(mc)(mc, dtype=self.dtype, device=self.device, **extra)
+            # a quantized checkpoint's model is built on the meta device: its float projections never take memory
+            build = build_device(loaded, config.load_format, self.device)
+            self.model = model_class(mc)(mc, dtype=self.dtype, device=build, **extra)
             # float, or low-bit projections kept packed (a quantized checkpoint, or quantized by config.weights)
             self.packed = load_model_weights(self.model, loaded, load_format=config.load_format, seed=config.seed,
                                              weights=config.weights, backend=config.kernels, device=self.device)
