@@ -11,7 +11,9 @@ envex.verify.signed_reference.choose_reference): HF transformers in float32 besi
 memory (--reference-bytes), else the model bundle's signed answers (--references); details.reference says which
 and why. Where launch.json's engine.tensor_parallel is above 1, then
 `verify.tensor_parallel_equality`: greedy answers at that degree equal one GPU's, on a two-layer cut of the model
-(envex.verify.gate_tensor_parallel.run_tensor_parallel_gate).
+(envex.verify.gate_tensor_parallel.run_tensor_parallel_gate). Where launch.json's engine.weights quantizes the
+model at load, `verify.weight_quality_band`: the policy's mean KLD and top-1 against the model's bf16 self inside
+its band (envex.verify.weight_quality.band_gate), else the release is refused with the figure.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 SMOKE_PROMPT = "What is the capital of France?"
 SMOKE_EXPECT = "Paris"
 TENSOR_PARALLEL_GATE = "verify.tensor_parallel_equality"
+WEIGHTS_GATE = "verify.weight_quality_band"
 
 
 def as_json(value: Any) -> Any:
@@ -138,8 +141,23 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
         result = tensor_parallel_gate(config, out)
         gates[TENSOR_PARALLEL_GATE] = _gate_word(result)
         details[TENSOR_PARALLEL_GATE] = result
+    if getattr(config, "weights", None) is not None:  # quantized at load: the policy must be inside its band
+        result = weights_gate(config)
+        gates[WEIGHTS_GATE] = _gate_word(result)
+        details[WEIGHTS_GATE] = result
     verdict = "pass" if gates and all(v in ("pass", "skip") for v in gates.values()) else "fail"
     return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
+
+
+def weights_gate(config: Any) -> dict[str, Any]:
+    """A weights policy (launch.json engine.weights) measured on the release's model against its bf16 self and held
+    to its band (envex.verify.weight_quality.band_gate); outside it the release is refused with the figure."""
+    try:
+        from envex.verify.weight_quality import band_gate
+
+        return band_gate(config.model, config.weights)
+    except Exception as exc:  # a gate that cannot run has failed
+        return {"verdict": "fail", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
 def tensor_parallel_gate(config: Any, out: Path) -> dict[str, Any]:

@@ -51,7 +51,8 @@ def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))
-    Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0")).save(str(path / "tokenizer.json"))
+    chars = {chr(c): c - 31 for c in range(32, 127)}  # a character-level tokenizer: BPE without merges
+    Tokenizer(models.BPE({"<unk>": 0, **chars}, [], unk_token="<unk>")).save(str(path / "tokenizer.json"))
     return path
 
 
@@ -249,3 +250,39 @@ def test_weights_policy_on_the_embedded_model(embedded_engine: LLMEngine) -> Non
     top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     # measured: mean KLD 0.015, top-1 15 of 17 positions (two near-ties flip)
     assert kld.mean().item() < 0.03 and top1 >= 0.8, (kld.mean().item(), top1)
+
+
+# ---- choosing a policy: launch.json, the CLI, the install's gate ------------------------------------------------
+
+
+def test_launch_json_and_cli_carry_the_policy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from envex.installer.commands import main
+    from envex.installer.launch import load_launch
+    from envex.tests.test_runtime_kv_cache_dtype import _launch_file
+
+    path = _launch_file(tmp_path, "bf16")
+    data = json.loads(path.read_text())
+    policy = {"default": "int4_g128_sym", "overrides": {"down_proj": "bf16"}}
+    path.write_text(json.dumps({**data, "engine": {**data["engine"], "weights": json.dumps(policy)}}))
+    assert json.loads(load_launch(path).weights or "") == {**policy, "lm_head": "bf16"}
+    path.write_text(json.dumps({**data, "engine": {**data["engine"], "weights": "int3"}}))
+    for argv in (["serve", "--launch", str(path)], ["serve", "--weights", "int3", "--port", "1"]):
+        assert main(argv) != 0
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: weights policy default: 'int3' is not a scheme; use bf16") and "\n" not in err
+    assert main(["serve", "--launch", str(_launch_file(tmp_path, "bf16")), "--weights", "fp8_channel"]) != 0
+    assert "--weights: a release serves the weights policy its gates passed with" in capsys.readouterr().err
+
+
+def test_install_gate_holds_the_policy_to_its_band(tmp_path: Path) -> None:
+    """installer.gate_runner's verify.weight_quality_band on the release's model: bf16 (the sanity policy) passes
+    with KLD 0; whole-model INT4 on this tiny random model is refused with the figures."""
+    from envex.installer.gate_runner import weights_gate
+
+    path = _write(tmp_path / "float", *_hf_state())
+    ok = weights_gate(EngineConfig(model=str(path), weights="bf16"))
+    assert ok["verdict"] == "pass" and ok["result"]["mean_kld"] == 0.0, ok
+    bad = weights_gate(EngineConfig(model=str(path), weights=f"int4_g{GROUP}_sym"))
+    assert bad["verdict"] == "fail", bad
+    assert bad["reason"].startswith('weights policy {"default":"int4_g32_sym","lm_head":"bf16"} refused: outside the '
+                                    "int4 band: mean KLD "), bad["reason"]

@@ -212,6 +212,20 @@ def embedded_bench(n_tokens: int, *, window: int = 512, model: str = "smollm2-13
                         window=window)  # fmt: skip
 
 
+def band_gate(model: str, weights: str, *, n_tokens: int = 1024, window: int = 512) -> dict[str, Any]:
+    """The install's gate for a release that quantizes at load (launch.json engine.weights): the policy measured on
+    the release's own model against its bf16 self (QualityBench over n_tokens of the local text) and held to its
+    band (check_band). A gate's JSON: verdict "pass" or "fail", the one-line reason naming the figures, the
+    result."""
+    from envex.runtime.weight_policy import policy_from_setting
+
+    policy = policy_from_setting(weights)
+    result = embedded_bench(n_tokens, window=window, model=model).measure(policy)
+    verdict = check_band(result)
+    return {"verdict": "pass" if verdict.passed else "fail", "band": verdict.band, "reason": verdict.reason,
+            "result": result.to_dict()}
+
+
 # ---- the report and its table -------------------------------------------------------------------------------------
 
 

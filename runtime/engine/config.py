@@ -79,16 +79,15 @@ class EngineConfig:
     # process: scheduler, sampler, server; runtime/parallel/). 1: one GPU holds the whole model.
     tensor_parallel: int = 1
     # Low-bit weights for a float model (offline_docs/quantization.md): a weights policy (runtime/weight_policy.py),
-    # a scheme name ("fp8_channel", "int4_g128_sym", ...) or its JSON object, by which the projections are
+    # a scheme name ("fp8_channel", "int4_g128_sym", ...) or the policy's JSON text, by which the projections are
     # quantized at load and served packed. None: as the checkpoint stores them (a quantized one is served packed).
     weights: str | None = None
 
     def __post_init__(self) -> None:
-        if self.weights is not None:  # launch.json may carry the object: kept as its canonical JSON text
+        if self.weights is not None:  # a scheme name as given, a policy as its canonical JSON text
             policy = policy_from_setting(self.weights)  # PolicyError (a ValueError): one line
-            text = self.weights if isinstance(self.weights, str) and not self.weights.lstrip().startswith("{") \
-                else policy.label
-            object.__setattr__(self, "weights", text)
+            if self.weights.lstrip().startswith("{"):
+                object.__setattr__(self, "weights", policy.label)
         for name, allowed in (("device", DEVICES), ("dtype", DTYPES), ("backend", BACKENDS),
                                ("load_format", LOAD_FORMATS), ("kv_cache_dtype", KV_CACHE_DTYPES)):
             if getattr(self, name) not in allowed:
