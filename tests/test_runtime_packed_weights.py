@@ -286,3 +286,20 @@ def test_install_gate_holds_the_policy_to_its_band(tmp_path: Path) -> None:
     assert bad["verdict"] == "fail", bad
     assert bad["reason"].startswith('weights policy {"default":"int4_g32_sym","lm_head":"bf16"} refused: outside the '
                                     "int4 band: mean KLD "), bad["reason"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["ct-fp8-channel", "fp8-block", "awq"])
+def test_packed_checkpoint_serves_on_cuda_with_graphs(tmp_path: Path, layout: str) -> None:
+    """On the GPU, bf16: the Triton backend (the packed GEMV at decode, replayed from CUDA graphs) against the torch
+    backend (dequantize + matmul) on the same packed checkpoint: logits within bf16 rounding, greedy tokens equal."""
+    qpath, _ = _checkpoints(tmp_path, layout)
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=64, gpu_memory_utilization=0.2)
+    fast = LLMEngine(EngineConfig(model=str(qpath), backend="triton", **kw))  # type: ignore[arg-type]
+    ref = LLMEngine(EngineConfig(model=str(qpath), backend="torch", **kw))  # type: ignore[arg-type]
+    assert fast.runner.decode_graphs is not None and set(fast.runner.packed.values()) == {LAYOUTS[layout][2]}
+    ids = PROMPTS[1]
+    assert rel_err(fast.full_logits(ids), ref.full_logits(ids)) < 2e-2
+    assert ([o.token_ids for o in fast.generate(PROMPTS, GREEDY)]
+            == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)])  # fmt: skip
