@@ -90,12 +90,12 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     for t in targets.values():
         for module in t.parts.values():
             t.schemes[module] = qc.scheme_for(module)
-        kinds = {None if s is None else s.kind for s in t.schemes.values()}
-        if kinds == {None}:
+        kinds = {"float" if s is None else s.kind for s in t.schemes.values()}
+        if kinds == {"float"}:
             continue
         if len(kinds) > 1:
             raise ConfigError(f"config.json quantization_config: {', '.join(sorted(t.parts.values()))} are one "
-                              f"matrix in Envex but have different schemes ({', '.join(sorted(map(str, kinds)))}); "
+                              f"matrix in Envex but have different schemes ({', '.join(sorted(kinds))}); "
                               "quantize them alike")  # fmt: skip
         # Its float copy is never filled: the meta tensor keeps the model's name and shape checks, not the bytes.
         param = getattr(t.owner, t.attr)
@@ -110,7 +110,8 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
         for name, tensor in weights:
             module, _, suffix = name.rpartition(".")
             if module in packed_at and suffix != "bias":  # a bias stays float, in the model's parameter
-                tensors[module][suffix] = tensor
+                # straight to the device: the host holds one tensor at a time, not the packed model
+                tensors[module][suffix] = tensor.to(device)
             else:
                 yield name, tensor
         for module, t in packed_at.items():
@@ -126,7 +127,7 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     done: dict[str, str] = {}
     for qual, t in targets.items():
         if t.parts and t.parts[min(t.parts)] in parts:
-            pw = quant.concat_outputs([parts[t.parts[i]] for i in sorted(t.parts)]).to(device)
+            pw = quant.concat_outputs([parts.pop(t.parts[i]) for i in sorted(t.parts)])
             _install(t, pw)
             done[qual] = pw.scheme
     return done
