@@ -32,19 +32,27 @@ VOCAB, GROUP = 128, 32
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 9, 17, 33, 2], [100, 3, 3, 41, 77, 8, 12, 90, 1, 64, 27]]
 
 
-def _hf_state() -> tuple[dict, dict[str, torch.Tensor]]:
+ARCHS = {  # qwen3: q/k norms (held by the attention layer: the meta build must keep them); qwen2: q/k/v biases
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+}
+
+
+def _hf_state(arch: str = "llama") -> tuple[dict, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY)
-    model = transformers.LlamaForCausalLM(config).eval()
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(**TINY, **extra)
+    model = model_cls(config).eval()
     with torch.no_grad():  # decisive logits: greedy argmax is not a coin flip between near-ties
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else None
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    return {**config.to_dict(), "architectures": ["LlamaForCausalLM"]}, state
+    return {**config.to_dict(), "architectures": [model_cls.__name__]}, state
 
 
 def _write(path: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
@@ -107,10 +115,10 @@ LAYOUTS = {  # name -> (writer, quantization_config, the scheme it is served as)
 }
 
 
-def _checkpoints(tmp: Path, layout: str) -> tuple[Path, Path]:
+def _checkpoints(tmp: Path, layout: str, arch: str = "llama") -> tuple[Path, Path]:
     """(the quantized checkpoint, the same model in float32 with each projection dequantized)."""
     writer, qconfig, _ = LAYOUTS[layout]
-    config, state = _hf_state()
+    config, state = _hf_state(arch)
     packed, dequantized = {}, dict(state)
     for name, w in state.items():
         module = name.removesuffix(".weight")
@@ -128,13 +136,15 @@ def _engine(path: Path, **kw: object) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), device="cpu", kv_cache_memory_gb=0.02, max_model_len=64, **kw))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_quantized_checkpoint_serves_packed_as_its_dequantized_self(tmp_path: Path, layout: str) -> None:
+@pytest.mark.parametrize("layout, arch", [*((name, "llama") for name in sorted(LAYOUTS)), ("fp8-block", "qwen3"),
+                                          ("awq", "qwen2")])  # fmt: skip
+def test_quantized_checkpoint_serves_packed_as_its_dequantized_self(tmp_path: Path, layout: str, arch: str) -> None:
     """Torch backend, float32: packed (dequantized per call to the activation dtype) against the float model of
     the same dequantized values: the same products, so logits agree to float32 rounding (BLAS order: < 1e-5)
     and greedy tokens are equal."""
-    qpath, fpath = _checkpoints(tmp_path, layout)
+    qpath, fpath = _checkpoints(tmp_path, layout, arch)
     packed, ref = _engine(qpath), _engine(fpath)
+    assert packed.model_config.architecture == ARCHS[arch][1].__name__
     want_scheme = LAYOUTS[layout][2]
     assert len(packed.runner.packed) == 2 * 4 and set(packed.runner.packed.values()) == {want_scheme}
     assert isinstance(packed.runner.model.layers[0].qkv_proj_weight, quant.PackedWeight)
