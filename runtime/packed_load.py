@@ -80,16 +80,16 @@ def _install(target: _Target, packed: quant.PackedWeight) -> None:
     setattr(target.owner, target.attr, packed)
 
 
-def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig,
+def load_quantized(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig,
                    device: torch.device) -> dict[str, str]:  # fmt: skip
     """Load a quantized checkpoint: its low-bit layers packed (module docstring), the rest through the model's
     load_weights. Returns our parameter name -> its scheme (kernels.quant), for what was packed."""
-    model = packable(model, f"config.json quantization_config {qc.method}")
+    model = packable(module, f"config.json quantization_config {qc.method}")
     targets = _targets(model)
     packed_at: dict[str, _Target] = {}  # HF module -> its target
     for t in targets.values():
-        for module in t.parts.values():
-            t.schemes[module] = qc.scheme_for(module)
+        for hf_module in t.parts.values():
+            t.schemes[hf_module] = qc.scheme_for(hf_module)
         kinds = {"float" if s is None else s.kind for s in t.schemes.values()}
         if kinds == {"float"}:
             continue
@@ -108,19 +108,19 @@ def load_quantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
-            module, _, suffix = name.rpartition(".")
-            if module in packed_at and suffix != "bias":  # a bias stays float, in the model's parameter
+            hf_module, _, suffix = name.rpartition(".")
+            if hf_module in packed_at and suffix != "bias":  # a bias stays float, in the model's parameter
                 # straight to the device: the host holds one tensor at a time, not the packed model
-                tensors[module][suffix] = tensor.to(device)
+                tensors[hf_module][suffix] = tensor.to(device)
             else:
                 yield name, tensor
-        for module, t in packed_at.items():
-            if not tensors[module]:
+        for hf_module, t in packed_at.items():
+            if not tensors[hf_module]:
                 continue  # load_weights names it as missing
-            scheme = t.schemes[module]
+            scheme = t.schemes[hf_module]
             assert scheme is not None
-            parts[module] = pw = load_packed(scheme, tensors.pop(module), module=module)
-            yield f"{module}.weight", torch.empty(pw.shape, device="meta")  # checked against the model's shape
+            parts[hf_module] = pw = load_packed(scheme, tensors.pop(hf_module), module=hf_module)
+            yield f"{hf_module}.weight", torch.empty(pw.shape, device="meta")  # checked against the model's shape
 
     _materialize(model, device)  # a model built on the meta device (build_device): its float parameters
     model.load_weights(stream())
@@ -152,10 +152,10 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
                                                      requires_grad=False))  # fmt: skip
 
 
-def quantize_by_policy(model: nn.Module, policy: WeightPolicy) -> dict[str, str]:
+def quantize_by_policy(module: nn.Module, policy: WeightPolicy) -> dict[str, str]:
     """Quantize a loaded float model's projections by `policy` (module docstring). Returns our parameter name ->
     its scheme, for what was packed."""
-    model = packable(model, f"weights policy {policy.label}")
+    model = packable(module, f"weights policy {policy.label}")
     schemes = policy.resolve(model.config.num_hidden_layers)  # PolicyError for a layer the model lacks
     done: dict[str, str] = {}
     for qual, t in _targets(model).items():
@@ -165,10 +165,9 @@ def quantize_by_policy(model: nn.Module, policy: WeightPolicy) -> dict[str, str]
             continue
         w = getattr(t.owner, t.attr).detach()
         sizes = [_rows(model, qual, i, w.shape[0]) for i in sorted(t.parts)]
-        pieces = [scheme.pack(p) for p in w.split(sizes)]
-        if scheme.name == "fp8_block" and any(s % 128 for s in sizes[:-1]):
-            # parts that are not whole 128-row blocks (a small model's q/k/v): the fused matrix's blocks instead
-            pieces = [scheme.pack(w)]
+        # fp8_block parts that are not whole 128-row blocks (a small model's q/k/v): the fused matrix's blocks
+        whole = scheme.name == "fp8_block" and any(s % 128 for s in sizes[:-1])
+        pieces = [scheme.pack(w)] if whole else [scheme.pack(p) for p in w.split(sizes)]
         pw = quant.concat_outputs([p for p in pieces if p is not None])
         _install(t, pw)
         done[qual] = pw.scheme
