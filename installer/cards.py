@@ -68,9 +68,18 @@ class ModelCard(_Card):
     # qk_rope_head_dim elements) instead of K and V per KV head. Absent: a K/V cache.
     kv_latent_width: int | None = Field(default=None, ge=1)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+    def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "bf16") -> int:
+        """K and V bytes of one token over every layer: in the activation dtype (`dtype_bytes` each element) for the
+        unpacked cache ("bf16"), else in the packed format the engine allocates for this head_dim (data + scales,
+        kernels.kv_quant_format.format_for: what the model runner counts its blocks by)."""
         if self.kv_latent_width is not None:
             return self.num_layers * self.kv_latent_width * dtype_bytes
+        if kv_cache_dtype != "bf16":
+            from envex.kernels.kv_quant_format import format_for
+
+            fmt = format_for(kv_cache_dtype, self.head_dim)
+            assert fmt is not None
+            return self.num_layers * fmt.bytes_per_token(self.num_kv_heads, self.head_dim)
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 

@@ -33,6 +33,13 @@ DeterministicInstallOpt = Annotated[bool, typer.Option(
          "offline_docs/engine.md); the release's gates then require batch invariance. Refused for gpt-oss")]
 
 
+KVCacheDtypeOpt = Annotated[str, typer.Option(
+    "--kv-cache-dtype",
+    help="the KV cache's format: bf16 (default), fp8 or int4 (packed: about 1.9x / 3.5x the tokens in the same "
+         "memory); a packed one is gated against the model's bf16-KV self and refused outside its band "
+         "(offline_docs/kv_cache.md)")]
+
+
 ReferenceOpt = Annotated[str, typer.Option(
     "--reference",
     help="what the gates judge the release against: auto (HF transformers beside the engine where it fits in "
@@ -114,8 +121,14 @@ def run_install(
     reinstall: bool = False,
     deterministic: bool = False,
     reference: str = "auto",
+    kv_cache_dtype: str = "bf16",
 ) -> int:
     """Run the install chain with its progress display; returns the exit code."""
+    from envex.kernels.kv_quant_format import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:  # checked first: a usage error touches nothing
+        _fail(f"--kv-cache-dtype {kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES[:-1])} or {KV_CACHE_DTYPES[-1]}",
+              EXIT_USAGE)
     from envex.installer.launch import set_offline_env
     from envex.installer.netguard import install_guard
     from envex.installer.pipeline import InstallOptions, install
@@ -151,6 +164,7 @@ def run_install(
         reinstall=reinstall,
         deterministic=deterministic,
         reference=reference,
+        kv_cache_dtype=kv_cache_dtype,
         test_gates_report=gates_report,
     )
     try:
@@ -186,6 +200,7 @@ def install_command(
     reinstall: Annotated[bool, typer.Option(help="install even when the active release has the same bundles")] = False,
     deterministic: DeterministicInstallOpt = False,
     reference: ReferenceOpt = "auto",
+    kv_cache_dtype: KVCacheDtypeOpt = "bf16",
 ) -> None:
     """Verify the media, probe this machine, install a new release, gate it, and activate it only if it passes."""
     raise typer.Exit(
@@ -202,6 +217,7 @@ def install_command(
             reinstall=reinstall,
             deterministic=deterministic,
             reference=reference,
+            kv_cache_dtype=kv_cache_dtype,
         )
     )
 

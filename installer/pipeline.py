@@ -50,6 +50,7 @@ class InstallOptions:
     reinstall: bool = False
     deterministic: bool = False  # --deterministic: the release runs (and its gates require) batch-invariant kernels
     reference: str = "auto"  # --reference: the gates' reference, auto | local | signed (installer/plan.py)
+    kv_cache_dtype: str = "bf16"  # --kv-cache-dtype: bf16 | fp8 | int4 (a packed one is gated against its band)
     test_gates_report: Path | None = None  # test hook ENVEX_TEST_GATES_REPORT; see checks.run_checks
 
 
@@ -222,9 +223,9 @@ def refuse_downgrades(verified: Verified, model_name: str | None) -> None:
             )
 
 
-def _runs_deterministic(prefix: Path, release_id: str) -> bool | None:
-    """Whether an installed release runs the deterministic mode (its launch.json), None when that cannot be read: a
-    release of the same bundles is installed again when the admin's choice differs from it."""
+def _launch_setting(prefix: Path, release_id: str, name: str, default: object) -> object:
+    """An installed release's engine setting `name` (its launch.json; `default` where launch.json predates it),
+    None when launch.json cannot be read: a release of the same bundles is installed again when it differs."""
     from envex.installer.launch import LAUNCH_FILE, LaunchError, read_launch
     from envex.installer.release import release_dir
 
@@ -232,7 +233,13 @@ def _runs_deterministic(prefix: Path, release_id: str) -> bool | None:
         manifest, _ = read_launch(release_dir(prefix, release_id) / LAUNCH_FILE)
     except LaunchError:
         return None
-    value = manifest.engine.get("deterministic")
+    return manifest.engine.get(name, default)
+
+
+def _runs_deterministic(prefix: Path, release_id: str) -> bool | None:
+    """Whether an installed release runs the deterministic mode (its launch.json), None when that cannot be read: a
+    release of the same bundles is installed again when the admin's choice differs from it."""
+    value = _launch_setting(prefix, release_id, "deterministic", None)
     return value if isinstance(value, bool) else None
 
 
@@ -265,7 +272,8 @@ def _install_locked(
     with ui.step("plan"):
         refuse_downgrades(verified, opts.model)
         plan = make_plan(verified.bundles, found, model_name=opts.model, max_model_len=opts.max_model_len,
-                         deterministic=opts.deterministic, reference=opts.reference)
+                         deterministic=opts.deterministic, reference=opts.reference,
+                         kv_cache_dtype=opts.kv_cache_dtype)  # fmt: skip
     for note in plan.notes:
         ui.note(note)
     ui.ok("plan", plan.summary())
@@ -277,6 +285,7 @@ def _install_locked(
         and active.mode == plan.mode
         and sorted(r.manifest_sha256 for r in active.bundles) == sorted(r.manifest_sha256 for r in refs)
         and _runs_deterministic(prefix, active.id) == plan.engine["deterministic"]
+        and _launch_setting(prefix, active.id, "kv_cache_dtype", "bf16") == plan.engine["kv_cache_dtype"]
     ):
         message = f"release {active.id} already runs exactly these bundles; nothing to do (--reinstall to redo)"
         ui.ok("install", message)
@@ -298,7 +307,7 @@ def _install_locked(
     )
     # 5. gates and benchmark, on this machine, by the release itself
     with ui.step("gates"):
-        summary, _report = run_checks(
+        summary, gate_report = run_checks(
             prefix,
             release_id,
             plan.model_card,
@@ -314,9 +323,13 @@ def _install_locked(
     save_state(prefix, state)
     failed = sorted(name for name, verdict in summary.gates.items() if verdict == "fail")
     if summary.verdict != "pass":
+        # A band gate (a packed KV cache, a weights policy) says why in one line naming its figures: shown here.
+        details = gate_report.get("details") if isinstance(gate_report, dict) else None
+        reasons = [str(d["reason"]) for name in failed
+                   if isinstance(details, dict) and isinstance(d := details.get(name), dict) and "reason" in d]
         raise InstallError(
-            f"gates: {len(failed)} failed ({', '.join(failed) or 'no gate ran'}); report: "
-            f"{prefix / summary.report}; nothing was activated"
+            f"gates: {len(failed)} failed ({', '.join(failed) or 'no gate ran'}){''.join(': ' + r for r in reasons)}"
+            f"; report: {prefix / summary.report}; nothing was activated"
         )
     figures = "; " + ", ".join(f"{k} {v:g}" for k, v in list(summary.bench.items())[:3]) if summary.bench else ""
     against = f", {summary.reference} reference" if summary.reference else ""

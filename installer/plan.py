@@ -70,6 +70,12 @@ class Plan:
     probe: Probe | None = None  # what the plan was made for; recorded in launch.json (the admin page shows it)
     reference: str = "auto"  # the gates' reference: auto | local | signed (--reference)
     signed_references: bool = False  # the model bundle holds signed reference answers (checked here)
+    # The KV cache's format (--kv-cache-dtype; engine["kv_cache_dtype"]) and what the plan counts in it: bytes of
+    # one token over every layer and the tokens the KV memory holds (the GPU memory left by the weights, or the
+    # CPU pool of kv_cache_memory_gb): a packed format holds more tokens in the same memory.
+    kv_cache_dtype: str = "bf16"
+    kv_bytes_per_token: int = 0
+    kv_capacity_tokens: int = 0
 
     @property
     def bundles(self) -> list[VerifiedBundle]:
@@ -83,7 +89,8 @@ class Plan:
             f"{self.mode}: {self.model.name} {self.model.version} on {self.runtime.name} {self.runtime.version}"
             f"{kernels}{gpus}; needs {(self.weights_bytes + self.kv_bytes) / GIB:.2f} of "
             f"{self.memory_budget / GIB:.1f} GiB memory, {self.disk_needed / GIB:.2f} of "
-            f"{self.disk_free / GIB:.1f} GiB disk"
+            f"{self.disk_free / GIB:.1f} GiB disk; KV cache {self.kv_cache_dtype}: {self.kv_capacity_tokens} tokens "
+            f"({self.kv_bytes_per_token} bytes a token)"
         )
 
 
@@ -185,6 +192,7 @@ def make_plan(
     max_model_len: int | None = None,
     deterministic: bool = False,
     reference: str = "auto",
+    kv_cache_dtype: str = "bf16",
 ) -> Plan:
     by_kind: dict[str, list[VerifiedBundle]] = {"runtime": [], "model": [], "kernels": []}
     for bundle in bundles:
@@ -202,6 +210,7 @@ def make_plan(
     rcard, mcard = read_cards(runtime, model)
     if deterministic:
         refuse_deterministic(model, mcard)
+    refuse_kv_cache_dtype(model, mcard, kv_cache_dtype, deterministic=deterministic)
     signed = signed_references(model, reference)
     kernels = None
     if mode == "cuda":
@@ -221,15 +230,15 @@ def make_plan(
     if problems:
         raise InstallError("plan: " + "; ".join(problems))
 
-    engine = engine_choices(mcard, mode, max_model_len, deterministic=deterministic)
+    engine = engine_choices(mcard, mode, max_model_len, deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)
     if deterministic and kernels is not None:
         notes.append(
             f"deterministic: kernel bundle {kernels.name} {kernels.version} may not hold the batch-invariant kernels "
             "(a kernel bundle is compiled for the default mode): those compile at first start (that needs a C "
             "compiler on this host)"
         )
-    dtype, context, seqs = str(engine["dtype"]), int(engine["max_model_len"]), int(engine["max_num_seqs"])
-    per_token = mcard.kv_bytes_per_token(DTYPE_BYTES[dtype])
+    dtype, context = str(engine["dtype"]), int(engine["max_model_len"])
+    per_token = mcard.kv_bytes_per_token(DTYPE_BYTES[dtype], kv_cache_dtype)  # in the chosen format
     weights = mcard.parameters * DTYPE_BYTES[dtype]
     if mode == "cuda":
         gpu = probe.gpus[0]
@@ -244,6 +253,11 @@ def make_plan(
                 f"{usable * budget / GIB:.2f} GiB split over up to {min(usable, TP_DEGREES[-1])} of them; use a "
                 "smaller model, a shorter --max-model-len or a host with more GPUs"
             )
+        if tp > 1 and kv_cache_dtype != "bf16":
+            raise InstallError(
+                f"plan: --kv-cache-dtype {kv_cache_dtype}: {model.name} needs {tp} GPUs here (tensor parallel) and a "
+                "packed KV cache has not been run under tensor parallelism yet; install with --kv-cache-dtype bf16"
+            )
         if tp > 1:
             engine["tensor_parallel"] = tp
             notes.append(
@@ -251,9 +265,11 @@ def make_plan(
                 f"{budget / GIB:.1f} GiB; split over {tp} GPUs ({(weights + kv) / tp / GIB:.1f} GiB each)"
             )
             budget *= tp
+        capacity = max(budget - weights, 0) // per_token  # the pool takes what the weights leave
     else:
         budget = int(probe.ram_available * CPU_RAM_FRACTION)
-        kv = per_token * context * min(seqs, 4)
+        kv = int(float(engine["kv_cache_memory_gb"]) * GIB)  # the pool the engine allocates (engine_choices)
+        capacity = kv // per_token
     if weights + kv > budget:
         where = "GPU memory" if mode == "cuda" else "available RAM"
         raise InstallError(
@@ -288,6 +304,9 @@ def make_plan(
         probe=probe,
         reference=reference,
         signed_references=signed,
+        kv_cache_dtype=kv_cache_dtype,
+        kv_bytes_per_token=per_token,
+        kv_capacity_tokens=int(capacity),
     )
 
 
@@ -374,6 +393,35 @@ def refuse_deterministic(model: VerifiedBundle, card: ModelCard) -> None:
         )
 
 
+def refuse_kv_cache_dtype(model: VerifiedBundle, card: ModelCard, kv_cache_dtype: str, *,
+                          deterministic: bool = False) -> None:  # fmt: skip
+    """InstallError, in one line, when `model` (whose checked card is `card`) cannot keep its KV cache in
+    `kv_cache_dtype` (--kv-cache-dtype): an unknown dtype, a model with a cache layout of its own (MLA's latent
+    rows), a head_dim the packed formats cannot take, or the deterministic mode (no batch-invariant packed kernel).
+    The release's gates then hold a packed dtype to its quality band (verify/gate_kv_cache.py)."""
+    from envex.kernels.kv_quant_format import KV_CACHE_DTYPES, format_for
+    from envex.runtime.engine.config import check_kv_cache_dtype
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise InstallError(f"plan: --kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "bf16":
+        return
+    label = f"{model.name} {model.version} ({card.architecture})"
+    if card.kv_latent_width is not None:
+        raise InstallError(f"plan: --kv-cache-dtype {kv_cache_dtype}: {label} keeps a latent KV cache (MLA), which "
+                           "has no packed format yet; install with --kv-cache-dtype bf16")  # fmt: skip
+    refusal = check_kv_cache_dtype(kv_cache_dtype, deterministic=deterministic, architecture=card.architecture,
+                                   tensor_parallel=False)  # fmt: skip
+    if refusal is not None:
+        raise InstallError(f"plan: {label}: {refusal}")
+    fmt = format_for(kv_cache_dtype, card.head_dim)
+    assert fmt is not None
+    try:
+        fmt.check_head_dim(card.head_dim)
+    except ValueError as exc:
+        raise InstallError(f"plan: --kv-cache-dtype {kv_cache_dtype}: {label}: {exc}") from None
+
+
 def signed_references(model: VerifiedBundle, reference: str) -> bool:
     """Whether `model` holds signed reference answers, checked: readable, and computed for the weights its manifest
     signs. InstallError in one line for answers to other weights, or for --reference signed without any."""
@@ -401,11 +449,14 @@ def signed_references(model: VerifiedBundle, reference: str) -> bool:
 
 
 def engine_choices(
-    card: ModelCard, mode: str, max_model_len: int | None = None, *, deterministic: bool = False
+    card: ModelCard, mode: str, max_model_len: int | None = None, *, deterministic: bool = False,
+    kv_cache_dtype: str = "bf16",
 ) -> dict[str, Any]:
     """The engine settings the plan chooses for `card` in `mode` (EngineConfig's defaults fill the rest), with the
-    deterministic mode as the admin chose it. A kernel bundle is built with the same choices, so that its warm-up
-    compiles the variants the release will run."""
+    deterministic mode and the KV cache's format as the admin chose them. A kernel bundle is built with the same
+    choices, so that its warm-up compiles the variants the release will run. The CPU's KV pool is sized for
+    min(max_num_seqs, 4) full-context sequences in the activation dtype whatever the format: a packed format holds
+    more tokens in that memory, as on a GPU (the plan's kv_capacity_tokens)."""
     dtype = "bfloat16" if mode == "cuda" else "float32"
     context = min(max_model_len or card.defaults.max_model_len, card.max_position_embeddings)
     seqs = card.defaults.max_num_seqs
@@ -416,6 +467,7 @@ def engine_choices(
         "max_model_len": context,
         "max_num_seqs": seqs,
         "deterministic": deterministic,
+        "kv_cache_dtype": kv_cache_dtype,
     }
     if mode == "cuda":
         engine["gpu_memory_utilization"] = GPU_MEMORY_UTILIZATION

@@ -213,10 +213,12 @@ def make_launch(release_id: str, plan: Plan, versions: dict[str, str | None], sl
         ),
         engine=engine,
         numeric_policy=f"weights {mcard.quantization} computed in {dtype}",
-        kv_cache={
+        kv_cache={  # bytes_per_token and capacity_tokens: over every layer, in kv_cache_dtype (the plan's count)
             "dtype": dtype,
+            "kv_cache_dtype": str(engine.get("kv_cache_dtype", "bf16")),
             "block_size": int(engine["block_size"]),
-            "bytes_per_token": mcard.kv_bytes_per_token(DTYPE_BYTES[dtype]),
+            "bytes_per_token": mcard.kv_bytes_per_token(DTYPE_BYTES[dtype], str(engine.get("kv_cache_dtype", "bf16"))),
+            "capacity_tokens": plan.kv_capacity_tokens,
         },
         kernels=kernels,
         runtime=LaunchRuntime(

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from envex.kernels.kv_quant_format import format_for
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.cuda_graphs import graph_ladder
 from envex.runtime.engine.device import upload
@@ -429,12 +430,16 @@ def load_draft(config: EngineConfig, loaded: LoadedModel) -> LoadedModel | None:
 def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
     """What a draft model's KV cache costs per block of the target's: it takes its share of the same memory budget
     (the target gets fewer blocks) and the same block count, so both caches are addressed by the target's block
-    tables."""
+    tables. Counted in the configured kv_cache_dtype's bytes (its runner packs the draft's cache too)."""
     if draft is None:
         return 0
     dc = draft.config
-    bits = torch.finfo(DTYPES[config.dtype]).bits
-    return 2 * dc.num_hidden_layers * config.block_size * dc.num_key_value_heads * dc.head_dim * bits // 8
+    fmt = format_for(config.kv_cache_dtype, dc.head_dim)  # the draft's runner packs its cache as the target's
+    if fmt is not None:
+        per_token = fmt.bytes_per_token(dc.num_key_value_heads, dc.head_dim)
+    else:
+        per_token = 2 * dc.num_key_value_heads * dc.head_dim * torch.finfo(DTYPES[config.dtype]).bits // 8
+    return dc.num_hidden_layers * config.block_size * per_token
 
 
 def build_speculation(config: EngineConfig, runner: ModelRunner, draft: LoadedModel | None) -> SpecDecoder:
