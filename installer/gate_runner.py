@@ -13,7 +13,11 @@ and why. Where launch.json's engine.tensor_parallel is above 1, then
 `verify.tensor_parallel_equality`: greedy answers at that degree equal one GPU's, on a two-layer cut of the model
 (envex.verify.gate_tensor_parallel.run_tensor_parallel_gate). Where launch.json's engine.weights quantizes the
 model at load, `verify.weight_quality_band`: the policy's mean KLD and top-1 against the model's bf16 self inside
-its band (envex.verify.weight_quality.band_gate), else the release is refused with the figure.
+its band (envex.verify.weight_quality.band_gate), else the release is refused with the figure. Where launch.json's
+engine.kv_cache_dtype packs the KV cache (fp8, int4), `verify.kv_cache_band`: the release's engine settings with
+that cache against the same with the bf16 cache (mean KLD and top-1 over KV_GATE_PROMPTS prompts of up to
+KV_GATE_TOKENS tokens, the needle at the window's end, stopping), held to the dtype's band
+(envex.verify.gate_kv_cache.kv_band_gate), else the release is refused with the figure.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ SMOKE_PROMPT = "What is the capital of France?"
 SMOKE_EXPECT = "Paris"
 TENSOR_PARALLEL_GATE = "verify.tensor_parallel_equality"
 WEIGHTS_GATE = "verify.weight_quality_band"
+KV_CACHE_GATE = "verify.kv_cache_band"
+KV_GATE_TOKENS, KV_GATE_PROMPTS = 4096, 2  # the issue's 4K-8K-token prompts (capped at the release's window)
 
 
 def as_json(value: Any) -> Any:
@@ -145,6 +151,10 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
         result = weights_gate(config)
         gates[WEIGHTS_GATE] = _gate_word(result)
         details[WEIGHTS_GATE] = result
+    if getattr(config, "kv_cache_dtype", "bf16") != "bf16":  # a packed KV cache must be inside its band
+        result = kv_cache_gate(config)
+        gates[KV_CACHE_GATE] = _gate_word(result)
+        details[KV_CACHE_GATE] = result
     verdict = "pass" if gates and all(v in ("pass", "skip") for v in gates.values()) else "fail"
     return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
 
@@ -156,6 +166,19 @@ def weights_gate(config: Any) -> dict[str, Any]:
         from envex.verify.weight_quality import band_gate
 
         return band_gate(config.model, config.weights)
+    except Exception as exc:  # a gate that cannot run has failed
+        return {"verdict": "fail", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+
+
+def kv_cache_gate(config: Any) -> dict[str, Any]:
+    """The release's packed KV cache (launch.json engine.kv_cache_dtype) measured against its bf16-KV self and held
+    to the dtype's band (envex.verify.gate_kv_cache.kv_band_gate); outside it the release is refused with the
+    figure. Runs after the release's engine is closed: one engine at a time."""
+    try:
+        from envex.verify.gate_kv_cache import kv_band_gate
+
+        return kv_band_gate(config, config.kv_cache_dtype, prompt_tokens=min(KV_GATE_TOKENS, config.max_model_len),
+                            prompts=KV_GATE_PROMPTS)  # fmt: skip
     except Exception as exc:  # a gate that cannot run has failed
         return {"verdict": "fail", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
