@@ -203,7 +203,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, device: t
         # at 131K keys: 117 -> 85 us a full layer from 32 to 64 splits; verify/lab/journal-kernels.md, "Long decode")
         want = max(want, min(triton.cdiv(max_seq_len, LONG_SPLIT_KEYS), 8 * sms // programs))
     # A power of two: NUM_SPLITS is a constexpr, so each value is a compiled variant, and the warm-up compiles
-    # every one a step can meet (1, 2, 4 .. 64; runtime/engine/warm_up.py).
+    # every one a step can meet (1, 2, 4 .. 64; runtime/engine/accel/warm_up.py).
     return pow2_floor(max(1, min(want, triton.cdiv(max_seq_len, min_keys), MAX_SPLITS)))
 
 

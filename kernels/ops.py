@@ -79,12 +79,12 @@ class AttentionMetadata:
     q_lens_host: list[int] | None = None
     seq_lens_host: list[int] | None = None
     # The same step for layers with a sliding window, where the engine keeps their K/V in a pool of their own
-    # (runtime/engine/window_kv.py): other block tables and slots, everything else equal. None: those layers use
+    # (runtime/engine/caches/window_kv.py): other block tables and slots, everything else equal. None: those layers use
     # this metadata's blocks.
     window: AttentionMetadata | None = None
-    # Per-sequence state of recurrent layers (Qwen3-Next's Gated DeltaNet; runtime/engine/state_slots.py): int32 [B]
-    # each sequence's slot in the layers' state pools, and int32 [B] 1 where the slot holds the sequence's state
-    # after its first positions (this step's start), 0 where it starts from zeros. None: the model has none.
+    # Per-sequence state of recurrent layers (Qwen3-Next's Gated DeltaNet; runtime/engine/caches/state_slots.py):
+    # int32 [B] each sequence's slot in the layers' state pools, and int32 [B] 1 where the slot holds the sequence's
+    # state after its first positions (this step's start), 0 where it starts from zeros. None: the model has none.
     state_slots: torch.Tensor | None = None
     state_initialized: torch.Tensor | None = None
     # State snapshots for the prefix cache (needs seq_lens): int32 [B, W], where sequence b's state after the n-th

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from envex.runtime.engine.detokenizer import IncrementalDetokenizer
+from envex.runtime.detokenizer import IncrementalDetokenizer
 from envex.runtime.tokenizer import Tokenizer
 
 REASONING_CHANNEL = "analysis"

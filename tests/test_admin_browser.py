@@ -284,8 +284,8 @@ def test_login_backoff_after_repeated_failures(browser, fixture, tmp_path):
 def test_overview_shows_live_figures_of_a_served_model(browser, fixture, embedded_engine):
     """The admin router mounted on the serving app (as `envex serve --launch` does): live tok/s and queue depth."""
     from envex.installer.admin import admin_router
-    from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
+    from envex.runtime.server.async_engine import AsyncEngine
     from envex.tests.support.browser import chat_load, wait_for_live
     from envex.tests.support.browser import login as shot_login
 

@@ -15,7 +15,7 @@ from envex.kernels.invariant_ops import InvariantTritonOps
 from envex.kernels.ops import AttentionMetadata
 from envex.kernels.torch_ops import TorchOps
 from envex.runtime.config import ModelConfig
-from envex.runtime.engine.cuda_graphs import DecodeGraphs
+from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
 from envex.runtime.models import dummy_weights
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
 from envex.tests.support.kernels import compile_for_hopper, eager_step

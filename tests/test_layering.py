@@ -218,3 +218,20 @@ def test_the_cycle_check_sees_lazy_relative_and_typing_imports() -> None:
     assert module_imports(typing_only, "envex.runtime.b", False, known) == set()
     assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert import_cycles({"a": {"b"}, "b": set()}) == []
+
+
+# ---- the engine core stays readable in one sitting (offline_docs/engine.md) --------------------------------------
+# The core is runtime/engine/*.py plus the Llama model file; the optional parts (spec/, accel/, caches/) sit beside it.
+CORE_LINES, SPEC_LINES = 2000, 1200
+
+
+def _lines(paths: list[Path]) -> int:
+    return sum(len(p.read_text(encoding="utf-8").splitlines()) for p in paths)
+
+
+def test_the_engine_core_and_speculation_stay_within_their_size() -> None:
+    engine = ROOT / "runtime" / "engine"
+    core = _lines(sorted(engine.glob("*.py")) + [ROOT / "runtime" / "models" / "llama.py"])
+    spec = _lines(sorted((engine / "spec").glob("*.py")))
+    assert core <= CORE_LINES, f"the engine core is {core} lines (> {CORE_LINES}): move an optional part beside it"
+    assert spec <= SPEC_LINES, f"runtime/engine/spec/ is {spec} lines (> {SPEC_LINES})"

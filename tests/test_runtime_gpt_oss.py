@@ -132,7 +132,7 @@ def test_float_checkpoint_matches_transformers(checkpoints) -> None:
 
 
 def test_window_layers_keep_only_their_window(checkpoints) -> None:
-    """The window layers' K/V live in their own pool (runtime/engine/window_kv.py): a sequence holds only the
+    """The window layers' K/V live in their own pool (runtime/engine/caches/window_kv.py): a sequence holds only the
     blocks its 4-token window can still see, freed ones are reused, and a preempted sequence (the 13-token
     prompt needs a 5th of the 12 blocks the 31-token one shares with it) recomputes into new blocks: the tokens
     stay HF's."""
@@ -231,7 +231,7 @@ def test_one_forward_on_triton_ops_equals_the_reference() -> None:
     MXFP4 MoE kernels: GEMV at one and two rows, grouped at more) equals it on the torch ops: prefill, a chunk
     after cached tokens, batch-1 decode and the decode graphs' step. (Float experts: tests/test_kernels_moe.py.)"""
     from envex.kernels.triton_ops import TritonOps
-    from envex.runtime.engine.cuda_graphs import DecodeGraphs
+    from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
     from envex.tests.test_runtime_one_forward import PAGE, TOL, _Runner, _step
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -11,9 +11,10 @@ import openai
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from envex.runtime.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.runtime.harmony import HarmonyStream, HarmonyTokens, split_output
 from envex.runtime.server.app import build_app
+from envex.runtime.server.async_engine import AsyncEngine
 from envex.runtime.tokenizer import Tokenizer as EnvexTokenizer
 from envex.tests.support.server import serve_in_thread
 

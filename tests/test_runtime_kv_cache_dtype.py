@@ -17,7 +17,7 @@ from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from envex.runtime.engine.cuda_graphs import DecodeGraphs
+from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
 from envex.runtime.models import dummy_weights
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
 from envex.tests.support.kernels import eager_step
@@ -110,7 +110,7 @@ def test_packed_cache_forward_on_triton_ops_equals_torch_ops(kv: str, arch: str)
 
 def test_gpt_oss_full_layers_packed_with_sinks_beside_a_plain_window_layer() -> None:
     """gpt-oss as the engine serves it with a packed cache: the full-attention layer (sinks) packed, the window
-    layer's K/V plain (its own small pool, runtime/engine/window_kv.py); TritonOps against TorchOps."""
+    layer's K/V plain (its own small pool, runtime/engine/caches/window_kv.py); TritonOps against TorchOps."""
     from envex.runtime.models.gpt_oss import GptOssForCausalLM
 
     hf = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", **BASE, "intermediate_size": 32,
@@ -195,8 +195,8 @@ def test_blocks_are_counted_by_bytes(embedded_engine: LLMEngine, packed_engines:
 def test_metrics_and_admin_page_show_kv_capacity_in_tokens(packed_engines: dict[str, LLMEngine]) -> None:
     from fastapi.testclient import TestClient
 
-    from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
+    from envex.runtime.server.async_engine import AsyncEngine
 
     engine = packed_engines["int4"]
     text = TestClient(build_app(AsyncEngine(engine))).get("/metrics").text

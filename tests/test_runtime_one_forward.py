@@ -16,7 +16,7 @@ from envex.kernels.ops import AttentionMetadata
 from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
 from envex.runtime.config import ModelConfig
-from envex.runtime.engine.cuda_graphs import DecodeGraphs, graph_ladder
+from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs, graph_ladder
 from envex.runtime.models import dummy_weights
 from envex.runtime.models.llama import LlamaForCausalLM, rope_cos_sin
 from envex.tests.support.kernels import eager_step
@@ -147,7 +147,7 @@ def test_a_short_context_graph_exists_only_where_attention_launches_differently(
     32 splits of 64-key tiles at 4K, so batch 1 gets a 4K graph too; 64 sequences launch alike at both lengths;
     Llama's heads of 128 at 8K launch alike (32 splits), so one graph a size."""
     from envex.kernels import attention
-    from envex.runtime.engine import cuda_graphs
+    from envex.runtime.engine.accel import cuda_graphs
 
     monkeypatch.setattr(attention, "_sm_count", lambda _device: 132)
     monkeypatch.setattr(cuda_graphs, "num_splits_for", lambda b, h, n, dev: attention.choose_num_splits(b, h, n, dev))
@@ -168,7 +168,7 @@ def test_a_step_whose_sequences_fit_replays_the_short_context_graph(monkeypatch)
     """With a short context of 16 tokens that launches differently (forced here): a step whose sequences all hold
     at most 16 keys runs the 16-token graph, one longer sequence sends it to the max_model_len graph, and both
     give the eager step's logits."""
-    from envex.runtime.engine import cuda_graphs
+    from envex.runtime.engine.accel import cuda_graphs
 
     monkeypatch.setattr(cuda_graphs, "SHORT_CONTEXT", 16)
     monkeypatch.setattr(cuda_graphs, "attention_shape", lambda b, h, d, n, dev: n)

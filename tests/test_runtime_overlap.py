@@ -143,8 +143,8 @@ def test_the_openai_server_on_an_overlapped_engine(overlapped):
     import httpx
     import openai
 
-    from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
+    from envex.runtime.server.async_engine import AsyncEngine
     from envex.tests.support.server import serve_in_thread
 
     model = overlapped.model_name

@@ -191,7 +191,7 @@ def test_one_forward_on_triton_ops_equals_the_reference() -> None:
     plain-SwiGLU variant at one row, two rows and grouped, a dense layer) equals it on the torch ops: prefill, a
     chunk after cached tokens, batch-1 decode and the decode graphs' step."""
     from envex.kernels.triton_ops import TritonOps
-    from envex.runtime.engine.cuda_graphs import DecodeGraphs
+    from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
     from envex.tests.test_runtime_one_forward import PAGE, TOL, _Runner, _step
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -176,7 +176,7 @@ def test_greedy_answers_equal_plain_decoding(tiny, plain_answers, drafter: str, 
 
 
 def test_metrics_show_the_drafter_depth_and_acceptance(tiny) -> None:
-    from envex.runtime.engine import AsyncEngine
+    from envex.runtime.server.async_engine import AsyncEngine
     from envex.runtime.server.metrics import Metrics
 
     engine = _engine(tiny, draft_model=tiny)

@@ -162,7 +162,7 @@ def test_decode_graph_steps_replay_from_rank_0s_message(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     from envex.kernels.torch_ops import TorchOps
-    from envex.runtime.engine.cuda_graphs import DecodeGraphs
+    from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
     from envex.runtime.models.rope import rope_cos_sin
 
     config = ModelConfig.from_hf(TINY)

@@ -29,8 +29,8 @@ from envex.kernels import gemv
 from envex.kernels.invariant_ops import InvariantTritonOps
 from envex.kernels.triton_ops import TritonOps
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
-from envex.runtime.engine.cuda_graphs import DecodeGraphs
-from envex.runtime.engine.warm_up import warm_up_steps
+from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
+from envex.runtime.engine.accel.warm_up import warm_up_steps
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records interpreted launches")
 

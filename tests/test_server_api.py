@@ -13,8 +13,9 @@ import openai
 import pytest
 from fastapi import APIRouter, Request
 
-from envex.runtime.engine import AsyncEngine, LLMEngine
+from envex.runtime.engine import LLMEngine
 from envex.runtime.server.app import build_app
+from envex.runtime.server.async_engine import AsyncEngine
 from envex.tests.support.server import serve_in_thread
 
 API_KEY = "sk-test-envex"

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from envex.runtime.engine import AsyncEngine, LLMEngine
+from envex.runtime.engine import LLMEngine
 from envex.runtime.server.app import build_app
+from envex.runtime.server.async_engine import AsyncEngine
 from envex.tests.support.server import serve_in_thread
 
 API_KEY = "sk-test-errors"

@@ -24,8 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from envex.runtime.engine import AsyncEngine, LLMEngine
+from envex.runtime.engine import LLMEngine
 from envex.runtime.server.app import build_app
+from envex.runtime.server.async_engine import AsyncEngine
 from envex.runtime.server.errors import APIError
 from envex.runtime.server.limits import PrepPool, ServerLimits
 from envex.tests.support.server import serve_in_thread

@@ -150,8 +150,8 @@ def test_envex_and_hf_stock_on_the_embedded_model(embedded_engine: LLMEngine, hf
 
 @pytest.mark.slow
 def test_http_envex_server_agrees_with_in_process(embedded_engine: LLMEngine) -> None:
-    from envex.runtime.engine import AsyncEngine
     from envex.runtime.server.app import build_app
+    from envex.runtime.server.async_engine import AsyncEngine
     from envex.tests.support.server import serve_in_thread
 
     # The server owns its own engine (its thread steps it); the in-process engine is the session's.

@@ -3,7 +3,6 @@
 Importing this package needs torch but not the server's packages (fastapi, uvicorn, pydantic).
 """
 
-from envex.runtime.engine.async_engine import AsyncEngine
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.engine import Completion, EngineStats, LLMEngine
 from envex.runtime.engine.types import (
@@ -17,6 +16,6 @@ from envex.runtime.engine.types import (
 )
 
 __all__ = [
-    "AsyncEngine", "Completion", "EngineConfig", "EngineError", "EngineInternalError", "EngineStats", "LLMEngine",
+    "Completion", "EngineConfig", "EngineError", "EngineInternalError", "EngineStats", "LLMEngine",
     "PromptTooLongError", "QueueFullError", "RequestOutput", "SamplingParams", "TokenLogprob",
 ]

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from envex.runtime.detokenizer import IncrementalDetokenizer
+from envex.runtime.engine.accel.warm_up import warm_up_steps
 from envex.runtime.engine.block_manager import BlockManager
 from envex.runtime.engine.config import EngineConfig, model_window
-from envex.runtime.engine.detokenizer import IncrementalDetokenizer
 from envex.runtime.engine.model_runner import ModelRunner
 from envex.runtime.engine.scheduler import ScheduledChunk, Scheduler
 from envex.runtime.engine.sequence import Sequence, Status
@@ -26,7 +27,6 @@ from envex.runtime.engine.types import (
     SamplingParams,
     TokenLogprob,
 )
-from envex.runtime.engine.warm_up import warm_up_steps
 from envex.runtime.loader import load_model_info
 from envex.runtime.parallel.state import check_tensor_parallel
 from envex.runtime.parallel.workers import Workers

@@ -18,12 +18,12 @@ import torch
 from envex.kernels.kv_quant_format import format_for
 from envex.kernels.ops import AttentionMetadata, LayerKVCache
 from envex.runtime.config import ModelConfig
+from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
+from envex.runtime.engine.caches.state_slots import StateSlots, has_state
+from envex.runtime.engine.caches.window_kv import WindowBlocks
 from envex.runtime.engine.config import EngineConfig
-from envex.runtime.engine.cuda_graphs import DecodeGraphs
 from envex.runtime.engine.device import fill_pending, upload
 from envex.runtime.engine.scheduler import ScheduledChunk
-from envex.runtime.engine.state_slots import StateSlots, has_state
-from envex.runtime.engine.window_kv import WindowBlocks
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import model_class
 from envex.runtime.models.rope import rope_cos_sin

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from envex.runtime.engine.detokenizer import IncrementalDetokenizer
+from envex.runtime.detokenizer import IncrementalDetokenizer
 from envex.runtime.engine.types import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:

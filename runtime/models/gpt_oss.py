@@ -94,7 +94,7 @@ class GptOssLayer(nn.Module):
         qkv, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
                                         self.qkv_proj_weight, self.qkv_proj_bias)  # [T, q + 2kv]
         if self.attn.sliding_window is not None and meta.window is not None:
-            meta = meta.window  # this layer's K/V live in the window pool (runtime/engine/window_kv.py)
+            meta = meta.window  # this layer's K/V live in the window pool (runtime/engine/caches/window_kv.py)
         attn = ops.attention(qkv, *kv_cache, meta, self.attn)  # [T, q]
         hidden = ops.linear(attn, self.o_proj_weight, self.o_proj_bias)
         return ops.moe(hidden, residual, self.post_attention_layernorm_weight, self.eps, self.router_weight,

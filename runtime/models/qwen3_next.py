@@ -6,7 +6,7 @@ experts plus a shared expert gated per token by sigmoid(shared_expert_gate(h)). 
   (fix_query_key_value_ordering) into [q | k | v | z | b | a], heads in order, so q|k|v are the convolution's
   channels; then `Ops.linear_attention` (conv1d + SiLU, gated delta rule, gated RMSNorm) and out_proj. Each layer's
   "cache" is its per-sequence state: (state_pool [slots, Hv, Dk, Dv] float32, conv_pool [slots, K-1, conv_dim]),
-  picked by meta.state_slots (runtime/engine/state_slots.py hands each running sequence one slot for its life).
+  picked by meta.state_slots (runtime/engine/caches/state_slots.py hands each running sequence one slot for its life).
 - Gated attention: q_proj gives each head's query and its output gate; out = o_proj(attention · sigmoid(gate)).
   q/k RMSNorm, then rotary on the first rotary_dim dims of each head only (partial_rotary_factor). The attention
   ops rotate pairs (i, i + D/2) over the whole head: the q/k dims (and q/k norm weights) are permuted at load so

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from envex.runtime.engine import AsyncEngine
+from envex.runtime.server.async_engine import AsyncEngine
 from envex.runtime.server.chat import create_chat_completion
 from envex.runtime.server.completions import create_completion
 from envex.runtime.server.context import ServerContext

@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from envex.runtime.engine import AsyncEngine, SamplingParams
+from envex.runtime.engine import SamplingParams
+from envex.runtime.server.async_engine import AsyncEngine
 from envex.runtime.server.errors import APIError, bad_request
 from envex.runtime.server.generation import sampling_error
 from envex.runtime.server.limits import PrepPool, ServerLimits

@@ -19,7 +19,6 @@ from typing import Any
 from starlette.requests import Request
 
 from envex.runtime.engine import (
-    AsyncEngine,
     EngineError,
     EngineInternalError,
     PromptTooLongError,
@@ -27,6 +26,7 @@ from envex.runtime.engine import (
     RequestOutput,
     SamplingParams,
 )
+from envex.runtime.server.async_engine import AsyncEngine
 from envex.runtime.server.errors import APIError, bad_request
 from envex.runtime.server.metrics import Metrics
 

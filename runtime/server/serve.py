@@ -13,8 +13,9 @@ from typing import TextIO
 import uvicorn
 from fastapi import APIRouter
 
-from envex.runtime.engine import AsyncEngine, EngineConfig, LLMEngine
+from envex.runtime.engine import EngineConfig, LLMEngine
 from envex.runtime.server.app import build_app
+from envex.runtime.server.async_engine import AsyncEngine
 
 
 class ServeError(OSError):

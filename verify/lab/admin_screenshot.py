@@ -22,8 +22,9 @@ def take(out: Path, work: Path) -> dict[str, float]:
     from playwright.sync_api import sync_playwright
 
     from envex.installer.admin import admin_router
-    from envex.runtime.engine import AsyncEngine, EngineConfig, LLMEngine
+    from envex.runtime.engine import EngineConfig, LLMEngine
     from envex.runtime.server.app import build_app
+    from envex.runtime.server.async_engine import AsyncEngine
     from envex.tests.support.admin import build_admin_fixture
     from envex.tests.support.server import serve_in_thread
 

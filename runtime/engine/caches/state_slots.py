@@ -132,7 +132,7 @@ class StateSlots:
             if seq not in self._slot:
                 if not self._free:
                     raise RuntimeError(f"state slots: all {self.num_slots} in use; this is a bug in their release "
-                                       "(runtime/engine/state_slots.py)")  # fmt: skip
+                                       "(runtime/engine/caches/state_slots.py)")  # fmt: skip
                 self._slot[seq] = self._free.pop()
             restore = self._restore.pop(seq, None)
             if restore is not None and restore[0] == c.start:  # a prefix hit: its state from the snapshot

@@ -101,7 +101,7 @@ class WindowBlocks:
                 if entry is None:
                     if not self._free:
                         raise RuntimeError(f"window KV pool: all {self.num_blocks} blocks in use; this is a bug "
-                                           "in its sizing (runtime/engine/window_kv.py)")  # fmt: skip
+                                           "in its sizing (runtime/engine/caches/window_kv.py)")  # fmt: skip
                     entry = (engine_block, self._free.pop())
                 else:  # the sequence was preempted and recomputes into new engine blocks
                     entry = (engine_block, entry[1])

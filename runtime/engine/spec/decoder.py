@@ -29,8 +29,8 @@ from dataclasses import replace
 import torch
 
 from envex.kernels.kv_quant_format import format_for
+from envex.runtime.engine.accel.cuda_graphs import graph_ladder
 from envex.runtime.engine.config import EngineConfig
-from envex.runtime.engine.cuda_graphs import graph_ladder
 from envex.runtime.engine.device import upload
 from envex.runtime.engine.model_runner import DTYPES, ModelRunner
 from envex.runtime.engine.sampler import sampling_probs

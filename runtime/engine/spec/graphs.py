@@ -6,7 +6,7 @@ import torch
 
 from envex.kernels.ops import AttentionMetadata
 from envex.kernels.reference import verify_inputs
-from envex.runtime.engine.cuda_graphs import DecodeGraphs, num_splits_for
+from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs, num_splits_for
 from envex.runtime.engine.spec.drafters import SpecInputs
 
 

@@ -29,7 +29,7 @@ def decode_chain(models, shape: dict, *, layers: int, context: int = 1024, graph
     Returns step (step(i) launches one step and returns its logits [batch, V]), engine, caches, meta and ids."""
     from envex.kernels.ops import AttentionMetadata
     from envex.runtime.engine import EngineConfig, LLMEngine
-    from envex.runtime.engine.cuda_graphs import num_splits_for
+    from envex.runtime.engine.accel.cuda_graphs import num_splits_for
     from envex.verify.lab.kernel_bench.bench_server import write_model_dir
 
     shape = dict(shape, num_hidden_layers=layers)

@@ -451,8 +451,8 @@ def server_runs(args: argparse.Namespace, bw: dict[str, float], report: dict[str
     import httpx
 
     from envex.runtime.config import ModelConfig
+    from envex.runtime.engine.caches.window_kv import WindowBlocks
     from envex.runtime.engine.config import EngineConfig
-    from envex.runtime.engine.window_kv import WindowBlocks
     from envex.verify.lab.kernel_bench.bench_server import run_case
 
     shape = SHAPES["gpt-oss-120b"]

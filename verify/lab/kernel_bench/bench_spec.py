@@ -112,7 +112,7 @@ def bench_graphs(context: int, shape: dict, device: str) -> dict:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
         decode = runner.decode_graphs
         if decode is None:  # the CPU dry run: the same step, eagerly
-            from envex.runtime.engine.cuda_graphs import DecodeGraphs
+            from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
 
             decode = runner.decode_graphs = DecodeGraphs(runner, max_batch=max(BATCHES), capture=False)
         decode.run([1] * b, [context] * b, tables)

@@ -174,8 +174,8 @@ class _NoReduce:
 
 
 def _share_section(state: Any, device: str, model_dir: Path, context: int) -> dict:
+    from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
     from envex.runtime.engine.config import EngineConfig, model_window
-    from envex.runtime.engine.cuda_graphs import DecodeGraphs
     from envex.runtime.engine.model_runner import ModelRunner
     from envex.runtime.loader import load_model_info
 
