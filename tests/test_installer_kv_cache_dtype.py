@@ -161,3 +161,24 @@ def test_the_draft_models_kv_is_budgeted_in_the_cache_format(kv: str) -> None:
     assert got == {"bf16": bf16, "fp8": bf16 * 1056 // 2048, "int4": bf16 * 576 // 2048}[kv]
     float32 = draft_kv_bytes(EngineConfig(model="x", dtype="float32", block_size=16, kv_cache_dtype=kv), draft)
     assert float32 == (2 * bf16 if kv == "bf16" else got)  # a packed cache's bytes do not follow the activations
+
+
+def test_a_latent_attention_draft_is_budgeted_as_its_latent_cache() -> None:
+    """A DeepSeek-architecture draft (MLA) keeps one latent row a token and layer (its own make_kv_caches): its
+    share is what its model allocates, not 2 x KV heads x head_dim."""
+    import torch
+
+    from envex.runtime.models.deepseek import DeepseekV3ForCausalLM
+
+    hf = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 64,
+          "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
+          "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 4,
+          "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+          "max_position_embeddings": 256}  # fmt: skip
+    mc = ModelConfig.from_hf(hf)
+    draft = SimpleNamespace(config=mc)
+    config = EngineConfig(model="x", dtype="bfloat16", block_size=16)
+    model = DeepseekV3ForCausalLM(mc, dtype=torch.bfloat16, device=torch.device("meta"))
+    got = draft_kv_bytes(config, draft)  # type: ignore[arg-type]
+    assert got == model.kv_cache_bytes_per_block(16, torch.bfloat16) == 3 * 16 * (32 + 8) * 2

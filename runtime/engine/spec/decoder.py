@@ -434,11 +434,14 @@ def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
     if draft is None:
         return 0
     dc = draft.config
+    bits = torch.finfo(DTYPES[config.dtype]).bits
+    if dc.mla is not None:  # its own layout (models/deepseek.py): one latent row a token and layer, never packed
+        return dc.num_hidden_layers * config.block_size * (dc.mla.kv_lora_rank + dc.mla.qk_rope_head_dim) * bits // 8
     fmt = format_for(config.kv_cache_dtype, dc.head_dim)  # the draft's runner packs its cache as the target's
     if fmt is not None:
         per_token = fmt.bytes_per_token(dc.num_key_value_heads, dc.head_dim)
     else:
-        per_token = 2 * dc.num_key_value_heads * dc.head_dim * torch.finfo(DTYPES[config.dtype]).bits // 8
+        per_token = 2 * dc.num_key_value_heads * dc.head_dim * bits // 8
     return dc.num_hidden_layers * config.block_size * per_token
 
 
