@@ -40,6 +40,13 @@ KVCacheDtypeOpt = Annotated[str, typer.Option(
          "(offline_docs/kv_cache.md)")]
 
 
+WeightsOpt = Annotated[str | None, typer.Option(
+    "--weights",
+    help="a weights policy: the model's projections quantized at load and served packed, a scheme name "
+         "(fp8_channel, int4_g128_sym, ...) or the policy's JSON; gated against the model's bf16 self and refused "
+         "outside its band (offline_docs/quantization.md)", metavar="POLICY")]
+
+
 ReferenceOpt = Annotated[str, typer.Option(
     "--reference",
     help="what the gates judge the release against: auto (HF transformers beside the engine where it fits in "
@@ -122,6 +129,7 @@ def run_install(
     deterministic: bool = False,
     reference: str = "auto",
     kv_cache_dtype: str = "bf16",
+    weights: str | None = None,
 ) -> int:
     """Run the install chain with its progress display; returns the exit code."""
     from envex.kernels.kv_quant_format import KV_CACHE_DTYPES
@@ -129,6 +137,13 @@ def run_install(
     if kv_cache_dtype not in KV_CACHE_DTYPES:  # checked first: a usage error touches nothing
         _fail(f"--kv-cache-dtype {kv_cache_dtype!r}: use {', '.join(KV_CACHE_DTYPES[:-1])} or {KV_CACHE_DTYPES[-1]}",
               EXIT_USAGE)
+    if weights is not None:  # the policy's own one line: which key, what to write
+        from envex.runtime.weight_policy import PolicyError, policy_from_setting
+
+        try:
+            policy_from_setting(weights)
+        except PolicyError as exc:
+            _fail(f"--weights: {exc}", EXIT_USAGE)
     from envex.installer.launch import set_offline_env
     from envex.installer.netguard import install_guard
     from envex.installer.pipeline import InstallOptions, install
@@ -165,6 +180,7 @@ def run_install(
         deterministic=deterministic,
         reference=reference,
         kv_cache_dtype=kv_cache_dtype,
+        weights=weights,
         test_gates_report=gates_report,
     )
     try:
@@ -201,6 +217,7 @@ def install_command(
     deterministic: DeterministicInstallOpt = False,
     reference: ReferenceOpt = "auto",
     kv_cache_dtype: KVCacheDtypeOpt = "bf16",
+    weights: WeightsOpt = None,
 ) -> None:
     """Verify the media, probe this machine, install a new release, gate it, and activate it only if it passes."""
     raise typer.Exit(
@@ -218,6 +235,7 @@ def install_command(
             deterministic=deterministic,
             reference=reference,
             kv_cache_dtype=kv_cache_dtype,
+            weights=weights,
         )
     )
 

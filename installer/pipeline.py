@@ -51,6 +51,7 @@ class InstallOptions:
     deterministic: bool = False  # --deterministic: the release runs (and its gates require) batch-invariant kernels
     reference: str = "auto"  # --reference: the gates' reference, auto | local | signed (installer/plan.py)
     kv_cache_dtype: str = "bf16"  # --kv-cache-dtype: bf16 | fp8 | int4 (a packed one is gated against its band)
+    weights: str | None = None  # --weights: a weights policy quantizing the model at load (gated against its band)
     test_gates_report: Path | None = None  # test hook ENVEX_TEST_GATES_REPORT; see checks.run_checks
 
 
@@ -273,7 +274,7 @@ def _install_locked(
         refuse_downgrades(verified, opts.model)
         plan = make_plan(verified.bundles, found, model_name=opts.model, max_model_len=opts.max_model_len,
                          deterministic=opts.deterministic, reference=opts.reference,
-                         kv_cache_dtype=opts.kv_cache_dtype)  # fmt: skip
+                         kv_cache_dtype=opts.kv_cache_dtype, weights_policy=opts.weights)  # fmt: skip
     for note in plan.notes:
         ui.note(note)
     ui.ok("plan", plan.summary())
@@ -286,6 +287,7 @@ def _install_locked(
         and sorted(r.manifest_sha256 for r in active.bundles) == sorted(r.manifest_sha256 for r in refs)
         and _runs_deterministic(prefix, active.id) == plan.engine["deterministic"]
         and _launch_setting(prefix, active.id, "kv_cache_dtype", "bf16") == plan.engine["kv_cache_dtype"]
+        and _launch_setting(prefix, active.id, "weights", None) == plan.engine.get("weights")
     ):
         message = f"release {active.id} already runs exactly these bundles; nothing to do (--reinstall to redo)"
         ui.ok("install", message)

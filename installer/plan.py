@@ -52,6 +52,10 @@ GPU_MEMORY_UTILIZATION = 0.85
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
+# A model card's quantization naming float weights (installer/model_card.py): the ones a weights policy can pack.
+FLOAT_WEIGHTS = ("bfloat16", "float16", "float32", "float64")
+
+
 @dataclass(frozen=True)
 class Plan:
     mode: str  # "cuda" | "cpu"
@@ -76,6 +80,9 @@ class Plan:
     kv_cache_dtype: str = "bf16"
     kv_bytes_per_token: int = 0
     kv_capacity_tokens: int = 0
+    # The weights policy (--weights; engine["weights"], canonical): the projections quantized at load, held to the
+    # policy's band by verify.weight_quality_band. None: the weights as the checkpoint stores them.
+    weights_policy: str | None = None
 
     @property
     def bundles(self) -> list[VerifiedBundle]:
@@ -91,6 +98,7 @@ class Plan:
             f"{self.memory_budget / GIB:.1f} GiB memory, {self.disk_needed / GIB:.2f} of "
             f"{self.disk_free / GIB:.1f} GiB disk; KV cache {self.kv_cache_dtype}: {self.kv_capacity_tokens} tokens "
             f"({self.kv_bytes_per_token} bytes a token)"
+            + (f"; weights {self.weights_policy} at load" if self.weights_policy is not None else "")
         )
 
 
@@ -193,6 +201,7 @@ def make_plan(
     deterministic: bool = False,
     reference: str = "auto",
     kv_cache_dtype: str = "bf16",
+    weights_policy: str | None = None,
 ) -> Plan:
     by_kind: dict[str, list[VerifiedBundle]] = {"runtime": [], "model": [], "kernels": []}
     for bundle in bundles:
@@ -211,6 +220,8 @@ def make_plan(
     if deterministic:
         refuse_deterministic(model, mcard)
     refuse_kv_cache_dtype(model, mcard, kv_cache_dtype, deterministic=deterministic)
+    policy = None if weights_policy is None else \
+        refuse_weights(model, mcard, weights_policy, mode=mode, deterministic=deterministic)  # canonical form
     signed = signed_references(model, reference)
     kernels = None
     if mode == "cuda":
@@ -231,6 +242,8 @@ def make_plan(
         raise InstallError("plan: " + "; ".join(problems))
 
     engine = engine_choices(mcard, mode, max_model_len, deterministic=deterministic, kv_cache_dtype=kv_cache_dtype)
+    if policy is not None:
+        engine["weights"] = policy
     if deterministic and kernels is not None:
         notes.append(
             f"deterministic: kernel bundle {kernels.name} {kernels.version} may not hold the batch-invariant kernels "
@@ -257,6 +270,11 @@ def make_plan(
             raise InstallError(
                 f"plan: --kv-cache-dtype {kv_cache_dtype}: {model.name} needs {tp} GPUs here (tensor parallel) and a "
                 "packed KV cache has not been run under tensor parallelism yet; install with --kv-cache-dtype bf16"
+            )
+        if tp > 1 and policy is not None:
+            raise InstallError(
+                f"plan: --weights: {model.name} needs {tp} GPUs here (tensor parallel) and packed low-bit weights do "
+                "not run under tensor parallelism yet; install without --weights"
             )
         if tp > 1:
             engine["tensor_parallel"] = tp
@@ -307,6 +325,7 @@ def make_plan(
         kv_cache_dtype=kv_cache_dtype,
         kv_bytes_per_token=per_token,
         kv_capacity_tokens=int(capacity),
+        weights_policy=policy,
     )
 
 
@@ -420,6 +439,34 @@ def refuse_kv_cache_dtype(model: VerifiedBundle, card: ModelCard, kv_cache_dtype
         fmt.check_head_dim(card.head_dim)
     except ValueError as exc:
         raise InstallError(f"plan: --kv-cache-dtype {kv_cache_dtype}: {label}: {exc}") from None
+
+
+def refuse_weights(model: VerifiedBundle, card: ModelCard, weights: str, *, mode: str,
+                   deterministic: bool = False) -> str:  # fmt: skip
+    """The canonical form of the weights policy `weights` (--weights: a scheme name as given, a JSON policy as its
+    compact JSON, as EngineConfig keeps it), or InstallError in one line where `model` (whose checked card is
+    `card`) cannot be served by it: an invalid policy, an override past the model's layers, a checkpoint already
+    quantized, what `envex serve --weights` refuses (runtime/engine/config.check_weights: the deterministic
+    backends, architectures outside the Llama family). Tensor parallelism is refused where the plan splits the
+    model. The release's gates then hold the policy to its band (verify.weight_quality_band)."""
+    from envex.runtime.engine.config import check_weights
+    from envex.runtime.weight_policy import PolicyError, policy_from_setting
+
+    label = f"{model.name} {model.version} ({card.architecture})"
+    try:
+        policy = policy_from_setting(weights)
+        policy.resolve(card.num_layers)
+    except PolicyError as exc:
+        raise InstallError(f"plan: --weights: {label}: {exc}") from None
+    if card.format == "hf" and card.quantization not in FLOAT_WEIGHTS:
+        raise InstallError(f"plan: --weights: {label} is already quantized ({card.quantization}); install it "
+                           "without --weights")  # fmt: skip
+    backend = "triton" if mode == "cuda" else "torch"
+    refusal = check_weights(weights, backend, deterministic=deterministic, architecture=card.architecture,
+                            tensor_parallel=False)  # fmt: skip
+    if refusal is not None:
+        raise InstallError(f"plan: {label}: {refusal}")
+    return policy.label if weights.lstrip().startswith("{") else weights
 
 
 def signed_references(model: VerifiedBundle, reference: str) -> bool:

@@ -212,7 +212,8 @@ def make_launch(release_id: str, plan: Plan, versions: dict[str, str | None], sl
             bundle=bundle_ref(plan.model),
         ),
         engine=engine,
-        numeric_policy=f"weights {mcard.quantization} computed in {dtype}",
+        numeric_policy=f"weights {mcard.quantization}"
+        + (f" quantized at load by {engine['weights']}" if engine.get("weights") else "") + f" computed in {dtype}",
         kv_cache={  # bytes_per_token and capacity_tokens: over every layer, in kv_cache_dtype (the plan's count)
             "dtype": dtype,
             "kv_cache_dtype": str(engine.get("kv_cache_dtype", "bf16")),
