@@ -62,6 +62,9 @@ def test_reference_delta_rule_is_hfs_chunked_and_recurrent_rule(n_k: int, n_v: i
     out = ref.gated_delta_rule(*f64(q, k, v, g, beta), _cu(lens, "cpu"), pool64, torch.tensor([0, 1]))
     for b, (lo, hi) in enumerate([(0, 70), (70, 79)]):
         args = [x[lo:hi].unsqueeze(0) for x in (q, k, v, g, beta)]
+        # HF's model repeats the key heads to the value heads before it calls these (transformers 5.17's functions
+        # need it; 5.25's also take the grouped heads): the same grouping as the reference's, v head j on k head j // r
+        args[0], args[1] = (x.repeat_interleave(n_v // n_k, dim=2) for x in args[:2])
         for fn, extra in ((hf.torch_chunk_gated_delta_rule, {"chunk_size": 64}), (hf.torch_recurrent_gated_delta_rule,
                                                                                   {})):  # fmt: skip
             o, state = fn(*args, initial_state=pool[b : b + 1].clone(), output_final_state=True,

@@ -213,7 +213,7 @@ def test_the_triton_backend_on_cuda_gives_the_same_tokens(checkpoint) -> None:
     _, path, want = checkpoint
     for budget in (None, 5):
         engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", block_size=4,
-                                        max_num_batched_tokens=budget))  # fmt: skip
+                                        num_kv_blocks=512, max_num_batched_tokens=budget))  # fmt: skip
         assert engine.config.backend == "triton" and engine.runner.decode_graphs is None  # no state in graphs yet
         assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == want
         assert engine.generate([PROMPTS[2]], GREEDY)[0].token_ids == want[2]

@@ -139,6 +139,9 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             blocks = self.config.num_kv_blocks
         elif self.device.type == "cuda":
+            # What this process's allocator caches but no tensor holds is free for the cache too (an engine built
+            # after other work in the same process, as in a test run, saw its budget go negative without this).
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total - reserved
             blocks = int(budget // bytes_per_block)
