@@ -11,15 +11,17 @@ envex.verify.signed_reference.choose_reference): HF transformers in float32 besi
 memory (--reference-bytes), else the model bundle's signed answers (--references); details.reference says which
 and why. Where launch.json's engine.tensor_parallel is above 1, then
 `verify.tensor_parallel_equality`: greedy answers at that degree equal one GPU's, on a two-layer cut of the model
-(envex.verify.gate_tensor_parallel.run_tensor_parallel_gate). Where launch.json's engine.weights quantizes the
-model at load, `verify.weight_quality_band`: the policy's mean KLD and top-1 against the model's bf16 self inside
-its band (envex.verify.weight_quality.band_gate), else the release is refused with the figure. Where launch.json's
-engine.kv_cache_dtype packs the KV cache (fp8, int4), `verify.kv_cache_band`: the release's engine settings with
-that cache against the same with the bf16 cache (mean KLD and top-1 over KV_GATE_PROMPTS prompts of up to
-KV_GATE_TOKENS tokens, the needle at the window's end, stopping), held to the dtype's band
-(envex.verify.gate_kv_cache.kv_band_gate), else the release is refused with the figure; the smoke test and the
-suite then run on the same settings with the bf16 cache (the suite's thresholds are HF's per dtype, not a packed
-cache's band), and the benchmark is not run.
+(envex.verify.gate_tensor_parallel.run_tensor_parallel_gate).
+
+A release that packs (launch.json's engine.weights quantizes the model at load, engine.kv_cache_dtype is fp8 or
+int4) first runs its band gates: `verify.weight_quality_band` (the policy's mean KLD and top-1 against the model's
+bf16 self, envex.verify.weight_quality.band_gate) and `verify.kv_cache_band` (the release's settings with the
+packed cache against the same with the bf16 cache: KV_GATE_PROMPTS prompts of up to KV_GATE_TOKENS tokens, the
+needle at the window's end, stopping; envex.verify.gate_kv_cache.kv_band_gate); outside its band the release is
+refused with the figure. Then the smoke test, the suite and the benchmark run on the release's engine exactly as it
+will serve, packed formats included; the suite's checks against HF tokens and logits (verify.gates.BANDED) report
+the band measurements in their place ("judged against the fp8 band: KLD x / top-1 y"), and the benchmark's details
+name the settings it timed.
 """
 
 from __future__ import annotations
@@ -144,34 +146,40 @@ def run(launch_path: Path, out: Path, suite: str, bench: bool, smoke: tuple[str,
 
     out.mkdir(parents=True, exist_ok=True)
     config = load_launch(launch_path, require_gates=False)
-    packed = getattr(config, "kv_cache_dtype", "bf16") != "bf16"
-    if packed:
-        # The suite judges the model, weights and kernels against HF transformers with its per-dtype thresholds,
-        # which a packed cache's own error is not held to: it runs on the release's settings with the bf16 cache,
-        # and verify.kv_cache_band then holds the packed cache to its band against exactly that engine. The
-        # benchmark would time the bf16 cache: not run (a packed release's figures come from envex bench).
-        config_for_suite, bench = dataclasses.replace(config, kv_cache_dtype="bf16"), False
-    else:
-        config_for_suite = config
-    gates, details, numbers = engine_checks(config_for_suite, out, suite, bench, smoke,
-                                            reference or ReferenceChoice())  # fmt: skip
-    if packed:
-        details["kv_cache_dtype"] = (f"{config.kv_cache_dtype}: the smoke test and the suite ran with the bf16 cache; "
-                                     f"{KV_CACHE_GATE} judges the packed one against it; no benchmark")
+    gates: dict[str, str] = {}
+    details: dict[str, Any] = {}
+    # 1. The packed formats' band gates first, each its own engines or HF model, one at a time: their measurements
+    # against the model's unpacked self stand in for the suite's HF token and KL checks (verify.gates.BANDED).
+    banded: list[tuple[str, str, dict[str, Any]]] = []
+    if getattr(config, "weights", None) is not None:  # quantized at load: the policy must be inside its band
+        banded.append((WEIGHTS_GATE, f"weights {config.weights}", weights_gate(config)))
+    if getattr(config, "kv_cache_dtype", "bf16") != "bf16":  # a packed KV cache must be inside its band
+        banded.append((KV_CACHE_GATE, f"kv_cache_dtype {config.kv_cache_dtype}", kv_cache_gate(config)))
+    for name, _, result in banded:
+        gates[name] = _gate_word(result)
+        details[name] = result
+    bands = packed_bands(banded)
+    # 2. The release's own engine, exactly as it will serve (its kv_cache_dtype and weights): smoke, suite, bench.
+    engine_gates, engine_details, numbers = engine_checks(config, out, suite, bench, smoke,
+                                                          reference or ReferenceChoice(), bands)  # fmt: skip
+    gates.update(engine_gates)
+    details.update(engine_details)
     if config.tensor_parallel > 1:  # after the release's engine is gone: its GPUs are needed again
         result = tensor_parallel_gate(config, out)
         gates[TENSOR_PARALLEL_GATE] = _gate_word(result)
         details[TENSOR_PARALLEL_GATE] = result
-    if getattr(config, "weights", None) is not None:  # quantized at load: the policy must be inside its band
-        result = weights_gate(config)
-        gates[WEIGHTS_GATE] = _gate_word(result)
-        details[WEIGHTS_GATE] = result
-    if getattr(config, "kv_cache_dtype", "bf16") != "bf16":  # a packed KV cache must be inside its band
-        result = kv_cache_gate(config)
-        gates[KV_CACHE_GATE] = _gate_word(result)
-        details[KV_CACHE_GATE] = result
     verdict = "pass" if gates and all(v in ("pass", "skip") for v in gates.values()) else "fail"
     return {"verdict": verdict, "suite": suite, "gates": gates, "bench": numbers, "details": details}
+
+
+def packed_bands(banded: list[tuple[str, str, dict[str, Any]]]) -> list[Any]:
+    """The band gates' results as the suite takes them (envex.verify.types.PackedBand); none in a release whose
+    verify/ predates them (its suite then judges the packed engine against HF, and fails closed)."""
+    try:
+        from envex.verify.types import PackedBand
+    except ImportError:
+        return []
+    return [PackedBand.from_gate(name, fmt, result) for name, fmt, result in banded]
 
 
 def weights_gate(config: Any) -> dict[str, Any]:
@@ -211,23 +219,25 @@ def tensor_parallel_gate(config: Any, out: Path) -> dict[str, Any]:
 
 
 def engine_checks(config: Any, out: Path, suite: str, bench: bool, smoke: tuple[str, str],
-                  reference: ReferenceChoice | None = None
+                  reference: ReferenceChoice | None = None, bands: list[Any] | None = None
                   ) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
-    """The gates and benchmark that run on the release's own engine: (verdicts, details, figures). The engine is
-    closed (its tensor-parallel workers stopped) on return."""
+    """The gates and benchmark that run on the release's own engine, built from its launch.json settings as they
+    are (a packed KV cache, low-bit weights included): (verdicts, details, figures). `bands`: the packed formats'
+    band measurements, which the suite reports in place of its HF token and KL checks. The engine is closed (its
+    tensor-parallel workers stopped) on return."""
     from envex.runtime.engine import LLMEngine
 
     start = time.perf_counter()
     engine = LLMEngine(config)
     try:
         return _engine_checks(engine, time.perf_counter() - start, config, out, suite, bench, smoke,
-                              reference or ReferenceChoice())  # fmt: skip
+                              reference or ReferenceChoice(), bands or [])  # fmt: skip
     finally:
         engine.close()
 
 
 def _engine_checks(engine: Any, load_s: float, config: Any, out: Path, suite: str, bench: bool,
-                   smoke: tuple[str, str], reference: ReferenceChoice
+                   smoke: tuple[str, str], reference: ReferenceChoice, bands: list[Any]
                    ) -> tuple[dict[str, str], dict[str, Any], dict[str, float]]:  # fmt: skip
     gates: dict[str, str] = {}
     details: dict[str, Any] = {}
@@ -247,7 +257,8 @@ def _engine_checks(engine: Any, load_s: float, config: Any, out: Path, suite: st
 
             ref, details["reference"] = choose_reference(engine, reference.choice, reference.references,
                                                          reference.need_bytes)  # fmt: skip
-            report = as_json(_call(run_gates, engine, reference=ref, suite=suite, out_dir=out / "gates"))
+            report = as_json(_call(run_gates, engine, reference=ref, suite=suite, out_dir=out / "gates",
+                                   bands=bands))  # fmt: skip
             details["verify.gates"] = report
             per_gate = gate_verdicts(report)
             gates.update({f"verify.{k}": v for k, v in per_gate.items()} or {"verify.gates": verdict_of(report)})
@@ -267,12 +278,21 @@ def _engine_checks(engine: Any, load_s: float, config: Any, out: Path, suite: st
             repeats = 3 if suite == "quick" else 12
             try:
                 report = as_json(run_bench(engine, workload_name=workload, repeats=repeats, out_dir=out / "bench"))
-                details["bench"] = {"workload": workload, "repeats": repeats, "report": str(out / "bench")}
+                details["bench"] = {"workload": workload, "repeats": repeats, "report": str(out / "bench"),
+                                    "settings": bench_settings(engine)}  # fmt: skip
                 numbers.update(_headline(report))
             except Exception as exc:  # the benchmark informs; it does not gate
                 details["bench"] = {"error": f"{type(exc).__name__}: {exc}"}
     numbers.update(speculation_figures(engine))
     return gates, details, numbers
+
+
+def bench_settings(engine: Any) -> dict[str, Any]:
+    """The engine settings the benchmark timed, the packed formats among them: the release's own."""
+    config = engine.config
+    return {"device": config.device, "dtype": config.dtype, "backend": config.backend,
+            "kv_cache_dtype": getattr(config, "kv_cache_dtype", "bf16"), "weights": getattr(config, "weights", None),
+            "tensor_parallel": config.tensor_parallel, "max_num_seqs": config.max_num_seqs}  # fmt: skip
 
 
 def speculation_figures(engine: Any) -> dict[str, float]:
