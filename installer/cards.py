@@ -11,14 +11,17 @@ import hashlib
 import os
 from collections.abc import Collection
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from envex.bundles import VerifiedBundle
 from envex.bundles.archive import BundleArchive
 from envex.bundles.files import read_regular_file, show
 from envex.installer.state import validate_json
+
+if TYPE_CHECKING:
+    from envex.runtime.config import ModelConfig
 
 MODEL_CARD = "envex-model.json"
 RUNTIME_CARD = "envex-runtime.json"
@@ -49,6 +52,40 @@ class SmokeTest(_Card):
     expect: str = Field(min_length=1, max_length=200)
 
 
+class HybridCard(_Card):
+    """A hybrid model's layers (Qwen3-Next, ModelConfig.hybrid; offline_docs/hybrid.md): only the full-attention
+    layers hold paged K/V; each linear-attention (Gated DeltaNet) layer keeps a fixed-size state per sequence
+    instead, in slots the engine allocates before the KV cache (runtime/engine/caches/state_slots.py). HF's names."""
+
+    full_attention_layers: int = Field(ge=1)
+    linear_attention_layers: int = Field(ge=1)
+    linear_num_key_heads: int = Field(ge=1)
+    linear_num_value_heads: int = Field(ge=1)
+    linear_key_head_dim: int = Field(ge=1)
+    linear_value_head_dim: int = Field(ge=1)
+    linear_conv_kernel_dim: int = Field(ge=2)
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> HybridCard | None:
+        """The card's hybrid section for a model's config (None for a model without linear-attention layers)."""
+        hy = config.hybrid
+        if hy is None:
+            return None
+        return cls(full_attention_layers=config.num_hidden_layers - len(hy.linear_layers),
+                   linear_attention_layers=len(hy.linear_layers), linear_num_key_heads=hy.num_k_heads,
+                   linear_num_value_heads=hy.num_v_heads, linear_key_head_dim=hy.head_k_dim,
+                   linear_value_head_dim=hy.head_v_dim, linear_conv_kernel_dim=hy.conv_width)  # fmt: skip
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        """One sequence's state slot over every linear layer, as the model allocates it (make_state_pools): the
+        delta rule's state [Hv, Dk, Dv] in float32 and the convolution's last K-1 inputs of q, k and v in the
+        activation dtype (`dtype_bytes` each element)."""
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim \
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim * 4
+        return self.linear_attention_layers * (recurrent + (self.linear_conv_kernel_dim - 1) * conv_dim * dtype_bytes)
+
+
 class ModelCard(_Card):
     """envex-model.json: how to load the weights in the payload and how big they are in memory."""
 
@@ -67,11 +104,32 @@ class ModelCard(_Card):
     # Multi-head latent attention (DeepSeek-V2/V3): one latent row a token and layer (kv_lora_rank +
     # qk_rope_head_dim elements) instead of K and V per KV head. Absent: a K/V cache.
     kv_latent_width: int | None = Field(default=None, ge=1)
+    # A hybrid model (Qwen3-Next): which layers hold paged K/V, and the per-sequence state of the others. Absent:
+    # every layer holds K/V.
+    hybrid: HybridCard | None = None
+
+    @model_validator(mode="after")
+    def _hybrid_layers_add_up(self) -> ModelCard:
+        hy = self.hybrid
+        if hy is not None and hy.full_attention_layers + hy.linear_attention_layers != self.num_layers:
+            raise ValueError(f"hybrid: {hy.full_attention_layers} full-attention + {hy.linear_attention_layers} "
+                             f"linear-attention layers are not num_layers {self.num_layers}")  # fmt: skip
+        return self
+
+    @property
+    def kv_layers(self) -> int:
+        """The layers holding paged K/V: every one, but a hybrid model's full-attention layers only."""
+        return self.hybrid.full_attention_layers if self.hybrid is not None else self.num_layers
+
+    def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
+        """A hybrid model's per-sequence state over its linear layers (HybridCard); 0 for any other model."""
+        return self.hybrid.state_bytes_per_sequence(dtype_bytes) if self.hybrid is not None else 0
 
     def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "bf16") -> int:
-        """K and V bytes of one token over every layer: in the activation dtype (`dtype_bytes` each element) for the
-        unpacked cache ("bf16"), else in the packed format the engine allocates for this head_dim (data + scales,
-        kernels.kv_quant_format.format_for: what the model runner counts its blocks by)."""
+        """K and V bytes of one token over every layer that holds K/V (kv_layers): in the activation dtype
+        (`dtype_bytes` each element) for the unpacked cache ("bf16"), else in the packed format the engine allocates
+        for this head_dim (data + scales, kernels.kv_quant_format.format_for: what the model runner counts its
+        blocks by)."""
         if self.kv_latent_width is not None:
             return self.num_layers * self.kv_latent_width * dtype_bytes
         if kv_cache_dtype != "bf16":
@@ -79,8 +137,8 @@ class ModelCard(_Card):
 
             fmt = format_for(kv_cache_dtype, self.head_dim)
             assert fmt is not None
-            return self.num_layers * fmt.bytes_per_token(self.num_kv_heads, self.head_dim)
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+            return self.kv_layers * fmt.bytes_per_token(self.num_kv_heads, self.head_dim)
+        return 2 * self.kv_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 class RuntimeCard(_Card):

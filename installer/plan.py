@@ -83,6 +83,9 @@ class Plan:
     # The weights policy (--weights; engine["weights"], canonical): the projections quantized at load, held to the
     # policy's band by verify.weight_quality_band. None: the weights as the checkpoint stores them.
     weights_policy: str | None = None
+    # A hybrid model's recurrent state (Qwen3-Next): the engine's state slots, allocated before the KV cache takes
+    # its share (runtime/engine/caches/state_slots.py): reserved from the memory budget beside the weights.
+    state_bytes: int = 0
 
     @property
     def bundles(self) -> list[VerifiedBundle]:
@@ -94,7 +97,7 @@ class Plan:
         gpus = f" over {tp} GPUs (tensor parallel)" if tp > 1 else ""
         return (
             f"{self.mode}: {self.model.name} {self.model.version} on {self.runtime.name} {self.runtime.version}"
-            f"{kernels}{gpus}; needs {(self.weights_bytes + self.kv_bytes) / GIB:.2f} of "
+            f"{kernels}{gpus}; needs {(self.weights_bytes + self.kv_bytes + self.state_bytes) / GIB:.2f} of "
             f"{self.memory_budget / GIB:.1f} GiB memory, {self.disk_needed / GIB:.2f} of "
             f"{self.disk_free / GIB:.1f} GiB disk; KV cache {self.kv_cache_dtype}: {self.kv_capacity_tokens} tokens "
             f"({self.kv_bytes_per_token} bytes a token)"
@@ -253,6 +256,7 @@ def make_plan(
     dtype, context = str(engine["dtype"]), int(engine["max_model_len"])
     per_token = mcard.kv_bytes_per_token(DTYPE_BYTES[dtype], kv_cache_dtype)  # in the chosen format
     weights = mcard.parameters * DTYPE_BYTES[dtype]
+    state = mcard.state_bytes_per_sequence(DTYPE_BYTES[dtype]) * state_slots(engine)  # 0 but for a hybrid model
     if mode == "cuda":
         gpu = probe.gpus[0]
         budget = int(gpu.memory_total * GPU_MEMORY_UTILIZATION)
@@ -283,16 +287,17 @@ def make_plan(
                 f"{budget / GIB:.1f} GiB; split over {tp} GPUs ({(weights + kv) / tp / GIB:.1f} GiB each)"
             )
             budget *= tp
-        capacity = max(budget - weights, 0) // per_token  # the pool takes what the weights leave
+        capacity = max(budget - weights - state, 0) // per_token  # the pool takes what weights and state leave
     else:
         budget = int(probe.ram_available * CPU_RAM_FRACTION)
         kv = int(float(engine["kv_cache_memory_gb"]) * GIB)  # the pool the engine allocates (engine_choices)
         capacity = kv // per_token
-    if weights + kv > budget:
+    if weights + kv + state > budget:
         where = "GPU memory" if mode == "cuda" else "available RAM"
+        states = f" + {state / GIB:.2f} recurrent state" if state else ""
         raise InstallError(
-            f"plan: {model.name} needs {(weights + kv) / GIB:.2f} GiB ({weights / GIB:.2f} weights in {dtype} + "
-            f"{kv / GIB:.2f} KV cache for {context} tokens) but {where} allows {budget / GIB:.2f} GiB; "
+            f"plan: {model.name} needs {(weights + kv + state) / GIB:.2f} GiB ({weights / GIB:.2f} weights in {dtype} "
+            f"+ {kv / GIB:.2f} KV cache for {context} tokens{states}) but {where} allows {budget / GIB:.2f} GiB; "
             "use a smaller model or a shorter --max-model-len"
         )
     wheel_factor = 3 if rcard.wheelhouse == "complete" else 2  # installed venv ~ 2-3x the wheels
@@ -326,6 +331,7 @@ def make_plan(
         kv_bytes_per_token=per_token,
         kv_capacity_tokens=int(capacity),
         weights_policy=policy,
+        state_bytes=state,
     )
 
 
@@ -522,6 +528,16 @@ def engine_choices(
         kv = card.kv_bytes_per_token(DTYPE_BYTES[dtype]) * context * min(seqs, 4)
         engine["kv_cache_memory_gb"] = round(max(kv / GIB, 0.0625), 4)
     return engine
+
+
+def state_slots(engine: dict[str, Any]) -> int:
+    """The state slots a hybrid model's engine allocates for these settings (StateSlots): a live slot per sequence
+    (max_num_seqs) and, with the prefix cache on (EngineConfig's default), as many prefix snapshots."""
+    from envex.runtime.engine.config import EngineConfig
+
+    default = EngineConfig.__dataclass_fields__["enable_prefix_caching"].default
+    prefix_cache = engine.get("enable_prefix_caching", default)
+    return int(engine["max_num_seqs"]) * (2 if prefix_cache else 1)
 
 
 def _choose_kernels(
