@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from envex.bundles.files import read_regular_file, show
-from envex.installer.cards import ModelCard, ModelDefaults, SmokeTest
+from envex.installer.cards import HybridCard, ModelCard, ModelDefaults, SmokeTest
 from envex.installer.media import InstallError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -119,6 +119,7 @@ def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: 
         ),
         smoke=SMOKE if chat else BASE_SMOKE,
         kv_latent_width=None if c.mla is None else c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,
+        hybrid=HybridCard.of(c),
     )
 
 

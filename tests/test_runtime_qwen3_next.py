@@ -258,3 +258,16 @@ def test_published_config() -> None:
         ModelConfig.from_hf({**PUBLISHED, "layer_types": ["full_attention"]})
     with pytest.raises(ConfigError, match="quantized"):
         ModelConfig.from_hf({**PUBLISHED, "quantization_config": {"quant_method": "fp8"}})
+
+
+def test_the_model_card_written_for_the_checkpoint_has_its_hybrid_section(checkpoint) -> None:
+    """envex media build / bundle build write the card from the model folder: its hybrid section is the runtime's
+    (only the full-attention layers count for K/V; the plan reserves the linear layers' state)."""
+    from envex.installer.cards import HybridCard
+    from envex.installer.model_card import card_for_model
+
+    _, path, _ = checkpoint
+    card = card_for_model(path, "tiny-qwen3-next")
+    config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    assert card.hybrid is not None and card.hybrid == HybridCard.of(config)
+    assert card.hybrid.full_attention_layers + card.hybrid.linear_attention_layers == card.num_layers
