@@ -76,7 +76,9 @@ def test_int4_verdict_and_figures_are_the_measured_ones(engines: dict[str, _Kept
                            stopping_prompts=(), make_engine=_factory(engines))  # fmt: skip
     passed, reason = judge(q)
     assert q.stopping == {"verdict": "skip"}
-    assert (passed, round(q.mean_kld, 2), round(q.top1, 1)) == MEASURED_INT4, reason
+    want_pass, want_kld, want_top1 = MEASURED_INT4
+    assert passed == want_pass, reason
+    assert abs(q.mean_kld - want_kld) < 0.01 and abs(q.top1 - want_top1) < 0.03, reason
     # A band tightened for this test (not a shipped band) refuses it, in one line naming the figures.
     tight = KVBand("int4", max_mean_kld=q.mean_kld / 2, min_top1=KV_BANDS["int4"].min_top1)
     refused, line = judge(q, tight)
@@ -114,4 +116,6 @@ def test_the_gate_runner_runs_the_band_gate_for_a_packed_cache(monkeypatch: pyte
 
 
 # int4 on one 192-token prompt (96 positions scored), measured 2026-12-06: mean KLD 0.0382, top-1 89.6%, needle kept.
-MEASURED_INT4 = (True, 0.04, 0.9)
+# Compared within 0.01 KLD and 3 points of top-1 (it was rounded to 0.04 / 90%: a 2-worker suite run on a loaded
+# machine measured a KLD that rounds to 0.03, the CPU's matmul threads moving int4's near-ties).
+MEASURED_INT4 = (True, 0.0382, 0.896)
