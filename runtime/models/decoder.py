@@ -8,7 +8,7 @@ tensor parallelism and gathers the logits).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -28,6 +28,20 @@ class DecoderStack:
     lm_head_weight: torch.Tensor
     layers: torch.nn.ModuleList
     config: ModelConfig
+
+    def init_stack(self, config: ModelConfig, make_layer: Callable[[ModelConfig, int, torch.dtype, torch.device],
+                   nn.Module], dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        """The parameters every stack holds, in this order: the embedding table, the layers
+        (make_layer(config, index, dtype, device)), the final norm and the LM head (the embedding table when tied).
+        Called from the model's __init__ after nn.Module's."""
+        self.config = config
+        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(make_layer(config, i, dtype, device) for i in range(config.num_hidden_layers))
+        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
+        self.lm_head_weight = (
+            self.embed_tokens_weight if config.tie_word_embeddings
+            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )  # fmt: skip
 
     def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[LayerKVCache],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip

@@ -116,14 +116,7 @@ class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DeepseekLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
-        self.lm_head_weight = (
-            self.embed_tokens_weight if config.tie_word_embeddings
-            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        )  # fmt: skip
+        self.init_stack(config, DeepseekLayer, dtype, device)
 
     # ---- the latent cache (runtime/engine/model_runner.py asks for it) ---------------------------------------
 

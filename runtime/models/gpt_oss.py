@@ -108,11 +108,7 @@ class GptOssForCausalLM(DecoderStack, nn.Module):
         super().__init__()
         if config.tie_word_embeddings:
             raise ValueError("config.json: gpt-oss has an untied LM head; tie_word_embeddings must be false")
-        self.config = config
-        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(GptOssLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
-        self.lm_head_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.init_stack(config, GptOssLayer, dtype, device)  # untied, as checked above
 
     # ---- loading -------------------------------------------------------------------------------------------
 

@@ -165,14 +165,7 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
         assert hy is not None, "Qwen3-Next configs carry their hybrid fields (ModelConfig.from_hf)"
         if (config.head_dim - hy.rotary_dim) % 2:
             raise ValueError(f"Qwen3-Next: head_dim {config.head_dim} minus rotary dims {hy.rotary_dim} must be even")
-        self.config = config
-        self.embed_tokens_weight = param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(Qwen3NextLayer(config, i, dtype, device) for i in range(config.num_hidden_layers))
-        self.norm_weight = param(config.hidden_size, dtype=dtype, device=device)
-        self.lm_head_weight = (
-            self.embed_tokens_weight if config.tie_word_embeddings
-            else param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        )  # fmt: skip
+        self.init_stack(config, Qwen3NextLayer, dtype, device)
         self._order = rotary_order(config.head_dim, hy.rotary_dim)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
