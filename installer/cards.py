@@ -132,13 +132,10 @@ class ModelCard(_Card):
         blocks by)."""
         if self.kv_latent_width is not None:
             return self.num_layers * self.kv_latent_width * dtype_bytes
-        if kv_cache_dtype != "bf16":
-            from envex.kernels.kv_quant_format import format_for
+        from envex.kernels.kv_quant_format import kv_bytes_per_token
 
-            fmt = format_for(kv_cache_dtype, self.head_dim)
-            assert fmt is not None
-            return self.kv_layers * fmt.bytes_per_token(self.num_kv_heads, self.head_dim)
-        return 2 * self.kv_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+        return self.kv_layers * kv_bytes_per_token(kv_cache_dtype, self.num_kv_heads, self.head_dim,
+                                                   dtype_bytes=dtype_bytes)  # fmt: skip
 
 
 class RuntimeCard(_Card):

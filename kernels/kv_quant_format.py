@@ -95,13 +95,17 @@ def format_for(kv_cache_dtype: str, head_dim: int) -> KVCacheFormat | None:
     return KVCacheFormat(dtype=kv_cache_dtype, group_size=min(DEFAULT_INT4_GROUP, head_dim))
 
 
-def kv_bytes_per_token(kv_cache_dtype: str, num_kv_heads: int, head_dim: int, *,
-                       group_size: int = DEFAULT_INT4_GROUP) -> int:  # fmt: skip
-    """K and V bytes of one token in one layer for kv_cache_dtype "bf16", "fp8" or "int4" (what the block manager
-    divides its memory by; multiply by block_size for a block)."""
-    if kv_cache_dtype == "bf16":
-        return 2 * num_kv_heads * head_dim * 2
-    return KVCacheFormat(dtype=kv_cache_dtype, group_size=group_size).bytes_per_token(num_kv_heads, head_dim)
+def kv_bytes_per_token(kv_cache_dtype: str, num_kv_heads: int, head_dim: int, *, dtype_bytes: int = 2,
+                       group_size: int | None = None) -> int:  # fmt: skip
+    """K and V bytes of one token in one layer for kv_cache_dtype "bf16" (unpacked, `dtype_bytes` an element: the
+    activation dtype's), "fp8" or "int4" (packed as format_for packs heads of head_dim, unless group_size says
+    otherwise). The one count behind the model runner's blocks, a draft model's share and the install plan's."""
+    fmt = format_for(kv_cache_dtype, head_dim)
+    if fmt is None:
+        return 2 * num_kv_heads * head_dim * dtype_bytes
+    if group_size is not None:
+        fmt = KVCacheFormat(dtype=kv_cache_dtype, group_size=group_size)
+    return fmt.bytes_per_token(num_kv_heads, head_dim)
 
 
 @dataclass(frozen=True, kw_only=True)

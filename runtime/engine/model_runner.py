@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from envex.kernels.kv_quant_format import format_for
+from envex.kernels.kv_quant_format import format_for, kv_bytes_per_token
 from envex.kernels.ops import AttentionMetadata, LayerKVCache
 from envex.runtime.config import ModelConfig
 from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
@@ -120,10 +120,8 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V bytes of one token in one layer of the engine's pool, in the configured kv_cache_dtype."""
-        mc = self.model_config
-        if self.kv_format is not None:
-            return self.kv_format.bytes_per_token(self.num_kv_heads, mc.head_dim)
-        return 2 * self.num_kv_heads * mc.head_dim * torch.finfo(self.dtype).bits // 8
+        return kv_bytes_per_token(self.config.kv_cache_dtype, self.num_kv_heads, self.model_config.head_dim,
+                                  dtype_bytes=torch.finfo(self.dtype).bits // 8)  # fmt: skip
 
     def _num_blocks(self) -> int:
         mc = self.model_config

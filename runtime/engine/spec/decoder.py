@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import torch
 
-from envex.kernels.kv_quant_format import format_for
+from envex.kernels.kv_quant_format import kv_bytes_per_token
 from envex.runtime.engine.accel.cuda_graphs import graph_ladder
 from envex.runtime.engine.config import EngineConfig
 from envex.runtime.engine.device import upload
@@ -437,11 +437,8 @@ def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
     bits = torch.finfo(DTYPES[config.dtype]).bits
     if dc.mla is not None:  # its own layout (models/deepseek.py): one latent row a token and layer, never packed
         return dc.num_hidden_layers * config.block_size * (dc.mla.kv_lora_rank + dc.mla.qk_rope_head_dim) * bits // 8
-    fmt = format_for(config.kv_cache_dtype, dc.head_dim)  # the draft's runner packs its cache as the target's
-    if fmt is not None:
-        per_token = fmt.bytes_per_token(dc.num_key_value_heads, dc.head_dim)
-    else:
-        per_token = 2 * dc.num_key_value_heads * dc.head_dim * bits // 8
+    # the draft's runner packs its cache as the target's
+    per_token = kv_bytes_per_token(config.kv_cache_dtype, dc.num_key_value_heads, dc.head_dim, dtype_bytes=bits // 8)
     return dc.num_hidden_layers * config.block_size * per_token
 
 
