@@ -1,7 +1,7 @@
 """Packed KV caches (int4 and fp8), their write kernel (rotary + Hadamard + quantize) and paged attention that reads
 them packed, dequantizing in registers. Issue 43; offline_docs/kv_cache.md has the formats, bytes and errors.
 
-Formats, per (token, KV head) row of D elements (kv_quant_reference.py is their float64 definition):
+Formats, per (token, KV head) row of D elements (reference.py's packed KV section is their float64 definition):
 
 - int4: groups of G = 64 (or 32) elements, each with a bf16 scale s = (max - min)/15 and a bf16 zero z = min,
   codes clamp(floor((x - z)/s + 1/2), 0, 15). data uint8 [blocks, page, Hkv, D/2]: byte j holds element j in its

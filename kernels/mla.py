@@ -2,7 +2,7 @@
 
 The cache holds one row per token, [num_blocks, block_size, rank + rope] (rank = kv_lora_rank, 512; rope =
 qk_rope_head_dim, 64: 576 elements, 1,152 bytes in bf16 for all heads together): the compressed KV c after
-kv_a_layernorm, then k_pe after rotary in the half-split layout (mla_reference.deepseek_rope). Slots and block tables
+kv_a_layernorm, then k_pe after rotary in the half-split layout (reference.deepseek_rope). Slots and block tables
 are the engine's (ops.AttentionMetadata: slot = block · block_size + offset, negative = not written).
 
 Decode absorbs the up-projections (DeepSeek-V2 paper, §2.1.2 and appendix C; FlashMLA, SGLang's and vLLM's MLA
@@ -144,7 +144,7 @@ def mla_store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
                      cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, latent_cache: torch.Tensor, *,
                      interleaved: bool = True, q: torch.Tensor | None = None, qk_nope_head_dim: int | None = None,
                      q_pe_out: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
-    """Write each token's latent row (mla_reference.mla_store_latent) and, given q, rotate the queries' rope part.
+    """Write each token's latent row (reference.mla_store_latent) and, given q, rotate the queries' rope part.
 
     kv_a: [T, rank + rope], kv_a_proj_with_mqa's output (un-normalised c, un-rotated k_pe). norm_weight: [rank],
     kv_a_layernorm's. positions / slot_mapping: [T]. cos/sin: [max_pos, rope/2] float32 (with YaRN's

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from envex.kernels import mla_reference, reference
+from envex.kernels import reference
 from envex.kernels.kv_quant_format import PackedKVCache
 
 
@@ -157,18 +157,18 @@ class MoEWeights:
 
     def deepseek_route(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek's router on logits [T, E routed] -> (weights [T, top_k + shared], ids [T, top_k + shared] int64):
-        mla_reference.deepseek_v3_routing ("sigmoid") or deepseek_v2_routing, then the shared experts (the stacks' last
+        reference.deepseek_v3_routing ("sigmoid") or deepseek_v2_routing, then the shared experts (the stacks' last
         ones) with weight 1, so one expert pass adds them (HF: routed experts + shared_experts(x))."""
         if self.scoring == "sigmoid":
             assert self.correction_bias is not None, "V3 routing carries its e_score_correction_bias"
-            weights, ids = mla_reference.deepseek_v3_routing(
+            weights, ids = reference.deepseek_v3_routing(
                 logits, self.correction_bias, top_k=top_k, n_group=self.n_group, topk_group=self.topk_group,
                 norm_topk_prob=self.renormalize, routed_scaling_factor=self.scaling)  # fmt: skip
         else:
             method = {"softmax_greedy": "greedy", "softmax_group_limited": "group_limited_greedy"}[self.scoring]
-            weights, ids = mla_reference.deepseek_v2_routing(logits, top_k=top_k, topk_method=method,
-                                                             n_group=self.n_group, topk_group=self.topk_group,
-                                                             routed_scaling_factor=self.scaling)  # fmt: skip
+            weights, ids = reference.deepseek_v2_routing(logits, top_k=top_k, topk_method=method,
+                                                         n_group=self.n_group, topk_group=self.topk_group,
+                                                         routed_scaling_factor=self.scaling)  # fmt: skip
         t, routed = logits.shape
         shared = torch.arange(routed, routed + self.shared_experts, device=ids.device).expand(t, -1)
         return torch.cat([weights, weights.new_ones(shared.shape)], 1), torch.cat([ids, shared], 1)

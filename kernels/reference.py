@@ -1,12 +1,22 @@
-"""Pure-torch definitions of every kernel in this package: what each Triton kernel must compute.
+"""The pure-torch definition of every kernel in this package: what each Triton kernel must compute.
 
-Each function follows the HF Llama conventions the engine's torch backend uses. Tests call these on float64
-copies of the inputs and compare the Triton result by relative error (‖out − ref‖ / ‖ref‖).
+All of them live here, a section per family: norms, rotary, paged attention and the fused projections (HF Llama's
+conventions, as the engine's torch backend uses them), mixture of experts, the batch-invariant forms, speculative
+decoding, tensor parallelism, the packed KV caches (kv_quant.py), Gated DeltaNet (delta_rule.py), and DeepSeek's
+latent attention and expert routing (mla.py). Tests call these on float64 copies of the inputs and compare the
+Triton result by relative error (‖out − ref‖ / ‖ref‖).
 """
 
 from __future__ import annotations
 
+import functools
+import math
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from envex.kernels.ops import AttentionMetadata, LinearAttentionLayer
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -445,3 +455,429 @@ def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
     for part in parts:
         total += part.float()
     return total.to(parts.dtype)
+
+
+# ---- packed KV caches (kv_quant.py): Hadamard rotation, int4 and fp8 quantization, packing, write, attention --------
+# Every function computes in float64 (inputs are upcast), so the Triton kernels are compared against exact arithmetic
+# on the same stored bits. Layouts (kv_quant.py's module docstring has the whole story):
+# - int4: a (token, KV head) row of D elements in groups of G, each with a bf16 scale s = (max - min)/15 and a bf16
+#   zero z = min; code = clamp(floor((x - z)/s + 1/2), 0, 15), x ≈ z + code·s. Byte j of the row holds element j in
+#   its low nibble and element j + D/2 in its high nibble (the "split-half" order: a kernel unpacks the two halves of
+#   a row without any shuffle). The row's scales [D/G] then its zeros [D/G] sit in its bf16 meta row.
+# - fp8: e4m3fn (max 448), one bf16 scale per (token, KV head): x / s rounded to nearest even by torch's cast.
+
+INT4_MAX = 7  # symmetric codes -7 .. 7, stored + 8 (1 .. 15; 0 is never written)
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+
+
+def hadamard(d: int, *, dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalised Sylvester Hadamard matrix [d, d] (d a power of two): H[i, j] = (-1)^popcount(i & j) / sqrt(d).
+    Symmetric and orthogonal (H @ H = I), so (q H)·(k H) = q·k. Cached (the torch backend's packed cache writes
+    with it every layer and step): do not modify the result."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"head_dim: {d} is not a power of two; the Hadamard rotation needs one")
+    return _hadamard(d, dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard(d: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    i = torch.arange(d)
+    bits = i[:, None] & i[None, :]
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return ((1 - 2 * parity).to(torch.float64) / math.sqrt(d)).to(dtype=dtype, device=device)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] @ H_D in float64 (its own inverse)."""
+    return x.to(torch.float64) @ hadamard(x.shape[-1], device=x.device)
+
+
+def quantize_int4(x: torch.Tensor, group: int, *, zero_point: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """x [..., D] -> (codes int64 [..., D], scales bf16 [..., D/G], zeros bf16 [..., D/G] or None).
+
+    zero_point (the cache's format): s = (max - min)/15, z = min, both rounded to bf16, codes 0..15 for
+    x ≈ z + code·s. Symmetric (measured against it, offline_docs/kv_cache.md; not a cache format): s = absmax/7,
+    codes -7..7."""
+    xf = x.to(torch.float64)
+    g = xf.reshape(*x.shape[:-1], x.shape[-1] // group, group)  # [..., D/G, G]
+    if zero_point:
+        lo, hi = g.amin(-1), g.amax(-1)
+        s = ((hi - lo) / 15).to(torch.bfloat16)
+        z = lo.to(torch.bfloat16)
+        sf = s.to(torch.float64)
+        inv = torch.where(sf > 0, 1 / sf, torch.zeros_like(sf))
+        codes = torch.floor((g - z.to(torch.float64)[..., None]) * inv[..., None] + 0.5).clamp(0, 15)
+        return codes.reshape(x.shape).long(), s, z
+    s = (g.abs().amax(-1) / INT4_MAX).to(torch.bfloat16)
+    sf = s.to(torch.float64)
+    inv = torch.where(sf > 0, 1 / sf, torch.zeros_like(sf))
+    codes = torch.floor(g * inv[..., None] + 0.5).clamp(-INT4_MAX, INT4_MAX)
+    return codes.reshape(x.shape).long(), s, None
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of quantize_int4 in float64 -> [..., D]."""
+    group = codes.shape[-1] // scales.shape[-1]
+    c = codes.to(torch.float64).reshape(*codes.shape[:-1], scales.shape[-1], group)
+    x = c * scales.to(torch.float64)[..., None]
+    if zeros is not None:
+        x = x + zeros.to(torch.float64)[..., None]
+    return x.reshape(codes.shape)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., D] (0..15) -> bytes uint8 [..., D/2]: byte j = c_j | c_{j+D/2} << 4 (split-half order)."""
+    half = codes.shape[-1] // 2
+    u = codes.to(torch.int64)
+    return (u[..., :half] | (u[..., half:] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """bytes uint8 [..., D/2] -> codes int64 [..., D] (0..15), the inverse of pack_int4."""
+    b = packed.to(torch.int64)
+    return torch.cat([b & 15, b >> 4], dim=-1)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (float8_e4m3fn [..., D], bf16 scale [...]): s = absmax/448 rounded to bf16, x/s clamped to
+    ±448 and rounded to nearest even."""
+    xf = x.to(torch.float64)
+    s = (xf.abs().amax(-1) / FP8_MAX).to(torch.bfloat16)
+    sf = s.to(torch.float64)
+    inv = torch.where(sf > 0, 1 / sf, torch.zeros_like(sf))
+    y = (xf * inv[..., None]).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn), s
+
+
+def dequantize_fp8(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return data.to(torch.float64) * scales.to(torch.float64)[..., None]
+
+
+def kv_encode(x: torch.Tensor, kind: str, group: int, rotated: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One operand (k after rotary, or v) [..., D] -> (stored data, stored meta) of the cache format: int4 packed
+    bytes [..., D/2] and bf16 [..., 2·D/G] (scales, then zeros); fp8 [..., D] and its bf16 scale [..., 1]."""
+    if rotated:
+        x = hadamard_rotate(x)
+    if kind == "int4":
+        codes, s, z = quantize_int4(x, group)
+        assert z is not None
+        return pack_int4(codes), torch.cat([s, z], dim=-1)
+    data, s = quantize_fp8(x)
+    return data, s[..., None]
+
+
+def kv_decode(data: torch.Tensor, meta: torch.Tensor, kind: str, rotated: bool) -> torch.Tensor:
+    """Stored (data, meta) -> float64 [..., D] in the model's basis (un-rotated)."""
+    if kind == "int4":
+        ng = meta.shape[-1] // 2
+        x = dequantize_int4(unpack_int4(data), meta[..., :ng], meta[..., ng:])
+    else:
+        x = dequantize_fp8(data, meta[..., 0])
+    return hadamard_rotate(x) if rotated else x
+
+
+def write_packed_kv(k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    slot_mapping: torch.Tensor, k_data: torch.Tensor, k_meta: torch.Tensor, v_data: torch.Tensor,
+                    v_meta: torch.Tensor, *, kind: str, group: int, rotate_keys: bool, rotate_values: bool,
+                    round_to: torch.dtype | None = None) -> None:  # fmt: skip
+    """Rotary on k [T, Hkv, D] (HF rotate_half, in float64; then rounded to round_to, as the write kernel rounds the
+    rotated k to k's dtype, what a bf16 cache would hold), then encode k and v into the packed caches
+    ([num_blocks, block_size, Hkv, ...]) at slot_mapping (negative: skipped)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_rot = rotary(k.to(torch.float64), positions, cos.to(torch.float64), sin.to(torch.float64))
+    if round_to is not None:
+        k_rot = k_rot.to(round_to)
+    for x, data_c, meta_c, rot in ((k_rot, k_data, k_meta, rotate_keys), (v, v_data, v_meta, rotate_values)):
+        data, s = kv_encode(x[keep], kind, group, rot)
+        data_c.view(-1, *data_c.shape[2:])[slots] = data
+        meta_c.view(-1, *meta_c.shape[2:])[slots] = s
+
+
+def packed_kv_paged_attention(q: torch.Tensor, k_data: torch.Tensor, k_meta: torch.Tensor, v_data: torch.Tensor,
+                              v_meta: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor,
+                              block_tables: torch.Tensor, scale: float, *, kind: str, rotate_keys: bool,
+                              rotate_values: bool, sinks: torch.Tensor | None = None,
+                              window: int | None = None) -> torch.Tensor:  # fmt: skip
+    """paged_attention (varlen causal, sinks, window) in float64 over the dequantized, un-rotated cache.
+    q [T, Hq, D] is rotary-rotated, not Hadamard-rotated: (qH)·(kH) = q·k, so attending with the un-rotated keys
+    is the same function the kernel computes in the rotated basis."""
+    k = kv_decode(k_data, k_meta, kind, rotate_keys)
+    v = kv_decode(v_data, v_meta, kind, rotate_values)
+    sinks64 = None if sinks is None else sinks.to(torch.float64)
+    return paged_attention(q.to(torch.float64), k, v, cu_seqlens_q, seq_lens, block_tables, scale,
+                           sinks=sinks64, window=window)  # fmt: skip
+
+
+# ---- Gated DeltaNet (delta_rule.py): Qwen3-Next's linear-attention layers -------------------------------------------
+# HF `Qwen3NextGatedDeltaNet`: a short causal depthwise convolution with SiLU over the packed q/k/v channels, the
+# gated delta rule, and RMSNorm(o) * silu(z). Each function takes the kernels' packed layout (tokens of all sequences
+# one after another, `cu_seqlens` marking where each starts) and their state pools (one slot per sequence, picked by
+# `slots`), and updates the pools in place as the kernels do. The delta rule is written as its token-by-token
+# recurrence, which HF's chunked and recurrent functions both equal (tests/test_kernels_delta_rule.py checks that in
+# float32).
+
+L2_EPS = 1e-6  # HF's l2norm (and FLA's): x * rsqrt(sum(x²) + eps), in float32 or wider
+
+
+def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _snapshot_counts(start: int, length: int, every: int) -> list[int]:
+    """The token counts c in (start, start + length] that are multiples of `every`: where snapshots are taken."""
+    if every <= 0:
+        return []
+    first = (start // every + 1) * every
+    return list(range(first, start + length + 1, every))
+
+
+def _state_sequences(cu_seqlens: torch.Tensor, slots: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """(b, slot, first row, end row) of each sequence whose slot is not negative (padding rows are skipped)."""
+    bounds = cu_seqlens.tolist()
+    return [(b, slot, bounds[b], bounds[b + 1]) for b, slot in enumerate(slots.tolist()) if slot >= 0]
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     cu_seqlens: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor, *,
+                     has_initial_state: torch.Tensor | None = None, start_pos: torch.Tensor | None = None,
+                     snapshot_slots: torch.Tensor | None = None, snapshot_every: int = 0) -> torch.Tensor:  # fmt: skip
+    """The gated delta rule over packed sequences: q, k [T, Hk, Dk], v [T, Hv, Dv], g (log decay, ≤ 0) and beta
+    [T, Hv]; sequence b is rows cu_seqlens[b]:cu_seqlens[b+1] and its state is state_pool[slots[b]] [Hv, Dk, Dv]
+    (zeros instead where has_initial_state[b] is False). v head h reads q/k head h // (Hv / Hk). Per token, with
+    q and k L2-normalised and q scaled by Dk^-0.5:  S ← S·exp(g);  S ← S + k ⊗ β(v − Sᵀk);  o = Sᵀq.
+    Returns o [T, Hv, Dv] in v's dtype; the final state goes to state_pool[slots[b]] (nothing where slots[b] < 0).
+    Snapshots: with snapshot_every > 0, the state after c tokens of the sequence (counting start_pos[b] tokens
+    before this call) for each multiple c of snapshot_every in (start_pos[b], start_pos[b] + len] is also written to
+    state_pool[snapshot_slots[b, n]], n counting those c from 0 (nothing where the entry is negative)."""
+    num_k, dk = q.shape[1], q.shape[2]
+    group = v.shape[1] // num_k
+    out = torch.zeros_like(v)
+    for b, slot, lo, hi in _state_sequences(cu_seqlens, slots):
+        state = state_pool[slot].to(v.dtype).clone()  # [Hv, Dk, Dv]
+        if has_initial_state is not None and not bool(has_initial_state[b]):
+            state.zero_()
+        start = int(start_pos[b]) if start_pos is not None else 0
+        snaps = _snapshot_counts(start, hi - lo, snapshot_every)
+        for t in range(lo, hi):
+            qt = l2_normalize(q[t].to(v.dtype)).repeat_interleave(group, 0) * dk**-0.5  # [Hv, Dk]
+            kt = l2_normalize(k[t].to(v.dtype)).repeat_interleave(group, 0)
+            state = state * g[t].to(v.dtype).exp()[:, None, None]
+            predicted = torch.einsum("hkv,hk->hv", state, kt)
+            delta = (v[t] - predicted) * beta[t].to(v.dtype)[:, None]
+            state = state + kt[:, :, None] * delta[:, None, :]
+            out[t] = torch.einsum("hkv,hk->hv", state, qt)
+            done = start + t - lo + 1
+            if done in snaps and snapshot_slots is not None:
+                target = int(snapshot_slots[b, snaps.index(done)])
+                if target >= 0:
+                    state_pool[target] = state.to(state_pool.dtype)
+        state_pool[slot] = state.to(state_pool.dtype)
+    return out
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cu_seqlens: torch.Tensor,
+                  conv_pool: torch.Tensor, slots: torch.Tensor, *, has_initial_state: torch.Tensor | None = None,
+                  silu: bool = True, start_pos: torch.Tensor | None = None, snapshot_slots: torch.Tensor | None = None,
+                  snapshot_every: int = 0) -> torch.Tensor:  # fmt: skip
+    """Causal depthwise conv1d over packed sequences x [T, D] with weight [D, K] (HF's conv1d.weight[:, 0, :]),
+    optional bias [D] and SiLU: out[t, d] = Σ_j weight[d, j] · x[t - (K-1) + j, d], where inputs before the
+    sequence's first token come from its conv state conv_pool[slots[b]] [K-1, D] (row j holds the input K-1-j
+    tokens back; zeros where has_initial_state[b] is False). The state then holds the sequence's last K-1 inputs
+    (nothing written where slots[b] < 0). Snapshots as in `gated_delta_rule`: the conv state after c tokens goes to
+    conv_pool[snapshot_slots[b, n]]. Returns out [T, D] in x's dtype."""
+    width = weight.shape[1]
+    out = torch.zeros_like(x)
+    for b, slot, lo, hi in _state_sequences(cu_seqlens, slots):
+        history = conv_pool[slot].to(x.dtype).clone()  # [K-1, D]
+        if has_initial_state is not None and not bool(has_initial_state[b]):
+            history.zero_()
+        window = torch.cat([history, x[lo:hi]])  # [K-1 + L, D]
+        for t in range(hi - lo):
+            acc = (window[t : t + width] * weight.to(x.dtype).t()).sum(0)  # [D]
+            if bias is not None:
+                acc = acc + bias.to(x.dtype)
+            out[lo + t] = torch.nn.functional.silu(acc) if silu else acc
+        start = int(start_pos[b]) if start_pos is not None else 0
+        for n, c in enumerate(_snapshot_counts(start, hi - lo, snapshot_every)):
+            target = int(snapshot_slots[b, n]) if snapshot_slots is not None else -1
+            if target >= 0:
+                done = c - start  # tokens of this call in the snapshot: window rows done .. done + K-2
+                conv_pool[target] = window[done : done + width - 1].to(conv_pool.dtype)
+        conv_pool[slot] = window[window.shape[0] - (width - 1) :].to(conv_pool.dtype)
+    return out
+
+
+def delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """HF's gating of one layer from the projection's raw a, b [T, Hv] and the layer's A_log, dt_bias [Hv] -> (g, beta):
+    g = -exp(A_log)·softplus(a + dt_bias) in float32 (or wider), beta = sigmoid(b) in b's dtype."""
+    acc = torch.promote_types(a.dtype, torch.float32)
+    g = -a_log.to(acc).exp() * torch.nn.functional.softplus(a.to(acc) + dt_bias.to(acc))
+    return g, b.sigmoid()
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3NextRMSNormGated over the last dim: RMSNorm(x) in float32 (or wider), cast to x's dtype, times the
+    weight, times silu(z) in float32 (or wider), cast to x's dtype."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ((weight * normed).to(acc) * torch.nn.functional.silu(z.to(acc))).to(x.dtype)
+
+
+def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor, meta: AttentionMetadata,
+                    layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
+    """One Gated DeltaNet layer between its projections, as HF's Qwen3NextGatedDeltaNet computes it (the torch
+    backend's Ops.linear_attention): mixed [T, ...] the input projection's row (LinearAttentionLayer.split) ->
+    [T, Hv·Dv] in mixed's dtype. The convolution runs in the activation dtype, the delta rule in float32 (or wider),
+    as HF's torch path; the pools are updated in place (meta.state_slots), with the step's snapshots
+    (meta.state_snapshots) where it asks for them."""
+    assert meta.state_slots is not None, "a model with linear-attention layers gets state slots (state_slots.py)"
+    slots, cu = meta.state_slots, meta.cu_seqlens_q
+    snaps: dict = {}
+    if meta.state_snapshots is not None:
+        assert meta.seq_lens is not None, "a step that snapshots states carries its sequences' lengths"
+        snaps = dict(start_pos=meta.seq_lens - (cu[1:] - cu[:-1]), snapshot_slots=meta.state_snapshots,
+                     snapshot_every=meta.state_snapshot_every)  # fmt: skip
+    x, z, b, a = layer.split(mixed)
+    conv = causal_conv1d(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=meta.state_initialized,
+                         **snaps)  # fmt: skip
+    q, k, v = layer.split_conv(conv)
+    g, beta = delta_gates(a, b, layer.a_log, layer.dt_bias)
+    acc = torch.promote_types(mixed.dtype, torch.float32)
+    o = gated_delta_rule(q.to(acc), k.to(acc), v.to(acc), g, beta.to(acc), cu, state_pool, slots,
+                         has_initial_state=meta.state_initialized, **snaps)  # fmt: skip
+    return gated_rms_norm(o.to(mixed.dtype), z, layer.norm_weight, layer.norm_eps).flatten(1)
+
+
+# ---- DeepSeek (mla.py): multi-head latent attention on a paged latent cache, and expert routing ---------------------
+# Latent cache: [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim], one row per token: the compressed KV c
+# after kv_a_layernorm, then k_pe after rotary, in the half-split layout (`deepseek_rope`). Absorbed attention: per
+# head h, q_nope_h · (W_UK_h c) = (W_UK_hᵀ q_nope_h) · c, so a query row [q_abs_h (rank), q_pe_h (rope)] scores
+# against the 576-wide latent row, and its output Σ p·c (rank wide) becomes the head's value W_UV_h (Σ p·c).
+
+
+def deepseek_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                  interleaved: bool) -> torch.Tensor:  # fmt: skip
+    """Rotary on the rope part x [T, ..., R] with cos/sin [max_pos, R/2] -> [T, ..., R] in the half-split layout
+    [x1·c − x2·s, x2·c + x1·s]. interleaved: the pairs are (x0, x1), (x2, x3), ... (DeepSeek's checkpoints; HF
+    DeepseekV3 `apply_rotary_pos_emb_interleave` with rope_interleave true, DeepseekV2's complex rotation), else the
+    halves (x_i, x_{i+R/2}) (rotate_half). Either way the output is half-split, as HF V3 returns it: a layout
+    shared by q and k, so q_pe · k_pe is the same as in V2's interleaved output."""
+    half = x.shape[-1] // 2
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c = cos[positions].to(x.dtype).reshape(shape)
+    s = sin[positions].to(x.dtype).reshape(shape)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def mla_store_latent(kv_a: torch.Tensor, norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor, latent_cache: torch.Tensor, *,
+                     interleaved: bool) -> None:  # fmt: skip
+    """Write each token's latent row: kv_a [T, rank + rope] (kv_a_proj_with_mqa's output) -> [RMSNorm(c) (HF
+    DeepseekV3RMSNorm: float32 or wider statistics, rounded to the input dtype, times the weight), rotary(k_pe)]
+    at latent_cache.view(-1, rank + rope)[slot]. A negative slot writes nothing (a padding row)."""
+    rank = norm_weight.shape[0]
+    c, pe = kv_a[:, :rank], kv_a[:, rank:]
+    acc = torch.promote_types(kv_a.dtype, torch.float32)
+    cf = c.to(acc)
+    c_n = norm_weight * (cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + eps)).to(kv_a.dtype)
+    row = torch.cat([c_n.to(kv_a.dtype), deepseek_rope(pe, positions, cos, sin, interleaved=interleaved)], dim=-1)
+    keep = slot_mapping >= 0
+    flat = latent_cache.view(-1, latent_cache.shape[-1])
+    flat[slot_mapping[keep]] = row[keep].to(latent_cache.dtype)
+
+
+def mla_paged_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor,
+                        cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+                        *, q_lens: list[int] | None = None,
+                        seq_lens_host: list[int] | None = None) -> torch.Tensor:  # fmt: skip
+    """Absorbed causal MLA over the paged latent cache -> [T, H, rank] (before W_UV).
+
+    q_abs [T, H, rank]: q_nope absorbed per head (q_nope_h @ W_UK_h); q_pe [T, H, rope]: rotated, half-split.
+    Keys are the whole latent rows, values their first `rank` columns; all heads share the one latent head.
+    Sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1] at the last q_len of its seq_lens[b] positions
+    (already written) and sees keys 0 .. its own position. scale: the softmax scale (mla.mla_softmax_scale)."""
+    rank = q_abs.shape[-1]
+    page = latent_cache.shape[1]
+    if q_lens is None:
+        cu = cu_seqlens_q.tolist()
+        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+    tables = block_tables.long()
+    acc = torch.promote_types(q_abs.dtype, torch.float32)
+    q = torch.cat([q_abs, q_pe], dim=-1).to(acc)  # [T, H, rank + rope]
+    out = torch.empty_like(q_abs)
+    q0 = 0
+    for b, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
+        q1 = q0 + q_len
+        if q_len == 0:
+            continue
+        blocks = tables[b, : (seq_len + page - 1) // page]
+        rows = latent_cache.index_select(0, blocks).reshape(-1, latent_cache.shape[-1])[:seq_len].to(acc)  # [L, W]
+        scores = torch.einsum("qhw,lw->hql", q[q0:q1], rows) * scale  # [H, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        out[q0:q1] = torch.einsum("hql,lr->qhr", probs, rows[:, :rank]).to(out.dtype)
+        q0 = q1
+    return out
+
+
+def _expert_group_mask(choice: torch.Tensor, n_group: int, topk_group: int, group_score: str) -> torch.Tensor:
+    """[T, E] True for the experts of each token's topk_group best groups; a group scores the sum of its two best
+    choice scores ("top2_sum", V3) or its best one ("max", V2's group_limited_greedy)."""
+    t, e = choice.shape
+    grouped = choice.view(t, n_group, e // n_group)
+    if group_score == "top2_sum":
+        scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(-1)
+    else:
+        scores = grouped.max(-1).values
+    keep = torch.zeros_like(scores, dtype=torch.bool)
+    keep.scatter_(1, scores.topk(topk_group, dim=-1).indices, True)
+    return keep[:, :, None].expand(t, n_group, e // n_group).reshape(t, e)
+
+
+def deepseek_v3_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor, *, top_k: int, n_group: int,
+                        topk_group: int, norm_topk_prob: bool,
+                        routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """DeepSeek-V3's router (Kimi K2, Moonlight; HF DeepseekV3TopkRouter): router logits [T, E] -> (weights [T, k],
+    expert ids [T, k] int64), as moe_route orders them, best choice first.
+
+    scores = sigmoid(logits); experts are chosen by scores + correction_bias, only among the topk_group groups (of
+    n_group equal groups) whose two best biased scores sum highest; the weights are the chosen experts' unbiased
+    scores, divided by their sum (+1e-20) when norm_topk_prob, times routed_scaling_factor. In float32 or wider."""
+    acc = torch.promote_types(router_logits.dtype, torch.float32)
+    scores = router_logits.to(acc).sigmoid()
+    choice = scores + correction_bias.to(acc)
+    choice = choice.masked_fill(~_expert_group_mask(choice, n_group, topk_group, "top2_sum"), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def deepseek_v2_routing(router_logits: torch.Tensor, *, top_k: int, topk_method: str, n_group: int | None,
+                        topk_group: int | None,
+                        routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """DeepSeek-V2's router (V2-Lite: "greedy"; V2: "group_limited_greedy"; HF DeepseekV2TopkRouter): router logits
+    [T, E] -> (weights [T, k], expert ids [T, k] int64), best first. scores = softmax(logits) in float32 or wider;
+    greedy: the top k; group_limited_greedy: the top k among the topk_group groups with the highest single score.
+    Weights: the chosen scores times routed_scaling_factor, never renormalised (HF's router ignores norm_topk_prob,
+    which every V2 checkpoint sets false)."""
+    acc = torch.promote_types(router_logits.dtype, torch.float32)
+    scores = router_logits.to(acc).softmax(dim=-1)
+    if topk_method == "group_limited_greedy":
+        assert n_group is not None and topk_group is not None, "group_limited_greedy needs n_group and topk_group"
+        scores = scores.masked_fill(~_expert_group_mask(scores, n_group, topk_group, "max"), 0.0)
+    elif topk_method != "greedy":
+        raise ValueError(f"topk_method: {topk_method!r} is not one of 'greedy', 'group_limited_greedy'")
+    weights, ids = scores.topk(top_k, dim=-1)
+    return weights * routed_scaling_factor, ids

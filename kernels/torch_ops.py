@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from envex.kernels import delta_rule_reference, kv_quant_reference, mla_reference, quant, reference
+from envex.kernels import quant, reference
 from envex.kernels.kv_quant_format import PackedKVCache, dequantize_blocks
 from envex.kernels.ops import (
     AttentionLayer,
@@ -100,20 +100,20 @@ class TorchOps:
 
     def linear_attention(self, mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: torch.Tensor,
                          meta: AttentionMetadata, layer: LinearAttentionLayer) -> torch.Tensor:  # fmt: skip
-        return delta_rule_reference.gated_delta_net(mixed, state_pool, conv_pool, meta, layer)
+        return reference.gated_delta_net(mixed, state_pool, conv_pool, meta, layer)
 
     def mla_attention(self, q: torch.Tensor, kv_a: torch.Tensor, latent_cache: torch.Tensor,
                       meta: AttentionMetadata, layer: MLALayer) -> torch.Tensor:  # fmt: skip
         q = q.view(-1, layer.num_heads, layer.q_head_dim)  # [T, H, nope + rope]
         q_nope, q_pe = q.split([layer.qk_nope_head_dim, layer.qk_rope_head_dim], dim=-1)
-        mla_reference.mla_store_latent(kv_a, layer.kv_norm, layer.norm_eps, meta.positions, meta.cos, meta.sin,
-                                       meta.slot_mapping, latent_cache, interleaved=layer.interleaved)  # fmt: skip
-        q_pe = mla_reference.deepseek_rope(q_pe, meta.positions, meta.cos, meta.sin, interleaved=layer.interleaved)
+        reference.mla_store_latent(kv_a, layer.kv_norm, layer.norm_eps, meta.positions, meta.cos, meta.sin,
+                                   meta.slot_mapping, latent_cache, interleaved=layer.interleaved)  # fmt: skip
+        q_pe = reference.deepseek_rope(q_pe, meta.positions, meta.cos, meta.sin, interleaved=layer.interleaved)
         q_abs = torch.einsum("thd,hdr->thr", q_nope, layer.w_uk)  # [T, H, rank]: W_UK absorbed into the query
         seq_lens = meta.seq_lens if meta.seq_lens is not None else (meta.positions + 1).to(torch.int32)
-        o = mla_reference.mla_paged_attention(q_abs, q_pe, latent_cache, meta.cu_seqlens_q, seq_lens,
-                                              meta.block_tables, layer.scale, q_lens=meta.q_lens_host,
-                                              seq_lens_host=meta.seq_lens_host)  # fmt: skip
+        o = reference.mla_paged_attention(q_abs, q_pe, latent_cache, meta.cu_seqlens_q, seq_lens,
+                                          meta.block_tables, layer.scale, q_lens=meta.q_lens_host,
+                                          seq_lens_host=meta.seq_lens_host)  # fmt: skip
         return torch.einsum("thr,hvr->thv", o, layer.w_uv).reshape(q.shape[0], -1)  # [T, H v]
 
 
@@ -124,10 +124,10 @@ def _packed_write_and_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
     basis, so the plain attention reads them (q needs no Hadamard rotation: the keys come back un-rotated).
     -> (q after rotary, k_cache, v_cache [B·max_blocks, block_size, Hkv, D], block tables into them)."""
     fmt = cache.fmt
-    kv_quant_reference.write_kv(k, v, meta.positions, meta.cos, meta.sin, meta.slot_mapping, cache.k_data,
-                                cache.k_meta, cache.v_data, cache.v_meta, kind=fmt.dtype, group=fmt.group_size,
-                                rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
-                                round_to=k.dtype)  # fmt: skip
+    reference.write_packed_kv(k, v, meta.positions, meta.cos, meta.sin, meta.slot_mapping, cache.k_data,
+                              cache.k_meta, cache.v_data, cache.v_meta, kind=fmt.dtype, group=fmt.group_size,
+                              rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
+                              round_to=k.dtype)  # fmt: skip
     q = reference.rotary(q, meta.positions, meta.cos, meta.sin)
     tables = meta.block_tables  # [B, max_blocks]: every row's blocks, padding included (block 0, never read)
     k_plain, v_plain = dequantize_blocks(cache, tables.reshape(-1).long(), q.dtype)

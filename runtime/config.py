@@ -76,7 +76,7 @@ class MoEConfig:
     # the softmax over all experts
     norm_topk_prob: bool = True
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP (ModelConfig.intermediate_size wide) instead
-    # DeepSeek's routing (mla_reference.deepseek_v3_routing / deepseek_v2_routing); "softmax": reference.moe_route.
+    # DeepSeek's routing (reference.deepseek_v3_routing / deepseek_v2_routing); "softmax": reference.moe_route.
     # "sigmoid" (V3): choose by score + e_score_correction_bias among topk_group of n_group groups; "softmax_greedy"
     # / "softmax_group_limited" (V2). The chosen weights are multiplied by routed_scaling_factor.
     scoring: str = "softmax"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from envex.kernels import delta_rule as dr
-from envex.kernels import delta_rule_reference as ref
+from envex.kernels import reference as ref
 from envex.kernels.accuracy import rel_err
 from envex.tests.support.kernels import assert_close, compile_for_hopper, f64
 
@@ -139,7 +139,7 @@ def test_references_compose_to_hfs_gated_deltanet_layer() -> None:
         mixed = ref.causal_conv1d(mixed, layer.conv1d.weight[:, 0].double(), None, cu, conv_pool, slot,
                                   has_initial_state=torch.tensor([0]))  # fmt: skip
         q, k, v = mixed.split([32, 32, 32], dim=1)
-        g, beta = ref.gates(a[0].double(), b[0].double(), layer.A_log.double(), layer.dt_bias.double())
+        g, beta = ref.delta_gates(a[0].double(), b[0].double(), layer.A_log.double(), layer.dt_bias.double())
         state_pool = torch.full((1, 4, 16, 8), float("nan"), dtype=torch.float64)
         o = ref.gated_delta_rule(q.reshape(70, 2, 16), k.reshape(70, 2, 16), v.reshape(70, 4, 8), g, beta, cu,
                                  state_pool, slot, has_initial_state=torch.tensor([0]))  # fmt: skip
@@ -382,7 +382,7 @@ def test_the_kernels_compute_the_gates_from_a_and_b(dtype: torch.dtype) -> None:
     dt_bias = torch.randn(2, generator=gen).to(dtype).to(DEV)
     pool = _pool(3, 2, 16, 16, seed=15)
     slots = torch.tensor([2, 0], dtype=I32, device=DEV)
-    g, beta = ref.gates(*f64(a, b, a_log, dt_bias))
+    g, beta = ref.delta_gates(*f64(a, b, a_log, dt_bias))
     want_pool = pool.double()
     want = ref.gated_delta_rule(*f64(q, k, v), g, beta, _cu(lens), want_pool, slots)
     got_pool = pool.clone()
@@ -511,7 +511,7 @@ def test_gpu_chunked_prefill_and_decode_at_qwen3_next_shapes(state_dtype: torch.
     # The gates from the projection's raw a and b (bf16, strided views of one [B, 2·Hv] output) inside the kernel.
     ba = torch.randn(64, 64, device=DEV).bfloat16() * 2
     a_log, dt_bias = torch.randn(32, device=DEV), torch.randn(32, device=DEV).bfloat16()
-    g64, beta64 = ref.gates(*f64(ba[:, 32:], ba[:, :32], a_log, dt_bias))
+    g64, beta64 = ref.delta_gates(*f64(ba[:, 32:], ba[:, :32], a_log, dt_bias))
     want_pool = pool.double()
     want = ref.gated_delta_rule(*f64(q, k, v), g64, beta64, _cu([1] * 64), want_pool, slots)
     got_pool = pool.clone()

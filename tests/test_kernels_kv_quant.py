@@ -1,5 +1,5 @@
 """Packed KV caches (kernels/kv_quant.py): formats and bit order, the Hadamard rotation, the write kernel and the
-packed paged attention against the float64 reference (kernels/kv_quant_reference.py), the int4 error band against
+packed paged attention against the float64 reference (kernels/reference.py), the int4 error band against
 an unquantized cache and the long-context needle."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from envex.kernels import kv_quant as kq
-from envex.kernels import kv_quant_reference as kref
 from envex.kernels import reference as ref
 from envex.kernels.accuracy import rel_err
 from envex.kernels.ops import AttentionLayer
@@ -61,9 +60,9 @@ def _filled(fmt: kq.KVCacheFormat, seq_lens: list[int], hq: int, hkv: int, d: in
         kq.rotary_and_write_packed_kv(torch.zeros(t, 1, d, dtype=dtype, device=DEV), k, v, pos, cos, sin, slots, cache)
     else:
         parts = [p.cpu() for p in (cache.k_data, cache.k_meta, cache.v_data, cache.v_meta)]
-        kref.write_kv(k.cpu(), v.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), slots.cpu(), *parts, kind=fmt.dtype,
-                      group=fmt.group_size, rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
-                      round_to=dtype)  # fmt: skip
+        ref.write_packed_kv(k.cpu(), v.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), slots.cpu(), *parts, kind=fmt.dtype,
+                            group=fmt.group_size, rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
+                            round_to=dtype)  # fmt: skip
         cache = dataclasses.replace(cache, k_data=parts[0].to(DEV), k_meta=parts[1].to(DEV), v_data=parts[2].to(DEV),
                                     v_meta=parts[3].to(DEV))  # fmt: skip
     return cache, tables.to(torch.int32).to(DEV), k, v, pos, cos, sin
@@ -71,9 +70,10 @@ def _filled(fmt: kq.KVCacheFormat, seq_lens: list[int], hq: int, hkv: int, d: in
 
 def _ref_attention(q, cache: kq.PackedKVCache, cu, sl, bt, scale, **kw) -> torch.Tensor:  # noqa: ANN001
     fmt = cache.fmt
-    return kref.paged_attention(q, cache.k_data.cpu(), cache.k_meta.cpu(), cache.v_data.cpu(), cache.v_meta.cpu(),
-                                cu.cpu(), sl.cpu(), bt.cpu(), scale, kind=fmt.dtype, rotate_keys=fmt.keys_rotated,
-                                rotate_values=fmt.values_rotated, **kw)  # fmt: skip
+    return ref.packed_kv_paged_attention(q, cache.k_data.cpu(), cache.k_meta.cpu(), cache.v_data.cpu(),
+                                         cache.v_meta.cpu(), cu.cpu(), sl.cpu(), bt.cpu(), scale, kind=fmt.dtype,
+                                         rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
+                                         **kw)  # fmt: skip
 
 
 # -- formats, bits, rotation (float64) ------------------------------------------------------------------------------
@@ -81,47 +81,47 @@ def _ref_attention(q, cache: kq.PackedKVCache, cu, sl, bt, scale, **kw) -> torch
 
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_hadamard_is_sylvester_orthogonal_and_cancels_in_qk(d: int) -> None:
-    h = kref.hadamard(d)
+    h = ref.hadamard(d)
     assert torch.allclose(h @ h, torch.eye(d, dtype=torch.float64), atol=1e-12)  # symmetric, orthogonal
-    half = kref.hadamard(d // 2) * math.sqrt(d // 2)
+    half = ref.hadamard(d // 2) * math.sqrt(d // 2)
     sylvester = torch.cat([torch.cat([half, half], 1), torch.cat([half, -half], 1)]) / math.sqrt(d)
     assert torch.equal(h, sylvester)
     g = torch.Generator().manual_seed(d)
     q, k = torch.randn(5, 3, d, generator=g, dtype=torch.float64), _keys(7, 3, d, g)
     qk = torch.einsum("qhd,khd->hqk", q, k)
-    qk_rot = torch.einsum("qhd,khd->hqk", kref.rotate(q), kref.rotate(k))
+    qk_rot = torch.einsum("qhd,khd->hqk", ref.hadamard_rotate(q), ref.hadamard_rotate(k))
     assert (qk_rot - qk).abs().max() < 1e-11 * qk.abs().max()
     # the rotation spreads outlier channels over the row: a row's max moves toward its RMS (which it keeps)
 
     def crest(x: torch.Tensor) -> torch.Tensor:
         return (x.abs().amax(-1) / x.pow(2).mean(-1).sqrt()).mean()
 
-    assert crest(kref.rotate(k)) < 0.6 * crest(k)
+    assert crest(ref.hadamard_rotate(k)) < 0.6 * crest(k)
     with pytest.raises(ValueError, match="head_dim: 96 is not a power of two"):
-        kref.hadamard(96)
+        ref.hadamard(96)
 
 
 def test_int4_packing_bit_order_and_round_trip() -> None:
     codes = torch.arange(16).repeat(2)[None]  # [1, 32]: element j = j % 16
-    packed = kref.pack_int4(codes)
+    packed = ref.pack_int4(codes)
     # byte j: element j in the low nibble, element j + D/2 in the high nibble (split-half order)
     assert packed.dtype == torch.uint8 and packed.shape == (1, 16)
     assert packed[0].tolist() == [j | (j << 4) for j in range(16)]
     odd = torch.tensor([[1, 2] + [0] * 14 + [15, 9] + [0] * 14])
-    assert kref.pack_int4(odd)[0, :2].tolist() == [0xF1, 0x92]
-    assert torch.equal(kref.unpack_int4(kref.pack_int4(odd)), odd)
+    assert ref.pack_int4(odd)[0, :2].tolist() == [0xF1, 0x92]
+    assert torch.equal(ref.unpack_int4(ref.pack_int4(odd)), odd)
 
     g = torch.Generator().manual_seed(0)
     x = _keys(64, 2, 128, g)
     for group in (32, 64):
-        c, s, z = kref.quantize_int4(x, group)
+        c, s, z = ref.quantize_int4(x, group)
         assert z is not None and c.min() >= 0 and c.max() <= 15
-        err = (kref.dequantize_int4(c, s, z) - x).reshape(64, 2, 128 // group, group).abs()
+        err = (ref.dequantize_int4(c, s, z) - x).reshape(64, 2, 128 // group, group).abs()
         # half a step, plus the bf16 rounding of the zero (and of the scale over 15 steps)
         step = s.double()[..., None]
         assert (err <= 0.5 * step + 2**-8 * (z.double().abs()[..., None] + 15 * step) + 1e-12).all()
-    data, scale = kref.quantize_fp8(x)
-    back = kref.dequantize_fp8(data, scale)
+    data, scale = ref.quantize_fp8(x)
+    back = ref.dequantize_fp8(data, scale)
     assert ((back - x).abs() <= 2**-4 * x.abs() + 2**-9 * scale.double()[..., None] + 1e-12).all()
 
 
@@ -139,7 +139,7 @@ def test_fp8_write_rounds_like_torchs_cast() -> None:
     cos, sin = _rope_tables(4, 64)
     two = torch.tensor([0, 1], device=DEV)  # positions and slots
     kq.rotary_and_write_packed_kv(torch.zeros(2, 1, 64, device=DEV), k.to(DEV), v.to(DEV), two, cos, sin, two, cache)
-    data, scale = kref.quantize_fp8(v.double())
+    data, scale = ref.quantize_fp8(v.double())
     assert scale[0, 0].item() == 1.0  # row 0 is encoded as it is: 448 is its absmax
     assert torch.equal(cache.v_meta.cpu()[0, :, :, 0], scale)
     assert torch.equal(cache.v_data.cpu()[0].view(torch.uint8), data.view(torch.uint8))
@@ -164,9 +164,9 @@ def test_write_kernel_matches_reference_bits(kind: str, group: int, d: int, dtyp
     q_rot = kq.rotary_and_write_packed_kv(q, k, v, pos, cos, sin, slots, cache)
     assert_close("q_rot", q_rot, ref.rotary(q.double(), pos, cos.double(), sin.double()), dtype)
     want = fmt.allocate(nb, page, hkv, d, "cpu")
-    kref.write_kv(k.cpu(), v.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), slots.cpu(), want.k_data, want.k_meta,
-                  want.v_data, want.v_meta, kind=kind, group=group, rotate_keys=True,
-                  rotate_values=kind == "int4", round_to=dtype)  # fmt: skip
+    ref.write_packed_kv(k.cpu(), v.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), slots.cpu(), want.k_data, want.k_meta,
+                        want.v_data, want.v_meta, kind=kind, group=group, rotate_keys=True,
+                        rotate_values=kind == "int4", round_to=dtype)  # fmt: skip
     for name in ("k_data", "k_meta", "v_data", "v_meta"):
         got, exp = getattr(cache, name).cpu(), getattr(want, name)
         assert torch.equal(got.view(torch.uint8), exp.view(torch.uint8)), name
@@ -265,16 +265,17 @@ def test_packed_attention_entry_point_over_two_steps(model: str) -> None:
         if norm:
             q, k = ref.rms_norm(q, layer.q_norm.cpu(), 1e-6), ref.rms_norm(k, layer.k_norm.cpu(), 1e-6)
         pos = meta.positions.cpu()
-        kref.write_kv(k, v, pos, cos.cpu(), sin.cpu(), meta.slot_mapping.cpu(), want.k_data, want.k_meta, want.v_data,
-                      want.v_meta, kind=fmt.dtype, group=64, rotate_keys=fmt.keys_rotated,
-                      rotate_values=fmt.values_rotated, round_to=torch.bfloat16)  # fmt: skip
+        ref.write_packed_kv(k, v, pos, cos.cpu(), sin.cpu(), meta.slot_mapping.cpu(), want.k_data, want.k_meta,
+                            want.v_data, want.v_meta, kind=fmt.dtype, group=64, rotate_keys=fmt.keys_rotated,
+                            rotate_values=fmt.values_rotated, round_to=torch.bfloat16)  # fmt: skip
         q_rot = ref.rotary(q.double(), pos, cos.double().cpu(), sin.double().cpu())
         seq_lens = torch.tensor([s + len(i) for s, i in zip(starts, ids, strict=True)], dtype=torch.int32)
-        expect = kref.paged_attention(q_rot, want.k_data, want.k_meta, want.v_data, want.v_meta,
-                                      meta.cu_seqlens_q.cpu(), seq_lens, meta.block_tables.cpu(), d**-0.5,
-                                      kind=fmt.dtype, rotate_keys=fmt.keys_rotated, rotate_values=fmt.values_rotated,
-                                      sinks=None if layer.sinks is None else layer.sinks.cpu(),
-                                      window=layer.sliding_window)  # fmt: skip
+        expect = ref.packed_kv_paged_attention(q_rot, want.k_data, want.k_meta, want.v_data, want.v_meta,
+                                               meta.cu_seqlens_q.cpu(), seq_lens, meta.block_tables.cpu(), d**-0.5,
+                                               kind=fmt.dtype, rotate_keys=fmt.keys_rotated,
+                                               rotate_values=fmt.values_rotated,
+                                               sinks=None if layer.sinks is None else layer.sinks.cpu(),
+                                               window=layer.sliding_window)  # fmt: skip
         assert out.shape == (t, hq * d)
         assert_close(f"{model} step {n}", out.view(t, hq, d), expect, torch.bfloat16)
         # the same bytes where the reference wrote (fused-multiply rounding may differ on a GPU, not here)
@@ -288,8 +289,8 @@ def test_dequantize_blocks_gives_the_reference_cache() -> None:
         blocks = bt[0, :3].long()
         k, v = kq.dequantize_blocks(cache, blocks, torch.float32)
         at = blocks.cpu()
-        k_ref = kref.decode(cache.k_data.cpu()[at], cache.k_meta.cpu()[at], fmt.dtype, fmt.keys_rotated)
-        v_ref = kref.decode(cache.v_data.cpu()[at], cache.v_meta.cpu()[at], fmt.dtype, fmt.values_rotated)
+        k_ref = ref.kv_decode(cache.k_data.cpu()[at], cache.k_meta.cpu()[at], fmt.dtype, fmt.keys_rotated)
+        v_ref = ref.kv_decode(cache.v_data.cpu()[at], cache.v_meta.cpu()[at], fmt.dtype, fmt.values_rotated)
         assert_close("dequantized k", k, k_ref, torch.float32)
         assert_close("dequantized v", v, v_ref, torch.float32)
 
@@ -320,7 +321,7 @@ def _quant_vs_exact(fmt: kq.KVCacheFormat, seed: int, seq: int = 128) -> tuple[f
                        for b, s in enumerate(seq_lens)])  # fmt: skip
     ref.store_kv(k_rot.to(torch.bfloat16).double(), v.double().cpu(), kc, vc, slots)
     exact = ref.paged_attention(q.double().cpu(), kc, vc, cu.cpu(), sl.cpu(), bt.cpu(), d**-0.5)
-    keys = kref.decode(cache.k_data.cpu(), cache.k_meta.cpu(), fmt.dtype, fmt.keys_rotated)
+    keys = ref.kv_decode(cache.k_data.cpu(), cache.k_meta.cpu(), fmt.dtype, fmt.keys_rotated)
     return rel_err(out, exact), rel_err(keys.flatten(0, 1)[slots], kc.flatten(0, 1)[slots])  # [blocks·page, ...]
 
 
@@ -452,13 +453,13 @@ def test_write_kernel_real_shapes_gpu(kind: str) -> None:
     kq.rotary_and_write_packed_kv(torch.zeros(t, 1, d, dtype=torch.bfloat16, device=DEV), k, v, pos, cos, sin, slots,
                                   cache)  # fmt: skip
     want = fmt.allocate((t + 64) // page, page, hkv, d, "cpu")
-    kref.write_kv(k.cpu(), v.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), slots.cpu(), want.k_data, want.k_meta,
-                  want.v_data, want.v_meta, kind=kind, group=fmt.group_size, rotate_keys=fmt.keys_rotated,
-                  rotate_values=fmt.values_rotated, round_to=torch.bfloat16)  # fmt: skip
+    ref.write_packed_kv(k.cpu(), v.cpu(), pos.cpu(), cos.cpu(), sin.cpu(), slots.cpu(), want.k_data, want.k_meta,
+                        want.v_data, want.v_meta, kind=kind, group=fmt.group_size, rotate_keys=fmt.keys_rotated,
+                        rotate_values=fmt.values_rotated, round_to=torch.bfloat16)  # fmt: skip
     for name, rotated in (("k", fmt.keys_rotated), ("v", fmt.values_rotated)):
         data, meta = getattr(cache, f"{name}_data").cpu(), getattr(cache, f"{name}_meta").cpu()
         w_data, w_meta = getattr(want, f"{name}_data"), getattr(want, f"{name}_meta")
         differ = (data.view(torch.uint8) != w_data.view(torch.uint8)).double().mean().item()
         assert differ < 2e-3, f"{name}: {differ:.2%} of the bytes differ"
-        got, exp = kref.decode(data, meta, kind, rotated), kref.decode(w_data, w_meta, kind, rotated)
+        got, exp = ref.kv_decode(data, meta, kind, rotated), ref.kv_decode(w_data, w_meta, kind, rotated)
         assert rel_err(got, exp) < 0.01, name

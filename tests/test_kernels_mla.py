@@ -1,5 +1,5 @@
 """Multi-head latent attention on the paged latent cache (kernels/mla.py) and DeepSeek's routing: the float64
-references (kernels/mla_reference.py) against HF transformers' own DeepSeek-V2/V3 modules on tiny random float32
+references (kernels/reference.py) against HF transformers' own DeepSeek-V2/V3 modules on tiny random float32
 configs, and the Triton kernels (under the interpreter here) against the references."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from envex.kernels import mla
-from envex.kernels import mla_reference as ref
+from envex.kernels import reference as ref
 from envex.kernels.accuracy import TOLERANCE, rel_err
 from envex.tests.support.kernels import assert_close
 

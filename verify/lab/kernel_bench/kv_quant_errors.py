@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from envex.kernels import kv_quant_reference as kref
+from envex.kernels import reference as ref
 
 TEXT = (
     "The KV cache, not the weights, caps how many sessions a GPU holds and how fast long contexts decode. "
@@ -76,14 +76,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def roundtrip(x: torch.Tensor, scheme: str, group: int, rotated: bool) -> torch.Tensor:
-    y = kref.rotate(x) if rotated else x
+    y = ref.hadamard_rotate(x) if rotated else x
     if scheme == "fp8":
-        data, s = kref.quantize_fp8(y)
-        out = kref.dequantize_fp8(data, s)
+        data, s = ref.quantize_fp8(y)
+        out = ref.dequantize_fp8(data, s)
     else:
-        codes, s, z = kref.quantize_int4(y, group, zero_point=scheme == "int4-zp")
-        out = kref.dequantize_int4(codes, s, z)
-    return kref.rotate(out) if rotated else out
+        codes, s, z = ref.quantize_int4(y, group, zero_point=scheme == "int4-zp")
+        out = ref.dequantize_int4(codes, s, z)
+    return ref.hadamard_rotate(out) if rotated else out
 
 
 SCHEMES = [("int4", 32), ("int4", 64), ("int4-zp", 32), ("int4-zp", 64), ("fp8", 0)]
