@@ -532,12 +532,13 @@ def engine_choices(
 
 def state_slots(engine: dict[str, Any]) -> int:
     """The state slots a hybrid model's engine allocates for these settings (StateSlots): a live slot per sequence
-    (max_num_seqs) and, with the prefix cache on (EngineConfig's default), as many prefix snapshots."""
+    (max_num_seqs), with the prefix cache on (EngineConfig's default) as many prefix snapshots, and one scratch slot
+    (the padding rows of a CUDA-graph decode step)."""
     from envex.runtime.engine.config import EngineConfig
 
     default = EngineConfig.__dataclass_fields__["enable_prefix_caching"].default
     prefix_cache = engine.get("enable_prefix_caching", default)
-    return int(engine["max_num_seqs"]) * (2 if prefix_cache else 1)
+    return int(engine["max_num_seqs"]) * (2 if prefix_cache else 1) + 1
 
 
 def _choose_kernels(

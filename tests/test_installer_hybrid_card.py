@@ -88,11 +88,12 @@ def test_the_plan_reserves_the_engines_state_slots_from_the_budget(tmp_path: Pat
     bundles = [verify_bundle(p, root=trust.root) for p in sorted((media / "bundles").glob("*.envex"))]
     plan = make_plan(bundles, probe)
     dtype = torch.bfloat16 if probe.mode == "cuda" else torch.float32
-    # what the engine allocates for these settings: StateSlots' pools (live + snapshot slots, 2 x max_num_seqs)
+    # what the engine allocates for these settings: StateSlots' pools (live + snapshot slots, 2 x max_num_seqs, and
+    # the scratch slot that a decode graph's padding rows use)
     config = EngineConfig(model="x", max_num_seqs=int(plan.engine["max_num_seqs"]))
     slots = StateSlots(config, Qwen3NextForCausalLM(mc, dtype=dtype, device=torch.device("meta")),
                        torch.device("meta"), dtype)  # fmt: skip
-    assert slots.num_slots + slots.num_snapshots == 2 * config.max_num_seqs
+    assert slots.num_slots + slots.num_snapshots == slots.scratch_slot == 2 * config.max_num_seqs
     allocated = sum(t.nbytes for layer in slots.pools.values() for t in layer)
     assert plan.state_bytes == allocated > 0
     assert plan.kv_bytes_per_token == card.kv_bytes_per_token(DTYPES[dtype])

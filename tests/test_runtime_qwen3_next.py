@@ -60,11 +60,10 @@ def _engine(path, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(path), device="cpu", block_size=4, kv_cache_memory_gb=0.02, **kw))
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """(HF model, its save_pretrained dir, HF's greedy continuation of each prompt run alone)."""
+def save_tiny_checkpoint(path, **overrides) -> transformers.Qwen3NextForCausalLM:
+    """HF's model on TINY and these overrides (random, decisive logits), saved with a tokenizer into `path`."""
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**TINY)).eval()
+    model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**TINY, **overrides})).eval()
     with torch.no_grad():  # decisive logits; every norm weight and gate away from its default, so a dropped one shows
         for name, p in model.named_parameters():
             if p.dim() > 1:
@@ -73,9 +72,16 @@ def checkpoint(tmp_path_factory):
                 p.normal_(0.0, 0.5)
             else:
                 p.normal_(0.3, 0.3)  # Qwen3NextRMSNorm multiplies by 1 + weight
-    path = tmp_path_factory.mktemp("qwen3_next") / "tiny"
     model.save_pretrained(path, safe_serialization=True)
     _write_tokenizer(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """(HF model, its save_pretrained dir, HF's greedy continuation of each prompt run alone)."""
+    path = tmp_path_factory.mktemp("qwen3_next") / "tiny"
+    model = save_tiny_checkpoint(path)
     return model, path, [_hf_greedy(model, prompt) for prompt in PROMPTS]
 
 
@@ -214,7 +220,7 @@ def test_the_triton_backend_on_cuda_gives_the_same_tokens(checkpoint) -> None:
     for budget in (None, 5):
         engine = LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", block_size=4,
                                         num_kv_blocks=512, max_num_batched_tokens=budget))  # fmt: skip
-        assert engine.config.backend == "triton" and engine.runner.decode_graphs is None  # no state in graphs yet
+        assert engine.config.backend == "triton" and engine.runner.decode_graphs is not None  # state slots in graphs
         assert [c.token_ids for c in engine.generate(PROMPTS, GREEDY)] == want
         assert engine.generate([PROMPTS[2]], GREEDY)[0].token_ids == want[2]
         assert engine.steps.counters.cached_tokens == 20

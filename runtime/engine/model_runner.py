@@ -103,7 +103,7 @@ class ModelRunner:
         if self.states is not None:
             self.states.place(self.kv_caches)
         self.decode_graphs: DecodeGraphs | None = None
-        if config.use_cuda_graphs and self.device.type == "cuda" and self.states is None:  # no state in graphs yet
+        if config.use_cuda_graphs and self.device.type == "cuda":  # state slots too: a static input (cuda_graphs.py)
             self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
 
     def _layer_cache(self) -> LayerKVCache:
@@ -171,7 +171,7 @@ class ModelRunner:
             self.windows.before_step(chunks)
         if self.states is not None:
             self.states.before_step(chunks)
-        if self.decode_graphs is not None:  # a pure decode step replays a captured graph
+        if self.decode_graphs is not None:  # a pure decode step replays a captured graph (with the slots just set)
             graph_logits = self.decode_graphs.run_chunks(chunks, pending_tokens)
             if graph_logits is not None:
                 return StepResult(logits=graph_logits, prompt_logits={})

@@ -7,6 +7,11 @@ metadata (cache slots from the block tables and positions) is computed on the de
 key-split count of decode attention is fixed per graph. Host work per step is a few small copies into the static
 inputs; sampling stays with the engine.
 
+A model with per-sequence recurrent state (Qwen3-Next: StateSlots) also reads each row's state slot from a static
+input, uploaded with its initialized flag in one copy. Padding rows, and every row while capturing, point at the
+state pools' scratch slot, which no sequence holds: they read and write no live or snapshot state, as inactive rows
+write no KV. A decode step takes no state snapshots; a step that would runs eagerly.
+
 The split count and the attention's key tile follow the longest sequence a graph may meet. When a short context
 (SHORT_CONTEXT tokens) would launch attention differently from max_model_len, a batch size gets a second graph
 for it, which a step replays while all its sequences fit: a 131K server decoding 1K-token requests runs the
@@ -68,13 +73,20 @@ def context_lengths(max_model_len: int, shape_at) -> tuple[int, ...]:
 class _Inputs:
     """Device buffers a captured step reads (what the graph holds by address)."""
 
-    def __init__(self, batch: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, batch: int, max_blocks: int, device: torch.device, scratch_slot: int | None) -> None:
         self.input_ids = torch.zeros(batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(batch, dtype=torch.int64, device=device)  # position of the token fed in
         self.block_tables = torch.zeros(batch, max_blocks, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
         # False for padding rows: they compute garbage but write nothing into the KV cache.
         self.active = torch.ones(batch, dtype=torch.bool, device=device)
+        # A model with state (scratch_slot not None): int32 [2, b], each row's state slot and whether it continues
+        # the state there (1), in one buffer so that a step uploads both in one copy; its rows are the metadata's.
+        self.state: torch.Tensor | None = None
+        if scratch_slot is not None:
+            self.state = torch.tensor([[scratch_slot] * batch, [0] * batch], dtype=torch.int32, device=device)
+        self.state_slots = self.state[0] if self.state is not None else None
+        self.state_initialized = self.state[1] if self.state is not None else None
 
 
 class DecodeGraphs:
@@ -89,8 +101,10 @@ class DecodeGraphs:
         self.capture = capture and self.device.type == "cuda"
         kv_heads = getattr(runner, "num_kv_heads", runner.model_config.num_key_value_heads)  # this rank's
         self.parallel = getattr(runner, "parallel", None)
+        self.states = getattr(runner, "states", None)  # StateSlots of a model with recurrent layers, else None
+        self.scratch_slot = self.states.scratch_slot if self.states is not None else None
         # The graphs of one batch size share its input buffers; each (size, longest sequence) is one graph.
-        self._inputs = {b: _Inputs(b, self.max_blocks, self.device) for b in self.sizes}
+        self._inputs = {b: _Inputs(b, self.max_blocks, self.device, self.scratch_slot) for b in self.sizes}
         head_dim = runner.model_config.head_dim
         self.lengths = {b: context_lengths(self.max_model_len, lambda n, b=b: attention_shape(
             b, kv_heads, head_dim, n, self.device)) for b in self.sizes}  # fmt: skip
@@ -110,6 +124,7 @@ class DecodeGraphs:
             positions=x.positions, slot_mapping=torch.where(x.active, slots, -1), cu_seqlens_q=x.cu_seqlens_q,
             block_tables=x.block_tables, cos=self.runner.cos, sin=self.runner.sin, max_q_len=1,
             max_seq_len=n, num_splits=self._splits[(b, n)],
+            state_slots=x.state_slots, state_initialized=x.state_initialized,
         )  # fmt: skip
         return self.runner.forward_logits(x.input_ids, meta)
 
@@ -117,7 +132,10 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         pool = None
         for b, n in sorted(self.keys, reverse=True):  # largest first: the others fit in its pool
-            self._inputs[b].active.zero_()  # warm-up and capture must not write into live KV blocks
+            x = self._inputs[b]
+            x.active.zero_()  # warm-up and capture must not write into live KV blocks
+            if x.state_slots is not None:  # nor into live state slots
+                x.state_slots.fill_(self.scratch_slot)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -146,10 +164,12 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            fill: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
+            fill: tuple[list[int], list[int], torch.Tensor] | None = None,
+            states: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
         """One decode token for each of B sequences -> logits [B, V] (a view of the graph's static output: use
         it before the next run). fill = (rows, source rows, source): input_ids[rows] come from the device tensor
-        source[source rows] instead (tokens sampled by the previous step that the host has not read)."""
+        source[source rows] instead (tokens sampled by the previous step that the host has not read). states: a
+        model with state's (slots, initialized flags) of the B sequences (StateSlots.decode_inputs)."""
         batch = len(input_ids)
         if not self.fits(batch):
             raise ValueError(f"batch: {batch} sequences, the largest captured decode graph takes {self.sizes[-1]}")
@@ -170,6 +190,11 @@ class DecodeGraphs:
         x.positions.copy_(torch.tensor(positions + [0] * pad, dtype=torch.int64), non_blocking=True)
         x.active.copy_(torch.tensor([True] * batch + [False] * pad), non_blocking=True)
         x.block_tables[:, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(b, width), non_blocking=True)
+        if x.state is not None:
+            assert states is not None, "a model with state: each step passes its sequences' state slots"
+            slots, initialized = states
+            x.state.copy_(torch.tensor([slots + [self.scratch_slot] * pad, initialized + [0] * pad],
+                                       dtype=torch.int32), non_blocking=True)  # fmt: skip
         if fill is not None:
             fill_pending(x.input_ids, *fill)
         if par is not None:  # rank 0's ids (sampled on its device) into every rank's graph input
@@ -196,6 +221,9 @@ class DecodeGraphs:
         for c in chunks:
             if c.num_tokens != 1 or not c.completes or c.start < len(c.seq.prompt_token_ids):
                 return None  # a prefill chunk, or a prompt token whose logprobs may be wanted: the eager path
+        states = self.states.decode_inputs() if self.states is not None else None
+        if self.states is not None and states is None:
+            return None  # the step takes a state snapshot: the eager path
         ids: list[int] = []
         rows: list[int] = []
         src_rows: list[int] = []
@@ -213,4 +241,4 @@ class DecodeGraphs:
                 src_rows.append(c.seq.pending_row)
         fill = (rows, src_rows, pending_tokens) if rows and pending_tokens is not None else None
         positions = [c.start for c in chunks]
-        return self.run(ids, positions, [c.seq.block_table for c in chunks], fill).float()
+        return self.run(ids, positions, [c.seq.block_table for c in chunks], fill, states).float()

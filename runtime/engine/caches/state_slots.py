@@ -2,9 +2,11 @@
 
 A recurrent layer keeps a fixed-size state per sequence (the delta rule's matrix, the convolution's last inputs)
 instead of K/V pages. The model allocates one pool per such layer (`make_state_pools`) before the KV cache takes
-its share of memory: `max_num_seqs` live slots, then as many snapshot slots. This class hands each running sequence
-one live slot for its whole life and tells the layers, each step, which slot each sequence reads and whether that
-slot already holds its state (`AttentionMetadata.state_slots`, `state_initialized`).
+its share of memory: `max_num_seqs` live slots, then as many snapshot slots, then one scratch slot that no sequence
+holds: the padding rows of a CUDA-graph decode step (and every row of its capture) read and write there, so they
+touch no live or snapshot state. This class hands each running sequence one live slot for its whole life and tells
+the layers, each step, which slot each sequence reads and whether that slot already holds its state
+(`AttentionMetadata.state_slots`, `state_initialized`), or a decode graph the same as host lists (`decode_inputs`).
 
 The state after token n is only right if it was built from tokens 0..n-1 of this sequence, in order, exactly once:
 - a chunk starting at position 0 starts from zeros (a new sequence, or one preempted and recomputed: preemption
@@ -54,8 +56,8 @@ class StateSlots:
         self.num_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
         self.block_size = config.block_size
         self.device = device
-        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(
-            self.num_slots + self.num_snapshots, dtype, device)
+        self.scratch_slot = self.num_slots + self.num_snapshots  # padding rows of a decode graph: held by no sequence
+        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(self.scratch_slot + 1, dtype, device)
         self._free = list(range(self.num_slots - 1, -1, -1))  # a stack: the lowest ids are reused first
         self._slot: dict[Sequence, int] = {}
         self._covered: dict[Sequence, int] = {}  # tokens the slot's state holds, once this step's chunks are done
@@ -64,7 +66,9 @@ class StateSlots:
         self._free_snapshots = list(range(self.num_slots + self.num_snapshots - 1, self.num_slots - 1, -1))
         self._restore: dict[Sequence, tuple[int, int]] = {}  # admitted with a hit: (tokens, its snapshot's key)
         self._take: dict[Sequence, list[tuple[int, int]]] = {}  # snapshots to take: (after how many tokens, key)
-        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
+        # this step's (slots, initialized, snapshot table or None) on the host: uploaded by attach, or copied into a
+        # decode graph's static inputs (decode_inputs)
+        self._step: tuple[list[int], list[int], list[list[int]] | None] | None = None
 
     def place(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Put each recurrent layer's (state_pool, conv_pool) into its entry of the engine's per-layer caches."""
@@ -157,19 +161,27 @@ class StateSlots:
                     if target is not None:  # the n-th multiple of bs in (start, start + len] is column n
                         busy.add(target)
                         snapshots.append((len(slots) - 1, (tokens - (c.start // bs + 1) * bs) // bs, target))
-        step = upload([slots, initialized], torch.int32, self.device)
         table = None
         if snapshots:  # [B, W], W ≥ every chunk's count of multiples of bs (the kernels' contract); -1: not kept
             width = max((c.start + c.num_tokens) // bs - c.start // bs for c in chunks)
-            table_host = [[-1] * width for _ in chunks]
+            table = [[-1] * width for _ in chunks]
             for row, n, target in snapshots:
-                table_host[row][n] = target
-            table = upload(table_host, torch.int32, self.device)
-        self._step = (step[0], step[1], table)
+                table[row][n] = target
+        self._step = (slots, initialized, table)
 
     def attach(self, meta: AttentionMetadata) -> AttentionMetadata:
         """meta with this step's state slots and snapshots (before_step must have run for the same chunks)."""
         assert self._step is not None, "StateSlots.before_step runs before each step"
-        slots, initialized, snapshots = self._step
-        return replace(meta, state_slots=slots, state_initialized=initialized, state_snapshots=snapshots,
+        slots, initialized, table = self._step
+        step = upload([slots, initialized], torch.int32, self.device)
+        snapshots = upload(table, torch.int32, self.device) if table is not None else None
+        return replace(meta, state_slots=step[0], state_initialized=step[1], state_snapshots=snapshots,
                        state_snapshot_every=self.block_size if snapshots is not None else 0)
+
+    def decode_inputs(self) -> tuple[list[int], list[int]] | None:
+        """This step's (slots, initialized flags) for a captured decode step, which takes no snapshots: None when
+        the step takes one (it then runs eagerly). A decode chunk takes none today (a prompt's snapshots fall before
+        its last token: match_prefix's hashes), but one taken after an answer's block (hybrid.md) would."""
+        assert self._step is not None, "StateSlots.before_step runs before each step"
+        slots, initialized, table = self._step
+        return (slots, initialized) if table is None else None
