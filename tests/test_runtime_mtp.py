@@ -19,6 +19,7 @@ from envex.kernels.accuracy import rel_err
 from envex.kernels.ops import AttentionMetadata
 from envex.kernels.torch_ops import TorchOps
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
+from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
 from envex.runtime.engine.spec import draft_kv_bytes
 from envex.runtime.loader import load_model_info
 from envex.runtime.models.deepseek import DeepseekMTP
@@ -184,15 +185,24 @@ def test_acceptance_is_measured_from_the_drafts(predicting_mtp, noisy_mtp, k: in
     assert 1.0 < stats.spec_tokens_per_step < k + 1
 
 
-def test_the_mtp_cache_holds_the_modules_rows_of_the_verified_tokens(tmp_path) -> None:
+@pytest.mark.parametrize(("decode_graphs", "overlap"), [(False, False), (True, False), (True, True)],
+                         ids=["eager", "decode-graphs", "decode-graphs-overlapped"])  # fmt: skip
+def test_the_mtp_cache_holds_the_modules_rows_of_the_verified_tokens(tmp_path, decode_graphs: bool,
+                                                                     overlap: bool) -> None:  # fmt: skip
     """After every step (verify steps, and plain ones once speculation turns itself off): the MTP layer's latent
     rows at positions 0 .. start-1 (start: the position of the target's state waiting for the next draft pass) are
     the module's over the sequence's tokens and the target's hidden states, computed afresh: prompts and plain
     decodes through `absorb`, verified tokens through `record` (drafted positions, written with the module's own
     states, are rewritten). The model's layers add nothing here (noisy MTP layer), but eh_proj reads the hidden
-    states too, so each row's token and state must pair up."""
+    states too, so each row's token and state must pair up. decode_graphs: plain decode steps go through
+    DecodeGraphs (run eagerly here, as the CUDA graphs would replay them), which hand their hidden states over;
+    overlap: a step's tokens are read a step late (a decode's fed token still on the device, verify steps chained),
+    so the rows before the newest host-known tokens are checked."""
     path = _predicting_mtp(tmp_path, 0.3, eh_hidden=0.5)
-    engine = _engine(path, draft_model="mtp", num_speculative_tokens=3)
+    engine = _engine(path, draft_model="mtp", num_speculative_tokens=3, async_scheduling=overlap)
+    if decode_graphs:
+        engine.runner.decode_graphs = graphs = DecodeGraphs(engine.runner, max_batch=4, capture=False,
+                                                            with_hidden=True)  # fmt: skip
     drafter, model, ops = engine.spec.drafter, engine.runner.model, TorchOps()
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
@@ -200,8 +210,10 @@ def test_the_mtp_cache_holds_the_modules_rows_of_the_verified_tokens(tmp_path) -
     while engine.has_unfinished():
         engine.step()
         for seq in engine.scheduler.running:
-            start = int(drafter.start[seq.spec.row])  # the waiting state's position
             tokens = seq.all_token_ids
+            start = int(drafter.start[seq.spec.row])  # the waiting state's position: the newest, whatever the step
+            assert drafter.pending[seq.spec.row] and (start >= len(tokens) - 2 if overlap else start == len(tokens) - 2)
+            start = len(tokens) - 2
             meta, cpu = _prefill(model.config, start), torch.device("cpu")
             cache = drafter.module.make_kv_cache(_blocks(start), 4, torch.float32, cpu)
             with torch.inference_mode():
@@ -212,6 +224,8 @@ def test_the_mtp_cache_holds_the_modules_rows_of_the_verified_tokens(tmp_path) -
             assert rel_err(got, cache[0].view(-1, got.shape[-1])[:start]) < 1e-5
             checked += 1
     assert checked > 10 and engine.stats().spec_verify_steps_total > 5
+    assert not decode_graphs or graphs.hidden is not None  # plain steps went through them
+    assert (engine.stats().overlapped_steps_total > 0) == overlap
 
 
 def test_a_model_without_an_mtp_layer_is_refused_in_one_line(random_mtp, tmp_path) -> None:

@@ -22,7 +22,7 @@ from envex.runtime.config import ModelConfig
 from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
 from envex.runtime.engine.caches.state_slots import StateSlots, has_state
 from envex.runtime.engine.caches.window_kv import WindowBlocks
-from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.config import MTP, EngineConfig
 from envex.runtime.engine.device import fill_pending, upload
 from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.loader import LoadedModel
@@ -106,10 +106,12 @@ class ModelRunner:
             self.states.place(self.kv_caches)
         self.decode_graphs: DecodeGraphs | None = None
         if config.use_cuda_graphs and self.device.type == "cuda" and self.states is None:  # no state in graphs yet
-            self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
-        # Set by an MTP drafter (spec/): called after each eager step with its chunks and the last hidden states
-        # before the final norm of all their rows [T, H]. Decode steps replayed from a CUDA graph do not call it.
-        self.on_hidden: Callable[[list[ScheduledChunk], torch.Tensor], None] | None = None
+            self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs,
+                                              with_hidden=config.draft_model == MTP)  # fmt: skip
+        # Set by an MTP drafter (spec/): called after each step with its chunks, the last hidden states before the
+        # final norm of all their rows [T, H] (a decode graph's too: it keeps them for draft_model "mtp") and the
+        # step's pending_tokens.
+        self.on_hidden: Callable[[list[ScheduledChunk], torch.Tensor, torch.Tensor | None], None] | None = None
 
     def _layer_cache(self) -> LayerKVCache:
         """One layer's cache in the engine's pool, as the model passes it to Ops.attention: a (k, v) pair in the
@@ -183,6 +185,8 @@ class ModelRunner:
         if self.decode_graphs is not None:  # a pure decode step replays a captured graph
             graph_logits = self.decode_graphs.run_chunks(chunks, pending_tokens)
             if graph_logits is not None:
+                if self.on_hidden is not None and self.decode_graphs.hidden is not None:
+                    self.on_hidden(chunks, self.decode_graphs.hidden, pending_tokens)
                 return StepResult(logits=graph_logits, prompt_logits={})
         ids: list[int] = []
         positions: list[int] = []
@@ -217,7 +221,7 @@ class ModelRunner:
             fill_pending(input_ids, fill_at, fill_from, pending_tokens)
         result = self.run_plan(plan, input_ids)
         if self.on_hidden is not None and result.hidden is not None:
-            self.on_hidden(chunks, result.hidden)
+            self.on_hidden(chunks, result.hidden, pending_tokens)
         return result
 
     def run_plan(self, plan: EagerPlan, input_ids: torch.Tensor | None = None) -> StepResult:
@@ -251,7 +255,7 @@ class ModelRunner:
             meta = self.states.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
         hidden = self.ops.materialize(hidden, residual.dtype)  # rows are picked from it below
-        prenorm = hidden + residual if self.on_hidden is not None else None  # before compute_logits' in-place add
+        prenorm = hidden + residual if self.on_hidden is not None else None  # every row's, for an MTP drafter
         logits = hidden.new_zeros((0, 0))
         if plan.ends:
             rows = upload(plan.ends, torch.int64, self.device)

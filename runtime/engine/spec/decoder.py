@@ -205,8 +205,8 @@ class SpecDecoder:
             self._free.append(state.row)
             state.row, state.synced = None, 0
 
-    def on_hidden(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> None:
-        """The runner's eager steps (ModelRunner.on_hidden): an MTP drafter takes the target's hidden states of each
+    def on_hidden(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, pending: torch.Tensor | None) -> None:
+        """The runner's plain steps (ModelRunner.on_hidden): an MTP drafter takes the target's hidden states of each
         speculation-eligible sequence's rows, under the sequence's row of hist (given one here)."""
         rows: list[int | None] = []
         for c in chunks:
@@ -214,7 +214,7 @@ class SpecDecoder:
             if state is not None and state.row is None and (row := self._take_row(c.seq)) is not None:
                 state.row, state.synced = row, 0
             rows.append(state.row if state is not None else None)
-        self.drafter.absorb(chunks, rows, hidden)  # type: ignore[attr-defined]
+        self.drafter.absorb(chunks, rows, hidden, pending)  # type: ignore[attr-defined]
 
     def sync(self, seqs: list[Sequence]) -> bool:
         """Before a verify step launched from host-known state: give each sequence a row of hist holding all its

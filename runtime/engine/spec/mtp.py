@@ -1,19 +1,15 @@
 """The MTP drafter (draft_model "mtp"): DeepSeek-V3's multi-token-prediction module (models/deepseek.py,
 DeepseekMTP) drafts k tokens from the target's own last hidden states (before the final norm).
 
-The module's cache is one latent layer over the target's blocks (as a draft model's). Its row at position p needs
-the target's state h_p and the token at p+1: it is written as soon as both are known, so per row of
-SpecDecoder.hist one state waits on the device (`hidden[row]`, position `start[row]`, `pending[row]`): the newest
-position's, whose next token is the one the target just produced.
-- A verify step (`record`, on the device): its rows before the last accepted one are written (their next tokens are
-  the accepted drafts); the last one waits.
-- An eager step (`absorb`: a prompt chunk, a plain decode): the waiting row of a decode (its next token is the one
-  fed now) and every row whose next token the host knows are written; the chunk's last row waits.
-- A draft pass (`propose`, static shapes: a CUDA graph of its own, as a draft model's): k single-row steps; the
-  first writes the waiting row (with the newest token, from hist) and gives draft 1, the next ones feed the module's
-  own hidden and draft (their rows are rewritten once verified). A row with no state waiting at len-2 (it decoded
-  in a captured decode graph, which hands none over, or its token was pending) proposes nothing: its verify step
-  makes one wait again; its cache rows in between stay unwritten, which costs acceptance, never tokens.
+Its cache is one latent layer over the target's blocks (as a draft model's). The row at position p needs the
+target's state h_p and the token at p+1; it is written once both are known, so per row of SpecDecoder.hist one
+state waits on the device (`hidden`, at `start`, if `pending`): the newest position's. A verify step (`record`)
+writes its rows before the last accepted one (their next tokens: the accepted drafts); a plain step (`absorb`:
+prompt chunks, decodes, eager or from a decode graph) writes a decode's waiting row (its next token: the one fed
+now) and every row whose next token the host knows. A draft pass (`propose`; static shapes, a CUDA graph of its
+own) is k single-row steps: the first writes the waiting row with the newest token and gives draft 1, the next ones
+feed the module's own hidden and draft (rewritten once verified). A row with no state waiting at len-2 (its hist
+row was taken) drafts nothing: lower acceptance, never other tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import torch
 
 from envex.kernels.ops import AttentionMetadata
 from envex.runtime.engine.config import MTP
-from envex.runtime.engine.device import upload
+from envex.runtime.engine.device import fill_pending, upload
 from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.spec.drafters import DraftModelDrafter, SpecInputs
 from envex.runtime.loader import LoadedModel
@@ -84,23 +80,28 @@ class MtpDrafter(DraftModelDrafter):
         self.hidden[rows[:b]] = states[torch.arange(b, device=dev), accepted]
         self.start[rows[:b]], self.pending[rows[:b]] = lens[:b] - 1 + accepted, True
 
-    def absorb(self, chunks: list[ScheduledChunk], rows: list[int | None], hidden: torch.Tensor) -> None:
-        """After an eager step: hidden [T, H] the target's states of all its rows, chunk by chunk; rows: each
-        chunk's row of hist (None: not drafted for). Writes a decode chunk's waiting row (if its state waits at the
-        position before) and every row whose next token the host knows; the chunk's last row waits."""
+    def absorb(self, chunks: list[ScheduledChunk], rows: list[int | None], hidden: torch.Tensor,
+               pending_tokens: torch.Tensor | None) -> None:  # fmt: skip
+        """After a plain step: hidden [T, H] the target's states of all its rows, chunk by chunk; rows: each chunk's
+        row of hist (None: not drafted for); pending_tokens: ModelRunner.execute's. Writes a decode chunk's waiting
+        row (if a state waits at the position before; its next token is the one fed now, read from pending_tokens
+        if the host has not yet) and every row whose next token the host knows; the chunk's last row waits."""
         ids, slots, src, positions, q_lens, tables = [], [], [], [], [], []  # type: ignore[var-annotated]
-        waits: list[tuple[int, int, int]] = []  # (index in the packed rows, row of hist, position)
+        waits, fill_at, fill_from = [], [], []  # type: ignore[var-annotated]  # waits: (packed row, hist row, pos)
         last_rows, last_src, last_pos = [], [], []  # type: ignore[var-annotated]  # lists of ints
         offset, bs, total = 0, self.block_size, hidden.shape[0]
         for c, row in zip(chunks, rows, strict=True):
             if row is not None:
                 tokens, table = c.seq.all_token_ids, c.seq.block_table
-                # a decode chunk whose token the host knows: the row before it may wait for that token
-                first = c.start - 1 if len(c.seq.prompt_token_ids) <= c.start < len(tokens) else c.start
-                end = min(c.start + c.num_tokens, len(tokens) - 1)  # rows before end have a known next token
+                first = c.start - 1 if c.start >= len(c.seq.prompt_token_ids) else c.start  # a decode: its wait row
+                end = max(c.start, min(c.start + c.num_tokens, len(tokens) - 1))  # rows before end: next token known
                 if first < c.start:
+                    if c.start >= len(tokens):  # the token fed now is still on the device
+                        fill_at.append(len(ids))
+                        fill_from.append(c.seq.pending_row)
                     waits.append((len(ids), row, first))
-                ids += tokens[first + 1 : end + 1]
+                    ids.append(tokens[c.start] if c.start < len(tokens) else 0)
+                ids += tokens[c.start + 1 : end + 1]
                 slots += [table[p // bs] * bs + p % bs for p in range(first, end)]
                 src += [total + len(waits) - 1] * (first < c.start) + list(range(offset, offset + end - c.start))
                 positions += range(first, end)
@@ -113,12 +114,13 @@ class MtpDrafter(DraftModelDrafter):
             offset += c.num_tokens
         dev = hidden.device
         if ids:
-            slot_t = upload(slots, torch.int64, dev)
+            slot_t, ids_t = upload(slots, torch.int64, dev), upload(ids, torch.int64, dev)
+            if fill_at:
+                assert pending_tokens is not None, "a pending token without its source tensor"
+                fill_pending(ids_t, fill_at, fill_from, pending_tokens)
             if waits:  # written only where that state waits there
-                at, wait_rows = upload([w[0] for w in waits], torch.int64, dev), upload([w[1] for w in waits],
-                                                                                        torch.int64, dev)  # fmt: skip
-                ok = self.pending[wait_rows] & (self.start[wait_rows] == upload([w[2] for w in waits], torch.int64,
-                                                                                  dev))  # fmt: skip
+                at, wait_rows, wait_pos = (upload([w[i] for w in waits], torch.int64, dev) for i in range(3))
+                ok = self.pending[wait_rows] & (self.start[wait_rows] == wait_pos)
                 slot_t[at] = torch.where(ok, slot_t[at], -1)
                 hidden = torch.cat([hidden, self.hidden[wait_rows]])
             seq_lens = [positions[sum(q_lens[: i + 1]) - 1] + 1 for i in range(len(q_lens))]
@@ -130,8 +132,7 @@ class MtpDrafter(DraftModelDrafter):
                 cos=self.runner.cos, sin=self.runner.sin, max_q_len=max(q_lens), max_seq_len=max(seq_lens),
                 seq_lens=upload(seq_lens, torch.int32, dev), q_lens_host=q_lens, seq_lens_host=seq_lens,
             )  # fmt: skip
-            self.module(self.ops, upload(ids, torch.int64, dev), hidden[upload(src, torch.int64, dev)],
-                        self.kv_cache, meta)  # fmt: skip
+            self.module(self.ops, ids_t, hidden[upload(src, torch.int64, dev)], self.kv_cache, meta)
         if last_rows:
             at = upload(last_rows, torch.int64, dev)
             self.hidden[at] = hidden[upload(last_src, torch.int64, dev)]
