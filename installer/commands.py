@@ -109,7 +109,8 @@ def serve(
     max_model_len: Annotated[int | None, typer.Option(help="context window to serve (default: the model's)")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="ENVEX_API_KEY", help="require this Bearer key")] = None,
     draft_model: Annotated[str | None, typer.Option(
-        "--draft-model", help="speculative decoding: a smaller model of the same tokenizer drafts tokens")] = None,
+        "--draft-model", help="speculative decoding: a smaller model of the same tokenizer drafts tokens; mtp: the "
+                         "model's own multi-token-prediction layer (DeepSeek-V3/R1)")] = None,
     speculative_tokens: Annotated[int, typer.Option(
         "--speculative-tokens", min=0, max=16,
         help="speculative decoding: the most drafts verified per step (0: off; n-gram lookup without a draft model)",

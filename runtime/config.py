@@ -159,6 +159,9 @@ class ModelConfig:
     rope_yarn: YarnScaling | None = None
     mla: MLAConfig | None = None  # DeepSeek: head_dim is then qk_rope_head_dim (the rotary tables' width), as HF
     hybrid: HybridConfig | None = None  # Qwen3-Next
+    # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), stored as model.layers.{N}.* after the
+    # last: read only by the MTP drafter (models/deepseek.py DeepseekMTP; draft_model "mtp").
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -391,7 +394,11 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
     if yarn.get("mscale_all_dim"):  # HF yarn_apply_mscale: the scale of the whole q·k, not only the rotary dims
         scale *= _yarn_mscale(float(yarn["factor"]), float(yarn["mscale_all_dim"])) ** 2
     routed_scale = cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0  # HF DeepseekV3Config's alias
+    if not isinstance(mtp, int) or mtp < 0:
+        raise ConfigError(f"config.json: num_nextn_predict_layers must be an integer ≥ 0, got {mtp!r}")
     return dict(
+        mtp_layers=mtp if v3 else 0,
         mla=MLAConfig(q_lora_rank=q_lora, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                       v_head_dim=v_dim, interleaved=bool(cfg.get("rope_interleave", True)) if v3 else True,
                       softmax_scale=scale),

@@ -80,11 +80,13 @@ class LoadedModel:
     hf_config: dict[str, Any]
     tokenizer: Tokenizer
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors by HF name; prefix: only those whose name starts with it (the others are not
+        read from the safetensors files)."""
         if self.source.kind == "gguf":
             from envex.runtime.gguf_loader import iter_weights
 
-            yield from iter_weights(self.source.path, self.hf_config)
+            yield from ((n, t) for n, t in iter_weights(self.source.path, self.hf_config) if n.startswith(prefix))
             return
         from safetensors import safe_open
 
@@ -94,7 +96,8 @@ class LoadedModel:
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
+                    if name.startswith(prefix):
+                        yield name, handle.get_tensor(name)
 
 
 def _read_file(path: Path, max_bytes: int, what: str) -> bytes:

@@ -54,8 +54,9 @@ class EngineConfig:
     # Off by default until chat traffic on the GPU measures within 3% of off (offline_docs/performance.md has the
     # fixed-length cases with speculation against the default).
     num_speculative_tokens: int = 0
-    # A smaller model with the same tokenizer that drafts (None: n-gram prompt lookup, no model). Setting it
-    # turns speculation on (a num_speculative_tokens of 0 then resolves to 4).
+    # A smaller model with the same tokenizer that drafts (None: n-gram prompt lookup, no model), or MTP ("mtp"): the
+    # model's own multi-token-prediction module (DeepSeek-V3/R1; spec/mtp.py). Setting it turns speculation
+    # on (a num_speculative_tokens of 0 then resolves to 4).
     draft_model: str | None = None
     # Speculate only in steps of at most this many sequences (None: 32 on CUDA, 8 on CPU); above it a step's extra
     # rows cost more than the drafts save. Verify graphs are captured up to it.
@@ -171,6 +172,7 @@ class EngineConfig:
 
 
 _MAX_DEFAULT_LEN = 32768
+MTP = "mtp"  # draft_model's value that drafts with the model's own multi-token-prediction module
 MAX_TENSOR_PARALLEL = 8  # the GPUs of one NVLink host (and the one-shot all-reduce's limit)
 
 # The most the deterministic mode may cost a model, against the default kernels measured in the same run through
@@ -258,6 +260,14 @@ def check_weights(weights: str, backend: str, *, deterministic: bool, architectu
     if tensor_parallel:
         return "weights: packed low-bit weights do not run under tensor parallelism yet; use --tensor-parallel 1"
     return None
+
+
+def check_mtp(model: ModelConfig, name: str) -> None:
+    """draft_model "mtp" (spec/mtp.py): refuse, in one line, a model without a multi-token-prediction module."""
+    if not model.mtp_layers:
+        raise ValueError(f"draft_model: 'mtp' needs a multi-token-prediction module (num_nextn_predict_layers ≥ 1 in "
+                         f"config.json, as DeepSeek-V3/R1 ship); {name} ({model.architecture}) has none; "
+                         "drop --draft-model mtp")  # fmt: skip
 
 
 def has_invariant_kernels(architecture: str) -> bool:

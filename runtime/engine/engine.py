@@ -138,7 +138,7 @@ class LLMEngine:
         model's), on throwaway sequences whose earlier keys are whatever the blocks hold: only the launches count."""
         runners = [self.runner]
         draft = getattr(self.spec.drafter, "runner", None) if self.spec is not None else None
-        if draft is not None:
+        if draft is not None and draft is not self.runner:  # an MTP drafter runs on the target's runner
             runners.append(draft)
         if not any(getattr(r.ops, "name", "") == "triton" for r in runners):
             return  # the torch ops compile nothing

@@ -11,6 +11,7 @@ same plan or replay the same graph from it (runtime/parallel/workers.py), so no 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from envex.runtime.config import ModelConfig
 from envex.runtime.engine.accel.cuda_graphs import DecodeGraphs
 from envex.runtime.engine.caches.state_slots import StateSlots, has_state
 from envex.runtime.engine.caches.window_kv import WindowBlocks
-from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.config import MTP, EngineConfig
 from envex.runtime.engine.device import fill_pending, upload
 from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.loader import LoadedModel
@@ -50,6 +51,7 @@ class StepResult:
     # [N, V] float32: the last row of each chunk that completes its sequence, in chunk order
     logits: torch.Tensor
     prompt_logits: dict[int, torch.Tensor]  # chunk index -> [num_tokens, V] float32 (prompt logprobs only)
+    hidden: torch.Tensor | None = None  # [T, H] every row's last hidden state before the final norm (on_hidden)
 
 
 class ModelRunner:
@@ -104,7 +106,12 @@ class ModelRunner:
             self.states.place(self.kv_caches)
         self.decode_graphs: DecodeGraphs | None = None
         if config.use_cuda_graphs and self.device.type == "cuda":  # state slots too: a static input (cuda_graphs.py)
-            self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs)
+            self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs,
+                                              with_hidden=config.draft_model == MTP)  # fmt: skip
+        # Set by an MTP drafter (spec/): called after each step with its chunks, the last hidden states before the
+        # final norm of all their rows [T, H] (a decode graph's too: it keeps them for draft_model "mtp") and the
+        # step's pending_tokens.
+        self.on_hidden: Callable[[list[ScheduledChunk], torch.Tensor, torch.Tensor | None], None] | None = None
 
     def _layer_cache(self) -> LayerKVCache:
         """One layer's cache in the engine's pool, as the model passes it to Ops.attention: a (k, v) pair in the
@@ -155,13 +162,17 @@ class ModelRunner:
             )
         return blocks
 
-    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The whole model on a step whose every token needs logits (a decode step) -> [T, V] in the model dtype.
+    def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata, *, with_hidden: bool = False):
+        """The whole model on a step whose every token needs logits (a decode step) -> [T, V] in the model dtype;
+        with_hidden: (logits, the last hidden states before the final norm [T, H]), which an MTP drafter reads.
         What a CUDA graph captures."""
         if self.windows is not None:
             meta = self.windows.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
-        return self.model.compute_logits(self.ops, hidden, residual)
+        # taken before the final norm, which may update the residual in place
+        prenorm = self.ops.materialize(hidden, residual.dtype) + residual if with_hidden else None
+        logits = self.model.compute_logits(self.ops, hidden, residual)
+        return (logits, prenorm) if with_hidden else logits
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], pending_tokens: torch.Tensor | None = None) -> StepResult:
@@ -174,6 +185,8 @@ class ModelRunner:
         if self.decode_graphs is not None:  # a pure decode step replays a captured graph (with the slots just set)
             graph_logits = self.decode_graphs.run_chunks(chunks, pending_tokens)
             if graph_logits is not None:
+                if self.on_hidden is not None and self.decode_graphs.hidden is not None:
+                    self.on_hidden(chunks, self.decode_graphs.hidden, pending_tokens)
                 return StepResult(logits=graph_logits, prompt_logits={})
         ids: list[int] = []
         positions: list[int] = []
@@ -206,7 +219,10 @@ class ModelRunner:
         if fill_at:
             assert pending_tokens is not None
             fill_pending(input_ids, fill_at, fill_from, pending_tokens)
-        return self.run_plan(plan, input_ids)
+        result = self.run_plan(plan, input_ids)
+        if self.on_hidden is not None and result.hidden is not None:
+            self.on_hidden(chunks, result.hidden, pending_tokens)
+        return result
 
     def run_plan(self, plan: EagerPlan, input_ids: torch.Tensor | None = None) -> StepResult:
         """Run an eager step. Under tensor parallelism rank 0 (with input_ids) first sends the plan and its ids to
@@ -239,6 +255,7 @@ class ModelRunner:
             meta = self.states.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
         hidden = self.ops.materialize(hidden, residual.dtype)  # rows are picked from it below
+        prenorm = hidden + residual if self.on_hidden is not None else None  # every row's, for an MTP drafter
         logits = hidden.new_zeros((0, 0))
         if plan.ends:
             rows = upload(plan.ends, torch.int64, self.device)
@@ -247,4 +264,4 @@ class ModelRunner:
             i: self.model.compute_logits(self.ops, hidden[a:b], residual[a:b]).float()
             for i, (a, b) in plan.prompt_rows.items()
         }
-        return StepResult(logits=logits, prompt_logits=prompt_logits)
+        return StepResult(logits=logits, prompt_logits=prompt_logits, hidden=prenorm)

@@ -20,6 +20,7 @@ stacks as in models/qwen3_moe.py. The router and e_score_correction_bias stay fl
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -111,6 +112,60 @@ class DeepseekLayer(nn.Module):
         return ops.act_linear(gate_up, self.down_proj_weight), residual
 
 
+def _layer_target(c: ModelConfig, layer: DeepseekLayer, rest: str) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """A decoder layer's tensor (a view for a packed shard) for the HF name after `model.layers.N.`, and the shape
+    the checkpoint stores it in; None for a name the layer does not have."""
+    m, moe = c.mla, c.moe
+    assert m is not None and moe is not None
+    q_name = "self_attn.q_a_proj.weight" if layer.lora else "self_attn.q_proj.weight"
+    if rest == q_name:
+        view = layer.qkv_a_proj_weight[: layer.q_width]
+        return view, tuple(view.shape)
+    if rest == "self_attn.kv_a_proj_with_mqa.weight":
+        view = layer.qkv_a_proj_weight[layer.q_width :]
+        return view, tuple(view.shape)
+    if rest == "self_attn.kv_b_proj.weight":
+        return layer.kv_b_proj, (layer.kv_b_proj.shape[0] * layer.kv_b_proj.shape[1], m.kv_lora_rank)
+    expert = _EXPERT.fullmatch(rest)
+    if layer.sparse and expert is not None and int(expert.group(1)) < moe.num_experts:
+        e, proj = int(expert.group(1)), expert.group(2)
+        view = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+        return view, tuple(view.shape)
+    shared = _SHARED.fullmatch(rest)
+    if layer.sparse and shared is not None and moe.shared_experts:
+        first, inter, s = moe.num_experts, moe.intermediate_size, moe.shared_experts
+        if shared.group(1) == "down":  # [H, S·I] -> S experts' [H, I]
+            return layer.down_proj[first:].permute(1, 0, 2), (c.hidden_size, s * inter)
+        view = layer.gate_up_proj[first:, (shared.group(1) == "up") :: 2]  # [S, I, H] from [S·I, H]
+        return view, (s * inter, c.hidden_size)
+    if not layer.sparse and rest in _DENSE_GATE_UP:
+        inter = c.intermediate_size
+        view = layer.gate_up_proj_weight[_DENSE_GATE_UP[rest] * inter : (_DENSE_GATE_UP[rest] + 1) * inter]
+        return view, tuple(view.shape)
+    target = getattr(layer, _DIRECT.get(rest, ""), None)
+    if isinstance(target, torch.Tensor):
+        return target, tuple(target.shape)
+    return None
+
+
+def _layer_names(c: ModelConfig, sparse: bool) -> list[str]:
+    """The HF names after `model.layers.N.` of a decoder layer (MoE when sparse, else a dense MLP)."""
+    m, moe = c.mla, c.moe
+    assert m is not None and moe is not None
+    q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if m.q_lora_rank is not None else ["q_proj"]
+    names = [f"self_attn.{p}.weight" for p in q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]]
+    names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    if not sparse:
+        return names + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+    names += ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts)
+                                    for p in ("gate", "up", "down")]  # fmt: skip
+    if c.architecture == DEEPSEEK_V3:
+        names.append("mlp.gate.e_score_correction_bias")
+    if moe.shared_experts:
+        names += [f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+    return names
+
+
 class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
     features = frozenset({MOE, MLA})  # what the layers need of a backend (kernels/ops.py)
 
@@ -151,60 +206,134 @@ class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
             return top[name], tuple(top[name].shape)
         match = _LAYER.fullmatch(name)
         if match is not None and int(match.group(1)) < len(self.layers):
-            layer, rest = self.layers[int(match.group(1))], match.group(2)
-            q_name = "self_attn.q_a_proj.weight" if layer.lora else "self_attn.q_proj.weight"
-            if rest == q_name:
-                view = layer.qkv_a_proj_weight[: layer.q_width]
-                return view, tuple(view.shape)
-            if rest == "self_attn.kv_a_proj_with_mqa.weight":
-                view = layer.qkv_a_proj_weight[layer.q_width :]
-                return view, tuple(view.shape)
-            if rest == "self_attn.kv_b_proj.weight":
-                return layer.kv_b_proj, (layer.kv_b_proj.shape[0] * layer.kv_b_proj.shape[1], m.kv_lora_rank)
-            expert = _EXPERT.fullmatch(rest)
-            if layer.sparse and expert is not None and int(expert.group(1)) < moe.num_experts:
-                e, proj = int(expert.group(1)), expert.group(2)
-                view = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
-                return view, tuple(view.shape)
-            shared = _SHARED.fullmatch(rest)
-            if layer.sparse and shared is not None and moe.shared_experts:
-                first, inter, s = moe.num_experts, moe.intermediate_size, moe.shared_experts
-                if shared.group(1) == "down":  # [H, S·I] -> S experts' [H, I]
-                    return layer.down_proj[first:].permute(1, 0, 2), (c.hidden_size, s * inter)
-                view = layer.gate_up_proj[first:, (shared.group(1) == "up") :: 2]  # [S, I, H] from [S·I, H]
-                return view, (s * inter, c.hidden_size)
-            if not layer.sparse and rest in _DENSE_GATE_UP:
-                inter = c.intermediate_size
-                view = layer.gate_up_proj_weight[_DENSE_GATE_UP[rest] * inter : (_DENSE_GATE_UP[rest] + 1) * inter]
-                return view, tuple(view.shape)
-            target = getattr(layer, _DIRECT.get(rest, ""), None)
-            if isinstance(target, torch.Tensor):
-                return target, tuple(target.shape)
+            found = _layer_target(c, self.layers[int(match.group(1))], match.group(2))
+            if found is not None:
+                return found
+        elif match is not None and int(match.group(1)) < len(self.layers) + c.mtp_layers:
+            return None  # the multi-token-prediction layer: DeepseekMTP loads it when it drafts
         raise ValueError(f"weights: unexpected tensor {name!r} for {c.architecture} (dense layers: "
                          f"{list(moe.dense_layers)}, q LoRA: {m.q_lora_rank is not None})")  # fmt: skip
 
     def expected_weight_names(self) -> set[str]:
         c = self.config
-        m, moe = c.mla, c.moe
-        assert m is not None and moe is not None
         names = {"model.embed_tokens.weight", "model.norm.weight"}
         if not c.tie_word_embeddings:
             names.add("lm_head.weight")
-        q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if m.q_lora_rank is not None else ["q_proj"]
-        attention = [f"self_attn.{p}.weight" for p in q + ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
-                                                           "o_proj"]] + ["input_layernorm.weight",
-                                                                         "post_attention_layernorm.weight"]
-        sparse = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts)
-                                        for p in ("gate", "up", "down")]  # fmt: skip
-        if c.architecture == DEEPSEEK_V3:
-            sparse.append("mlp.gate.e_score_correction_bias")
-        if moe.shared_experts:
-            sparse += [f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
-        dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         for i, layer in enumerate(self.layers):
-            names.update(f"model.layers.{i}.{p}" for p in attention + (sparse if layer.sparse else dense))
+            names.update(f"model.layers.{i}.{p}" for p in _layer_names(c, layer.sparse))
         return names
+
+    def multi_token_predictor(self) -> DeepseekMTP:
+        """The multi-token-prediction module over this model's embedding and head, on its device and dtype (weights
+        unset: DeepseekMTP.load_weights or dummy_weights)."""
+        return DeepseekMTP(self)
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V2 (V2-Lite): the same layers; its softmax routing comes with its config (MoEConfig.scoring)."""
+
+
+_MTP_OWN = {"enorm.weight": "enorm_weight", "hnorm.weight": "hnorm_weight",
+            "shared_head.norm.weight": "head_norm_weight"}  # fmt: skip
+_MTP_SHARED = {"embed_tokens.weight": "embed_tokens_weight", "shared_head.head.weight": "head_weight"}
+
+
+class DeepseekMTP(nn.Module):
+    """DeepSeek-V3's multi-token-prediction module (the checkpoint's `model.layers.{N}.*`, N = num_hidden_layers):
+    for the token t at position i+1 and the model's last hidden state h_i (before the final norm),
+    h' = eh_proj([enorm(embed(t)); hnorm(h_i)]) (vLLM deepseek_mtp's order), then one decoder layer (MLA over a
+    latent cache of its own, MoE) and shared_head (norm, head) -> logits for the token at i+2 (forward, then
+compute_logits). Chained on its own
+    output hidden and greedy token it drafts k tokens (runtime/engine/spec/drafters.py, MtpDrafter).
+
+    Its embedding and head are the model's, unless the checkpoint stores copies that differ (DeepSeek-V3's files
+    store equal copies: they are not held twice)."""
+
+    config: ModelConfig
+    embed_tokens_weight: torch.Tensor
+    head_weight: torch.Tensor
+
+    def __init__(self, main: DeepseekV3ForCausalLM) -> None:
+        super().__init__()
+        c = self.config = main.config
+        self.layer: DeepseekLayer
+        dtype, device = main.norm_weight.dtype, main.norm_weight.device
+        h, self.eps, self.index = c.hidden_size, c.rms_norm_eps, c.num_hidden_layers
+        self.enorm_weight = param(h, dtype=dtype, device=device)
+        self.hnorm_weight = param(h, dtype=dtype, device=device)
+        # eh_proj [H, 2H] as its two column halves [2, H, H]: the embedding's and the hidden state's projections
+        self.eh_proj = param(2, h, h, dtype=dtype, device=device)
+        self.layer = DeepseekLayer(c, self.index, dtype, device)
+        self.head_norm_weight = param(h, dtype=dtype, device=device)
+        # plain tensors, not parameters: the model's (dummy_weights and the loader leave them alone)
+        self.embed_tokens_weight = main.embed_tokens_weight.detach()
+        self.head_weight = main.lm_head_weight.detach()
+
+    def forward(self, ops: Ops, input_ids: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor],
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """input_ids [T] (the token after each hidden state's position), hidden [T, H] (the model's last hidden
+        states before the final norm, or this module's own), at the hidden states' positions in meta (vLLM's; the
+        latent rows are written there) -> the decoder layer's (hidden, residual) [T, H] (compute_logits)."""
+        embeds = self.embed_tokens_weight[input_ids]
+        emb = ops.norm_linear(embeds, None, self.enorm_weight, self.eps, self.eh_proj[0])[0]
+        prev = ops.norm_linear(hidden, None, self.hnorm_weight, self.eps, self.eh_proj[1])[0]
+        x = ops.materialize(emb, hidden.dtype) + ops.materialize(prev, hidden.dtype)  # [T, H] eh_proj([e; h])
+        return self.layer(ops, x, None, kv_cache, meta)
+
+    def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """forward's (hidden, residual) rows -> (logits [N, V] for the token after their input_ids, the module's
+        hidden states before shared_head's norm [N, H]: the next draft step's input)."""
+        return ops.norm_linear(hidden, residual, self.head_norm_weight, self.eps, self.head_weight)
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """One latent row a token, as each layer of the model (DeepseekV3ForCausalLM.make_kv_caches)."""
+        m = self.config.mla
+        assert m is not None
+        return block_size * (m.kv_lora_rank + m.qk_rope_head_dim) * torch.finfo(dtype).bits // 8
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor]:  # fmt: skip
+        m = self.config.mla
+        assert m is not None
+        return (torch.zeros(num_blocks, block_size, m.kv_lora_rank + m.qk_rope_head_dim, dtype=dtype, device=device),)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy the checkpoint's `model.layers.{N}.*` tensors in (others are skipped); refuse, in one line, a
+        checkpoint (named `source`) that stores none of them or leaves one out."""
+        prefix = f"model.layers.{self.index}."
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if not name.startswith(prefix):
+                continue
+            rest = name[len(prefix):]
+            if rest in _MTP_SHARED:  # a copy of the model's embedding or head: held once unless it differs
+                own = getattr(self, _MTP_SHARED[rest])
+                if tuple(tensor.shape) != tuple(own.shape):
+                    raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {tuple(own.shape)}")
+                copy = tensor.to(own.device, own.dtype)
+                if not torch.equal(copy, own):
+                    setattr(self, _MTP_SHARED[rest], nn.Parameter(copy, requires_grad=False))
+                continue
+            if rest == "eh_proj.weight":
+                found = self.eh_proj.permute(1, 0, 2), (self.config.hidden_size, 2 * self.config.hidden_size)
+            elif rest in _MTP_OWN:
+                target = getattr(self, _MTP_OWN[rest])
+                found = target, tuple(target.shape)
+            else:
+                found = _layer_target(self.config, self.layer, rest)
+            if found is None:
+                raise ValueError(f"weights: unexpected tensor {name!r} in the multi-token-prediction layer")
+            target, stored = found  # type: ignore[misc]
+            if tuple(tensor.shape) != stored:
+                raise ValueError(f"weights: {name!r} has shape {tuple(tensor.shape)}, expected {stored}")
+            target.copy_(tensor.reshape(target.shape))
+            seen.add(rest)
+        if not seen:
+            raise ValueError(f"draft_model: 'mtp' needs the multi-token-prediction layer's weights ({prefix}*), which "
+                             f"{source} does not store; serve it without --draft-model mtp")  # fmt: skip
+        missing = sorted({*_layer_names(self.config, self.layer.sparse), "eh_proj.weight", *_MTP_OWN} - seen)
+        if missing:
+            raise ValueError(f"weights: {len(missing)} tensors of the multi-token-prediction layer missing, e.g. "
+                             f"{[prefix + n for n in missing[:3]]}; the checkpoint is incomplete")  # fmt: skip
+

@@ -90,8 +90,10 @@ class _Inputs:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, *, max_batch: int, capture: bool = True) -> None:  # runner: ModelRunner
-        """capture=False runs the same step eagerly (for CPU tests under the Triton interpreter)."""
+    def __init__(self, runner, *, max_batch: int, capture: bool = True,
+                 with_hidden: bool = False) -> None:  # runner: ModelRunner  # fmt: skip
+        """capture=False runs the same step eagerly (for CPU tests under the Triton interpreter). with_hidden: the
+        step also keeps its last hidden states before the final norm (`hidden`, for an MTP drafter)."""
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.block_size
@@ -112,6 +114,9 @@ class DecodeGraphs:
         self._splits = {(b, n): num_splits_for(b, kv_heads, n, self.device) for b, n in self.keys}
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.with_hidden = with_hidden
+        self._hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.hidden: torch.Tensor | None = None  # the last run's [B, H] (with_hidden)
         if self.capture:
             self._capture_all()
 
@@ -126,6 +131,9 @@ class DecodeGraphs:
             max_seq_len=n, num_splits=self._splits[(b, n)],
             state_slots=x.state_slots, state_initialized=x.state_initialized,
         )  # fmt: skip
+        if self.with_hidden:
+            logits, self._hidden[(b, n)] = self.runner.forward_logits(x.input_ids, meta, with_hidden=True)
+            return logits
         return self.runner.forward_logits(x.input_ids, meta)
 
     @torch.inference_mode()
@@ -204,6 +212,7 @@ class DecodeGraphs:
             logits = self._logits[(b, n)]
         else:
             logits = self._forward(b, n)
+        self.hidden = self._hidden[(b, n)][:batch] if self.with_hidden else None
         return logits[:batch]
 
     def follow(self, data: list[int]) -> torch.Tensor:

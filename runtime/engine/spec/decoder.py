@@ -30,7 +30,7 @@ import torch
 
 from envex.kernels.kv_quant_format import kv_bytes_per_token
 from envex.runtime.engine.accel.cuda_graphs import graph_ladder
-from envex.runtime.engine.config import EngineConfig
+from envex.runtime.engine.config import MTP, EngineConfig, check_mtp
 from envex.runtime.engine.device import upload
 from envex.runtime.engine.model_runner import DTYPES, ModelRunner
 from envex.runtime.engine.sampler import sampling_probs
@@ -39,6 +39,7 @@ from envex.runtime.engine.sequence import Sequence, Status
 from envex.runtime.engine.spec.depth import DepthController, SpecState, StepCosts, k_ladder
 from envex.runtime.engine.spec.drafters import Drafter, DraftModelDrafter, NgramDrafter, NgramIndex
 from envex.runtime.engine.spec.graphs import SpecGraphs
+from envex.runtime.engine.spec.mtp import MtpDrafter
 from envex.runtime.engine.step import LaunchedStep, StepRunner
 from envex.runtime.engine.types import RequestOutput, SamplingParams
 from envex.runtime.loader import LoadedModel, load_model_info
@@ -204,6 +205,17 @@ class SpecDecoder:
             self._free.append(state.row)
             state.row, state.synced = None, 0
 
+    def on_hidden(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, pending: torch.Tensor | None) -> None:
+        """The runner's plain steps (ModelRunner.on_hidden): an MTP drafter takes the target's hidden states of each
+        speculation-eligible sequence's rows, under the sequence's row of hist (given one here)."""
+        rows: list[int | None] = []
+        for c in chunks:
+            state = self.state(c.seq) if eligible(c.seq.params) else None
+            if state is not None and state.row is None and (row := self._take_row(c.seq)) is not None:
+                state.row, state.synced = row, 0
+            rows.append(state.row if state is not None else None)
+        self.drafter.absorb(chunks, rows, hidden, pending)  # type: ignore[attr-defined]
+
     def sync(self, seqs: list[Sequence]) -> bool:
         """Before a verify step launched from host-known state: give each sequence a row of hist holding all its
         known tokens and lens = its length (uploads only what the device lacks); the drafter catches up.
@@ -248,6 +260,8 @@ class SpecDecoder:
         logits = logits.view(b, k + 1, -1)
         drafts, num_drafts = x.drafts[:b], x.num_drafts[:b]
         tokens, accepted, errors = self._accept(logits, drafts, num_drafts, seqs, generator)
+        if self.drafter.wants_hidden:  # an MTP drafter keeps the target's states of the accepted rows
+            self.drafter.record(x, self.graphs.hidden, accepted)  # type: ignore[attr-defined]
         # Append on the device: hist[row, len + j] = tokens[j] (beyond the accepted ones: rewritten before read).
         rows_t, lens_t = x.rows[:b], x.seq_lens[:b]
         pos = lens_t[:, None] + torch.arange(k + 1, device=self.device)[None, :]
@@ -411,9 +425,12 @@ _TOKENIZER_PROBE = "def f(x):\n    return [x, 'ü', 1.5e-3]  # Grüße, 世界"
 
 def load_draft(config: EngineConfig, loaded: LoadedModel) -> LoadedModel | None:
     """The configured draft model (None: n-gram lookup, or speculation off), checked against the target: the same
-    tokenizer, a window as long as max_model_len."""
+    tokenizer, a window as long as max_model_len; for "mtp", the target itself, checked to have an MTP module."""
     if not config.num_speculative_tokens or config.draft_model is None:
         return None
+    if config.draft_model == MTP:  # the model's own multi-token-prediction module
+        check_mtp(loaded.config, loaded.source.name)
+        return loaded
     draft = load_model_info(config.draft_model)
     dc, tc = draft.config, loaded.config
     if dc.vocab_size != tc.vocab_size or draft.tokenizer.encode(_TOKENIZER_PROBE) != loaded.tokenizer.encode(
@@ -436,7 +453,8 @@ def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
     dc = draft.config
     bits = torch.finfo(DTYPES[config.dtype]).bits
     if dc.mla is not None:  # its own layout (models/deepseek.py): one latent row a token and layer, never packed
-        return dc.num_hidden_layers * config.block_size * (dc.mla.kv_lora_rank + dc.mla.qk_rope_head_dim) * bits // 8
+        layers = 1 if config.draft_model == MTP else dc.num_hidden_layers  # MTP: the module's one layer
+        return layers * config.block_size * (dc.mla.kv_lora_rank + dc.mla.qk_rope_head_dim) * bits // 8
     # the draft's runner packs its cache as the target's
     per_token = kv_bytes_per_token(config.kv_cache_dtype, dc.num_key_value_heads, dc.head_dim, dtype_bytes=bits // 8)
     return dc.num_hidden_layers * config.block_size * per_token
@@ -444,10 +462,14 @@ def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
 
 def build_speculation(config: EngineConfig, runner: ModelRunner, draft: LoadedModel | None) -> SpecDecoder:
     """The SpecDecoder around the target's runner, with the configured drafter (a draft model's own runner over
-    the same number of blocks, or n-gram lookup); on warm-up, the relative cost of every captured (batch, k) step
-    measured on this device. EngineConfig refuses speculation under tensor parallelism."""
+    the same number of blocks, the target's MTP module with its own cache over them, or n-gram lookup); on warm-up,
+    the relative cost of every captured (batch, k) step measured on this device. EngineConfig refuses speculation
+    under tensor parallelism."""
     drafter: Drafter = NgramDrafter()
-    if draft is not None:
+    if config.draft_model == MTP:
+        assert draft is not None
+        drafter = MtpDrafter(runner, draft, rows=config.max_num_seqs + 1, max_k=config.num_speculative_tokens)
+    elif draft is not None:
         draft_config = replace(config, model=config.draft_model, num_kv_blocks=runner.num_blocks,
                                use_cuda_graphs=False, num_speculative_tokens=0, draft_model=None)  # fmt: skip
         assert config.max_num_batched_tokens is not None
@@ -457,6 +479,8 @@ def build_speculation(config: EngineConfig, runner: ModelRunner, draft: LoadedMo
     spec = SpecDecoder(runner, drafter, max_k=config.num_speculative_tokens, max_batch=config.speculative_max_batch,
                        max_num_seqs=config.max_num_seqs,
                        capture=config.use_cuda_graphs and runner.device.type == "cuda")  # fmt: skip
+    if drafter.wants_hidden:
+        runner.on_hidden = spec.on_hidden
     if config.warm_up:  # the relative cost of every captured (batch, k) step on this device
         spec.costs.table = spec.graphs.measure_costs(runner.decode_graphs)
     return spec

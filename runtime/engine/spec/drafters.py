@@ -12,8 +12,8 @@ shapes and no host sync, so it can be captured in a CUDA graph. Two ship:
 - `DraftModelDrafter`: a smaller model with the same tokenizer drafts k tokens greedily in its own CUDA graph,
   with its own KV cache addressed by the target's block tables (same blocks, same slots: no second allocator).
 
-An EAGLE-style head implements the same `Drafter` protocol (offline_docs/engine.md has the EAGLE-3 checkpoint
-layout); it would also read the target's hidden states of the last verify step, which `wants_hidden` asks for.
+`MtpDrafter` (mtp.py) drafts with DeepSeek-V3's multi-token-prediction module from the target's hidden states,
+which `wants_hidden` asks for; an EAGLE-style head would too (offline_docs/engine.md has EAGLE-3's layout).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Drafter(Protocol):
 
     name: str
     in_verify_graph: bool  # True: propose() is captured in the verify graph; False: in a graph of its own
-    wants_hidden: bool  # True: needs the target's hidden states of the last verify (EAGLE); none ship yet
+    wants_hidden: bool  # True: needs the target's hidden states (MTP): `record` after a verify, `absorb` eagerly
     has_shadow: bool  # True: NgramIndex can tell on the host what it would have accepted (no probing needed)
 
     def propose(self, x: SpecInputs) -> None:

@@ -53,6 +53,8 @@ class SpecGraphs:
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._draft_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._logits: dict[tuple[int, int], torch.Tensor] = {}
+        self._hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.hidden: torch.Tensor | None = None  # the last run's [b (k + 1), H] (drafter.wants_hidden)
         if self.capture:
             self._capture_all()
 
@@ -93,6 +95,9 @@ class SpecGraphs:
             cos=self.runner.cos, sin=self.runner.sin, max_q_len=k + 1, max_seq_len=self.max_model_len + k + 1,
             seq_lens=seq_lens, num_splits=self._splits[key], q_per_seq=k + 1,
         )  # fmt: skip
+        if self.drafter.wants_hidden:  # an MTP drafter reads the target's hidden states of the accepted rows
+            logits, self._hidden[key] = self.runner.forward_logits(ids, meta, with_hidden=True)
+            return logits
         return self.runner.forward_logits(ids, meta)
 
     @torch.inference_mode()
@@ -153,6 +158,7 @@ class SpecGraphs:
             if not self.drafter.in_verify_graph:
                 self._draft(key)
             logits = self._forward(key)
+        self.hidden = self._hidden.get(key)
         return x, logits[: batch * (k + 1)]
 
     @torch.inference_mode()
