@@ -250,3 +250,27 @@ def test_the_mtp_cache_takes_one_latent_layer_of_the_budget(random_mtp) -> None:
     assert spec.runner.num_blocks == int(0.02 * 2**30 // (4 * rows * 4 * (N + 1)))
     assert plain.runner.num_blocks == int(0.02 * 2**30 // (4 * rows * 4 * N))
     assert tuple(spec.spec.drafter.kv_cache[0].shape) == (spec.runner.num_blocks, 4, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_speculation_on_cuda_with_captured_graphs_gives_the_plain_output(predicting_mtp, noisy_mtp, k: int) -> None:
+    """On a GPU with CUDA graphs captured (decode graphs keeping their hidden states, verify graphs, the draft pass)
+    and warm-up on: greedy output with MTP drafts is the plain engine's, and the predicting layer's drafts are all
+    accepted."""
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+    def engine(path, **kw) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=str(path), device="cuda", dtype="float32", block_size=4, num_kv_blocks=256,
+                                      max_model_len=64, max_num_seqs=4, use_cuda_graphs=True, **kw))  # fmt: skip
+
+    for path in (predicting_mtp, noisy_mtp):
+        want = [c.token_ids for c in engine(path).generate(PROMPTS, params)]
+        spec = engine(path, draft_model="mtp", num_speculative_tokens=k)
+        assert spec.runner.decode_graphs is not None and spec.runner.decode_graphs.capture
+        assert [c.token_ids for c in spec.generate(PROMPTS, params)] == want
+        stats = spec.stats()
+        assert stats.spec_draft_tokens_total > 0
+        if path == predicting_mtp:
+            assert stats.accepted_draft_tokens_total == stats.spec_draft_tokens_total
