@@ -107,6 +107,11 @@ class ModelCard(_Card):
     # A hybrid model (Qwen3-Next): which layers hold paged K/V, and the per-sequence state of the others. Absent:
     # every layer holds K/V.
     hybrid: HybridCard | None = None
+    # Tensors a checkpoint stores in a low-bit, non-float dtype (FP8 data, INT4 words, MXFP4 blocks, zero points):
+    # their elements (counted in `parameters` too) and their bytes. The engine holds them as stored, packed; every
+    # other tensor it holds in the serving dtype. 0 for a float checkpoint and for GGUF (dequantized at load).
+    packed_elements: int = Field(default=0, ge=0)
+    packed_bytes: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _hybrid_layers_add_up(self) -> ModelCard:
@@ -124,6 +129,11 @@ class ModelCard(_Card):
     def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
         """A hybrid model's per-sequence state over its linear layers (HybridCard); 0 for any other model."""
         return self.hybrid.state_bytes_per_sequence(dtype_bytes) if self.hybrid is not None else 0
+
+    def weight_bytes(self, dtype_bytes: int) -> int:
+        """The weights' bytes in GPU or CPU memory: the packed tensors as stored, the rest in the serving dtype
+        (`dtype_bytes` an element)."""
+        return (self.parameters - self.packed_elements) * dtype_bytes + self.packed_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "bf16") -> int:
         """K and V bytes of one token over every layer that holds K/V (kv_layers): in the activation dtype

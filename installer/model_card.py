@@ -33,6 +33,8 @@ SMOKE = SmokeTest(prompt="What is the capital of France?", expect="Paris")
 BASE_SMOKE = SmokeTest(prompt="The capital of France is", expect="Paris")
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "fp8_e4m3",
                        "F8_E5M2": "fp8_e5m2", "I8": "int8", "U8": "uint8"}  # fmt: skip
+# Safetensors dtypes that are not floats: the tensors a quantized checkpoint stores packed, held so in memory.
+PACKED_DTYPE_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8}
 
 
 class ModelFilesError(InstallError):
@@ -102,7 +104,7 @@ def _has_chat_template(spec: Path) -> bool:
 
 
 def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: int, quantization: str,
-          chat: bool = True) -> ModelCard:  # fmt: skip
+          chat: bool = True, packed: tuple[int, int] = (0, 0)) -> ModelCard:  # fmt: skip
     return ModelCard(
         served_name=served_name,
         format=fmt,  # type: ignore[arg-type]
@@ -120,6 +122,8 @@ def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: 
         smoke=SMOKE if chat else BASE_SMOKE,
         kv_latent_width=None if c.mla is None else c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,
         hybrid=HybridCard.of(c),
+        packed_elements=packed[0],
+        packed_bytes=packed[1],
     )
 
 
@@ -160,8 +164,10 @@ def _hf_card(folder: Path, served_name: str) -> ModelCard:
     for t in tensors.values():
         dtypes[t.dtype] += t.elements
     quantization = _hf_quantization(folder) or _SAFETENSORS_DTYPES.get(dtypes.most_common(1)[0][0], "unknown")
+    low_bit = [t for t in tensors.values() if t.dtype in PACKED_DTYPE_BYTES]
+    packed = (sum(t.elements for t in low_bit), sum(t.elements * PACKED_DTYPE_BYTES[t.dtype] for t in low_bit))
     return _card(".", "hf", served_name, c, sum(t.elements for t in tensors.values()), quantization,
-                 _has_chat_template(folder))
+                 _has_chat_template(folder), packed)
 
 
 def _hf_quantization(folder: Path) -> str | None:

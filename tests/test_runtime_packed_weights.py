@@ -313,3 +313,33 @@ def test_packed_checkpoint_serves_on_cuda_with_graphs(tmp_path: Path, layout: st
     assert rel_err(fast.full_logits(ids), ref.full_logits(ids)) < 2e-2
     assert ([o.token_ids for o in fast.generate(PROMPTS, GREEDY)]
             == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)])  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "ct-fp8-channel", "awq", "ct-pack-int4"])
+def test_model_card_counts_a_quantized_checkpoint_as_the_engine_holds_it(tmp_path: Path, layout: str) -> None:
+    """The install plan's weight bytes (ModelCard.weight_bytes: packed tensors as stored, the rest in the serving
+    dtype) are what the loaded engine holds, within the scales' and zero points' widening (a few %). For FP8 that is
+    well under the count a plan used before (every stored element in the serving dtype); for INT4, whose words
+    hold 8 weights an element, that count was under what the engine holds."""
+    from envex.installer.model_card import card_for_model
+
+    qpath, _ = _checkpoints(tmp_path, layout)
+    card = card_for_model(qpath, "tiny")
+    model = _engine(qpath, dtype="float32").runner.model
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        for pw in [v for v in vars(module).values() if isinstance(v, quant.PackedWeight)]:
+            held += sum(t.numel() * t.element_size() for t in (pw.data, pw.scale, pw.zero) if t is not None)
+    assert card.packed_elements > 0 and card.packed_bytes > 0
+    assert card.weight_bytes(4) == pytest.approx(held, rel=0.05), (card.weight_bytes(4), held)
+    if "fp8" in layout:
+        assert card.weight_bytes(4) < 0.8 * card.parameters * 4
+
+
+def test_model_card_of_a_float_checkpoint_counts_every_parameter_in_the_serving_dtype(tmp_path: Path) -> None:
+    from envex.installer.model_card import card_for_model
+
+    _, fpath = _checkpoints(tmp_path, "fp8-block")
+    card = card_for_model(fpath, "tiny")
+    assert (card.packed_elements, card.packed_bytes) == (0, 0)
+    assert card.weight_bytes(2) == card.parameters * 2
