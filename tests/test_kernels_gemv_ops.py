@@ -44,6 +44,54 @@ def test_gemv_prologues(dtype: torch.dtype, n: int, k: int, cfg: tuple[int, ...]
     assert_close("silu gemv", y, ref.silu_and_mul_linear(*f64(gu, w)), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cfg", [(8, 64, 4), (2, 0, 4, 1)])  # several K chunks / the persistent kernel
+def test_gemv_prologue_rounds_like_hf(dtype: torch.dtype, cfg: tuple[int, ...]) -> None:
+    """With one-hot weight rows, y is the prologue's input to the dot: the SwiGLU rounded where HF's MLP rounds it
+    (silu's output, then the product, in the activation dtype) bit for bit, and in the persistent kernel (which
+    holds the whole row) the RMSNorm rounded as HF's LlamaRMSNorm (the normalised row, then its product with the
+    weight), all but a few elements whose fp32 rstd sums in another order. The kernels' bf16 rounding is integer
+    arithmetic (gemv._round_as), so ties, tiny and huge values are in the inputs."""
+    k = 300
+    w = torch.eye(k, device=DEV, dtype=dtype)[torch.randperm(k, device=DEV)]
+    gu = torch.randn(1, 2 * k, device=DEV) * torch.logspace(-3, 2, 2 * k, device=DEV)
+    gu = gu.to(dtype)
+    g, u = gu[:, :k].float(), gu[:, k:].float()
+    hf = (torch.nn.functional.silu(g).to(dtype).float() * u).to(dtype)  # LlamaMLP: act_fn(gate) * up in dtype
+    y, _ = gemv.gemv(gu, w, prologue=gemv.PROLOGUE_SILU_MUL, config=cfg)
+    assert torch.equal(y, hf @ w.t().to(dtype)), "SwiGLU prologue rounds unlike HF"
+    if cfg[1] != 0:  # the chunked kernel applies the norm after the dot: no rounded row to compare
+        return
+    a = gu[:, :k]
+    nw = (torch.rand(k, device=DEV) + 0.5).to(dtype)
+    x = a.float()
+    hf_norm = nw * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)  # LlamaRMSNorm
+    y, _ = gemv.gemv(a, w, prologue=gemv.PROLOGUE_RMS, norm_weight=nw, eps=1e-5, config=cfg)
+    assert (y != hf_norm.to(dtype) @ w.t()).sum() <= 3
+
+
+def test_round_as_bf16_is_torchs_rounding_for_every_finite_value() -> None:
+    """gemv._round_as(x, bf16) (integer round to nearest even) against torch's fp32 -> bf16 cast: random values
+    over 14 decades, exact ties (a bf16 value plus half its last place, both parities), signed zeros, subnormals
+    and the largest finite values."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def round_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(o_ptr + i, gemv._round_as(tl.load(x_ptr + i, mask=i < n), tl.bfloat16), mask=i < n)
+
+    torch.manual_seed(0)
+    b = torch.randn(4096).bfloat16().float()
+    ties = (b.view(torch.int32) + 0x8000).view(torch.float32)
+    x = torch.cat([torch.randn(4096) * torch.logspace(-7, 7, 4096), ties, b,
+                   torch.tensor([0.0, -0.0, 3.3895e38, -3.3895e38, 1e-40, -1e-40, 3.0e38])]).to(DEV)  # fmt: skip
+    out = torch.empty_like(x)
+    round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    assert torch.equal(out, x.bfloat16().float())
+
+
 def test_gemv_rejects_mismatched_k() -> None:
     with pytest.raises(ValueError, match="a: last dim 64 != 128"):
         gemv.gemv(torch.randn(1, 64, device=DEV), torch.randn(8, 64, device=DEV), prologue=gemv.PROLOGUE_SILU_MUL)

@@ -256,9 +256,11 @@ def test_the_mtp_cache_takes_one_latent_layer_of_the_budget(random_mtp) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_speculation_on_cuda_with_captured_graphs_gives_the_plain_output(predicting_mtp, noisy_mtp, k: int) -> None:
-    """On a GPU with CUDA graphs captured (decode graphs keeping their hidden states, verify graphs, the draft pass)
-    and warm-up on: greedy output with MTP drafts is the plain engine's, and the predicting layer's drafts are all
-    accepted."""
+    """On a GPU with CUDA graphs captured (decode graphs keeping their hidden states, verify graphs, the draft pass):
+    greedy output with MTP drafts is the plain engine's, with warm-up on (the cost table priced) and off. With
+    warm-up on, the tiny model's measured verify costs may keep the depth at 0 for 16 tokens (H100, 2026-12-06: no
+    draft was made, the answer was right), so the drafts are asserted where warm-up is off: every draft of the
+    predicting layer accepted."""
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
     def engine(path, **kw) -> LLMEngine:
@@ -267,10 +269,12 @@ def test_mtp_speculation_on_cuda_with_captured_graphs_gives_the_plain_output(pre
 
     for path in (predicting_mtp, noisy_mtp):
         want = [c.token_ids for c in engine(path).generate(PROMPTS, params)]
-        spec = engine(path, draft_model="mtp", num_speculative_tokens=k)
-        assert spec.runner.decode_graphs is not None and spec.runner.decode_graphs.capture
-        assert [c.token_ids for c in spec.generate(PROMPTS, params)] == want
-        stats = spec.stats()
-        assert stats.spec_draft_tokens_total > 0
-        if path == predicting_mtp:
-            assert stats.accepted_draft_tokens_total == stats.spec_draft_tokens_total
+        for warm_up in (True, False):
+            spec = engine(path, draft_model="mtp", num_speculative_tokens=k, warm_up=warm_up)
+            assert spec.runner.decode_graphs is not None and spec.runner.decode_graphs.capture
+            assert [c.token_ids for c in spec.generate(PROMPTS, params)] == want, (path, warm_up)
+            stats = spec.stats()
+            if not warm_up:
+                assert stats.spec_draft_tokens_total > 0
+                if path == predicting_mtp:
+                    assert stats.accepted_draft_tokens_total == stats.spec_draft_tokens_total
