@@ -75,7 +75,7 @@ def build(fn, args, consts, warps):
 
 w = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16")
 st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
-gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True)
+gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, FP8_BN=0, FP8_BK=0, USE_PDL=True)
 out = {
     "gate_up": build(m._gate_up_gemv_kernel, dict(x_ptr="*bf16", xp_ptr="*fp32", logits_ptr="*bf16",
                      ids_ptr="*i32", wts_ptr="*fp32", **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st,
@@ -84,11 +84,11 @@ out = {
     "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
                   count_ptr="*i32", out_ptr="*bf16",
                   stride_act="i32", **st, stride_o="i32"), dict(N=2880, INTER=2880, TOP_K=4,
-                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True), 1),
+                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, FP8_BN=0, FP8_BK=0, USE_PDL=True), 1),
     "down_grouped": build(m._down_grouped_kernel, dict(act_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
                           wts_ptr="*fp32", **w, out_ptr="*fp32", stride_act="i32", **st, stride_sn="i32",
                           stride_o="i32"), dict(N=2880, INTER=2880, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128,
-                          PACKED=True, UPCAST_DOT=False), 8),
+                          PACKED=True, UPCAST_DOT=False, FP8_BN=0, FP8_BK=0), 8),
 }
 print(json.dumps(out))
 """
