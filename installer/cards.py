@@ -99,6 +99,10 @@ class ModelCard(_Card):
     head_dim: int = Field(ge=1)
     max_position_embeddings: int = Field(ge=2)
     quantization: str  # e.g. "Q4_1" (GGUF), "bfloat16" (safetensors)
+    # Of `parameters`, those the engine holds as the checkpoint stores them (packed FP8 / INT4 / MXFP4 weights and
+    # their scales: runtime.packed_load.stored_as_packed), and their bytes; the rest take the serving dtype's bytes.
+    packed_parameters: int = Field(default=0, ge=0)
+    packed_bytes: int = Field(default=0, ge=0)
     defaults: ModelDefaults
     smoke: SmokeTest | None = None
     # Multi-head latent attention (DeepSeek-V2/V3): one latent row a token and layer (kv_lora_rank +
@@ -115,6 +119,11 @@ class ModelCard(_Card):
             raise ValueError(f"hybrid: {hy.full_attention_layers} full-attention + {hy.linear_attention_layers} "
                              f"linear-attention layers are not num_layers {self.num_layers}")  # fmt: skip
         return self
+
+    def weights_bytes(self, dtype_bytes: int) -> int:
+        """The weights' bytes in memory: the packed ones as stored, every other parameter in the serving dtype
+        (`dtype_bytes` each)."""
+        return (self.parameters - self.packed_parameters) * dtype_bytes + self.packed_bytes
 
     @property
     def kv_layers(self) -> int:

@@ -35,6 +35,10 @@ _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "
                        "F8_E5M2": "fp8_e5m2", "I8": "int8", "U8": "uint8"}  # fmt: skip
 
 
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "F8_E8M0": 1, "I8": 1, "U8": 1}  # fmt: skip
+
+
 class ModelFilesError(InstallError):
     """A model's files cannot become a model bundle; the message names the file and what to do."""
 
@@ -102,7 +106,7 @@ def _has_chat_template(spec: Path) -> bool:
 
 
 def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: int, quantization: str,
-          chat: bool = True) -> ModelCard:  # fmt: skip
+          chat: bool = True, packed: tuple[int, int] = (0, 0)) -> ModelCard:  # fmt: skip
     return ModelCard(
         served_name=served_name,
         format=fmt,  # type: ignore[arg-type]
@@ -114,6 +118,8 @@ def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: 
         head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings,
         quantization=quantization,
+        packed_parameters=packed[0],
+        packed_bytes=packed[1],
         defaults=ModelDefaults(
             max_model_len=min(DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings), max_num_seqs=DEFAULT_MAX_NUM_SEQS
         ),
@@ -161,7 +167,16 @@ def _hf_card(folder: Path, served_name: str) -> ModelCard:
         dtypes[t.dtype] += t.elements
     quantization = _hf_quantization(folder) or _SAFETENSORS_DTYPES.get(dtypes.most_common(1)[0][0], "unknown")
     return _card(".", "hf", served_name, c, sum(t.elements for t in tensors.values()), quantization,
-                 _has_chat_template(folder))
+                 _has_chat_template(folder), _packed(folder, c, tensors))
+
+
+def _packed(folder: Path, c: Any, tensors: dict[str, TensorHeader]) -> tuple[int, int]:
+    """(elements, bytes) of the tensors the engine keeps as stored (runtime.packed_load.stored_as_packed)."""
+    from envex.runtime.packed_load import stored_as_packed
+
+    hf = json.loads(read_regular_file(folder / "config.json", max_bytes=16 << 20, what="model config"))
+    kept = [tensors[n] for n in stored_as_packed(c, hf, tensors)]
+    return sum(t.elements for t in kept), sum(t.elements * _DTYPE_BYTES.get(t.dtype, 4) for t in kept)
 
 
 def _hf_quantization(folder: Path) -> str | None:

@@ -20,6 +20,7 @@ module imports no backend and no Triton.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -150,7 +151,7 @@ class MoEWeights:
                              "down_scale, or all four MXFP4 tensors")  # fmt: skip
         gate_up, down = self.gate_up, self.down
         if gate_up is not None and down is not None and self.fp8:
-            self.gate_up_matrix(), self.down_matrix()  # quant.FP8BlockStack checks each stack (one line)
+            _ = self._fp8_stacks  # quant.FP8BlockStack checks each stack (one line)
             e, h, inter = down.shape
             if tuple(gate_up.shape) != (e, 2 * inter, h):
                 raise ValueError(f"MoEWeights: FP8 gate_up {list(gate_up.shape)} is not [E, 2I, H] = "
@@ -195,18 +196,26 @@ class MoEWeights:
         shared = torch.arange(routed, routed + self.shared_experts, device=ids.device).expand(t, -1)
         return torch.cat([weights, weights.new_ones(shared.shape)], 1), torch.cat([ids, shared], 1)
 
+    @functools.cached_property
+    def _fp8_stacks(self) -> tuple[quant.FP8BlockStack, quant.FP8BlockStack]:
+        """(gate_up, down) as FP8 stacks, made (and checked) once."""
+        assert self.gate_up is not None and self.down is not None and self.gate_up_scale is not None
+        assert self.down_scale is not None
+        return (quant.FP8BlockStack(data=self.gate_up, scale=self.gate_up_scale, block=self.block, paired=True),
+                quant.FP8BlockStack(data=self.down, scale=self.down_scale, block=self.block))  # fmt: skip
+
     def gate_up_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack:
         """The float stack, the MXFP4 (blocks, scales) pair or the FP8 stack (what kernels/reference.py takes)."""
-        if self.gate_up is not None and self.gate_up_scale is not None:
-            return quant.FP8BlockStack(data=self.gate_up, scale=self.gate_up_scale, block=self.block, paired=True)
+        if self.fp8:
+            return self._fp8_stacks[0]
         if self.gate_up is not None:
             return self.gate_up
         assert self.gate_up_blocks is not None and self.gate_up_scales is not None
         return self.gate_up_blocks, self.gate_up_scales
 
     def down_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack:
-        if self.down is not None and self.down_scale is not None:
-            return quant.FP8BlockStack(data=self.down, scale=self.down_scale, block=self.block)
+        if self.fp8:
+            return self._fp8_stacks[1]
         if self.down is not None:
             return self.down
         assert self.down_blocks is not None and self.down_scales is not None
