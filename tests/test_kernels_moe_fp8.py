@@ -11,7 +11,8 @@ from envex.kernels import moe_mxfp4, quant
 from envex.kernels import reference as ref
 from envex.kernels.accuracy import rel_err
 from envex.kernels.ops import MoEWeights
-from envex.tests.support.kernels import assert_close
+from envex.tests.support.kernels import assert_close, compile_for_hopper
+from envex.tests.test_kernels_moe_gemv import AOT_PTX
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # H and I past one 128-column block and not a multiple of it: edge blocks in every direction of both projections
@@ -101,6 +102,47 @@ def test_inconsistent_fp8_experts_are_one_line() -> None:
     with pytest.raises(ValueError, match="down: an FP8 stack with interleaved gate/up block rows"):
         moe_mxfp4.fused_moe(torch.zeros(1, 64, device=DEV), torch.zeros(1, 2, device=DEV), 1, gate_up=gu,
                             gate_up_bias=None, down=paired_down, down_bias=None, alpha=1.0, limit=1.0)  # fmt: skip
+
+
+_AOT = AOT_PTX + r"""
+def build(fn, args, consts, warps):
+    ptx = ptx_of(fn, args, consts, warps)
+    return {"e4m3": len(re.findall(r"cvt\.rn\.f16x2\.e4m3x2", ptx)), "local": len(re.findall(r"(?:ld|st)\.local", ptx)),
+            "wgmma": "wgmma.mma_async" in ptx, "v4": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx))}
+
+w = dict(w_ptr="*fp8e4nv", s_ptr="*fp32", b_ptr="*bf16")
+st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
+fp8 = dict(PACKED=False, FP8_BN=128, FP8_BK=128)
+out = {
+    "gate_up": build(m._gate_up_gemv_kernel, dict(x_ptr="*bf16", xp_ptr="*fp32", logits_ptr="*bf16",
+                     ids_ptr="*i32", wts_ptr="*fp32", **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st,
+                     stride_act="i32", alpha="fp32", limit="fp32"),
+                     dict(K=2048, INTER=768, E=128, TOP_K=8, BLOCK_E=128, BLOCK_TK=8, BLOCK_I=m.GEMV_PAIRS, GB=128,
+                          **fp8, USE_PDL=True), 1),
+    "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
+                  count_ptr="*i32", out_ptr="*bf16", stride_act="i32", **st, stride_o="i32"),
+                  dict(N=2048, INTER=768, TOP_K=8, BLOCK_N=m.GEMV_DOWN_ROWS, GB=128, **fp8, USE_PDL=True), 1),
+    "gate_up_grouped": build(m._gate_up_grouped_kernel, dict(x_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
+                             **w, act_ptr="*bf16", stride_x="i32", **st, stride_sn="i32", stride_act="i32",
+                             alpha="fp32", limit="fp32"),
+                             dict(K=2048, INTER=768, TOP_K=8, BLOCK_M=64, BLOCK_I=32, BLOCK_K=64, UPCAST_DOT=False,
+                                  **fp8), 4),
+    "down_grouped": build(m._down_grouped_kernel, dict(act_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
+                          wts_ptr="*fp32", **w, out_ptr="*fp32", stride_act="i32", **st, stride_sn="i32",
+                          stride_o="i32"), dict(N=2048, INTER=768, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                          UPCAST_DOT=False, **fp8), 4),
+}
+print(json.dumps(out))
+"""
+
+
+def test_the_fp8_expert_kernels_compile_for_hopper() -> None:
+    """The FP8 variants at Qwen3-30B-A3B-FP8's shape, built for sm_90 by Triton's ptxas: e4m3 widened by the
+    hardware's cvt, no register spills, the GEMVs' codes read 16 bytes a thread, the grouped ones on wgmma."""
+    got = compile_for_hopper(_AOT)
+    assert all(k["e4m3"] >= 16 and not k["local"] for k in got.values()), got
+    assert got["gate_up"]["v4"] >= 2 and got["down"]["v4"] >= 2, got
+    assert got["gate_up_grouped"]["wgmma"] and got["down_grouped"]["wgmma"], got
 
 
 @pytest.mark.gpu

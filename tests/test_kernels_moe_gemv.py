@@ -56,19 +56,24 @@ def test_gemv_decodes_every_code_in_every_nibble() -> None:
 # launcher specializes gpt-oss's. Per kernel: 16-byte weight and input-plane loads, the PTX widening of both
 # halves, no local memory (spills), no shared-memory layout conversion in the GEMVs' K loop (weights and inputs
 # share one layout: verify/lab/journal-kernels.md), PDL, and the grouped prefill tile on wgmma.
-_AOT = r"""
+# AOT_PTX: the compile step, shared with tests/test_kernels_moe_fp8.py's FP8 variants.
+AOT_PTX = r"""
 import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from envex.kernels import moe_mxfp4 as m
 
-def build(fn, args, consts, warps):
+def ptx_of(fn, args, consts, warps):
     sig = {**args, **{k: "constexpr" for k in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("stride")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    ptx = k.asm["ptx"]
+    return k.asm["ptx"]
+"""
+_AOT = AOT_PTX + r"""
+def build(fn, args, consts, warps):
+    ptx = ptx_of(fn, args, consts, warps)
     return {"v4": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)), "cvt": ptx.count("cvt.f32.f16"),
             "local": len(re.findall(r"(?:ld|st)\.local", ptx)), "wgmma": "wgmma.mma_async" in ptx,
             "lds": len(re.findall(r"ld\.shared", ptx)), "pdl": "griddepcontrol.wait" in ptx}
