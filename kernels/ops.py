@@ -8,7 +8,7 @@ torch reference):
     linear        projection (+ bias)
     act_linear    SwiGLU + projection
     attention     (q/k RMSNorm) + rotary + KV-cache write + paged causal attention (+ sinks, sliding window)
-    moe           residual add + RMSNorm + router (top-k, softmax) + experts (float or MXFP4) -> (y, new residual)
+    moe           residual add + RMSNorm + router (top-k, softmax) + experts (float, MXFP4, FP8) -> (y, new residual)
     mla_attention latent-row write (kv_a_layernorm + rotary) + latent-cache attention (DeepSeek's MLA) -> o_proj input
 
 The backends live in their own files: torch_ops.py (kernels/reference.py behind this interface, and its

@@ -167,3 +167,32 @@ def test_model_card_counts_the_experts_fp8_bytes(qwen3_release) -> None:
     assert card.packed_bytes == sum(t.numel() * t.element_size() for t in experts)
     assert card.weights_bytes(2) == (card.parameters - card.packed_parameters) * 2 + card.packed_bytes
     assert card.weights_bytes(2) < card.parameters * 2
+
+
+def test_dummy_weights_fill_fp8_experts_at_float_magnitudes(qwen3_release) -> None:
+    """--load-format dummy on an FP8 release's config (benches): random codes and block scales whose experts have
+    the float matrices' N(0, 1/sqrt(fan_in)) spread."""
+    from envex.runtime.models import dummy_weights
+    from envex.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    path, _ = qwen3_release
+    model = Qwen3MoeForCausalLM(ModelConfig.from_hf(json.loads((path / "config.json").read_text())),
+                                dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    dummy_weights(model, seed=3)
+    w = model.layers[0].experts.gate_up_matrix().expert(5)  # [2I, H]
+    assert model.layers[0].experts.fp8 and abs(float(w.std()) * 64**0.5 - 1) < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fp8_release_serves_on_cuda_with_graphs(qwen3_release) -> None:
+    """On the GPU, bf16: the Triton backend (FP8 expert GEMVs at decode, replayed from CUDA graphs; the grouped
+    kernels at prefill) against the torch backend on the same checkpoint: logits within bf16 rounding, greedy tokens
+    equal."""
+    path, _ = qwen3_release
+    kw = dict(device="cuda", dtype="bfloat16", max_model_len=64, num_kv_blocks=64)  # a tiny model's pool
+    fast = LLMEngine(EngineConfig(model=str(path), backend="triton", **kw))  # type: ignore[arg-type]
+    ref = LLMEngine(EngineConfig(model=str(path), backend="torch", **kw))  # type: ignore[arg-type]
+    assert fast.runner.decode_graphs is not None and fast.runner.model.layers[0].experts.fp8
+    assert rel_err(fast.full_logits(PROMPTS[0]), ref.full_logits(PROMPTS[0])) < 2e-2
+    assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == [o.token_ids for o in ref.generate(PROMPTS, GREEDY)]
