@@ -99,6 +99,10 @@ class ModelCard(_Card):
     head_dim: int = Field(ge=1)
     max_position_embeddings: int = Field(ge=2)
     quantization: str  # e.g. "Q4_1" (GGUF), "bfloat16" (safetensors)
+    # Of `parameters`, those the engine holds as the checkpoint stores them (packed FP8 / INT4 / MXFP4 weights and
+    # their scales: runtime.packed_load.stored_as_packed), and their bytes; the rest take the serving dtype's bytes.
+    packed_parameters: int = Field(default=0, ge=0)
+    packed_bytes: int = Field(default=0, ge=0)
     defaults: ModelDefaults
     smoke: SmokeTest | None = None
     # Multi-head latent attention (DeepSeek-V2/V3): one latent row a token and layer (kv_lora_rank +
@@ -107,11 +111,6 @@ class ModelCard(_Card):
     # A hybrid model (Qwen3-Next): which layers hold paged K/V, and the per-sequence state of the others. Absent:
     # every layer holds K/V.
     hybrid: HybridCard | None = None
-    # Tensors a checkpoint stores in a low-bit, non-float dtype (FP8 data, INT4 words, MXFP4 blocks, zero points):
-    # their elements (counted in `parameters` too) and their bytes. The engine holds them as stored, packed; every
-    # other tensor it holds in the serving dtype. 0 for a float checkpoint and for GGUF (dequantized at load).
-    packed_elements: int = Field(default=0, ge=0)
-    packed_bytes: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _hybrid_layers_add_up(self) -> ModelCard:
@@ -121,6 +120,11 @@ class ModelCard(_Card):
                              f"linear-attention layers are not num_layers {self.num_layers}")  # fmt: skip
         return self
 
+    def weights_bytes(self, dtype_bytes: int) -> int:
+        """The weights' bytes in memory: the packed ones as stored, every other parameter in the serving dtype
+        (`dtype_bytes` each)."""
+        return (self.parameters - self.packed_parameters) * dtype_bytes + self.packed_bytes
+
     @property
     def kv_layers(self) -> int:
         """The layers holding paged K/V: every one, but a hybrid model's full-attention layers only."""
@@ -129,11 +133,6 @@ class ModelCard(_Card):
     def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
         """A hybrid model's per-sequence state over its linear layers (HybridCard); 0 for any other model."""
         return self.hybrid.state_bytes_per_sequence(dtype_bytes) if self.hybrid is not None else 0
-
-    def weight_bytes(self, dtype_bytes: int) -> int:
-        """The weights' bytes in GPU or CPU memory: the packed tensors as stored, the rest in the serving dtype
-        (`dtype_bytes` an element)."""
-        return (self.parameters - self.packed_elements) * dtype_bytes + self.packed_bytes
 
     def kv_bytes_per_token(self, dtype_bytes: int, kv_cache_dtype: str = "bf16") -> int:
         """K and V bytes of one token over every layer that holds K/V (kv_layers): in the activation dtype

@@ -33,8 +33,10 @@ SMOKE = SmokeTest(prompt="What is the capital of France?", expect="Paris")
 BASE_SMOKE = SmokeTest(prompt="The capital of France is", expect="Paris")
 _SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "F8_E4M3": "fp8_e4m3",
                        "F8_E5M2": "fp8_e5m2", "I8": "int8", "U8": "uint8"}  # fmt: skip
-# Safetensors dtypes that are not floats: the tensors a quantized checkpoint stores packed, held so in memory.
-PACKED_DTYPE_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8}
+
+
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "F8_E8M0": 1, "I8": 1, "U8": 1}  # fmt: skip
 
 
 class ModelFilesError(InstallError):
@@ -116,14 +118,14 @@ def _card(path_in_payload: str, fmt: str, served_name: str, c: Any, parameters: 
         head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings,
         quantization=quantization,
+        packed_parameters=packed[0],
+        packed_bytes=packed[1],
         defaults=ModelDefaults(
             max_model_len=min(DEFAULT_MAX_MODEL_LEN, c.max_position_embeddings), max_num_seqs=DEFAULT_MAX_NUM_SEQS
         ),
         smoke=SMOKE if chat else BASE_SMOKE,
         kv_latent_width=None if c.mla is None else c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,
         hybrid=HybridCard.of(c),
-        packed_elements=packed[0],
-        packed_bytes=packed[1],
     )
 
 
@@ -164,10 +166,17 @@ def _hf_card(folder: Path, served_name: str) -> ModelCard:
     for t in tensors.values():
         dtypes[t.dtype] += t.elements
     quantization = _hf_quantization(folder) or _SAFETENSORS_DTYPES.get(dtypes.most_common(1)[0][0], "unknown")
-    low_bit = [t for t in tensors.values() if t.dtype in PACKED_DTYPE_BYTES]
-    packed = (sum(t.elements for t in low_bit), sum(t.elements * PACKED_DTYPE_BYTES[t.dtype] for t in low_bit))
     return _card(".", "hf", served_name, c, sum(t.elements for t in tensors.values()), quantization,
-                 _has_chat_template(folder), packed)
+                 _has_chat_template(folder), _packed(folder, c, tensors))
+
+
+def _packed(folder: Path, c: Any, tensors: dict[str, TensorHeader]) -> tuple[int, int]:
+    """(elements, bytes) of the tensors the engine keeps as stored (runtime.packed_load.stored_as_packed)."""
+    from envex.runtime.packed_load import stored_as_packed
+
+    hf = json.loads(read_regular_file(folder / "config.json", max_bytes=16 << 20, what="model config"))
+    kept = [tensors[n] for n in stored_as_packed(c, hf, tensors)]
+    return sum(t.elements for t in kept), sum(t.elements * _DTYPE_BYTES.get(t.dtype, 4) for t in kept)
 
 
 def _hf_quantization(folder: Path) -> str | None:

@@ -255,7 +255,7 @@ def make_plan(
         )
     dtype, context = str(engine["dtype"]), int(engine["max_model_len"])
     per_token = mcard.kv_bytes_per_token(DTYPE_BYTES[dtype], kv_cache_dtype)  # in the chosen format
-    weights = mcard.weight_bytes(DTYPE_BYTES[dtype])  # a quantized checkpoint's packed tensors as stored
+    weights = mcard.weights_bytes(DTYPE_BYTES[dtype])  # packed weights (FP8 experts, ...) as stored
     state = mcard.state_bytes_per_sequence(DTYPE_BYTES[dtype]) * state_slots(engine)  # 0 but for a hybrid model
     if mode == "cuda":
         gpu = probe.gpus[0]

@@ -2,7 +2,11 @@
 directly, dequantized tile by tile in registers, with the clamped SwiGLU fused into the first projection.
 Qwen3-MoE's experts run the same kernels: a None bias pointer and a None alpha/limit are constexpr None to Triton,
 which compiles out the bias loads and takes the plain SwiGLU silu(gate) · up (`_expert_act`), so gpt-oss's
-kernels, their signatures and their bits are as before.
+kernels, their signatures and their bits are as before. FP8 releases' experts (Qwen3-30B-A3B-FP8, DeepSeek-V3:
+e4m3 codes with bn x bk block scales, quant.FP8BlockStack) run them too, as the constexpr FP8_BN > 0: the GEMVs
+widen each tile's codes and multiply them by their row's block scale in registers (`_rows_dot`), the grouped
+kernels widen a tile's codes to the activation dtype for the tensor cores and scale each output column's product;
+only the chosen experts' bytes are read.
 
 Two paths, chosen by the number of token rows T (`fused_moe`):
 
@@ -38,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels import mxfp4
+from envex.kernels import mxfp4, quant
 from envex.kernels._common import (
     FLOAT_DTYPES,
     INTERPRETING,
@@ -210,6 +214,25 @@ def _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.cons
 
 
 @triton.jit
+def _rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr, BK: tl.constexpr):
+    """R float or FP8 rows (pointers w_rows [R] to their first value) against K inputs stored as planes at x_base
+    -> [R, GB] float32 partial sums (sum axis 1 for the dots). FP8: s_rows [R] point to each row's first block
+    scale; a step's GB inputs lie in one block of BK columns (GB divides BK), so one scale a row multiplies the
+    widened tile in registers. Float: s_rows None (a constexpr: no scale)."""
+    kk = tl.arange(0, GB)
+    acc = tl.zeros([R, GB], dtype=tl.float32)
+    for k0 in range(0, K, GB):
+        k = k0 + kk
+        k_ok = k < K
+        xv = tl.load(x_base + plane_offsets(k, K), mask=k_ok, other=0.0)
+        wv = tl.load(w_rows[:, None] + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if s_rows is not None:
+            wv = wv * tl.load(s_rows + k0 // BK, mask=row_ok, other=0.0)[:, None]
+        acc += wv * xv[None, :]
+    return acc
+
+
+@triton.jit
 def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: tl.constexpr):
     """x [T, K] -> float32 planes [T, K] (see _plane_loads), one program a row."""
     t = tl.program_id(0).to(tl.int64)
@@ -224,7 +247,8 @@ def _gate_up_tile(
     pid_n, pair, x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr, FP8_BN: tl.constexpr,
+    FP8_BK: tl.constexpr,
 ):  # fmt: skip
     """_gate_up_gemv_kernel's work for its tile (pid_n, pair): returns the token's top_k expert ids."""
     t = pair // TOP_K
@@ -250,16 +274,14 @@ def _gate_up_tile(
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
         acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB)
         y = tl.sum(acc, axis=1)
+    elif FP8_BN > 0:
+        # rows interleave gate and up, and so do their block rows (quant.FP8BlockStack, paired)
+        s_rows = s_ptr + e64 * stride_se + (2 * (r64 // 2 // FP8_BN) + r64 % 2) * ((K + FP8_BK - 1) // FP8_BK)
+        acc = _rows_dot(w_ptr + e64 * stride_we + r64 * stride_wn, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB,
+                        FP8_BK)  # fmt: skip
+        y = tl.sum(acc, axis=1)
     else:
-        kk2 = tl.arange(0, GB)
-        acc = tl.zeros([2 * BLOCK_I, GB], dtype=tl.float32)
-        for k0 in range(0, K, GB):
-            k = k0 + kk2
-            k_ok = k < K
-            xv = tl.load(x_base + plane_offsets(k, K), mask=k_ok, other=0.0)
-            wv = tl.load(w_ptr + e64 * stride_we + r64[:, None] * stride_wn + k[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # fmt: skip
-            acc += wv * xv[None, :]
+        acc = _rows_dot(w_ptr + e64 * stride_we + r64 * stride_wn, None, row_ok, x_base, K, 2 * BLOCK_I, GB, GB)
         y = tl.sum(acc, axis=1)
     # HF rounds the projection (bias included) to the activation dtype before the SwiGLU, and its result too.
     dt = x_ptr.dtype.element_ty  # x itself is not read (its planes are): the dtype HF rounds to
@@ -279,8 +301,8 @@ def _gate_up_gemv_kernel(
     x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr, FP8_BN: tl.constexpr = 0,
+    FP8_BK: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -290,13 +312,14 @@ def _gate_up_gemv_kernel(
     PACKED: w is the expert blocks viewed as int32 words [E, 2I, K/8] (four words = one 32-value group, one
     16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
     thread, and the 8 inputs of each of its words come as 8 tiles of the words' own shape and layout (one 16-byte
-    load each), so no value changes threads. Float: w [E, 2I, K]."""
+    load each), so no value changes threads. FP8_BN > 0: w float8_e4m3fn [E, 2I, K], s its FP8_BN x FP8_BK block
+    scales (quant.FP8BlockStack, paired), each code widened and scaled in registers. Float: w [E, 2I, K]."""
     if USE_PDL:  # everything here depends on the previous kernels: wait at once, let the next one launch
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     _gate_up_tile(tl.program_id(0), tl.program_id(1), x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr,
                   b_ptr, act_ptr, stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha,
-                  limit, K, INTER, E, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_I, GB, PACKED)  # fmt: skip
+                  limit, K, INTER, E, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_I, GB, PACKED, FP8_BN, FP8_BK)  # fmt: skip
 
 
 @triton.jit
@@ -304,7 +327,7 @@ def _down_gemv_kernel(
     act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PACKED: tl.constexpr, FP8_BN: tl.constexpr = 0, FP8_BK: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
@@ -316,7 +339,7 @@ def _down_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     _down_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), act_ptr, ids_ptr, wts_ptr,
                w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr, stride_act, stride_we, stride_wn, stride_se,
-               stride_be, stride_o, N, INTER, TOP_K, BLOCK_N, GB, PACKED)  # fmt: skip
+               stride_be, stride_o, N, INTER, TOP_K, BLOCK_N, GB, PACKED, FP8_BN, FP8_BK)  # fmt: skip
 
 
 @triton.jit
@@ -324,7 +347,7 @@ def _down_tile(
     pid_n, t, slot, n_blocks, act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
 ):  # fmt: skip
     """_down_gemv_kernel's work for its tile (rows pid_n of n_blocks, token t, slot)."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -339,16 +362,12 @@ def _down_tile(
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
         acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB)
         r = tl.sum(acc, axis=1)
+    elif FP8_BN > 0:
+        s_rows = s_ptr + e64 * stride_se + (n64 // FP8_BN) * ((INTER + FP8_BK - 1) // FP8_BK)
+        acc = _rows_dot(w_ptr + e64 * stride_we + n64 * stride_wn, s_rows, n_ok, a_row, INTER, BLOCK_N, GB, FP8_BK)
+        r = tl.sum(acc, axis=1)
     else:
-        kk = tl.arange(0, GB)
-        acc = tl.zeros([BLOCK_N, GB], dtype=tl.float32)
-        for k0 in range(0, INTER, GB):
-            k = k0 + kk
-            k_ok = k < INTER
-            xv = tl.load(a_row + plane_offsets(k, INTER), mask=k_ok, other=0.0)
-            wv = tl.load(w_ptr + e64 * stride_we + n64[:, None] * stride_wn + k[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            acc += wv.to(tl.float32) * xv[None, :]
+        acc = _rows_dot(w_ptr + e64 * stride_we + n64 * stride_wn, None, n_ok, a_row, INTER, BLOCK_N, GB, GB)
         r = tl.sum(acc, axis=1)
     if b_ptr is not None:
         r += tl.load(b_ptr + e64 * stride_be + n64, mask=n_ok, other=0.0).to(tl.float32)
@@ -399,7 +418,7 @@ def _one_launch_kernel(
         top_i = _gate_up_tile(p % gu_blocks, p // gu_blocks, x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w1_ptr,
                               s1_ptr, b1_ptr, act_ptr, stride_xp, stride_l, stride_we1, stride_wn1, stride_se1,
                               stride_be1, stride_act, alpha, limit, K, INTER, E, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_I,
-                              GB1, PACKED)  # fmt: skip
+                              GB1, PACKED, 0, 0)  # fmt: skip
     else:
         top_i, _ = _topk_softmax(logits_ptr, 0, stride_l, E, TOP_K, BLOCK_E, BLOCK_TK)
     if WARM:
@@ -421,7 +440,7 @@ def _one_launch_kernel(
     if p < dn_blocks * TOP_K:
         _down_tile(p % dn_blocks, p * 0, p // dn_blocks, dn_blocks, act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, b2_ptr,
                    part_ptr, count_ptr, out_ptr, stride_act, stride_we2, stride_wn2, stride_se2, stride_be2, stride_o,
-                   K, INTER, TOP_K, BLOCK_N, GB2, PACKED)  # fmt: skip
+                   K, INTER, TOP_K, BLOCK_N, GB2, PACKED, 0, 0)  # fmt: skip
 
 
 _NANOSLEEP = tl.constexpr("{ nanosleep.u32 $1; mov.b32 $0, 0; }")
@@ -569,9 +588,13 @@ def _gate_up_grouped_kernel(
     x_ptr, pairs_ptr, block_expert_ptr, w_ptr, s_ptr, b_ptr, act_ptr,
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
-    BLOCK_K: tl.constexpr, PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    BLOCK_K: tl.constexpr, PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8_BN: tl.constexpr = 0,
+    FP8_BK: tl.constexpr = 0,
 ):  # fmt: skip
-    """One tile of BLOCK_M (token, slot) pairs of one expert × BLOCK_I output pairs: act = swiglu(x @ W^T + b)."""
+    """One tile of BLOCK_M (token, slot) pairs of one expert × BLOCK_I output pairs: act = swiglu(x @ W^T + b).
+    FP8_BN > 0: FP8 codes (quant.FP8BlockStack, paired), widened to x's dtype (exact: e4m3 fits bf16 and fp16),
+    multiplied on the tensor cores, and each output column's block scale applied to the tile's product (BLOCK_K
+    divides FP8_BK: one scale a row of the tile)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -602,6 +625,24 @@ def _gate_up_grouped_kernel(
                 g_w, u_w = g_w.to(x_t.dtype), u_w.to(x_t.dtype)
             acc_g += tl.dot(x_t, tl.trans(g_w))
             acc_u += tl.dot(x_t, tl.trans(u_w))
+        elif FP8_BN > 0:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x_t = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                          other=0.0)  # fmt: skip
+            w_mask = j_ok[:, None] & k_ok[None, :]
+            g_row = w_ptr + e64 * stride_we + (2 * j).to(tl.int64)[:, None] * stride_wn + k[None, :]
+            g_t = tl.load(g_row, mask=w_mask, other=0.0)
+            u_t = tl.load(g_row + stride_wn, mask=w_mask, other=0.0)
+            g_sc = s_ptr + e64 * stride_se + (2 * (j // FP8_BN)) * stride_sn + k0 // FP8_BK  # block rows interleave
+            g_s = tl.load(g_sc, mask=j_ok, other=0.0)
+            u_s = tl.load(g_sc + stride_sn, mask=j_ok, other=0.0)
+            if UPCAST_DOT:
+                x_t, g_t, u_t = x_t.to(tl.float32), g_t.to(tl.float32), u_t.to(tl.float32)
+            else:
+                g_t, u_t = g_t.to(x_t.dtype), u_t.to(x_t.dtype)
+            acc_g += tl.dot(x_t, tl.trans(g_t)) * g_s[None, :]
+            acc_u += tl.dot(x_t, tl.trans(u_t)) * u_s[None, :]
         else:
             kb = k0 // 2 + jj
             k_ok = kb < K // 2
@@ -632,9 +673,10 @@ def _down_grouped_kernel(
     act_ptr, pairs_ptr, block_expert_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8_BN: tl.constexpr = 0, FP8_BK: tl.constexpr = 0,
 ):  # fmt: skip
-    """out[pair, n] = weight[pair] · (act[pair] @ W_e^T + b_e)[n] (float32) for one tile of one expert's pairs."""
+    """out[pair, n] = weight[pair] · (act[pair] @ W_e^T + b_e)[n] (float32) for one tile of one expert's pairs.
+    FP8_BN > 0: as _gate_up_grouped_kernel's FP8 tiles."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -659,6 +701,19 @@ def _down_grouped_kernel(
             else:
                 w_t = w_t.to(a_t.dtype)
             acc += tl.dot(a_t, tl.trans(w_t))
+        elif FP8_BN > 0:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < INTER
+            a_t = tl.load(act_ptr + rows[:, None] * stride_act + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                          other=0.0)  # fmt: skip
+            w_t = tl.load(w_ptr + e64 * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+            sc = tl.load(s_ptr + e64 * stride_se + (n // FP8_BN) * stride_sn + k0 // FP8_BK, mask=n_ok, other=0.0)
+            if UPCAST_DOT:
+                a_t, w_t = a_t.to(tl.float32), w_t.to(tl.float32)
+            else:
+                w_t = w_t.to(a_t.dtype)
+            acc += tl.dot(a_t, tl.trans(w_t)) * sc[None, :]
         else:
             kb = k0 // 2 + jj
             k_ok = kb < INTER // 2
@@ -682,12 +737,25 @@ def _down_grouped_kernel(
 
 # ---- launchers ----------------------------------------------------------------------------------------------
 
-Weights = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # float [E, N, K], or MXFP4 (blocks, scales)
+# float [E, N, K], MXFP4 (blocks, scales), or FP8 block-scaled (quant.FP8BlockStack)
+Weights = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack
+_NO_FP8 = (0, 0)
 
 
 def _weight_args(name: str, w: Weights, n: int, k: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:  # fmt: skip
-    """(w, s, stride_we, stride_wn, stride_se, stride_sn, packed) for the kernels, after checking the shapes."""
+                 ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool, tuple[int, int]]:  # fmt: skip
+    """(w, s, stride_we, stride_wn, stride_se, stride_sn, packed (MXFP4), FP8 block or (0, 0)) for the kernels,
+    after checking the shapes."""
+    if isinstance(w, quant.FP8BlockStack):
+        check(w.shape[1:] == (n, k), f"{name}: FP8 data {list(w.shape)} is not [E, {n}, {k}]")
+        check(w.paired == (name == "gate_up"), f"{name}: an FP8 stack {'with' if w.paired else 'without'} "
+              "interleaved gate/up block rows; gate_up has them, down does not (quant.FP8BlockStack)")  # fmt: skip
+        check(w.data.stride(2) == 1 and w.data.stride(1) == k and w.scale.stride(2) == 1
+              and w.scale.stride(1) == w.scale.shape[2], f"{name}: FP8 data and scales must be contiguous "
+              "within each expert")  # fmt: skip
+        check(w.data.device == device, f"{name}: on another device than x")
+        return (w.data, w.scale, w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1), False,
+                w.block)  # fmt: skip
     if isinstance(w, tuple):
         blocks, scales = w
         mxfp4.check_packed(blocks, scales)
@@ -698,10 +766,10 @@ def _weight_args(name: str, w: Weights, n: int, k: int, device: torch.device
         check(scales.stride(2) == 1 and scales.stride(1) == k // mxfp4.GROUP,
               f"{name}: scales must be contiguous within each expert")  # fmt: skip
         check(blocks.device == device and scales.device == device, f"{name}: on another device than x")
-        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), True
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), True, _NO_FP8
     check_tensor(name, w, ndim=3, dtypes=FLOAT_DTYPES, device=device)
     check(w.shape[1:] == (n, k), f"{name}: shape {tuple(w.shape)} is not [E, {n}, {k}]")
-    return w, w, w.stride(0), w.stride(1), 0, 0, False
+    return w, w, w.stride(0), w.stride(1), 0, 0, False, _NO_FP8
 
 
 def _gemv_words(w: torch.Tensor, stride_we: int, packed: bool) -> tuple[torch.Tensor, int]:
@@ -817,11 +885,11 @@ def fused_moe(
 ) -> torch.Tensor:
     """Σ_k softmax-weighted down(act(gate_up(x))) over each token's top_k experts by `logits` -> [T, H] in x's
     dtype: reference.moe_route (with renormalize) followed by reference.moe_experts. x [T, H] (normed); logits
-    [T, E]; gate_up [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float or MXFP4 (blocks, scales);
-    biases [E, 2I] and [E, H], both or neither (None); activation "swiglu_oai" (with alpha and limit) or "silu"
-    (reference.moe_activation). The GEMV path (T ≤ gemv_max_rows, H and I multiples of 8) only: x_planes, x again
-    as float32 planes (norm.norm_planes writes them; made here otherwise); pdl, launch its kernels as programmatic
-    dependents."""
+    [T, E]; gate_up [E, 2I, H] (rows interleaved gate/up) and down [E, H, I], float, MXFP4 (blocks, scales) or FP8
+    (quant.FP8BlockStack, gate_up paired); biases [E, 2I] and [E, H], both or neither (None); activation
+    "swiglu_oai" (with alpha and limit) or "silu" (reference.moe_activation). The GEMV path (T ≤ gemv_max_rows,
+    H and I multiples of 8) only: x_planes, x again as float32 planes (norm.norm_planes writes them; made here
+    otherwise); pdl, launch its kernels as programmatic dependents."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor("logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
     t, h = x.shape
@@ -835,7 +903,7 @@ def fused_moe(
                         down_bias=down_bias, alpha=alpha, limit=limit, activation=activation,
                         gemv_max_rows=gemv_max_rows, x_planes=x_planes, pdl=pdl)  # fmt: skip
         return (out.float() * top_k_share(logits, top_k)[:, None]).to(out.dtype)
-    inter = (gate_up[0] if isinstance(gate_up, tuple) else gate_up).shape[1] // 2
+    inter = (gate_up[0] if isinstance(gate_up, tuple) else gate_up).shape[1] // 2  # FP8BlockStack has a shape
     check((gate_up_bias is None) == (down_bias is None), "biases: give both gate_up_bias and down_bias, or neither")
     if gate_up_bias is not None and down_bias is not None:
         check_tensor("gate_up_bias", gate_up_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
@@ -845,9 +913,13 @@ def fused_moe(
               f"[{e}, {h}]")  # fmt: skip
     check(h % 2 == 0 and inter % 2 == 0, f"x: hidden {h} and intermediate {inter} must be even")
     check(1 <= top_k <= e, f"top_k: {top_k} must be in 1..{e} experts")
-    w1, s1, we1, wn1, se1, sn1, packed1 = _weight_args("gate_up", gate_up, 2 * inter, h, x.device)
-    w2, s2, we2, wn2, se2, sn2, packed2 = _weight_args("down", down, h, inter, x.device)
-    check(packed1 == packed2, "gate_up/down: both MXFP4 or both float")
+    w1, s1, we1, wn1, se1, sn1, packed1, fp8_1 = _weight_args("gate_up", gate_up, 2 * inter, h, x.device)
+    w2, s2, we2, wn2, se2, sn2, packed2, fp8_2 = _weight_args("down", down, h, inter, x.device)
+    check(packed1 == packed2 and (fp8_1 == _NO_FP8) == (fp8_2 == _NO_FP8),
+          "gate_up/down: both MXFP4, both FP8 or both float")  # fmt: skip
+    # FP8: a GEMV step's inputs and a grouped tile's K lie in one block of columns
+    gemv_k1, gemv_k2 = (min(GEMV_FLOAT_K, fp8_1[1]), min(GEMV_FLOAT_K, fp8_2[1])) if fp8_1 != _NO_FP8 else \
+        (GEMV_FLOAT_K, GEMV_FLOAT_K)  # fmt: skip
     # Without biases the kernels get None pointers (stride 0), with "silu" a None alpha and limit: constexpr
     # None to Triton, which compiles the loads and the clamps out.
     sb1 = gate_up_bias.stride(0) if gate_up_bias is not None else 0
@@ -894,19 +966,20 @@ def fused_moe(
             if programs <= _resident_programs(key, x.device, launch):
                 launch(programs, 0)
                 return out
-        gb1 = GEMV_GROUPS if packed1 else GEMV_FLOAT_K
+        gb1 = GEMV_GROUPS if packed1 else gemv_k1
         _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
             x, xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
             xp.stride(0), logits.stride(0), gwe1, wn1, se1, sb1, act_p.stride(0), a_arg, l_arg,
             K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
-            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, USE_PDL=pdl, num_warps=1,
+            BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, FP8_BN=fp8_1[0], FP8_BK=fp8_1[1],
+            USE_PDL=pdl, num_warps=1,
             **pdl_launch(pdl),
         )  # fmt: skip
         _down_gemv_kernel[(blocks, t, top_k)](
             act_p, ids, wts, gw2, s2, down_bias, part, counters, out,
             act_p.stride(0), gwe2, wn2, se2, sb2, out.stride(0),
-            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else GEMV_FLOAT_K,
-            PACKED=packed2, USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
+            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else gemv_k2,
+            PACKED=packed2, FP8_BN=fp8_2[0], FP8_BK=fp8_2[1], USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
         )  # fmt: skip
         return out
     act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)
@@ -924,15 +997,15 @@ def fused_moe(
     _gate_up_grouped_kernel[(tiles, triton.cdiv(inter, block_i))](
         x, pairs, tile_expert, gw1, s1, gate_up_bias, act,
         x.stride(0), gwe1, wn1, se1, sn1, sb1, act.stride(0), a_arg, l_arg,
-        K=h, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=128 if packed1 else 64,
-        PACKED=packed1, UPCAST_DOT=INTERPRETING, num_warps=warps,
+        K=h, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=128 if packed1 else min(64, gemv_k1),
+        PACKED=packed1, UPCAST_DOT=INTERPRETING, FP8_BN=fp8_1[0], FP8_BK=fp8_1[1], num_warps=warps,
     )  # fmt: skip
     per_pair = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
     _down_grouped_kernel[(tiles, triton.cdiv(h, block_n))](
         act, pairs, tile_expert, wts, gw2, s2, down_bias, per_pair,
         act.stride(0), gwe2, wn2, se2, sn2, sb2, per_pair.stride(0),
-        N=h, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if packed2 else 64, PACKED=packed2,
-        UPCAST_DOT=INTERPRETING, num_warps=warps,
+        N=h, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if packed2 else min(64, gemv_k2),
+        PACKED=packed2, UPCAST_DOT=INTERPRETING, FP8_BN=fp8_2[0], FP8_BK=fp8_2[1], num_warps=warps,
     )  # fmt: skip
     out.copy_(per_pair.view(t, top_k, h).sum(1))  # the top_k slots of each token in a fixed order
     return out

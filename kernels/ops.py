@@ -8,7 +8,7 @@ torch reference):
     linear        projection (+ bias)
     act_linear    SwiGLU + projection
     attention     (q/k RMSNorm) + rotary + KV-cache write + paged causal attention (+ sinks, sliding window)
-    moe           residual add + RMSNorm + router (top-k, softmax) + experts (float or MXFP4) -> (y, new residual)
+    moe           residual add + RMSNorm + router (top-k, softmax) + experts (float, MXFP4, FP8) -> (y, new residual)
     mla_attention latent-row write (kv_a_layernorm + rotary) + latent-cache attention (DeepSeek's MLA) -> o_proj input
 
 The backends live in their own files: torch_ops.py (kernels/reference.py behind this interface, and its
@@ -20,12 +20,13 @@ module imports no backend and no Triton.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from envex.kernels import reference
+from envex.kernels import quant, reference
 from envex.kernels.kv_quant_format import PackedKVCache
 
 
@@ -105,17 +106,22 @@ LayerKVCache = tuple[torch.Tensor, torch.Tensor] | tuple[PackedKVCache, None]
 
 @dataclass(frozen=True, kw_only=True)
 class MoEWeights:
-    """One MoE layer's experts, as the model file owns them: float stacks or MXFP4-packed ones (kernels/mxfp4.py),
-    never both. Rows are outputs (the packed checkpoints' orientation); gate_up's rows interleave gate and up
-    (gate_0, up_0, gate_1, ...), as gpt-oss publishes them. activation: gpt-oss's clamped SwiGLU ("swiglu_oai",
-    with alpha and limit) or the plain silu(gate) · up ("silu", Qwen3-MoE). Biases None: none. renormalize: the
-    chosen experts' weights are the softmax over their k logits (gpt-oss; Qwen3-MoE's norm_topk_prob); False:
-    their probabilities under the softmax over all experts (reference.moe_route)."""
+    """One MoE layer's experts, as the model file owns them: float stacks, MXFP4-packed ones (kernels/mxfp4.py), or
+    FP8 block-scaled ones (gate_up and down float8_e4m3fn with gate_up_scale and down_scale, block bn x bk:
+    kernels.quant.FP8BlockStack gives the layout), one of the three. Rows are outputs (the packed checkpoints'
+    orientation); gate_up's rows interleave gate and up (gate_0, up_0, gate_1, ...), as gpt-oss publishes them.
+    activation: gpt-oss's clamped SwiGLU ("swiglu_oai", with alpha and limit) or the plain silu(gate) · up ("silu",
+    Qwen3-MoE). Biases None: none. renormalize: the chosen experts' weights are the softmax over their k logits
+    (gpt-oss; Qwen3-MoE's norm_topk_prob); False: their probabilities under the softmax over all experts
+    (reference.moe_route)."""
 
     gate_up_bias: torch.Tensor | None = None  # [E, 2I]
     down_bias: torch.Tensor | None = None  # [E, H]
-    gate_up: torch.Tensor | None = None  # [E, 2I, H] float
-    down: torch.Tensor | None = None  # [E, H, I] float
+    gate_up: torch.Tensor | None = None  # [E, 2I, H] float, or float8_e4m3fn with gate_up_scale
+    down: torch.Tensor | None = None  # [E, H, I] float, or float8_e4m3fn with down_scale
+    gate_up_scale: torch.Tensor | None = None  # FP8: float32 [E, 2·ceil(I/bn), ceil(H/bk)] (block rows gate/up)
+    down_scale: torch.Tensor | None = None  # FP8: float32 [E, ceil(H/bn), ceil(I/bk)]
+    block: tuple[int, int] = (128, 128)  # FP8: rows x columns per scale (weight_block_size)
     gate_up_blocks: torch.Tensor | None = None  # [E, 2I, H/32, 16] uint8, with scales [E, 2I, H/32] uint8
     gate_up_scales: torch.Tensor | None = None
     down_blocks: torch.Tensor | None = None  # [E, H, I/32, 16] uint8, with scales [E, H, I/32] uint8
@@ -137,9 +143,21 @@ class MoEWeights:
     def __post_init__(self) -> None:
         packed = (self.gate_up_blocks, self.gate_up_scales, self.down_blocks, self.down_scales)
         floats = (self.gate_up, self.down)
+        fp8 = (self.gate_up_scale, self.down_scale)
         if not (all(t is not None for t in floats) and all(t is None for t in packed)
-                or all(t is None for t in floats) and all(t is not None for t in packed)):
-            raise ValueError("MoEWeights: give gate_up and down as float tensors or all four MXFP4 tensors")
+                and (all(t is None for t in fp8) or all(t is not None for t in fp8))
+                or all(t is None for t in floats + fp8) and all(t is not None for t in packed)):
+            raise ValueError("MoEWeights: give gate_up and down as float tensors, as FP8 ones with gate_up_scale and "
+                             "down_scale, or all four MXFP4 tensors")  # fmt: skip
+        gate_up, down = self.gate_up, self.down
+        if gate_up is not None and down is not None and self.fp8:
+            _ = self._fp8_stacks  # quant.FP8BlockStack checks each stack (one line)
+            e, h, inter = down.shape
+            if tuple(gate_up.shape) != (e, 2 * inter, h):
+                raise ValueError(f"MoEWeights: FP8 gate_up {list(gate_up.shape)} is not [E, 2I, H] = "
+                                 f"{[e, 2 * inter, h]} for down {[e, h, inter]}")  # fmt: skip
+        elif gate_up is not None and down is not None and quant.FP8_DTYPE in (gate_up.dtype, down.dtype):
+            raise ValueError("MoEWeights: FP8 gate_up and down need their block scales (gate_up_scale, down_scale)")
         if self.activation not in reference.MOE_ACTIVATIONS:
             raise ValueError(f"MoEWeights: activation {self.activation!r} is not one of "
                              f"{', '.join(reference.MOE_ACTIVATIONS)}")  # fmt: skip
@@ -153,7 +171,12 @@ class MoEWeights:
 
     @property
     def quantized(self) -> bool:
-        return self.gate_up is None
+        return self.gate_up is None or self.fp8
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 block-scaled experts (gate_up_scale and down_scale given)."""
+        return self.gate_up_scale is not None
 
     def deepseek_route(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek's router on logits [T, E routed] -> (weights [T, top_k + shared], ids [T, top_k + shared] int64):
@@ -173,14 +196,26 @@ class MoEWeights:
         shared = torch.arange(routed, routed + self.shared_experts, device=ids.device).expand(t, -1)
         return torch.cat([weights, weights.new_ones(shared.shape)], 1), torch.cat([ids, shared], 1)
 
-    def gate_up_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The float stack, or the MXFP4 (blocks, scales) pair (what kernels/reference.py takes)."""
+    @functools.cached_property
+    def _fp8_stacks(self) -> tuple[quant.FP8BlockStack, quant.FP8BlockStack]:
+        """(gate_up, down) as FP8 stacks, made (and checked) once."""
+        assert self.gate_up is not None and self.down is not None and self.gate_up_scale is not None
+        assert self.down_scale is not None
+        return (quant.FP8BlockStack(data=self.gate_up, scale=self.gate_up_scale, block=self.block, paired=True),
+                quant.FP8BlockStack(data=self.down, scale=self.down_scale, block=self.block))  # fmt: skip
+
+    def gate_up_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack:
+        """The float stack, the MXFP4 (blocks, scales) pair or the FP8 stack (what kernels/reference.py takes)."""
+        if self.fp8:
+            return self._fp8_stacks[0]
         if self.gate_up is not None:
             return self.gate_up
         assert self.gate_up_blocks is not None and self.gate_up_scales is not None
         return self.gate_up_blocks, self.gate_up_scales
 
-    def down_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def down_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack:
+        if self.fp8:
+            return self._fp8_stacks[1]
         if self.down is not None:
             return self.down
         assert self.down_blocks is not None and self.down_scales is not None

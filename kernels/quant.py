@@ -112,6 +112,59 @@ class PackedWeight:
         return dataclasses.replace(self, data=self.data.to(device), scale=self.scale.to(device), zero=zero)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class FP8BlockStack:
+    """A mixture-of-experts layer's E matrices in fp8_block, stacked as kernels/ops.py MoEWeights holds them: data
+    float8_e4m3fn [E, N, K] and float32 scales, one per bn x bk block of each expert's matrix as the checkpoint
+    stores it (`weight_scale_inv`). Plain (down): scale [E, ceil(N/bn), ceil(K/bk)], row n's scales at row n // bn.
+    paired (gate_up): the rows interleave two matrices of I = N/2 rows each (gate j at row 2j, up j at 2j + 1),
+    each blocked on its own, and the scale rows interleave alike: [E, 2·ceil(I/bn), ceil(K/bk)], the gate's block
+    row b at 2b and the up's at 2b + 1, so row r's scales sit at row 2·(r // 2 // bn) + r % 2 (with I a multiple
+    of bn, as in every release, that is the plain [E, ceil(N/bn), ...] shape). Validated here: an inconsistent
+    stack cannot exist."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int] = (128, 128)
+    paired: bool = False
+
+    def __post_init__(self) -> None:
+        what = "fp8 gate_up experts" if self.paired else "fp8 experts"
+        _fail(self.data.dtype == FP8_DTYPE and self.data.dim() == 3,
+              f"{what}: data must be float8_e4m3fn [E, N, K], got {self.data.dtype} {list(self.data.shape)}")
+        bn, bk = self.block
+        _fail(bn > 0 and bk >= 16 and bk & (bk - 1) == 0,
+              f"{what}: block {list(self.block)} must be [rows > 0, a power of two >= 16 columns]")  # fmt: skip
+        e, n, k = self.data.shape
+        _fail(not self.paired or n % 2 == 0, f"{what}: {n} rows cannot interleave gate and up rows")
+        want = [e, self.scale_rows(n), _cdiv(k, bk)]
+        _fail(self.scale.dtype == torch.float32 and list(self.scale.shape) == want,
+              f"{what}: scale must be float32 {want} for data {list(self.data.shape)} and block {list(self.block)}, "
+              f"got {self.scale.dtype} {list(self.scale.shape)}")  # fmt: skip
+        _fail(self.scale.device == self.data.device, f"{what}: data and scale on different devices")
+
+    def scale_rows(self, n: int) -> int:
+        """Scale rows of an expert of n rows."""
+        bn = self.block[0]
+        return 2 * _cdiv(n // 2, bn) if self.paired else _cdiv(n, bn)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, k = self.data.shape
+        return e, n, k
+
+    def expert(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert e's float matrix [N, K] in dtype (data · scale per block; exact in float64, one rounding in
+        float32, as `dequantize`)."""
+        _, n, k = self.shape
+        bn, bk = self.block
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        r = torch.arange(n, device=self.data.device)
+        rows = 2 * (r // 2 // bn) + r % 2 if self.paired else r // bn
+        cols = torch.arange(k, device=self.data.device) // bk
+        return (self.data[e].to(work) * self.scale[e].to(work)[rows][:, cols]).to(dtype)
+
+
 # ---- the internal INT4 packing ------------------------------------------------------------------------------------
 
 
@@ -362,6 +415,24 @@ def quantize_fp8(w: torch.Tensor, scheme: str = FP8_BLOCK, block: tuple[int, int
     data = (wf / per).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return PackedWeight(scheme=scheme, shape=(n, k), data=data, scale=scale.contiguous(),
                         block=(int(block[0]), int(block[1])) if scheme == FP8_BLOCK else (0, 0))  # fmt: skip
+
+
+def quantize_fp8_stack(w: torch.Tensor, block: tuple[int, int] = (128, 128), *, paired: bool = False
+                       ) -> FP8BlockStack:  # fmt: skip
+    """A float expert stack [E, N, K] -> FP8BlockStack, each expert's matrix by quantize_fp8 (fp8_block); paired
+    (gate_up, rows interleaved gate/up): the gate rows and the up rows each on their own, as a checkpoint stores
+    them."""
+    _fail(w.dim() == 3, f"quantize_fp8_stack: weights must be [E, N, K], got shape {tuple(w.shape)}")
+    e, n, k = w.shape
+    parts = 2 if paired else 1
+    _fail(n % parts == 0, f"quantize_fp8_stack: {n} rows cannot interleave gate and up rows")
+    data = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = torch.empty(e, parts * _cdiv(n // parts, block[0]), _cdiv(k, block[1]), device=w.device)
+    for i in range(e):
+        for p in range(parts):
+            q = quantize_fp8(w[i, p::parts], FP8_BLOCK, block)
+            data[i, p::parts], scale[i, p::parts] = q.data, q.scale
+    return FP8BlockStack(data=data, scale=scale, block=block, paired=paired)
 
 
 def _scale_at_least(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,6 +17,9 @@ import torch
 
 if TYPE_CHECKING:
     from envex.kernels.ops import AttentionMetadata, LinearAttentionLayer
+    from envex.kernels.quant import FP8BlockStack
+
+    ExpertStack = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FP8BlockStack  # expert_matrix's stacks
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -251,23 +254,26 @@ def moe_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: 
     return swiglu_oai(gate_up, alpha, limit)
 
 
-def expert_matrix(w: torch.Tensor | tuple[torch.Tensor, torch.Tensor], e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert e's matrix [N, K] in dtype, from a float stack [E, N, K] or a packed MXFP4 (blocks, scales) pair:
-    only that expert is dequantized (what the kernels do in registers, one tile at a time)."""
+def expert_matrix(w: ExpertStack, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's matrix [N, K] in dtype, from a float stack [E, N, K], a packed MXFP4 (blocks, scales) pair or an
+    FP8 block-scaled stack (quant.FP8BlockStack: data · scale per block): only that expert is dequantized (what the
+    kernels do in registers, one tile at a time)."""
     if isinstance(w, tuple):
         from envex.kernels import mxfp4
 
         return mxfp4.dequantize(w[0][e], w[1][e], dtype)
-    return w[e].to(dtype)
+    if isinstance(w, torch.Tensor):
+        return w[e].to(dtype)
+    return w.expert(e, dtype)
 
 
 def moe_experts(
     x: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    gate_up: ExpertStack,
     gate_up_bias: torch.Tensor | None,
-    down: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    down: ExpertStack,
     down_bias: torch.Tensor | None,
     alpha: float,
     limit: float,
@@ -276,9 +282,9 @@ def moe_experts(
     """Σ_k weights[t, k] · down_e(act(gate_up_e(x[t]))) over each token's chosen experts e = ids[t, k].
 
     x [T, H]; gate_up [E, 2I, H] (rows interleaved gate/up) with bias [E, 2I]; down [E, H, I] with bias [E, H]
-    (None: no bias); either float or MXFP4 (blocks, scales) pairs; act: moe_activation. Each projection, the
-    activation and the weighting round to x's dtype where HF's expert loop does (GptOssExperts.forward,
-    Qwen3MoeExperts.forward), so in bf16 this is HF's arithmetic.
+    (None: no bias); float, MXFP4 (blocks, scales) pairs or FP8 stacks (expert_matrix); act: moe_activation.
+    Each projection, the activation and the weighting round to x's dtype where HF's expert loop does
+    (GptOssExperts.forward, Qwen3MoeExperts.forward), so in bf16 this is HF's arithmetic.
     """
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():

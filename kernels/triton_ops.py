@@ -16,8 +16,8 @@ Each entry point picks its kernel from the rows it is given:
 - a packed KV cache (int4, fp8; kv_quant.py): the packed write kernel and the packed paged attention, for every
   step;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
-  expert projections, MXFP4 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's plain
-  SwiGLU without, compiled as variants of the same kernels).
+  expert projections, MXFP4 or FP8 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's
+  plain SwiGLU without, compiled as variants of the same kernels).
 invariant_ops.py is the batch-invariant path on the same kernels (the deterministic mode).
 The model file never sees these choices; the gates prove the result equals TorchOps.
 """

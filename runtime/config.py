@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+# defined in runtime/errors.py (quant_config.py, which this module calls, raises it too); read from here
+from envex.runtime.errors import ConfigError as ConfigError
+
 # architectures name -> (qkv bias default, q/k norm). The Llama family shares one model file (models/llama.py)
 # and differs only in these switches, read from the config where it states them; gpt-oss has its own file
 # (models/gpt_oss.py) and the MoE, sink, window and quantization fields below; Qwen3-MoE (models/qwen3_moe.py) is
@@ -33,10 +36,6 @@ QWEN3_NEXT = "Qwen3NextForCausalLM"
 _GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                  "original_max_position_embeddings": 4096}
 QUANT_METHODS = ("mxfp4",)
-
-
-class ConfigError(ValueError):
-    """A model's configuration cannot be served; the message says which field and what to do."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +83,11 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_experts: int = 0  # always-on experts, each intermediate_size wide (DeepSeek's shared_experts MLP, split)
+    # FP8 experts (a quantization_config "fp8" checkpoint, runtime/quant_config.fp8_experts): the layers whose
+    # experts are stored FP8 with fp8_block (rows, cols) block scales, loaded and served so (kernels.ops.MoEWeights);
+    # the other sparse layers' experts are float (left so by modules_to_not_convert).
+    fp8_block: tuple[int, int] | None = None
+    fp8_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -323,12 +327,25 @@ def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("hidden_act", "silu") != "silu":
         raise ConfigError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported for Qwen3-MoE; "
                           "supported: silu")  # fmt: skip
-    if cfg.get("quantization_config"):
-        raise ConfigError("config.json: quantized Qwen3-MoE checkpoints are not supported yet; use the bf16 or "
-                          "float32 checkpoint")  # fmt: skip
     dense_layers = tuple(i for i in range(layers) if i in dense or (i + 1) % step)
+    block, fp8_layers = _fp8_experts(cfg, layers, dense_layers, experts)
     return dict(moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width, activation="silu",
-                              norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense_layers))
+                              norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense_layers,
+                              fp8_block=block, fp8_layers=fp8_layers))
+
+
+def _fp8_experts(cfg: dict[str, Any], layers: int, dense: tuple[int, ...], experts: int, shared: bool = False
+                 ) -> tuple[tuple[int, int] | None, tuple[int, ...]]:  # fmt: skip
+    """A quantized MoE checkpoint's FP8 experts (runtime/quant_config.fp8_experts: its block and layers; one
+    ConfigError for a scheme the expert kernels do not read). shared: DeepSeek's shared_experts MLP, loaded as more
+    experts, counts as one of them."""
+    if not cfg.get("quantization_config"):
+        return None, ()
+    from envex.runtime.quant_config import fp8_experts  # (quant_config imports runtime.errors, not this module)
+
+    names = [f"experts.{e}.{p}_proj" for e in range(experts) for p in ("gate", "up", "down")]
+    names += [f"shared_experts.{p}_proj" for p in ("gate", "up", "down")] if shared else []
+    return fp8_experts(cfg, {i: [f"model.layers.{i}.mlp.{n}" for n in names] for i in range(layers) if i not in dense})
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -387,9 +404,11 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
     if cfg.get("attention_bias"):
         raise ConfigError(f"config.json: attention_bias true is not supported for {arch}; no published checkpoint "
                           "has it")  # fmt: skip
-    if cfg.get("quantization_config"):
-        raise ConfigError(f"config.json: quantized (FP8) {arch} checkpoints are not supported yet; use a bf16 or "
-                          "float32 checkpoint")  # fmt: skip
+    inter = _positive(cfg, "moe_intermediate_size", 2048 if v3 else 1407)
+    block, fp8_layers = _fp8_experts(cfg, layers, tuple(range(first_dense)), experts, shared=shared > 0)
+    if block is not None and shared > 1 and (inter % block[0] or inter % block[1]):
+        raise ConfigError(f"config.json: moe_intermediate_size {inter} is not a whole number of FP8 blocks "
+                          f"{list(block)}, which splitting {shared} shared experts needs; serve a bf16 checkpoint")
     scale = (nope + rope) ** -0.5
     if yarn.get("mscale_all_dim"):  # HF yarn_apply_mscale: the scale of the whole q·k, not only the rotary dims
         scale *= _yarn_mscale(float(yarn["factor"]), float(yarn["mscale_all_dim"])) ** 2
@@ -402,12 +421,11 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
         mla=MLAConfig(q_lora_rank=q_lora, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                       v_head_dim=v_dim, interleaved=bool(cfg.get("rope_interleave", True)) if v3 else True,
                       softmax_scale=scale),
-        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=_positive(cfg, "moe_intermediate_size",
-                      2048 if v3 else 1407), activation="silu",
+        moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, activation="silu",
                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
                       dense_layers=tuple(range(first_dense)), scoring=supported[(method, scoring_func)],
                       n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(routed_scale),
-                      shared_experts=shared),
+                      shared_experts=shared, fp8_block=block, fp8_layers=fp8_layers),
     )  # fmt: skip
 
 

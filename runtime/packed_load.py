@@ -9,6 +9,10 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
   scheme is its one-line ConfigError): each quantized layer's tensors are read into a PackedWeight as they are
   stored, never dequantized. The model's float parameter for it is replaced by a meta tensor before the load, so
   its float copy is never filled (the model's own load_weights still checks every name and shape).
+- A quantized MoE checkpoint (Qwen3-MoE, DeepSeek; quantization_config "fp8"): the model file takes its FP8
+  experts and their block scales by their own names, kept packed (MoEConfig.fp8_layers, kernels.ops.MoEWeights);
+  its other quantized projections (attention, dense MLPs, shared ones) are dequantized here to the model's dtype
+  as they stream in (`load_dequantized`): the packed projections above are the Llama family's.
 - A float model and a weights policy (runtime/weight_policy.py, EngineConfig.weights): the model loads as usual,
   then each projection the policy names is quantized by kernels/quant.py's quantizers, part by part (q, k, v
   each, as verify/weight_quality.py measures them) and concatenated.
@@ -16,15 +20,17 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
 from envex.kernels import quant
 from envex.kernels.backends import Backend
-from envex.runtime.config import ConfigError
+from envex.runtime.config import ConfigError, ModelConfig
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import dummy_weights
 from envex.runtime.models.llama import LlamaForCausalLM
@@ -133,11 +139,77 @@ def load_quantized(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
     return done
 
 
+def load_dequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig,
+                     device: torch.device) -> dict[str, str]:  # fmt: skip
+    """Load a quantized checkpoint into a model that takes some of its layers packed itself (their block scales are
+    among its expected_weight_names: an MoE model's FP8 experts): those tensors go to the model as they are; every
+    other quantized layer's tensors (an FP8 weight, its scales) are read (load_packed: each checked) and handed
+    over as `<module>.weight`, dequantized to the model's float parameter dtype. Returns our parameter name ->
+    scheme for what stays packed."""
+    expected = model.expected_weight_names()  # type: ignore[operator]
+    own = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_scale_inv")}  # modules taken as stored
+    dtype = model.embed_tokens_weight.dtype  # type: ignore[union-attr]
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> suffix -> tensor, until its layer is whole
+    done: set[str] = set()
+
+    def stream() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            module, _, suffix = name.rpartition(".")
+            if module in own and suffix == "input_scale":
+                continue  # a static activation scale: read and unused (activations stay in the model's dtype)
+            scheme = None if module in own else qc.scheme_for(module)  # "Linear" targets embeddings and norms too:
+            names = () if scheme is None else (*scheme.tensor_names(), *scheme.optional_tensor_names())
+            if suffix not in names or (suffix == "weight" and tensor.dtype != quant.FP8_DTYPE):  # a float weight
+                yield name, tensor
+            elif module in done:  # an optional tensor after the layer was read (input_scale: unused)
+                if suffix not in scheme.optional_tensor_names():
+                    raise ConfigError(f"{module}: unexpected tensor {name} after its {scheme.kind} weight was read")
+            else:
+                parts = pending.setdefault(module, {})
+                parts[suffix] = tensor.to(device)
+                if all(n in parts for n in scheme.tensor_names()):
+                    done.add(module)
+                    pw = load_packed(scheme, pending.pop(module), module=module)
+                    yield f"{module}.weight", quant.dequantize(pw, dtype)
+        for module, parts in pending.items():  # a layer missing a tensor: load_packed names it
+            load_packed(qc.scheme_for(module), parts, module=module)  # type: ignore[arg-type]
+
+    model.load_weights(stream())  # type: ignore[operator]
+    return {name: quant.FP8_BLOCK for name, p in model.named_parameters() if p.dtype == quant.FP8_DTYPE}
+
+
+def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: Iterable[str]) -> set[str]:
+    """Of a checkpoint's tensor names, those the engine holds in memory as they are stored (the rest it holds in
+    the model's float dtype), for the install plan's byte count: a quantized Llama-family checkpoint's quantized
+    projections (load_quantized), an MoE checkpoint's FP8 experts and their scales (MoEConfig.fp8_layers) and
+    gpt-oss's MXFP4 experts."""
+    if config.quantization == "mxfp4":
+        return {n for n in names if n.endswith(("_blocks", "_scales"))}
+    qc = quant_config_from_hf(hf_config)
+    if qc is None:
+        return set()
+    if config.moe is not None:
+        fp8 = set(config.moe.fp8_layers)
+        return {n for n in names if (m := _EXPERT_TENSOR.match(n)) is not None and int(m.group(1)) in fp8}
+    kept = set()
+    for name in names:
+        module, _, suffix = name.rpartition(".")
+        scheme = qc.scheme_for(module) if module.rpartition(".")[2] in LINEARS else None
+        if scheme is not None and suffix in (*scheme.tensor_names(), *scheme.optional_tensor_names()):
+            kept.add(name)
+    return kept
+
+
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.(?:shared_)?experts\.")
+
+
 def build_device(loaded: LoadedModel, load_format: str, device: torch.device) -> torch.device:
-    """Where to build the model: the meta device for a quantized checkpoint, so the float copies of the
-    projections it brings packed are never allocated (load_quantized allocates the rest); else `device`."""
+    """Where to build the model: the meta device for a quantized Llama-family checkpoint, so the float copies of
+    the projections it brings packed are never allocated (load_quantized allocates the rest); else `device` (an
+    MoE model builds its FP8 experts as such, MoEConfig.fp8_layers, and holds views of some parameters, which a
+    meta build would leave behind)."""
     quantized = load_format != "dummy" and quant_config_from_hf(loaded.hf_config) is not None
-    return torch.device("meta") if quantized else device
+    return torch.device("meta") if quantized and loaded.config.moe is None else device
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
@@ -194,6 +266,9 @@ def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: st
         raise ConfigError(f"weights policy: {loaded.source.name} is already quantized (quantization_config "
                           f"{qc.method}); serve it without --weights (engine.weights)")  # fmt: skip
     what = f"quantization_config {qc.method}" if qc is not None else f"weights policy {weights}"
+    if qc is not None and getattr(getattr(model, "config", None), "moe", None) is not None:
+        # an MoE checkpoint (ModelConfig.from_hf refused any scheme its experts cannot be served in)
+        return load_dequantized(model, loaded.iter_weights(), qc, device)
     if qc is not None or policy is not None:
         packable(model, what)  # before any weight is read
     if (qc is not None or policy is not None) and not backend.capabilities.packed_weights:

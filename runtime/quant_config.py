@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from envex.kernels import quant
-from envex.runtime.config import ConfigError
+from envex.runtime.errors import ConfigError
 
 FP8, COMPRESSED_TENSORS, AWQ, GPTQ = "fp8", "compressed-tensors", "awq", "gptq"
 SUPPORTED_METHODS = (FP8, COMPRESSED_TENSORS, AWQ, GPTQ)
@@ -373,6 +373,62 @@ def _ct_activations(acts: Any, where: str) -> str:
     if acts.get("type", "int") != "float" or acts.get("num_bits", 8) != 8:
         raise _fail(f"{where}.input_activations: only FP8 activations are recognised (served unquantized)")
     return "static" if acts.get("dynamic", False) is False else "dynamic"
+
+
+# ---- MoE experts -----------------------------------------------------------------------------------------------
+
+
+def fp8_experts(cfg: Mapping[str, Any], layers: Mapping[int, list[str]]) -> tuple[tuple[int, int] | None,
+                                                                                  tuple[int, ...]]:  # fmt: skip
+    """An MoE checkpoint's experts: (the FP8 block they are stored in, the sparse layers whose experts are so
+    stored), or (None, ()) for a float checkpoint. layers: each sparse layer -> its experts' HF module names. The
+    expert kernels read FP8 block-scaled experts (quant_method "fp8") only: any other scheme of an expert, or a
+    layer whose experts are partly left in float (modules_to_not_convert), is one ConfigError."""
+    qc = quant_config_from_hf(cfg)
+    if qc is None:
+        return None, ()
+    block: tuple[int, int] | None = None
+    fp8_layers = []
+    for i, modules in layers.items():
+        schemes = _layer_schemes(qc, modules)
+        if schemes == {None}:
+            continue  # the checkpoint keeps this layer's experts in float
+        if None in schemes:
+            raise _fail(f"layer {i}'s experts are partly quantized, partly left in float (modules_to_not_convert / "
+                        "ignore); quantize a layer's experts alike")  # fmt: skip
+        scheme = schemes.pop()
+        if schemes or scheme.kind != quant.FP8_BLOCK or scheme.layout != FP8_DEEPSEEK:
+            raise _fail(f"{qc.method} {scheme.kind} MoE experts are not supported; the expert kernels read FP8 "
+                        "block-scaled experts (quant_method fp8, weight_block_size [128, 128])")  # fmt: skip
+        if scheme.block[1] < 16 or (block is not None and scheme.block != block):
+            raise _fail(f"fp8 weight_block_size {list(scheme.block)} is not supported for MoE experts; use blocks "
+                        "of 16 or more columns, one size for every layer")  # fmt: skip
+        block = scheme.block
+        fp8_layers.append(i)
+    return block, tuple(fp8_layers)
+
+
+def _layer_schemes(qc: QuantConfig, modules: list[str]) -> set[WeightScheme | None]:
+    """{qc.scheme_for(m) for m in modules}, fast where no ignore pattern can match any of them (DeepSeek-V3 has
+    44,544 expert modules, checked against each of its ignore patterns in 3 s one by one): an exact name or a
+    substring pattern (fp8's modules_to_not_convert) that is in none of the names matches none of them."""
+    joined = "\n".join(modules)
+    if len(qc.groups) == 1 and qc.groups[0][0] == ("Linear",) and all(
+            (lit := _literal(p)) is not None and lit not in joined for p in qc.ignore):  # fmt: skip
+        return {qc.groups[0][1]}
+    return {qc.scheme_for(m) for m in modules}
+
+
+def _literal(pattern: str) -> str | None:
+    """The text every name an ignore pattern matches contains: an exact name, or the literal of a substring
+    pattern ("re:.*" and an escaped literal, _substring_pattern); None for any other regular expression."""
+    if not pattern.startswith("re:"):
+        return pattern
+    rest = pattern[len("re:.*") :] if pattern.startswith("re:.*") else None
+    if rest is None:
+        return None
+    lit = re.sub(r"\\(.)", r"\1", rest)
+    return lit if "\n" not in lit and re.escape(lit) == rest else None
 
 
 # ---- reading one layer's tensors -------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ def test_fused_moe_rejects_bad_inputs() -> None:
     x, logits = torch.randn(2, 64, device=DEV), torch.randn(2, 4, device=DEV)
     with pytest.raises(ValueError, match="top_k: 5 must be in 1..4"):
         _moe(x, logits, 5, (gu, bg, dn, bd))
-    with pytest.raises(ValueError, match="gate_up/down: both MXFP4 or both float"):
+    with pytest.raises(ValueError, match="gate_up/down: both MXFP4, both FP8 or both float"):
         _moe(x, logits, 2, (gu, bg, torch.randn(4, 64, 32, device=DEV), bd))
     with pytest.raises(ValueError, match="mxfp4: blocks"):
         _moe(x, logits, 2, ((gu[0][..., :8], gu[1]), bg, dn, bd))

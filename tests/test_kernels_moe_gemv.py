@@ -56,26 +56,31 @@ def test_gemv_decodes_every_code_in_every_nibble() -> None:
 # launcher specializes gpt-oss's. Per kernel: 16-byte weight and input-plane loads, the PTX widening of both
 # halves, no local memory (spills), no shared-memory layout conversion in the GEMVs' K loop (weights and inputs
 # share one layout: verify/lab/journal-kernels.md), PDL, and the grouped prefill tile on wgmma.
-_AOT = r"""
+# AOT_PTX: the compile step, shared with tests/test_kernels_moe_fp8.py's FP8 variants.
+AOT_PTX = r"""
 import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from envex.kernels import moe_mxfp4 as m
 
-def build(fn, args, consts, warps):
+def ptx_of(fn, args, consts, warps):
     sig = {**args, **{k: "constexpr" for k in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("stride")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    ptx = k.asm["ptx"]
+    return k.asm["ptx"]
+"""
+_AOT = AOT_PTX + r"""
+def build(fn, args, consts, warps):
+    ptx = ptx_of(fn, args, consts, warps)
     return {"v4": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx)), "cvt": ptx.count("cvt.f32.f16"),
             "local": len(re.findall(r"(?:ld|st)\.local", ptx)), "wgmma": "wgmma.mma_async" in ptx,
             "lds": len(re.findall(r"ld\.shared", ptx)), "pdl": "griddepcontrol.wait" in ptx}
 
 w = dict(w_ptr="*i32", s_ptr="*u8", b_ptr="*bf16")
 st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
-gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True)
+gemv = dict(BLOCK_TK=4, GB=m.GEMV_GROUPS, PACKED=True, FP8_BN=0, FP8_BK=0, USE_PDL=True)
 out = {
     "gate_up": build(m._gate_up_gemv_kernel, dict(x_ptr="*bf16", xp_ptr="*fp32", logits_ptr="*bf16",
                      ids_ptr="*i32", wts_ptr="*fp32", **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st,
@@ -84,11 +89,11 @@ out = {
     "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
                   count_ptr="*i32", out_ptr="*bf16",
                   stride_act="i32", **st, stride_o="i32"), dict(N=2880, INTER=2880, TOP_K=4,
-                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, USE_PDL=True), 1),
+                  BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, PACKED=True, FP8_BN=0, FP8_BK=0, USE_PDL=True), 1),
     "down_grouped": build(m._down_grouped_kernel, dict(act_ptr="*bf16", pairs_ptr="*i32", block_expert_ptr="*i32",
                           wts_ptr="*fp32", **w, out_ptr="*fp32", stride_act="i32", **st, stride_sn="i32",
                           stride_o="i32"), dict(N=2880, INTER=2880, BLOCK_M=128, BLOCK_N=64, BLOCK_K=128,
-                          PACKED=True, UPCAST_DOT=False), 8),
+                          PACKED=True, UPCAST_DOT=False, FP8_BN=0, FP8_BK=0), 8),
 }
 print(json.dumps(out))
 """

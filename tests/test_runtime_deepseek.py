@@ -211,7 +211,8 @@ def test_published_moonlight_config() -> None:
     for change, message in (
         ({"topk_method": "greedy"}, "topk_method 'greedy' with scoring_func 'sigmoid' is not supported for Deepseek"),
         ({"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "quantized \\(FP8\\) DeepseekV3ForCausalLM checkpoints"),
+        ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 256]}},
+         r"moe_intermediate_size 1408 is not a whole number of FP8 blocks \[128, 256\], which splitting 2 shared"),
         ({"n_group": 3}, "n_group 3 must divide n_routed_experts 64"),
         ({"kv_lora_rank": 0}, "kv_lora_rank must be a positive integer, got 0"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for DeepseekV3ForCausalLM"),

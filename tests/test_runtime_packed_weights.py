@@ -317,7 +317,7 @@ def test_packed_checkpoint_serves_on_cuda_with_graphs(tmp_path: Path, layout: st
 
 @pytest.mark.parametrize("layout", ["fp8-block", "ct-fp8-channel", "awq", "ct-pack-int4"])
 def test_model_card_counts_a_quantized_checkpoint_as_the_engine_holds_it(tmp_path: Path, layout: str) -> None:
-    """The install plan's weight bytes (ModelCard.weight_bytes: packed tensors as stored, the rest in the serving
+    """The install plan's weight bytes (ModelCard.weights_bytes: packed tensors as stored, the rest in the serving
     dtype) are what the loaded engine holds, within the scales' and zero points' widening (a few %). For FP8 that is
     well under the count a plan used before (every stored element in the serving dtype); for INT4, whose words
     hold 8 weights an element, that count was under what the engine holds."""
@@ -330,10 +330,10 @@ def test_model_card_counts_a_quantized_checkpoint_as_the_engine_holds_it(tmp_pat
     for module in model.modules():
         for pw in [v for v in vars(module).values() if isinstance(v, quant.PackedWeight)]:
             held += sum(t.numel() * t.element_size() for t in (pw.data, pw.scale, pw.zero) if t is not None)
-    assert card.packed_elements > 0 and card.packed_bytes > 0
-    assert card.weight_bytes(4) == pytest.approx(held, rel=0.05), (card.weight_bytes(4), held)
+    assert card.packed_parameters > 0 and card.packed_bytes > 0
+    assert card.weights_bytes(4) == pytest.approx(held, rel=0.05), (card.weights_bytes(4), held)
     if "fp8" in layout:
-        assert card.weight_bytes(4) < 0.8 * card.parameters * 4
+        assert card.weights_bytes(4) < 0.8 * card.parameters * 4
 
 
 def test_model_card_of_a_float_checkpoint_counts_every_parameter_in_the_serving_dtype(tmp_path: Path) -> None:
@@ -341,5 +341,5 @@ def test_model_card_of_a_float_checkpoint_counts_every_parameter_in_the_serving_
 
     _, fpath = _checkpoints(tmp_path, "fp8-block")
     card = card_for_model(fpath, "tiny")
-    assert (card.packed_elements, card.packed_bytes) == (0, 0)
-    assert card.weight_bytes(2) == card.parameters * 2
+    assert (card.packed_parameters, card.packed_bytes) == (0, 0)
+    assert card.weights_bytes(2) == card.parameters * 2

@@ -170,7 +170,8 @@ def test_published_30b_a3b_config() -> None:
     assert ModelConfig.from_hf({**QWEN3_30B_A3B, "decoder_sparse_step": 3, "mlp_only_layers": [4]}).moe.dense_layers \
         == tuple(sorted({4} | {i for i in range(48) if (i + 1) % 3}))  # fmt: skip
     for change, message in (({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported for Qwen3-MoE"),
-                            ({"quantization_config": {"quant_method": "fp8"}}, "quantized Qwen3-MoE checkpoints"),
+                            ({"quantization_config": {"quant_method": "gptq", "bits": 4}},
+                             "gptq int4_group MoE experts are not supported"),
                             ({"mlp_only_layers": [48]}, "mlp_only_layers must list layer indices in 0..47"),
                             ({"num_experts_per_tok": 129}, "num_experts_per_tok \\(129\\) must be in 1..")):
         with pytest.raises(ConfigError, match=message):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from envex.kernels import mxfp4
+from envex.kernels import mxfp4, quant
 from envex.runtime.config import (
     DEEPSEEK_V2,
     DEEPSEEK_V3,
@@ -50,7 +50,8 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights with realistic magnitudes, made on the model's device (vLLM's --load-format dummy): norm
     weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers;
-    MXFP4-packed matrices (`X_blocks` with `X_scales`) random codes at that same magnitude."""
+    MXFP4-packed matrices (`X_blocks` with `X_scales`) and FP8 ones (`X` with `X_scale`) random codes at that same
+    magnitude."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     params = dict(model.named_parameters())
     for name, param in params.items():
@@ -58,6 +59,11 @@ def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             mxfp4.fill_random_(param, params[name.removesuffix("_blocks") + "_scales"], gen)
         elif name.endswith("_scales") and param.dtype == torch.uint8:
             continue  # filled with its blocks
+        elif param.dtype == quant.FP8_DTYPE:  # FP8 experts: codes N(0, 1), their block scales 1/sqrt(fan_in)
+            param.copy_(torch.randn(param.shape, generator=gen, device=param.device).to(param.dtype))
+            params[f"{name}_scale"].fill_(param.shape[-1] ** -0.5)
+        elif name.endswith("_scale") and params.get(name.removesuffix("_scale"), param).dtype == quant.FP8_DTYPE:
+            continue  # filled with its codes
         elif name.endswith("norm_weight"):
             param.fill_(1.0)
         elif param.dim() == 1:

@@ -9,10 +9,12 @@ tensor parallelism and gathers the logits).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
+from envex.kernels import quant
 from envex.kernels.ops import AttentionMetadata, LayerKVCache, Ops
 from envex.runtime.config import ModelConfig
 
@@ -20,6 +22,33 @@ from envex.runtime.config import ModelConfig
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     """An uninitialised, frozen parameter (weights are copied in by load_weights or dummy_weights)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def expert_stacks(layer: nn.Module, experts: int, inter: int, hidden: int, *, dtype: torch.dtype,
+                  device: torch.device, fp8_block: tuple[int, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Give an MoE layer its expert stacks, gate_up_proj [E, 2I, H] (rows gate_0, up_0, gate_1, ...) and down_proj
+    [E, H, I]: in dtype, or with fp8_block (MoEConfig.fp8_layers) float8_e4m3fn as the checkpoint stores them, with
+    their float32 block scales gate_up_proj_scale and down_proj_scale (kernels.quant.FP8BlockStack's layout).
+    Returns them as MoEWeights' fields."""
+    if fp8_block is None:
+        layer.gate_up_proj = param(experts, 2 * inter, hidden, dtype=dtype, device=device)
+        layer.down_proj = param(experts, hidden, inter, dtype=dtype, device=device)
+        return dict(gate_up=layer.gate_up_proj, down=layer.down_proj)
+    bn, bk = fp8_block
+    layer.gate_up_proj = param(experts, 2 * inter, hidden, dtype=quant.FP8_DTYPE, device=device)
+    layer.down_proj = param(experts, hidden, inter, dtype=quant.FP8_DTYPE, device=device)
+    layer.gate_up_proj_scale = param(experts, 2 * -(-inter // bn), -(-hidden // bk), dtype=torch.float32, device=device)
+    layer.down_proj_scale = param(experts, -(-hidden // bn), -(-inter // bk), dtype=torch.float32, device=device)
+    return dict(gate_up=layer.gate_up_proj, down=layer.down_proj, gate_up_scale=layer.gate_up_proj_scale,
+                down_scale=layer.down_proj_scale, block=fp8_block)  # fmt: skip
+
+
+def expert_tensor(layer: nn.Module, proj: str, suffix: str) -> torch.Tensor | None:
+    """The stack a checkpoint's expert tensor `...{proj}_proj.{suffix}` goes into: gate_up_proj or down_proj
+    ("weight"), or their block scales ("weight_scale_inv", FP8 experts only; None for float ones). An expert's
+    slice of a scale stack is taken as of the weight stack (the scale rows interleave gate and up as the rows)."""
+    name = "down_proj" if proj == "down" else "gate_up_proj"
+    return getattr(layer, name if suffix == "weight" else f"{name}_scale", None)
 
 
 class DecoderStack:

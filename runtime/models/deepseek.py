@@ -14,7 +14,8 @@ routed to them with weight 1 (ops.deepseek_route), so one expert pass computes b
 
 HF reference: transformers/models/deepseek_v3/modeling_deepseek_v3.py (and deepseek_v2). Parameter names are HF's;
 the checkpoint holds each expert as `mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up
-stacks as in models/qwen3_moe.py. The router and e_score_correction_bias stay float32, as HF keeps them.
+stacks as in models/qwen3_moe.py (FP8 releases' experts, shared ones included, kept FP8 as there). The router and
+e_score_correction_bias stay float32, as HF keeps them.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from torch import nn
 
 from envex.kernels.ops import MLA, MOE, AttentionMetadata, MLALayer, MoEWeights, Ops
 from envex.runtime.config import DEEPSEEK_V3, ModelConfig
-from envex.runtime.models.decoder import DecoderStack, param
+from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_SHARED = re.compile(r"mlp\.shared_experts\.(gate|up|down)_proj\.weight")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)")
+_SHARED = re.compile(r"mlp\.shared_experts\.(gate|up|down)_proj\.(weight|weight_scale_inv)")
 _LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them without the config's eps
 _DIRECT = {
     "input_layernorm.weight": "input_layernorm_weight",
@@ -83,9 +84,9 @@ class DeepseekLayer(nn.Module):
             self.router_weight = param(e, h, dtype=torch.float32, device=device)
             self.e_score_correction_bias = (param(e, dtype=torch.float32, device=device)
                                             if c.architecture == DEEPSEEK_V3 else None)  # fmt: skip
-            self.gate_up_proj = param(stack, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, ...
-            self.down_proj = param(stack, h, inter, dtype=dtype, device=device)
-            self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
+            fp8 = moe.fp8_block if index in moe.fp8_layers else None  # FP8 experts (shared ones too), kept so
+            stacks = expert_stacks(self, stack, inter, h, dtype=dtype, device=device, fp8_block=fp8)
+            self.experts = MoEWeights(**stacks, activation="silu",
                                       renormalize=moe.norm_topk_prob, scoring=moe.scoring,
                                       correction_bias=self.e_score_correction_bias, n_group=moe.n_group,
                                       topk_group=moe.topk_group, scaling=moe.routed_scaling_factor,
@@ -127,17 +128,20 @@ def _layer_target(c: ModelConfig, layer: DeepseekLayer, rest: str) -> tuple[torc
     if rest == "self_attn.kv_b_proj.weight":
         return layer.kv_b_proj, (layer.kv_b_proj.shape[0] * layer.kv_b_proj.shape[1], m.kv_lora_rank)
     expert = _EXPERT.fullmatch(rest)
-    if layer.sparse and expert is not None and int(expert.group(1)) < moe.num_experts:
+    stack = expert_tensor(layer, expert.group(2), expert.group(3)) if layer.sparse and expert else None
+    if expert is not None and stack is not None and int(expert.group(1)) < moe.num_experts:
         e, proj = int(expert.group(1)), expert.group(2)
-        view = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+        view = stack[e] if proj == "down" else stack[e, (proj == "up") :: 2]
         return view, tuple(view.shape)
     shared = _SHARED.fullmatch(rest)
-    if layer.sparse and shared is not None and moe.shared_experts:
-        first, inter, s = moe.num_experts, moe.intermediate_size, moe.shared_experts
+    stack = expert_tensor(layer, shared.group(1), shared.group(2)) if layer.sparse and shared else None
+    if shared is not None and stack is not None and moe.shared_experts:
+        first, s = moe.num_experts, moe.shared_experts  # (FP8 scales: the same split, in blocks)
         if shared.group(1) == "down":  # [H, S·I] -> S experts' [H, I]
-            return layer.down_proj[first:].permute(1, 0, 2), (c.hidden_size, s * inter)
-        view = layer.gate_up_proj[first:, (shared.group(1) == "up") :: 2]  # [S, I, H] from [S·I, H]
-        return view, (s * inter, c.hidden_size)
+            view = stack[first:].permute(1, 0, 2)
+            return view, (view.shape[0], s * view.shape[2])
+        view = stack[first:, (shared.group(1) == "up") :: 2]  # [S, I, H] from [S·I, H]
+        return view, (s * view.shape[1], view.shape[2])
     if not layer.sparse and rest in _DENSE_GATE_UP:
         inter = c.intermediate_size
         view = layer.gate_up_proj_weight[_DENSE_GATE_UP[rest] * inter : (_DENSE_GATE_UP[rest] + 1) * inter]
@@ -148,8 +152,9 @@ def _layer_target(c: ModelConfig, layer: DeepseekLayer, rest: str) -> tuple[torc
     return None
 
 
-def _layer_names(c: ModelConfig, sparse: bool) -> list[str]:
-    """The HF names after `model.layers.N.` of a decoder layer (MoE when sparse, else a dense MLP)."""
+def _layer_names(c: ModelConfig, sparse: bool, fp8: bool = False) -> list[str]:
+    """The HF names after `model.layers.N.` of a decoder layer (MoE when sparse, else a dense MLP; fp8: its
+    experts' block scales too)."""
     m, moe = c.mla, c.moe
     assert m is not None and moe is not None
     q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if m.q_lora_rank is not None else ["q_proj"]
@@ -157,12 +162,14 @@ def _layer_names(c: ModelConfig, sparse: bool) -> list[str]:
     names += ["input_layernorm.weight", "post_attention_layernorm.weight"]
     if not sparse:
         return names + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    names += ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts)
-                                    for p in ("gate", "up", "down")]  # fmt: skip
+    experts = [f"mlp.experts.{e}.{p}_proj.weight" for e in range(moe.num_experts) for p in ("gate", "up", "down")]
+    if moe.shared_experts:
+        experts += [f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+    names += ["mlp.gate.weight", *experts]
     if c.architecture == DEEPSEEK_V3:
         names.append("mlp.gate.e_score_correction_bias")
-    if moe.shared_experts:
-        names += [f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+    if fp8:  # FP8 experts' block scales
+        names += [f"{n}_scale_inv" for n in experts]
     return names
 
 
@@ -220,7 +227,7 @@ class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
         if not c.tie_word_embeddings:
             names.add("lm_head.weight")
         for i, layer in enumerate(self.layers):
-            names.update(f"model.layers.{i}.{p}" for p in _layer_names(c, layer.sparse))
+            names.update(f"model.layers.{i}.{p}" for p in _layer_names(c, layer.sparse, i in c.moe.fp8_layers))
         return names
 
     def multi_token_predictor(self) -> DeepseekMTP:

@@ -6,7 +6,10 @@ no biases, no shared expert.
 HF reference: transformers/models/qwen3_moe/modeling_qwen3_moe.py. Parameters keep HF's names, with q/k/v packed
 into one matrix as in models/llama.py. The published checkpoint holds each expert as its own
 `mlp.experts.E.{gate,up,down}_proj.weight` ([out, in], HF's nn.Linear): they load into one stack a layer, gate and
-up rows interleaved (gate_0, up_0, gate_1, ...), the layout `Ops.moe` takes (kernels/ops.py MoEWeights).
+up rows interleaved (gate_0, up_0, gate_1, ...), the layout `Ops.moe` takes (kernels/ops.py MoEWeights). An FP8
+release (Qwen3-30B-A3B-FP8: quantization_config "fp8", 128 x 128 blocks) keeps its experts so: FP8 stacks beside
+their `weight_scale_inv` block scales, interleaved alike (MoEConfig.fp8_layers; runtime/packed_load.py dequantizes
+its other projections at load).
 """
 
 from __future__ import annotations
@@ -18,10 +21,10 @@ from torch import nn
 
 from envex.kernels.ops import MOE, AttentionLayer, AttentionMetadata, MoEWeights, Ops
 from envex.runtime.config import ModelConfig
-from envex.runtime.models.decoder import DecoderStack, param
+from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)")
 _QKV = {"self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v_proj": 2}
 # HF name within a layer -> our attribute
 _DIRECT = {
@@ -60,10 +63,9 @@ class Qwen3MoeLayer(nn.Module):
         if self.sparse:
             e, inter = c.moe.num_experts, c.moe.intermediate_size
             self.router_weight = param(e, h, dtype=dtype, device=device)
-            self.gate_up_proj = param(e, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, gate_1...
-            self.down_proj = param(e, h, inter, dtype=dtype, device=device)
-            self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
-                                      renormalize=c.moe.norm_topk_prob)  # fmt: skip
+            fp8 = c.moe.fp8_block if index in c.moe.fp8_layers else None  # FP8 experts, kept so
+            stacks = expert_stacks(self, e, inter, h, dtype=dtype, device=device, fp8_block=fp8)
+            self.experts = MoEWeights(**stacks, activation="silu", renormalize=c.moe.norm_topk_prob)
         else:
             self.gate_up_proj_weight = param(2 * c.intermediate_size, h, dtype=dtype, device=device)
             self.down_proj_weight = param(h, c.intermediate_size, dtype=dtype, device=device)
@@ -112,9 +114,10 @@ class Qwen3MoeForCausalLM(DecoderStack, nn.Module):
                 whole = layer.qkv_proj_weight if kind == "weight" else layer.qkv_proj_bias
                 return whole[start : start + sizes[_QKV[module]]]
             expert = _EXPERT.fullmatch(rest)
-            if layer.sparse and expert is not None and int(expert.group(1)) < layer.gate_up_proj.shape[0]:
+            stack = expert_tensor(layer, expert.group(2), expert.group(3)) if layer.sparse and expert else None
+            if expert is not None and stack is not None and int(expert.group(1)) < stack.shape[0]:
                 e, proj = int(expert.group(1)), expert.group(2)
-                return layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+                return stack[e] if proj == "down" else stack[e, (proj == "up") :: 2]
             if not layer.sparse and rest in _DENSE_GATE_UP:
                 inter = c.intermediate_size
                 return layer.gate_up_proj_weight[_DENSE_GATE_UP[rest] * inter : (_DENSE_GATE_UP[rest] + 1) * inter]
@@ -136,7 +139,9 @@ class Qwen3MoeForCausalLM(DecoderStack, nn.Module):
             attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
         sparse = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts)
                                         for p in ("gate", "up", "down")]  # fmt: skip
+        scales = [f"{n}_scale_inv" for n in sparse[1:]]  # FP8 experts' block scales
         dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         for i, layer in enumerate(self.layers):
-            names.update(f"model.layers.{i}.{p}" for p in attention + (sparse if layer.sparse else dense))
+            mlp = (sparse + scales if i in c.moe.fp8_layers else sparse) if layer.sparse else dense
+            names.update(f"model.layers.{i}.{p}" for p in attention + mlp)
         return names
