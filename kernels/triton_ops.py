@@ -15,6 +15,8 @@ Each entry point picks its kernel from the rows it is given:
   picks its key splits from the window, not from the graph's max_model_len;
 - a packed KV cache (int4, fp8; kv_quant.py): the packed write kernel and the packed paged attention, for every
   step;
+- a packed low-bit weight (quant.py): the packed GEMV with the same prologues up to quant_gemv.GEMV_MAX_ROWS rows,
+  past them the norm or SwiGLU kernel and the packed GEMM (quant_gemm.py), never a float copy of the weight;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 or FP8 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's
   plain SwiGLU without, compiled as variants of the same kernels).
