@@ -25,7 +25,7 @@ from envex.kernels.quant_gemm import gemm_config, quant_gemm
 from envex.verify.lab.kernel_bench._bench_lib import graph_time_ms, measure_bandwidth
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
-ROWS = (9, 16, 32, 64, 128)
+ROWS = (9, 16, 32, 64, 128, 512, 2048)  # up to prefill chunks: where (if anywhere) dequantize + cuBLAS wins back
 SCHEMES = {
     "fp8_block": lambda w: quant.quantize_fp8(w, quant.FP8_BLOCK),
     "fp8_channel": lambda w: quant.quantize_fp8(w, quant.FP8_CHANNEL),
