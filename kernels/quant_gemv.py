@@ -15,8 +15,8 @@ rounding: the residual sum and SwiGLU as HF rounds them, the RMS scale applied a
     word's group scale (a group is a whole number of words).
 
 Rows: each row of `a` is one program column and re-reads the weight (from L2 when the rows are few); meant for up
-to GEMV_MAX_ROWS rows. Past that, `quant_linear` dequantizes the weight to the activation dtype and calls torch's
-matmul: correct, not fast; a GEMM on the packed weights (FP8 tensor cores for FP8) is the issue's next step.
+to GEMV_MAX_ROWS rows. Past that, kernels/quant_gemm.py's GEMM reads the same packing once per tile of rows
+(`quant_gemm.quant_linear` picks between the two).
 Configs are untuned (no GPU measurement yet): DEFAULT_CONFIGS says why each was picked.
 """
 
@@ -28,9 +28,9 @@ import triton.language as tl
 
 from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_enter, pdl_launch
 from envex.kernels.gemv import PROLOGUE_ADD_RMS, PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU_MUL, _silu_mul_as_hf
-from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, PACK, PackedWeight, dequantize
+from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, PACK, PackedWeight
 
-GEMV_MAX_ROWS = 8  # rows up to which quant_linear uses the GEMV; past it, dequantize + torch matmul
+GEMV_MAX_ROWS = 8  # rows up to which the packed projections use the GEMV; past it, quant_gemm's GEMM
 _SCALE_MODE = {FP8_TENSOR: 0, FP8_CHANNEL: 1, FP8_BLOCK: 2}
 # (BLOCK_N, BLOCK_K, num_warps) per scheme, before any GPU measurement. FP8: 8 x 512 one-byte codes over 128
 # threads is 32 bytes a thread (two 16-byte loads); a block scale caps BLOCK_K at the block's 128 columns, so
@@ -70,6 +70,27 @@ def _stream_tile(w_rows, cols, row_ok, limit, other):
 
 
 @triton.jit
+def _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr):
+    """fp8_block: the scale of rows `rows` [R] at input k0 -> float32 [R] (a tile of up to SCALE_COLS inputs
+    starting at a multiple of its width lies in one block column)."""
+    return tl.load(s_ptr + (rows // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=row_ok, other=0.0)
+
+
+@triton.jit
+def _int4_codes(words, s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_ZERO: tl.constexpr):
+    """int4_group words [R, C] (int32, 8 inputs each, nibble j = input 8c + j) with their groups grp (any shape
+    broadcasting against [R, C]; ok masks it) -> ((u - zero) [R, C, 8], scale [R, C]) in float32; no zero: 8.
+    Callers apply the scale where it costs least (the GEMV per word's sum, the GEMM per weight before its dot)."""
+    u = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).to(tl.float32)  # & 0xF: >> sign-fills
+    s = tl.load(s_ptr + rows64 * stride_sn + grp, mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZERO:
+        z = tl.load(z_ptr + rows64 * stride_zn + grp, mask=ok, other=0).to(tl.float32)
+    else:
+        z = tl.full(s.shape, 8.0, dtype=tl.float32)
+    return u - z[:, :, None], s
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_sn, stride_om, stride_hm, eps,
@@ -101,8 +122,7 @@ def _fp8_gemv_kernel(
             x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
         wf = w.to(tl.float32)
         if SCALE_MODE == 2:
-            s = tl.load(s_ptr + (rows // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=row_ok, other=0.0)
-            wf = wf * s[:, None]
+            wf = wf * _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS, SCALE_COLS)[:, None]
         acc += wf * x[None, :]
     y = tl.sum(acc, axis=1)
     if SCALE_MODE == 1:
@@ -133,7 +153,6 @@ def _int4_gemv_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     w_rows = w_ptr + rows64 * stride_wn
     cw = tl.arange(0, BW)
-    shifts = tl.arange(0, 8) * 4
     w_next = _stream_tile(w_rows, cw, row_ok, KW, 0)
     pdl_enter(USE_PDL, False)
     acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
@@ -151,15 +170,10 @@ def _int4_gemv_kernel(
         if PROLOGUE == 1 or PROLOGUE == 2:
             sumsq += x * x
             x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        u = ((words[:, :, None] >> shifts[None, None, :]) & 0xF).to(tl.float32)  # [BLOCK_N, BW, 8]
         grp = wc // (GROUP // 8)
-        s = tl.load(s_ptr + rows64 * stride_sn + grp[None, :], mask=w_ok, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            z = tl.load(z_ptr + rows64 * stride_zn + grp[None, :], mask=w_ok, other=0).to(tl.float32)
-        else:
-            z = tl.full([BLOCK_N, BW], 8.0, dtype=tl.float32)
-        # Σ_j (u - z)·x_j per word, then one multiply by the word's group scale.
-        acc += tl.sum((u - z[:, :, None]) * x[None, :, :], axis=2) * s
+        uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, grp[None, :], w_ok, stride_sn, stride_zn, HAS_ZERO)
+        # Σ_j (u - z)·x_j per word ([BLOCK_N, BW, 8] summed over j), then one multiply by the word's group scale.
+        acc += tl.sum(uz * x[None, :, :], axis=2) * s
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * tl.rsqrt(tl.sum(tl.sum(sumsq, axis=1), axis=0) / K + eps)
@@ -239,12 +253,3 @@ def quant_gemv(
         SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BLOCK_K=block_k, **common,
     )  # fmt: skip
     return out, extra
-
-
-def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ dequantize(weight)^T (+ bias) in x's dtype, the plain projection: the packed GEMV up
-    to GEMV_MAX_ROWS rows; past that the weight is dequantized to x's dtype for this call and multiplied by torch
-    (a stopgap until a GEMM reads the packing: it costs a float copy of the weight per call)."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return quant_gemv(x, weight, bias=bias)[0]
-    return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)

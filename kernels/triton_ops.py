@@ -15,6 +15,8 @@ Each entry point picks its kernel from the rows it is given:
   picks its key splits from the window, not from the graph's max_model_len;
 - a packed KV cache (int4, fp8; kv_quant.py): the packed write kernel and the packed paged attention, for every
   step;
+- a packed low-bit weight (quant.py): the packed GEMV with the same prologues up to quant_gemv.GEMV_MAX_ROWS rows,
+  past them the norm or SwiGLU kernel and the packed GEMM (quant_gemm.py), never a float copy of the weight;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 or FP8 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's
   plain SwiGLU without, compiled as variants of the same kernels).
@@ -40,6 +42,7 @@ from envex.kernels import (
     mla,
     moe_mxfp4,
     norm,
+    quant_gemm,
     quant_gemv,
     rotary,
 )
@@ -53,7 +56,7 @@ from envex.kernels.ops import (
     MoEWeights,
     split_qkv,
 )
-from envex.kernels.quant import PackedWeight, dequantize
+from envex.kernels.quant import PackedWeight
 
 # Smallest K (input width) whose projection TritonOps splits into halves for the next norm to sum.
 SPLIT_K_MIN = 4096
@@ -65,6 +68,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _is_partials(x: torch.Tensor) -> bool:
     return x.dim() == 3  # [S, T, N] float32 from _split_k_product; hidden rows are [T, H]
+
+
+def _normed(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(rms_norm(x + residual), x + residual) by the norm kernels; no residual: (rms_norm(x), x)."""
+    if residual is None:
+        return norm.rms_norm(x, norm_weight, eps), x
+    return norm.add_rms_norm(x, residual, norm_weight, eps)
 
 
 # torch.bmm(..., out_dtype=) (bf16 in, float32 out) exists from torch 2.8; without it no projection is split.
@@ -133,16 +144,13 @@ class TritonOps:
             y, total = gemv.gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight, eps=eps,
                                  bias=bias, pdl=self.pdl)  # fmt: skip
             return y, (x if total is None else total)
-        if residual is None:
-            normed, residual = norm.rms_norm(x, norm_weight, eps), x
-        else:
-            normed, residual = norm.add_rms_norm(x, residual, norm_weight, eps)
+        normed, residual = _normed(x, residual, norm_weight, eps)
         return F.linear(normed, weight, bias), residual
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         check(x.dim() == 2, f"x: expected [T, K] rows, got shape {tuple(x.shape)}")
-        if isinstance(weight, PackedWeight):  # the packed GEMV up to its rows, else dequantize + matmul
-            return quant_gemv.quant_linear(x, weight, bias)
+        if isinstance(weight, PackedWeight):  # the packed GEMV up to its rows, else the packed GEMM
+            return quant_gemm.quant_linear(x, weight, bias)
         splits = self._splits(x, weight, bias)
         return _split_k_product(x, weight, splits) if splits > 1 else self._project(x, weight, bias)
 
@@ -158,7 +166,7 @@ class TritonOps:
             if gate_up.shape[0] <= quant_gemv.GEMV_MAX_ROWS:  # SwiGLU folded into the packed GEMV's input
                 return quant_gemv.quant_gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL,
                                              pdl=self._row_pdl(gate_up))[0]  # fmt: skip
-            return quant_gemv.quant_linear(activation.silu_and_mul(gate_up), weight)
+            return quant_gemm.quant_gemm(activation.silu_and_mul(gate_up), weight)
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         act = activation.silu_and_mul(gate_up)
@@ -311,7 +319,7 @@ class TritonOps:
                             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """norm_linear on a low-bit weight (kernels/quant.py): up to quant_gemv.GEMV_MAX_ROWS rows the packed GEMV
         with the add + RMSNorm in its prologue (as the bf16 GEMV folds them), else the norm kernel, then the
-        weight dequantized for this call and a torch matmul (as quant_gemv.quant_linear past its rows)."""
+        packed GEMM (quant_gemm)."""
         if _is_partials(x):  # a bf16 O or down before it left split-K partials
             x = self.materialize(x, norm_weight.dtype if residual is None else residual.dtype)
         if comm is not None:
@@ -321,7 +329,8 @@ class TritonOps:
             y, total = quant_gemv.quant_gemv(x, weight, prologue=prologue, b=residual, norm_weight=norm_weight,
                                              eps=eps, bias=bias, pdl=self._row_pdl(x))  # fmt: skip
             return y, (x if total is None else total)
-        return self._norm_linear(x, residual, norm_weight, eps, dequantize(weight, x.dtype), bias)  # > 1 row: no GEMV
+        normed, residual = _normed(x, residual, norm_weight, eps)
+        return quant_gemm.quant_gemm(normed, weight, bias), residual
 
     def _row_pdl(self, x: torch.Tensor) -> bool:
         return self.pdl and x.shape[0] == 1  # the batch-1 chain (PDL only there), as the GEMV path launches it

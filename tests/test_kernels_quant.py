@@ -11,7 +11,8 @@ import torch
 from envex.kernels import gemv
 from envex.kernels import quant as q
 from envex.kernels import reference as ref
-from envex.kernels.quant_gemv import GEMV_MAX_ROWS, quant_gemv, quant_linear
+from envex.kernels.quant_gemm import quant_linear
+from envex.kernels.quant_gemv import GEMV_MAX_ROWS, quant_gemv
 from envex.tests.support.kernels import assert_close, compile_for_hopper, f64
 from envex.tests.support.quant_packing import (
     awq_pack,
@@ -279,7 +280,7 @@ def test_quant_gemv_prologues(name: str) -> None:
 
 
 def test_quant_linear_rows() -> None:
-    """Up to GEMV_MAX_ROWS rows the kernel; past it, dequantize and matmul: both are the same product."""
+    """Up to GEMV_MAX_ROWS rows the kernel; past it, the packed GEMM: both are the same product."""
     w = WEIGHTS_40x320["int4_g32_sym"].to(DEV)
     for m in (1, GEMV_MAX_ROWS + 1):
         x = torch.randn(m, 320, device=DEV)

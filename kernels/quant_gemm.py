@@ -1,0 +1,160 @@
+"""Weight-only GEMM on packed low-bit weights (kernels/quant.py) for more rows than the GEMV serves: y = x @ W^T.
+
+Past quant_gemv.GEMV_MAX_ROWS rows the GEMV's one pass over the weight per row no longer pays, and dequantizing
+the whole weight to bf16 for each call writes and re-reads every weight in bf16 (more bytes than serving bf16).
+This kernel reads the packed tiles as they are stored (FP8: one byte a weight; INT4: a word of 8 plus the group's
+scale and zero), widens them to the activation dtype in registers and multiplies on the tensor cores with float32
+accumulation (the idea of moe_mxfp4's grouped kernels and of Marlin, Frantar et al. 2024, without its reordered
+layout). The unpacking is the GEMV's (quant_gemv's `_stream_tile`, `_fp8_block_scale`, `_int4_codes`), so both
+read one layout one way.
+
+  FP8: the e4m3 codes are exact in bf16/fp16. A channel or tensor scale multiplies the float32 accumulator once
+    at the end (the codes enter the dot unscaled); a block scale (rows x cols per scale, BLOCK_K dividing the
+    block's columns: one scale a row of a tile) multiplies the widened tile before its dot, as quant.dequantize
+    defines the weight (one rounding to the activation dtype, as the torch backend's dequantized weight).
+  INT4: (u - zero) · scale per weight before the dot (one rounding, as above); where the group is a whole number
+    of K tiles the scale and zero are one load a row and tile, else one a word.
+
+Operand order ("swap AB"): the program computes the [BLOCK_N, BLOCK_M] tile W_tile @ x_tile^T, so the weight
+rows are the MMA's M side (Hopper's wgmma needs 64 there, and takes that operand from registers, where the
+dequantized tile already is) and the 9-64 activation rows its N side (8 to 256), and stores it transposed.
+
+Tiles: `gemm_config`, a small table chosen before any GPU timing (the reasons beside it); untuned.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from envex.kernels import quant_gemv
+from envex.kernels._common import INTERPRETING, check
+from envex.kernels.gemv import PROLOGUE_NONE
+from envex.kernels.quant import FP8_BLOCK, INT4_GROUP, PACK, PackedWeight
+from envex.kernels.quant_gemv import (
+    _SCALE_MODE,
+    GEMV_MAX_ROWS,
+    _check_inputs,
+    _fp8_block_scale,
+    _int4_codes,
+    _stream_tile,
+)
+
+_INT4_MODE = 3  # SCHEME beside quant_gemv's _SCALE_MODE (0 tensor, 1 channel, 2 block)
+
+
+def gemm_config(m: int, n: int, scheme: str) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m activation rows, n outputs and a weight scheme; chosen before
+    any GPU timing (untuned), from what fits and from the sm_90 build's registers (ptxas through Triton 3.9, no
+    spills at any of these; tests/test_kernels_quant_gemm.py checks the Llama-3.1-8B down projection).
+    BLOCK_M: the rows rounded up to a power of two in 16..64 (wgmma's N side: 9-64 rows pay for at most twice
+    their count; more rows take several 64-row tiles, which re-read each weight tile from L2, not HBM, as the row
+    tiles of one weight tile are adjacent program ids). BLOCK_N 128 (two 64-row wgmma halves over 4 warps).
+    FP8: BLOCK_K 64 (112-176 registers; it divides the 128-column block: one scale a row and tile); 64 outputs a
+    tile where 128 leaves fewer than 64 programs (a 4096-output projection at <= 64 rows: 32 of 132 SMs would
+    not saturate HBM; 64-96 registers). INT4: BLOCK_K 32 (127-167 registers; at 64 the unpacked words took all
+    255, and 64-output tiles took more, not fewer), the usual groups (32, 64, 128) whole multiples of it."""
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    if scheme == INT4_GROUP:
+        return block_m, 128, 32, 4
+    block_n = 128 if triton.cdiv(n, 128) * triton.cdiv(m, block_m) >= 64 else 64
+    return block_m, block_n, 64, 4
+
+
+@triton.jit
+def _quant_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
+    M, N, stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
+    K: tl.constexpr, SCHEME: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M rows, BLOCK_N outputs] tile of y = x @ W^T (+ bias). SCHEME: 0 fp8 one scale, 1 fp8 a scale
+    per row, 2 fp8 a scale per SCALE_ROWS x SCALE_COLS block (BLOCK_K | SCALE_COLS), 3 int4 in groups of GROUP
+    inputs. UPCAST_DOT: float32 operands (the interpreter, whose bf16 dot multiplies raw bits; _common)."""
+    pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run side by side and share it in L2
+    pid_n = tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = outputs
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)[:, None]
+    w_rows = w_ptr + rows64 * stride_wn
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = ms < M
+    x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
+    kk = tl.arange(0, BLOCK_K)
+    BW: tl.constexpr = BLOCK_K // 8  # INT4 words a row and tile
+    KW: tl.constexpr = (K + 7) // 8  # INT4 words a row
+    dt = tl.float32 if UPCAST_DOT else x_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + kk
+        x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if SCHEME == 3:
+            wc = k0 // 8 + tl.arange(0, BW)
+            words = _stream_tile(w_rows, wc, row_ok, KW, 0)  # [BLOCK_N, BW]; a padding nibble meets a masked x
+            if GROUP % BLOCK_K == 0:  # the tile lies in one group: its scale and zero once a row
+                uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, k0 // GROUP, row_ok[:, None], stride_sn, stride_zn,
+                                    HAS_ZERO)  # fmt: skip
+            else:
+                uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, (wc // (GROUP // 8))[None, :],
+                                    row_ok[:, None] & (wc < KW)[None, :], stride_sn, stride_zn, HAS_ZERO)  # fmt: skip
+            w = tl.reshape(uz * s[:, :, None], [BLOCK_N, BLOCK_K]).to(dt)  # nibble j of word c: input 8c + j
+        else:
+            w = _stream_tile(w_rows, cols, row_ok, K, 0.0)  # [BLOCK_N, BLOCK_K] e4m3 codes
+            if SCHEME == 2:
+                sc = _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS, SCALE_COLS)
+                w = (w.to(tl.float32) * sc[:, None]).to(dt)
+            else:
+                w = w.to(dt)
+        acc += tl.dot(w, tl.trans(x.to(dt)))  # [BLOCK_N, BLOCK_M]
+    if SCHEME == 1:
+        acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    if SCHEME == 0:
+        acc = acc * tl.load(s_ptr)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
+
+
+def quant_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, *,
+               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+    """y [M, N] = x [M, K] @ dequantize(weight)^T (+ bias [N]) in x's dtype (bf16, fp16 or float32), for any M
+    (meant for M > GEMV_MAX_ROWS). config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), powers of two >= 16
+    (default gemm_config); BLOCK_K is capped at an fp8_block weight's block columns."""
+    n, k = weight.shape
+    device = weight.data.device
+    _check_inputs(x, n, k, PROLOGUE_NONE, None, None, bias, device)
+    m = x.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=device)
+    if m == 0:
+        return out
+    block_m, block_n, block_k, num_warps = config or gemm_config(m, n, weight.scheme)
+    check(all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n, block_k)),
+          f"config: {config} must be powers of two >= 16 (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)")  # fmt: skip
+    scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
+    if weight.scheme == FP8_BLOCK:
+        check(scale_cols >= 16 and scale_cols & (scale_cols - 1) == 0,
+              f"weight: fp8_block columns {scale_cols} must be a power of two >= 16 for the GEMM")  # fmt: skip
+        block_k = min(block_k, scale_cols)  # one block scale a row of a tile
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    is_int4 = weight.scheme == INT4_GROUP
+    z = weight.zero if weight.zero is not None else weight.scale  # never read without HAS_ZERO
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _quant_gemm_kernel[grid](
+        x, weight.data, weight.scale, z, bias if bias is not None else x, out, m, n, x.stride(0),
+        weight.data.stride(0), weight.scale.stride(0), z.stride(0), out.stride(0), K=k,
+        SCHEME=_INT4_MODE if is_int4 else _SCALE_MODE[weight.scheme], SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
+        GROUP=weight.group if is_int4 else PACK, HAS_ZERO=weight.zero is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST_DOT=INTERPRETING, num_warps=num_warps,
+    )  # fmt: skip
+    return out
+
+
+def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ dequantize(weight)^T (+ bias) in x's dtype, the plain projection: the packed GEMV up
+    to GEMV_MAX_ROWS rows, the packed GEMM past them."""
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return quant_gemv.quant_gemv(x, weight, bias=bias)[0]
+    return quant_gemm(x, weight, bias)
