@@ -31,7 +31,7 @@ import triton.language as tl
 from envex.kernels import quant_gemv
 from envex.kernels._common import INTERPRETING, check
 from envex.kernels.gemv import PROLOGUE_NONE
-from envex.kernels.quant import FP8_BLOCK, INT4_GROUP, PACK, PackedWeight
+from envex.kernels.quant import FP8_BLOCK, INT4_GROUP, PACK, PackedWeight, dequantize
 from envex.kernels.quant_gemv import (
     _SCALE_MODE,
     GEMV_MAX_ROWS,
@@ -152,9 +152,18 @@ def quant_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None 
     return out
 
 
+# Past this many rows (prefill chunks) the weight is dequantized once for the call and multiplied by cuBLAS, as
+# before the GEMM existed: the GEMM widens every weight tile again for each 64-row tile of x, and no GPU timing
+# yet says where it stops paying (verify/lab/kernel_bench/bench_quant_gemm.py measures 9-2048 rows). Decode
+# batches (up to max_num_seqs) stay under it.
+GEMM_MAX_ROWS = 256
+
+
 def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequantize(weight)^T (+ bias) in x's dtype, the plain projection: the packed GEMV up
-    to GEMV_MAX_ROWS rows, the packed GEMM past them."""
+    to GEMV_MAX_ROWS rows, the packed GEMM up to GEMM_MAX_ROWS, past them the weight dequantized and a matmul."""
     if x.shape[0] <= GEMV_MAX_ROWS:
         return quant_gemv.quant_gemv(x, weight, bias=bias)[0]
-    return quant_gemm(x, weight, bias)
+    if x.shape[0] <= GEMM_MAX_ROWS:
+        return quant_gemm(x, weight, bias)
+    return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)

@@ -16,7 +16,8 @@ Each entry point picks its kernel from the rows it is given:
 - a packed KV cache (int4, fp8; kv_quant.py): the packed write kernel and the packed paged attention, for every
   step;
 - a packed low-bit weight (quant.py): the packed GEMV with the same prologues up to quant_gemv.GEMV_MAX_ROWS rows,
-  past them the norm or SwiGLU kernel and the packed GEMM (quant_gemm.py), never a float copy of the weight;
+  past them the norm or SwiGLU kernel and the packed GEMM (quant_gemm.py) up to quant_gemm.GEMM_MAX_ROWS (decode
+  batches), and for prefill chunks past that the weight dequantized for the call and cuBLAS;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 or FP8 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's
   plain SwiGLU without, compiled as variants of the same kernels).
@@ -166,7 +167,7 @@ class TritonOps:
             if gate_up.shape[0] <= quant_gemv.GEMV_MAX_ROWS:  # SwiGLU folded into the packed GEMV's input
                 return quant_gemv.quant_gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL,
                                              pdl=self._row_pdl(gate_up))[0]  # fmt: skip
-            return quant_gemm.quant_gemm(activation.silu_and_mul(gate_up), weight)
+            return quant_gemm.quant_linear(activation.silu_and_mul(gate_up), weight)
         if self._gemv(gate_up):
             return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
         act = activation.silu_and_mul(gate_up)
@@ -318,8 +319,8 @@ class TritonOps:
                             eps: float, weight: PackedWeight, bias: torch.Tensor | None, comm: Communicator | None
                             ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """norm_linear on a low-bit weight (kernels/quant.py): up to quant_gemv.GEMV_MAX_ROWS rows the packed GEMV
-        with the add + RMSNorm in its prologue (as the bf16 GEMV folds them), else the norm kernel, then the
-        packed GEMM (quant_gemm)."""
+        with the add + RMSNorm in its prologue (as the bf16 GEMV folds them), else the norm kernel, then
+        quant_gemm.quant_linear (the packed GEMM, or a dequantized weight past GEMM_MAX_ROWS)."""
         if _is_partials(x):  # a bf16 O or down before it left split-K partials
             x = self.materialize(x, norm_weight.dtype if residual is None else residual.dtype)
         if comm is not None:
@@ -330,7 +331,7 @@ class TritonOps:
                                              eps=eps, bias=bias, pdl=self._row_pdl(x))  # fmt: skip
             return y, (x if total is None else total)
         normed, residual = _normed(x, residual, norm_weight, eps)
-        return quant_gemm.quant_gemm(normed, weight, bias), residual
+        return quant_gemm.quant_linear(normed, weight, bias), residual
 
     def _row_pdl(self, x: torch.Tensor) -> bool:
         return self.pdl and x.shape[0] == 1  # the batch-1 chain (PDL only there), as the GEMV path launches it

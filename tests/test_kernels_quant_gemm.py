@@ -11,7 +11,7 @@ import torch
 
 from envex.kernels import quant as q
 from envex.kernels import reference as ref
-from envex.kernels.quant_gemm import gemm_config, quant_gemm, quant_linear
+from envex.kernels.quant_gemm import gemm_config, quant_gemm
 from envex.kernels.quant_gemv import GEMV_MAX_ROWS
 from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
@@ -51,11 +51,22 @@ def test_quant_gemm_against_float64(name: str, dtype: torch.dtype) -> None:
         assert_close(f"{name} M={m} {cfg}", y, _reference(x, w, bias), dtype)
 
 
-def test_quant_linear_picks_gemv_then_gemm() -> None:
+def test_quant_linear_picks_gemv_then_gemm_then_a_dequantized_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to GEMV_MAX_ROWS the GEMV, then the GEMM up to GEMM_MAX_ROWS (16 here), then (prefill chunks) the weight
+    dequantized for the call; each path equals the reference."""
+    from envex.kernels import quant_gemm as module
+
+    calls: list[str] = []
+    for name, target in (("gemv", module.quant_gemv), ("gemm", module)):
+        fn = getattr(target, f"quant_{name}")
+        monkeypatch.setattr(target, f"quant_{name}", lambda *a, _fn=fn, _n=name, **k: calls.append(_n) or _fn(*a, **k))
+    monkeypatch.setattr(module, "GEMM_MAX_ROWS", 16)
     w = WEIGHTS["int4_g128_zero"].to(DEV)
-    for m in (GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1):
+    for m, path in ((GEMV_MAX_ROWS, "gemv"), (GEMV_MAX_ROWS + 1, "gemm"), (16, "gemm"), (17, None)):
+        calls.clear()
         x = torch.randn(m, 300, device=DEV)
-        assert_close(f"quant_linear {m}", quant_linear(x, w), _reference(x, w, None), torch.float32)
+        assert_close(f"quant_linear {m}", module.quant_linear(x, w), _reference(x, w, None), torch.float32)
+        assert calls == ([path] if path else []), (m, calls)
 
 
 def test_gemm_config_table() -> None:
