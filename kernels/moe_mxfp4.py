@@ -1009,7 +1009,7 @@ def fused_moe(
     w2, s2, we2, wn2, se2, sn2, packed2, fp8_2 = _weight_args("down", down, h, inter, x.device)
     check(packed1 == packed2 and (fp8_1 == _NO_FP8) == (fp8_2 == _NO_FP8)
           and isinstance(gate_up, quant.Int4GroupStack) == isinstance(down, quant.Int4GroupStack),
-          "gate_up/down: both MXFP4, both FP8, both INT4 or both float")  # fmt: skip
+          "gate_up/down: both MXFP4, both FP8 or both float (or both INT4)")  # fmt: skip
     # INT4: the group (a power of two >= 16) and the zeros (None: symmetric); a grouped tile's K lies in one group
     int4_g = gate_up.group if isinstance(gate_up, quant.Int4GroupStack) else 0
     z1 = gate_up.zero if isinstance(gate_up, quant.Int4GroupStack) else None
