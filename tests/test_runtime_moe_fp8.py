@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from envex.kernels import quant
 from envex.kernels.accuracy import rel_err
+from envex.kernels.ops import MoEWeights
 from envex.runtime.config import ConfigError, ModelConfig
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.tests.test_runtime_deepseek import _hf_model as _deepseek_model
@@ -179,15 +180,21 @@ def test_model_card_counts_the_experts_fp8_bytes(qwen3_release) -> None:
 def test_dummy_weights_fill_fp8_experts_at_float_magnitudes(qwen3_release) -> None:
     """--load-format dummy on an FP8 release's config (benches): random codes and block scales whose experts have
     the float matrices' N(0, 1/sqrt(fan_in)) spread."""
+    assert dummy_experts(qwen3_release[0]).fp8
+
+
+def dummy_experts(path: Path) -> MoEWeights:
+    """Layer 0's experts of the tiny Qwen3-MoE release at `path` filled by dummy_weights, checked to have the float
+    matrices' spread (H 64)."""
     from envex.runtime.models import dummy_weights
     from envex.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
-    path, _ = qwen3_release
     model = Qwen3MoeForCausalLM(ModelConfig.from_hf(json.loads((path / "config.json").read_text())),
                                 dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
     dummy_weights(model, seed=3)
     w = model.layers[0].experts.gate_up_matrix().expert(5)  # [2I, H]
-    assert model.layers[0].experts.fp8 and abs(float(w.std()) * 64**0.5 - 1) < 0.1
+    assert abs(float(w.std()) * 64**0.5 - 1) < 0.1
+    return model.layers[0].experts
 
 
 @pytest.mark.gpu
