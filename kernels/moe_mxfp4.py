@@ -6,7 +6,11 @@ kernels, their signatures and their bits are as before. FP8 releases' experts (Q
 e4m3 codes with bn x bk block scales, quant.FP8BlockStack) run them too, as the constexpr FP8_BN > 0: the GEMVs
 widen each tile's codes and multiply them by their row's block scale in registers (`_rows_dot`), the grouped
 kernels widen a tile's codes to the activation dtype for the tensor cores and scale each output column's product;
-only the chosen experts' bytes are read.
+only the chosen experts' bytes are read. INT4 releases' experts (Kimi K2's pack-quantized groups of 32, AWQ /
+GPTQ: int32 words of 8 codes with group scales and optional zeros, quant.Int4GroupStack) likewise, as the
+constexpr INT4_G > 0: the GEMVs take each word's 8 codes against the 8 input planes (the words' own layout, as
+MXFP4) and scale each word's sum by its group's scale, the grouped kernels unpack a tile's codes less their zero
+(small integers, exact in bf16) for the tensor cores and scale each output column's product by its group scale.
 
 Two paths, chosen by the number of token rows T (`fused_moe`):
 
@@ -233,6 +237,49 @@ def _rows_dot(w_rows, s_rows, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, 
 
 
 @triton.jit
+def _int4_zero(z_ptr, off, ok):
+    """INT4 zero points at offsets off (int32), 8 where z_ptr is None (a constexpr: symmetric experts)."""
+    z = (off * 0 + 8).to(tl.int32)
+    if z_ptr is not None:
+        z = tl.load(z_ptr + off, mask=ok, other=8).to(tl.int32)
+    return z
+
+
+@triton.jit
+def _int4_codes(words, R: tl.constexpr, BK: tl.constexpr):
+    """int32 words [R, BK/8] -> their codes u [R, BK] in 0..15 (input 8c + j from nibble j of word c)."""
+    shifts = tl.arange(0, 8) * 4
+    return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [R, BK])
+
+
+@triton.jit
+def _int4_rows_dot(w_rows, s_ptr, z_ptr, s_off, row_ok, x_base, K: tl.constexpr, R: tl.constexpr, GB: tl.constexpr,
+                   G: tl.constexpr):  # fmt: skip
+    """R INT4 rows (quant.Int4GroupStack: w_rows [R] point to each row's first word; s_off [R], the offset of its
+    first group scale in s_ptr and zero in z_ptr, None: zero 8) against K inputs stored as planes at x_base ->
+    [R, GB] float32 partial sums (sum axis 1 for the dots). As _packed_rows_dot: a step loads [R, 4·GB] words and
+    the 8 input planes in the words' layout; word f's 8 codes times their inputs, less zero times the inputs' sum,
+    times the word's group scale (a group is whole words), all in registers."""
+    acc = tl.zeros([R, GB], dtype=tl.float32)
+    for w0 in range(0, K // 8, 4 * GB):
+        f = w0 + tl.arange(0, 4 * GB)  # word index in the row
+        f_ok = f < K // 8
+        m = row_ok[:, None] & f_ok[None, :]
+        words = tl.reshape(tl.load(w_rows[:, None] + f[None, :], mask=m, other=0), [R, GB, 4])
+        x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
+        g_off = s_off[:, None] + (f * 8 // G)[None, :]
+        sc = tl.reshape(tl.load(s_ptr + g_off, mask=m, other=0.0).to(tl.float32), [R, GB, 4])
+        zero = tl.reshape(_int4_zero(z_ptr, g_off, m).to(tl.float32), [R, GB, 4])
+        d = ((words & 0xF).to(tl.float32) * x0 + ((words >> 4) & 0xF).to(tl.float32) * x1
+             + ((words >> 8) & 0xF).to(tl.float32) * x2 + ((words >> 12) & 0xF).to(tl.float32) * x3
+             + ((words >> 16) & 0xF).to(tl.float32) * x4 + ((words >> 20) & 0xF).to(tl.float32) * x5
+             + ((words >> 24) & 0xF).to(tl.float32) * x6 + ((words >> 28) & 0xF).to(tl.float32) * x7)
+        xs = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
+        acc += tl.sum((d - zero * xs) * sc, axis=2)
+    return acc
+
+
+@triton.jit
 def _planes_kernel(x_ptr, out_ptr, stride_x, stride_o, K: tl.constexpr, BLOCK: tl.constexpr):
     """x [T, K] -> float32 planes [T, K] (see _plane_loads), one program a row."""
     t = tl.program_id(0).to(tl.int64)
@@ -248,7 +295,7 @@ def _gate_up_tile(
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr, FP8_BN: tl.constexpr,
-    FP8_BK: tl.constexpr,
+    FP8_BK: tl.constexpr, z_ptr, INT4_G: tl.constexpr,
 ):  # fmt: skip
     """_gate_up_gemv_kernel's work for its tile (pid_n, pair): returns the token's top_k expert ids."""
     t = pair // TOP_K
@@ -273,6 +320,11 @@ def _gate_up_tile(
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + r64 * (K // 8), [4])  # [2·BLOCK_I]
         s_rows = s_ptr + e64 * stride_se + r64 * (K // 32)
         acc = _packed_rows_dot(w_rows, s_rows, row_ok, x_base, K, 2 * BLOCK_I, GB)
+        y = tl.sum(acc, axis=1)
+    elif INT4_G > 0:  # per-row scales: gate and up rows need nothing special
+        s_off = e64 * stride_se + r64 * ((K + INT4_G - 1) // INT4_G)
+        acc = _int4_rows_dot(w_ptr + e64 * stride_we + r64 * (K // 8), s_ptr, z_ptr, s_off, row_ok, x_base, K,
+                             2 * BLOCK_I, GB, INT4_G)  # fmt: skip
         y = tl.sum(acc, axis=1)
     elif FP8_BN > 0:
         # rows interleave gate and up, and so do their block rows (quant.FP8BlockStack, paired)
@@ -302,7 +354,7 @@ def _gate_up_gemv_kernel(
     stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_I: tl.constexpr, GB: tl.constexpr, PACKED: tl.constexpr, FP8_BN: tl.constexpr = 0,
-    FP8_BK: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    FP8_BK: tl.constexpr = 0, USE_PDL: tl.constexpr = False, z_ptr=None, INT4_G: tl.constexpr = 0,
 ):  # fmt: skip
     """act[pair, j] = swiglu(gate_j, up_j) of the expert in slot pair % TOP_K of token pair // TOP_K, for the
     BLOCK_I output pairs j of this program: its 2·BLOCK_I weight rows (2j gate, 2j + 1 up) over all of K. The
@@ -313,13 +365,16 @@ def _gate_up_gemv_kernel(
     16-byte load per thread), s the scales [E, 2I, K/32]; a step holds one group of each of the tile's rows in each
     thread, and the 8 inputs of each of its words come as 8 tiles of the words' own shape and layout (one 16-byte
     load each), so no value changes threads. FP8_BN > 0: w float8_e4m3fn [E, 2I, K], s its FP8_BN x FP8_BK block
-    scales (quant.FP8BlockStack, paired), each code widened and scaled in registers. Float: w [E, 2I, K]."""
+    scales (quant.FP8BlockStack, paired), each code widened and scaled in registers. INT4_G > 0: w int32 words
+    [E, 2I, K/8], s the group scales [E, 2I, ceil(K/G)] and z_ptr the uint8 zeros alike or None (symmetric:
+    quant.Int4GroupStack), each word's codes unpacked and scaled in registers. Float: w [E, 2I, K]."""
     if USE_PDL:  # everything here depends on the previous kernels: wait at once, let the next one launch
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     _gate_up_tile(tl.program_id(0), tl.program_id(1), x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr,
                   b_ptr, act_ptr, stride_xp, stride_l, stride_we, stride_wn, stride_se, stride_be, stride_act, alpha,
-                  limit, K, INTER, E, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_I, GB, PACKED, FP8_BN, FP8_BK)  # fmt: skip
+                  limit, K, INTER, E, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_I, GB, PACKED, FP8_BN, FP8_BK, z_ptr,
+                  INT4_G)  # fmt: skip
 
 
 @triton.jit
@@ -328,6 +383,7 @@ def _down_gemv_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
     PACKED: tl.constexpr, FP8_BN: tl.constexpr = 0, FP8_BK: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    z_ptr=None, INT4_G: tl.constexpr = 0,
 ):  # fmt: skip
     """out[t, n] = Σ_slot weight · (down_e(act[pair]) + bias_e)[n] over token t's TOP_K pairs, for BLOCK_N outputs
     n. One warp a (rows, token, slot): BLOCK_N rows of the slot's expert over all of INTER, the inputs from that
@@ -339,7 +395,7 @@ def _down_gemv_kernel(
         tl.extra.cuda.gdc_wait()
     _down_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(0), act_ptr, ids_ptr, wts_ptr,
                w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr, stride_act, stride_we, stride_wn, stride_se,
-               stride_be, stride_o, N, INTER, TOP_K, BLOCK_N, GB, PACKED, FP8_BN, FP8_BK)  # fmt: skip
+               stride_be, stride_o, N, INTER, TOP_K, BLOCK_N, GB, PACKED, FP8_BN, FP8_BK, z_ptr, INT4_G)  # fmt: skip
 
 
 @triton.jit
@@ -347,7 +403,7 @@ def _down_tile(
     pid_n, t, slot, n_blocks, act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, b_ptr, part_ptr, count_ptr, out_ptr,
     stride_act, stride_we, stride_wn, stride_se, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr,
-    PACKED: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr,
+    PACKED: tl.constexpr, FP8_BN: tl.constexpr, FP8_BK: tl.constexpr, z_ptr, INT4_G: tl.constexpr,
 ):  # fmt: skip
     """_down_gemv_kernel's work for its tile (rows pid_n of n_blocks, token t, slot)."""
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -361,6 +417,11 @@ def _down_tile(
         w_rows = w_ptr + tl.multiple_of(e64 * stride_we + n64 * (INTER // 8), [4])  # [BLOCK_N]
         s_rows = s_ptr + e64 * stride_se + n64 * (INTER // 32)
         acc = _packed_rows_dot(w_rows, s_rows, n_ok, a_row, INTER, BLOCK_N, GB)
+        r = tl.sum(acc, axis=1)
+    elif INT4_G > 0:
+        s_off = e64 * stride_se + n64 * ((INTER + INT4_G - 1) // INT4_G)
+        acc = _int4_rows_dot(w_ptr + e64 * stride_we + n64 * (INTER // 8), s_ptr, z_ptr, s_off, n_ok, a_row, INTER,
+                             BLOCK_N, GB, INT4_G)  # fmt: skip
         r = tl.sum(acc, axis=1)
     elif FP8_BN > 0:
         s_rows = s_ptr + e64 * stride_se + (n64 // FP8_BN) * ((INTER + FP8_BK - 1) // FP8_BK)
@@ -418,7 +479,7 @@ def _one_launch_kernel(
         top_i = _gate_up_tile(p % gu_blocks, p // gu_blocks, x_ptr, xp_ptr, logits_ptr, ids_ptr, wts_ptr, w1_ptr,
                               s1_ptr, b1_ptr, act_ptr, stride_xp, stride_l, stride_we1, stride_wn1, stride_se1,
                               stride_be1, stride_act, alpha, limit, K, INTER, E, TOP_K, BLOCK_E, BLOCK_TK, BLOCK_I,
-                              GB1, PACKED, 0, 0)  # fmt: skip
+                              GB1, PACKED, 0, 0, None, 0)  # fmt: skip
     else:
         top_i, _ = _topk_softmax(logits_ptr, 0, stride_l, E, TOP_K, BLOCK_E, BLOCK_TK)
     if WARM:
@@ -440,7 +501,7 @@ def _one_launch_kernel(
     if p < dn_blocks * TOP_K:
         _down_tile(p % dn_blocks, p * 0, p // dn_blocks, dn_blocks, act_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, b2_ptr,
                    part_ptr, count_ptr, out_ptr, stride_act, stride_we2, stride_wn2, stride_se2, stride_be2, stride_o,
-                   K, INTER, TOP_K, BLOCK_N, GB2, PACKED, 0, 0)  # fmt: skip
+                   K, INTER, TOP_K, BLOCK_N, GB2, PACKED, 0, 0, None, 0)  # fmt: skip
 
 
 _NANOSLEEP = tl.constexpr("{ nanosleep.u32 $1; mov.b32 $0, 0; }")
@@ -589,12 +650,15 @@ def _gate_up_grouped_kernel(
     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act, alpha, limit,
     K: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
     BLOCK_K: tl.constexpr, PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8_BN: tl.constexpr = 0,
-    FP8_BK: tl.constexpr = 0,
+    FP8_BK: tl.constexpr = 0, z_ptr=None, INT4_G: tl.constexpr = 0,
 ):  # fmt: skip
     """One tile of BLOCK_M (token, slot) pairs of one expert × BLOCK_I output pairs: act = swiglu(x @ W^T + b).
     FP8_BN > 0: FP8 codes (quant.FP8BlockStack, paired), widened to x's dtype (exact: e4m3 fits bf16 and fp16),
     multiplied on the tensor cores, and each output column's block scale applied to the tile's product (BLOCK_K
-    divides FP8_BK: one scale a row of the tile)."""
+    divides FP8_BK: one scale a row of the tile). INT4_G > 0: INT4 words (quant.Int4GroupStack) unpacked to
+    their codes less their zero (integers in -15..15, exact in x's dtype), multiplied on the tensor cores, and
+    each output column's group scale applied to the product (BLOCK_K divides INT4_G: one group a row of the
+    tile)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -625,18 +689,29 @@ def _gate_up_grouped_kernel(
                 g_w, u_w = g_w.to(x_t.dtype), u_w.to(x_t.dtype)
             acc_g += tl.dot(x_t, tl.trans(g_w))
             acc_u += tl.dot(x_t, tl.trans(u_w))
-        elif FP8_BN > 0:
+        elif INT4_G > 0 or FP8_BN > 0:
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             x_t = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                           other=0.0)  # fmt: skip
-            w_mask = j_ok[:, None] & k_ok[None, :]
-            g_row = w_ptr + e64 * stride_we + (2 * j).to(tl.int64)[:, None] * stride_wn + k[None, :]
-            g_t = tl.load(g_row, mask=w_mask, other=0.0)
-            u_t = tl.load(g_row + stride_wn, mask=w_mask, other=0.0)
-            g_sc = s_ptr + e64 * stride_se + (2 * (j // FP8_BN)) * stride_sn + k0 // FP8_BK  # block rows interleave
-            g_s = tl.load(g_sc, mask=j_ok, other=0.0)
-            u_s = tl.load(g_sc + stride_sn, mask=j_ok, other=0.0)
+            if INT4_G > 0:  # codes less their zero; one group scale a row of the tile
+                c = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                w_mask = j_ok[:, None] & (c < K // 8)[None, :]
+                g_row = w_ptr + e64 * stride_we + (2 * j).to(tl.int64)[:, None] * stride_wn + c[None, :]
+                s_off = e64 * stride_se + (2 * j) * stride_sn + k0 // INT4_G
+                g_t = _int4_codes(tl.load(g_row, mask=w_mask, other=0), BLOCK_I, BLOCK_K) - \
+                    _int4_zero(z_ptr, s_off, j_ok)[:, None]  # fmt: skip
+                u_t = _int4_codes(tl.load(g_row + stride_wn, mask=w_mask, other=0), BLOCK_I, BLOCK_K) - \
+                    _int4_zero(z_ptr, s_off + stride_sn, j_ok)[:, None]  # fmt: skip
+                g_sc = s_ptr + s_off
+            else:
+                w_mask = j_ok[:, None] & k_ok[None, :]
+                g_row = w_ptr + e64 * stride_we + (2 * j).to(tl.int64)[:, None] * stride_wn + k[None, :]
+                g_t = tl.load(g_row, mask=w_mask, other=0.0)
+                u_t = tl.load(g_row + stride_wn, mask=w_mask, other=0.0)
+                g_sc = s_ptr + e64 * stride_se + (2 * (j // FP8_BN)) * stride_sn + k0 // FP8_BK  # block rows interleave
+            g_s = tl.load(g_sc, mask=j_ok, other=0.0).to(tl.float32)
+            u_s = tl.load(g_sc + stride_sn, mask=j_ok, other=0.0).to(tl.float32)
             if UPCAST_DOT:
                 x_t, g_t, u_t = x_t.to(tl.float32), g_t.to(tl.float32), u_t.to(tl.float32)
             else:
@@ -674,9 +749,10 @@ def _down_grouped_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     N: tl.constexpr, INTER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PACKED: tl.constexpr, UPCAST_DOT: tl.constexpr, FP8_BN: tl.constexpr = 0, FP8_BK: tl.constexpr = 0,
+    z_ptr=None, INT4_G: tl.constexpr = 0,
 ):  # fmt: skip
     """out[pair, n] = weight[pair] · (act[pair] @ W_e^T + b_e)[n] (float32) for one tile of one expert's pairs.
-    FP8_BN > 0: as _gate_up_grouped_kernel's FP8 tiles."""
+    FP8_BN > 0 / INT4_G > 0: as _gate_up_grouped_kernel's FP8 / INT4 tiles."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m)
@@ -701,14 +777,22 @@ def _down_grouped_kernel(
             else:
                 w_t = w_t.to(a_t.dtype)
             acc += tl.dot(a_t, tl.trans(w_t))
-        elif FP8_BN > 0:
+        elif INT4_G > 0 or FP8_BN > 0:
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < INTER
             a_t = tl.load(act_ptr + rows[:, None] * stride_act + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
                           other=0.0)  # fmt: skip
-            w_t = tl.load(w_ptr + e64 * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :],
-                          mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-            sc = tl.load(s_ptr + e64 * stride_se + (n // FP8_BN) * stride_sn + k0 // FP8_BK, mask=n_ok, other=0.0)
+            if INT4_G > 0:
+                c = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                w_words = tl.load(w_ptr + e64 * stride_we + n.to(tl.int64)[:, None] * stride_wn + c[None, :],
+                                  mask=n_ok[:, None] & (c < INTER // 8)[None, :], other=0)  # fmt: skip
+                s_off = e64 * stride_se + n * stride_sn + k0 // INT4_G
+                w_t = _int4_codes(w_words, BLOCK_N, BLOCK_K) - _int4_zero(z_ptr, s_off, n_ok)[:, None]
+            else:
+                w_t = tl.load(w_ptr + e64 * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :],
+                              mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+                s_off = e64 * stride_se + (n // FP8_BN) * stride_sn + k0 // FP8_BK
+            sc = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
             if UPCAST_DOT:
                 a_t, w_t = a_t.to(tl.float32), w_t.to(tl.float32)
             else:
@@ -737,8 +821,8 @@ def _down_grouped_kernel(
 
 # ---- launchers ----------------------------------------------------------------------------------------------
 
-# float [E, N, K], MXFP4 (blocks, scales), or FP8 block-scaled (quant.FP8BlockStack)
-Weights = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack
+# float [E, N, K], MXFP4 (blocks, scales), FP8 block-scaled (quant.FP8BlockStack) or INT4 (quant.Int4GroupStack)
+Weights = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack | quant.Int4GroupStack
 _NO_FP8 = (0, 0)
 
 
@@ -746,6 +830,14 @@ def _weight_args(name: str, w: Weights, n: int, k: int, device: torch.device
                  ) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool, tuple[int, int]]:  # fmt: skip
     """(w, s, stride_we, stride_wn, stride_se, stride_sn, packed (MXFP4), FP8 block or (0, 0)) for the kernels,
     after checking the shapes."""
+    if isinstance(w, quant.Int4GroupStack):
+        check(w.shape[1:] == (n, k), f"{name}: INT4 words {list(w.data.shape)} do not hold [E, {n}, {k}]")
+        check(w.data.stride(2) == 1 and w.data.stride(1) == k // 8 and w.scale.is_contiguous()
+              and (w.zero is None or w.zero.is_contiguous()), f"{name}: INT4 words must be contiguous within each "
+              "expert, scales and zeros contiguous")  # fmt: skip
+        check(w.data.device == device, f"{name}: on another device than x")
+        return (w.data, w.scale, w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1), False,
+                _NO_FP8)  # fmt: skip
     if isinstance(w, quant.FP8BlockStack):
         check(w.shape[1:] == (n, k), f"{name}: FP8 data {list(w.shape)} is not [E, {n}, {k}]")
         check(w.paired == (name == "gate_up"), f"{name}: an FP8 stack {'with' if w.paired else 'without'} "
@@ -903,7 +995,7 @@ def fused_moe(
                         down_bias=down_bias, alpha=alpha, limit=limit, activation=activation,
                         gemv_max_rows=gemv_max_rows, x_planes=x_planes, pdl=pdl)  # fmt: skip
         return (out.float() * top_k_share(logits, top_k)[:, None]).to(out.dtype)
-    inter = (gate_up[0] if isinstance(gate_up, tuple) else gate_up).shape[1] // 2  # FP8BlockStack has a shape
+    inter = (gate_up[0] if isinstance(gate_up, tuple) else gate_up).shape[1] // 2  # the stacks have a shape
     check((gate_up_bias is None) == (down_bias is None), "biases: give both gate_up_bias and down_bias, or neither")
     if gate_up_bias is not None and down_bias is not None:
         check_tensor("gate_up_bias", gate_up_bias, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
@@ -915,11 +1007,20 @@ def fused_moe(
     check(1 <= top_k <= e, f"top_k: {top_k} must be in 1..{e} experts")
     w1, s1, we1, wn1, se1, sn1, packed1, fp8_1 = _weight_args("gate_up", gate_up, 2 * inter, h, x.device)
     w2, s2, we2, wn2, se2, sn2, packed2, fp8_2 = _weight_args("down", down, h, inter, x.device)
-    check(packed1 == packed2 and (fp8_1 == _NO_FP8) == (fp8_2 == _NO_FP8),
-          "gate_up/down: both MXFP4, both FP8 or both float")  # fmt: skip
+    check(packed1 == packed2 and (fp8_1 == _NO_FP8) == (fp8_2 == _NO_FP8)
+          and isinstance(gate_up, quant.Int4GroupStack) == isinstance(down, quant.Int4GroupStack),
+          "gate_up/down: both MXFP4, both FP8 or both float (or both INT4)")  # fmt: skip
+    # INT4: the group (a power of two >= 16) and the zeros (None: symmetric); a grouped tile's K lies in one group
+    int4_g = gate_up.group if isinstance(gate_up, quant.Int4GroupStack) else 0
+    z1 = gate_up.zero if isinstance(gate_up, quant.Int4GroupStack) else None
+    z2 = down.zero if isinstance(down, quant.Int4GroupStack) else None
+    check(not int4_g or isinstance(down, quant.Int4GroupStack) and down.group == int4_g
+          and (z1 is None) == (z2 is None), "gate_up/down: INT4 stacks of one group, both with zeros or neither")
     # FP8: a GEMV step's inputs and a grouped tile's K lie in one block of columns
     gemv_k1, gemv_k2 = (min(GEMV_FLOAT_K, fp8_1[1]), min(GEMV_FLOAT_K, fp8_2[1])) if fp8_1 != _NO_FP8 else \
         (GEMV_FLOAT_K, GEMV_FLOAT_K)  # fmt: skip
+    if int4_g:
+        gemv_k1 = gemv_k2 = min(GEMV_FLOAT_K, int4_g)
     # Without biases the kernels get None pointers (stride 0), with "silu" a None alpha and limit: constexpr
     # None to Triton, which compiles the loads and the clamps out.
     sb1 = gate_up_bias.stride(0) if gate_up_bias is not None else 0
@@ -966,20 +1067,21 @@ def fused_moe(
             if programs <= _resident_programs(key, x.device, launch):
                 launch(programs, 0)
                 return out
-        gb1 = GEMV_GROUPS if packed1 else gemv_k1
+        gb1 = GEMV_GROUPS if packed1 or int4_g else gemv_k1  # INT4: GB groups of 4 words a step
         _gate_up_gemv_kernel[(triton.cdiv(inter, GEMV_PAIRS), pairs_n)](
             x, xp, logits, ids, wts, gw1, s1, gate_up_bias, act_p,
             xp.stride(0), logits.stride(0), gwe1, wn1, se1, sb1, act_p.stride(0), a_arg, l_arg,
             K=h, INTER=inter, E=e, TOP_K=top_k, BLOCK_E=next_pow2(e),
             BLOCK_TK=next_pow2(top_k), BLOCK_I=GEMV_PAIRS, GB=gb1, PACKED=packed1, FP8_BN=fp8_1[0], FP8_BK=fp8_1[1],
-            USE_PDL=pdl, num_warps=1,
+            USE_PDL=pdl, z_ptr=z1, INT4_G=int4_g, num_warps=1,
             **pdl_launch(pdl),
         )  # fmt: skip
         _down_gemv_kernel[(blocks, t, top_k)](
             act_p, ids, wts, gw2, s2, down_bias, part, counters, out,
             act_p.stride(0), gwe2, wn2, se2, sb2, out.stride(0),
-            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 else gemv_k2,
-            PACKED=packed2, FP8_BN=fp8_2[0], FP8_BK=fp8_2[1], USE_PDL=pdl, num_warps=1, **pdl_launch(pdl),
+            N=h, INTER=inter, TOP_K=top_k, BLOCK_N=GEMV_DOWN_ROWS, GB=GEMV_GROUPS if packed2 or int4_g else gemv_k2,
+            PACKED=packed2, FP8_BN=fp8_2[0], FP8_BK=fp8_2[1], USE_PDL=pdl, z_ptr=z2, INT4_G=int4_g, num_warps=1,
+            **pdl_launch(pdl),
         )  # fmt: skip
         return out
     act = torch.empty((pairs_n, inter), dtype=x.dtype, device=x.device)
@@ -998,14 +1100,16 @@ def fused_moe(
         x, pairs, tile_expert, gw1, s1, gate_up_bias, act,
         x.stride(0), gwe1, wn1, se1, sn1, sb1, act.stride(0), a_arg, l_arg,
         K=h, INTER=inter, TOP_K=top_k, BLOCK_M=block_m, BLOCK_I=block_i, BLOCK_K=128 if packed1 else min(64, gemv_k1),
-        PACKED=packed1, UPCAST_DOT=INTERPRETING, FP8_BN=fp8_1[0], FP8_BK=fp8_1[1], num_warps=warps,
+        PACKED=packed1, UPCAST_DOT=INTERPRETING, FP8_BN=fp8_1[0], FP8_BK=fp8_1[1], z_ptr=z1, INT4_G=int4_g,
+        num_warps=warps,
     )  # fmt: skip
     per_pair = torch.empty((pairs_n, h), dtype=torch.float32, device=x.device)
     _down_grouped_kernel[(tiles, triton.cdiv(h, block_n))](
         act, pairs, tile_expert, wts, gw2, s2, down_bias, per_pair,
         act.stride(0), gwe2, wn2, se2, sn2, sb2, per_pair.stride(0),
         N=h, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if packed2 else min(64, gemv_k2),
-        PACKED=packed2, UPCAST_DOT=INTERPRETING, FP8_BN=fp8_2[0], FP8_BK=fp8_2[1], num_warps=warps,
+        PACKED=packed2, UPCAST_DOT=INTERPRETING, FP8_BN=fp8_2[0], FP8_BK=fp8_2[1], z_ptr=z2, INT4_G=int4_g,
+        num_warps=warps,
     )  # fmt: skip
     out.copy_(per_pair.view(t, top_k, h).sum(1))  # the top_k slots of each token in a fixed order
     return out

@@ -108,7 +108,9 @@ LayerKVCache = tuple[torch.Tensor, torch.Tensor] | tuple[PackedKVCache, None]
 class MoEWeights:
     """One MoE layer's experts, as the model file owns them: float stacks, MXFP4-packed ones (kernels/mxfp4.py), or
     FP8 block-scaled ones (gate_up and down float8_e4m3fn with gate_up_scale and down_scale, block bn x bk:
-    kernels.quant.FP8BlockStack gives the layout), one of the three. Rows are outputs (the packed checkpoints'
+    kernels.quant.FP8BlockStack gives the layout), or INT4 group-quantized ones (gate_up and down int32 words with
+    gate_up_scale and down_scale per group of `group` inputs, optional uint8 gate_up_zero and down_zero:
+    kernels.quant.Int4GroupStack), one of the four. Rows are outputs (the packed checkpoints'
     orientation); gate_up's rows interleave gate and up (gate_0, up_0, gate_1, ...), as gpt-oss publishes them.
     activation: gpt-oss's clamped SwiGLU ("swiglu_oai", with alpha and limit) or the plain silu(gate) · up ("silu",
     Qwen3-MoE). Biases None: none. renormalize: the chosen experts' weights are the softmax over their k logits
@@ -117,11 +119,16 @@ class MoEWeights:
 
     gate_up_bias: torch.Tensor | None = None  # [E, 2I]
     down_bias: torch.Tensor | None = None  # [E, H]
-    gate_up: torch.Tensor | None = None  # [E, 2I, H] float, or float8_e4m3fn with gate_up_scale
-    down: torch.Tensor | None = None  # [E, H, I] float, or float8_e4m3fn with down_scale
+    gate_up: torch.Tensor | None = None  # [E, 2I, H] float, or float8_e4m3fn with gate_up_scale; INT4 [E, 2I, H/8]
+    down: torch.Tensor | None = None  # [E, H, I] float, or float8_e4m3fn with down_scale; INT4 int32 [E, H, I/8]
     gate_up_scale: torch.Tensor | None = None  # FP8: float32 [E, 2·ceil(I/bn), ceil(H/bk)] (block rows gate/up)
     down_scale: torch.Tensor | None = None  # FP8: float32 [E, ceil(H/bn), ceil(I/bk)]
     block: tuple[int, int] = (128, 128)  # FP8: rows x columns per scale (weight_block_size)
+    # INT4: scales [E, 2I, ceil(H/G)] / [E, H, ceil(I/G)] in gate_up_scale / down_scale, zeros (uint8, same shapes)
+    # or None for symmetric experts, G = group
+    gate_up_zero: torch.Tensor | None = None
+    down_zero: torch.Tensor | None = None
+    group: int = 0
     gate_up_blocks: torch.Tensor | None = None  # [E, 2I, H/32, 16] uint8, with scales [E, 2I, H/32] uint8
     gate_up_scales: torch.Tensor | None = None
     down_blocks: torch.Tensor | None = None  # [E, H, I/32, 16] uint8, with scales [E, H, I/32] uint8
@@ -150,12 +157,16 @@ class MoEWeights:
             raise ValueError("MoEWeights: give gate_up and down as float tensors, as FP8 ones with gate_up_scale and "
                              "down_scale, or all four MXFP4 tensors")  # fmt: skip
         gate_up, down = self.gate_up, self.down
-        if gate_up is not None and down is not None and self.fp8:
-            _ = self._fp8_stacks  # quant.FP8BlockStack checks each stack (one line)
-            e, h, inter = down.shape
-            if tuple(gate_up.shape) != (e, 2 * inter, h):
-                raise ValueError(f"MoEWeights: FP8 gate_up {list(gate_up.shape)} is not [E, 2I, H] = "
-                                 f"{[e, 2 * inter, h]} for down {[e, h, inter]}")  # fmt: skip
+        if (self.gate_up_zero is not None or self.down_zero is not None) and not self.int4:
+            raise ValueError("MoEWeights: zero points are for INT4 experts (int32 gate_up and down) only")
+        if gate_up is not None and down is not None and (self.fp8 or self.int4):
+            gu, dn = self._quant_stacks  # quant.FP8BlockStack / Int4GroupStack check each stack (one line)
+            e, h, inter = dn.shape
+            if tuple(gu.shape) != (e, 2 * inter, h):
+                raise ValueError(f"MoEWeights: {'INT4' if self.int4 else 'FP8'} gate_up {list(gu.shape)} is not "
+                                 f"[E, 2I, H] = {[e, 2 * inter, h]} for down {[e, h, inter]}")  # fmt: skip
+        elif gate_up is not None and down is not None and torch.int32 in (gate_up.dtype, down.dtype):
+            raise ValueError("MoEWeights: INT4 gate_up and down need their group scales (gate_up_scale, down_scale)")
         elif gate_up is not None and down is not None and quant.FP8_DTYPE in (gate_up.dtype, down.dtype):
             raise ValueError("MoEWeights: FP8 gate_up and down need their block scales (gate_up_scale, down_scale)")
         if self.activation not in reference.MOE_ACTIVATIONS:
@@ -171,12 +182,17 @@ class MoEWeights:
 
     @property
     def quantized(self) -> bool:
-        return self.gate_up is None or self.fp8
+        return self.gate_up is None or self.gate_up_scale is not None
 
     @property
     def fp8(self) -> bool:
-        """FP8 block-scaled experts (gate_up_scale and down_scale given)."""
-        return self.gate_up_scale is not None
+        """FP8 block-scaled experts (float8 gate_up with gate_up_scale and down_scale)."""
+        return self.gate_up_scale is not None and not self.int4
+
+    @property
+    def int4(self) -> bool:
+        """INT4 group-quantized experts (int32 gate_up words with gate_up_scale and down_scale)."""
+        return self.gate_up is not None and self.gate_up.dtype == torch.int32 and self.gate_up_scale is not None
 
     def deepseek_route(self, logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """DeepSeek's router on logits [T, E routed] -> (weights [T, top_k + shared], ids [T, top_k + shared] int64):
@@ -197,25 +213,34 @@ class MoEWeights:
         return torch.cat([weights, weights.new_ones(shared.shape)], 1), torch.cat([ids, shared], 1)
 
     @functools.cached_property
-    def _fp8_stacks(self) -> tuple[quant.FP8BlockStack, quant.FP8BlockStack]:
-        """(gate_up, down) as FP8 stacks, made (and checked) once."""
+    def _quant_stacks(self) -> tuple[quant.FP8BlockStack, quant.FP8BlockStack] | tuple[quant.Int4GroupStack,
+                                                                                          quant.Int4GroupStack]:
+        """(gate_up, down) as FP8 or INT4 stacks, made (and checked) once."""
         assert self.gate_up is not None and self.down is not None and self.gate_up_scale is not None
         assert self.down_scale is not None
+        if self.int4:
+            return (quant.Int4GroupStack(data=self.gate_up, scale=self.gate_up_scale, zero=self.gate_up_zero,
+                                         group=self.group),
+                    quant.Int4GroupStack(data=self.down, scale=self.down_scale, zero=self.down_zero,
+                                         group=self.group))  # fmt: skip
         return (quant.FP8BlockStack(data=self.gate_up, scale=self.gate_up_scale, block=self.block, paired=True),
                 quant.FP8BlockStack(data=self.down, scale=self.down_scale, block=self.block))  # fmt: skip
 
-    def gate_up_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack:
-        """The float stack, the MXFP4 (blocks, scales) pair or the FP8 stack (what kernels/reference.py takes)."""
-        if self.fp8:
-            return self._fp8_stacks[0]
+    def gate_up_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack \
+            | quant.Int4GroupStack:  # fmt: skip
+        """The float stack, the MXFP4 (blocks, scales) pair or the FP8 / INT4 stack (what kernels/reference.py
+        takes)."""
+        if self.fp8 or self.int4:
+            return self._quant_stacks[0]
         if self.gate_up is not None:
             return self.gate_up
         assert self.gate_up_blocks is not None and self.gate_up_scales is not None
         return self.gate_up_blocks, self.gate_up_scales
 
-    def down_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack:
-        if self.fp8:
-            return self._fp8_stacks[1]
+    def down_matrix(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | quant.FP8BlockStack \
+            | quant.Int4GroupStack:  # fmt: skip
+        if self.fp8 or self.int4:
+            return self._quant_stacks[1]
         if self.down is not None:
             return self.down
         assert self.down_blocks is not None and self.down_scales is not None

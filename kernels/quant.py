@@ -165,6 +165,66 @@ class FP8BlockStack:
         return (self.data[e].to(work) * self.scale[e].to(work)[rows][:, cols]).to(dtype)
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
+class Int4GroupStack:
+    """A mixture-of-experts layer's E matrices in int4_group, stacked as kernels/ops.py MoEWeights holds them: data
+    int32 [E, N, K/8] (each expert's rows in the internal layout: input 8c + j in nibble j of word c), scale
+    [E, N, ceil(K/G)] in the checkpoint's float dtype, zero uint8 of the scale's shape or None (symmetric, zero
+    8): W_e[n, k] = (u - zero[e, n, k // G]) · scale[e, n, k // G]. K is a multiple of 8 (8 · the words a row) and
+    G a power of two >= 16 (the grouped kernels' tiles lie in one group). Scales are per row, so gate_up's
+    interleaved gate/up rows need nothing more. Validated here: an inconsistent stack cannot exist."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None = None
+    group: int = 128
+
+    def __post_init__(self) -> None:
+        g = self.group
+        _fail(self.data.dtype == torch.int32 and self.data.dim() == 3 and g >= 16 and g & (g - 1) == 0
+              and self.scale.dtype in INT4_SCALE_DTYPES and list(self.scale.shape) == self.scale_shape
+              and (self.zero is None or self.zero.dtype == torch.uint8 and list(self.zero.shape) == self.scale_shape)
+              and len({t.device for t in (self.data, self.scale, self.zero) if t is not None}) == 1,
+              f"int4 experts: need data int32 [E, N, K/8], scale float16/bfloat16/float32 and zero uint8 or None "
+              f"[E, N, ceil(K/G)] on one device, G a power of two >= 16; got data {self.data.dtype} "
+              f"{list(self.data.shape)}, scale {self.scale.dtype} {list(self.scale.shape)}, zero "
+              f"{None if self.zero is None else (self.zero.dtype, list(self.zero.shape))}, group {g}")  # fmt: skip
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, N, K) of the float stack."""
+        e, n, w = self.data.shape
+        return e, n, w * PACK
+
+    @property
+    def scale_shape(self) -> list[int]:
+        e, n, k = self.shape if self.data.dim() == 3 else (0, 0, 0)
+        return [e, n, _cdiv(k, self.group)]
+
+    def expert(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert e's float matrix [N, K] in dtype (exact in float32 and float64, as `dequantize`)."""
+        _, n, k = self.shape
+        zero = None if self.zero is None else self.zero[e]
+        w = PackedWeight(scheme=INT4_GROUP, shape=(n, k), data=self.data[e], scale=self.scale[e], zero=zero,
+                         group=self.group)  # fmt: skip
+        return dequantize(w, dtype)
+
+
+def stack_int4(weights: list[PackedWeight]) -> Int4GroupStack:
+    """E int4_group weights of one shape and group (each expert's matrix as a from_* converter made it) -> the
+    stack; zeros kept if any expert has them (the symmetric ones get zero 8)."""
+    _fail(len(weights) > 0 and all(w.scheme == INT4_GROUP for w in weights), "stack_int4: give int4_group weights")
+    first = weights[0]
+    _fail(all(w.shape == first.shape and w.group == first.group for w in weights),
+          f"stack_int4: experts differ in shape or group ({sorted({(w.shape, w.group) for w in weights})})")
+    zero = None
+    if any(w.zero is not None for w in weights):
+        zero = torch.stack([torch.full_like(w.scale, SYMMETRIC_ZERO, dtype=torch.uint8) if w.zero is None else w.zero
+                            for w in weights])  # fmt: skip
+    return Int4GroupStack(data=torch.stack([w.data for w in weights]), scale=torch.stack([w.scale for w in weights]),
+                          zero=zero, group=first.group)  # fmt: skip
+
+
 # ---- the internal INT4 packing ------------------------------------------------------------------------------------
 
 
@@ -470,3 +530,10 @@ def quantize_int4(w: torch.Tensor, group: int = 128, *, symmetric: bool = True,
     s = scale.to(torch.float32)[..., None]
     u = (torch.round(g / s) + zero[..., None]).clamp(0, 15).view(n, -1)[:, :k]
     return _int4_weight(u.to(torch.uint8), scale, None if symmetric else zero.to(torch.uint8), group)
+
+
+def quantize_int4_stack(w: torch.Tensor, group: int = 128, *, symmetric: bool = True,
+                        scale_dtype: torch.dtype = torch.bfloat16) -> Int4GroupStack:  # fmt: skip
+    """A float expert stack [E, N, K] -> Int4GroupStack, each expert's matrix by quantize_int4."""
+    _fail(w.dim() == 3, f"quantize_int4_stack: weights must be [E, N, K], got shape {tuple(w.shape)}")
+    return stack_int4([quantize_int4(m, group, symmetric=symmetric, scale_dtype=scale_dtype) for m in w])

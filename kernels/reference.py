@@ -17,9 +17,9 @@ import torch
 
 if TYPE_CHECKING:
     from envex.kernels.ops import AttentionMetadata, LinearAttentionLayer
-    from envex.kernels.quant import FP8BlockStack
+    from envex.kernels.quant import FP8BlockStack, Int4GroupStack
 
-    ExpertStack = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FP8BlockStack  # expert_matrix's stacks
+    ExpertStack = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FP8BlockStack | Int4GroupStack  # expert_matrix's
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -256,8 +256,9 @@ def moe_activation(gate_up: torch.Tensor, activation: str, alpha: float, limit: 
 
 def expert_matrix(w: ExpertStack, e: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert e's matrix [N, K] in dtype, from a float stack [E, N, K], a packed MXFP4 (blocks, scales) pair or an
-    FP8 block-scaled stack (quant.FP8BlockStack: data · scale per block): only that expert is dequantized (what the
-    kernels do in registers, one tile at a time)."""
+    FP8 block-scaled stack (quant.FP8BlockStack: data · scale per block) or an INT4 group-quantized one
+    (quant.Int4GroupStack: (u - zero) · scale per group): only that expert is dequantized, exactly in float32 and
+    float64 (what the kernels do in registers, one tile at a time)."""
     if isinstance(w, tuple):
         from envex.kernels import mxfp4
 
@@ -282,7 +283,7 @@ def moe_experts(
     """Σ_k weights[t, k] · down_e(act(gate_up_e(x[t]))) over each token's chosen experts e = ids[t, k].
 
     x [T, H]; gate_up [E, 2I, H] (rows interleaved gate/up) with bias [E, 2I]; down [E, H, I] with bias [E, H]
-    (None: no bias); float, MXFP4 (blocks, scales) pairs or FP8 stacks (expert_matrix); act: moe_activation.
+    (None: no bias); float, MXFP4 (blocks, scales) pairs or FP8 / INT4 stacks (expert_matrix); act: moe_activation.
     Each projection, the activation and the weighting round to x's dtype where HF's expert loop does
     (GptOssExperts.forward, Qwen3MoeExperts.forward), so in bf16 this is HF's arithmetic.
     """

@@ -88,6 +88,14 @@ class MoEConfig:
     # the other sparse layers' experts are float (left so by modules_to_not_convert).
     fp8_block: tuple[int, int] | None = None
     fp8_layers: tuple[int, ...] = ()
+    # INT4 experts (compressed-tensors pack-quantized: Kimi K2; AWQ): the layers whose routed experts are stored in
+    # groups of int4_group inputs (int4_zero: with zero points), loaded into kernels.quant.Int4GroupStack's layout;
+    # int4_shared: DeepSeek's shared experts are INT4 too (else float, served beside the routed ones: Kimi K2).
+    int4_group: int = 0
+    int4_zero: bool = False
+    int4_layers: tuple[int, ...] = ()
+    int4_shared: bool = True
+    int4_scale_dtype: str | None = None  # the scales as stored where fixed (AWQ: float16); None: the model dtype
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,24 +336,34 @@ def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported for Qwen3-MoE; "
                           "supported: silu")  # fmt: skip
     dense_layers = tuple(i for i in range(layers) if i in dense or (i + 1) % step)
-    block, fp8_layers = _fp8_experts(cfg, layers, dense_layers, experts)
+    packed = _quantized_experts(cfg, layers, dense_layers, experts)
     return dict(moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width, activation="silu",
                               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense_layers,
-                              fp8_block=block, fp8_layers=fp8_layers))
+                              **packed))
 
 
-def _fp8_experts(cfg: dict[str, Any], layers: int, dense: tuple[int, ...], experts: int, shared: bool = False
-                 ) -> tuple[tuple[int, int] | None, tuple[int, ...]]:  # fmt: skip
-    """A quantized MoE checkpoint's FP8 experts (runtime/quant_config.fp8_experts: its block and layers; one
+def _quantized_experts(cfg: dict[str, Any], layers: int, dense: tuple[int, ...], experts: int, shared: bool = False
+                       ) -> dict[str, Any]:  # fmt: skip
+    """A quantized MoE checkpoint's FP8 or INT4 experts as MoEConfig's fields (runtime/quant_config.moe_experts; one
     ConfigError for a scheme the expert kernels do not read). shared: DeepSeek's shared_experts MLP, loaded as more
-    experts, counts as one of them."""
+    experts (or beside them, float, next to INT4 routed experts)."""
     if not cfg.get("quantization_config"):
-        return None, ()
-    from envex.runtime.quant_config import fp8_experts  # (quant_config imports runtime.errors, not this module)
+        return {}
+    from envex.kernels import quant
+    from envex.runtime.quant_config import moe_experts  # (quant_config imports runtime.errors, not this module)
 
     names = [f"experts.{e}.{p}_proj" for e in range(experts) for p in ("gate", "up", "down")]
-    names += [f"shared_experts.{p}_proj" for p in ("gate", "up", "down")] if shared else []
-    return fp8_experts(cfg, {i: [f"model.layers.{i}.mlp.{n}" for n in names] for i in range(layers) if i not in dense})
+    sparse = [i for i in range(layers) if i not in dense]
+    side = {i: [f"model.layers.{i}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")] for i in sparse}
+    found = moe_experts(cfg, {i: [f"model.layers.{i}.mlp.{n}" for n in names] for i in sparse},
+                        side if shared else None)  # fmt: skip
+    if found.scheme is None:
+        return {}
+    if found.scheme.kind == quant.INT4_GROUP:
+        return dict(int4_group=found.scheme.group_size, int4_zero=not found.scheme.symmetric, int4_layers=found.layers,
+                    int4_shared=found.shared_packed,
+                    int4_scale_dtype="float16" if found.scheme.layout == "awq-gemm" else None)  # fmt: skip
+    return dict(fp8_block=found.scheme.block, fp8_layers=found.layers)
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -405,10 +423,15 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
         raise ConfigError(f"config.json: attention_bias true is not supported for {arch}; no published checkpoint "
                           "has it")  # fmt: skip
     inter = _positive(cfg, "moe_intermediate_size", 2048 if v3 else 1407)
-    block, fp8_layers = _fp8_experts(cfg, layers, tuple(range(first_dense)), experts, shared=shared > 0)
+    packed = _quantized_experts(cfg, layers, tuple(range(first_dense)), experts, shared=shared > 0)
+    block = packed.get("fp8_block")
     if block is not None and shared > 1 and (inter % block[0] or inter % block[1]):
         raise ConfigError(f"config.json: moe_intermediate_size {inter} is not a whole number of FP8 blocks "
                           f"{list(block)}, which splitting {shared} shared experts needs; serve a bf16 checkpoint")
+    group = packed.get("int4_group", 0)
+    if group and (inter % 8 or packed["int4_shared"] and shared > 1 and inter % group):
+        raise ConfigError(f"config.json: moe_intermediate_size {inter} is not a whole number of INT4 groups of "
+                          f"{group} (and words of 8), which the INT4 experts need; serve a bf16 checkpoint")
     scale = (nope + rope) ** -0.5
     if yarn.get("mscale_all_dim"):  # HF yarn_apply_mscale: the scale of the whole q·k, not only the rotary dims
         scale *= _yarn_mscale(float(yarn["factor"]), float(yarn["mscale_all_dim"])) ** 2
@@ -425,7 +448,7 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
                       norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
                       dense_layers=tuple(range(first_dense)), scoring=supported[(method, scoring_func)],
                       n_group=n_group, topk_group=topk_group, routed_scaling_factor=float(routed_scale),
-                      shared_experts=shared, fp8_block=block, fp8_layers=fp8_layers),
+                      shared_experts=shared, **packed),
     )  # fmt: skip
 
 

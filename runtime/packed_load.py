@@ -11,6 +11,9 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
   its float copy is never filled (the model's own load_weights still checks every name and shape).
 - A quantized MoE checkpoint (Qwen3-MoE, DeepSeek; quantization_config "fp8"): the model file takes its FP8
   experts and their block scales by their own names, kept packed (MoEConfig.fp8_layers, kernels.ops.MoEWeights);
+  INT4 experts (compressed-tensors pack-quantized, AWQ; MoEConfig.int4_layers) are read here expert by expert by
+  their converter into the internal int4_group layout and handed over as `weight_packed`, `weight_scale` and
+  `weight_zero` (models/decoder.py INT4_EXPERT_SUFFIXES), kept packed;
   its other quantized projections (attention, dense MLPs, shared ones) are dequantized here to the model's dtype
   as they stream in (`load_dequantized`): the packed projections above are the Llama family's.
 - A float model and a weights policy (runtime/weight_policy.py, EngineConfig.weights): the model loads as usual,
@@ -148,6 +151,7 @@ def load_dequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     scheme for what stays packed."""
     expected = model.expected_weight_names()  # type: ignore[operator]
     own = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_scale_inv")}  # modules taken as stored
+    int4 = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_packed")}  # INT4 experts, converted
     dtype = model.embed_tokens_weight.dtype  # type: ignore[union-attr]
     pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> suffix -> tensor, until its layer is whole
     done: set[str] = set()
@@ -161,6 +165,13 @@ def load_dequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             names = () if scheme is None else (*scheme.tensor_names(), *scheme.optional_tensor_names())
             if suffix not in names or (suffix == "weight" and tensor.dtype != quant.FP8_DTYPE):  # a float weight
                 yield name, tensor
+            elif module in int4 and module not in done:
+                parts = pending.setdefault(module, {})
+                parts[suffix] = tensor.to(device)
+                if all(n in parts for n in scheme.tensor_names()):
+                    done.add(module)
+                    yield from _int4_expert(load_packed(scheme, pending.pop(module), module=module), module,
+                                            f"{module}.weight_zero" in expected)  # fmt: skip
             elif module in done:  # an optional tensor after the layer was read (input_scale: unused)
                 if suffix not in scheme.optional_tensor_names():
                     raise ConfigError(f"{module}: unexpected tensor {name} after its {scheme.kind} weight was read")
@@ -175,13 +186,26 @@ def load_dequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             load_packed(qc.scheme_for(module), parts, module=module)  # type: ignore[arg-type]
 
     model.load_weights(stream())  # type: ignore[operator]
-    return {name: quant.FP8_BLOCK for name, p in model.named_parameters() if p.dtype == quant.FP8_DTYPE}
+    return {name: quant.FP8_BLOCK if p.dtype == quant.FP8_DTYPE else quant.INT4_GROUP
+            for name, p in model.named_parameters() if p.dtype in (quant.FP8_DTYPE, torch.int32)}  # fmt: skip
+
+
+def _int4_expert(pw: quant.PackedWeight, module: str, zero: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """An INT4 expert's matrix, read by its checkpoint's converter into the internal int4_group layout, as the
+    model takes it (models/decoder.py INT4_EXPERT_SUFFIXES): words, group scales and, for a layer with zero points,
+    zeros (8 for a symmetric matrix)."""
+    yield f"{module}.weight_packed", pw.data
+    yield f"{module}.weight_scale", pw.scale
+    if zero:
+        yield f"{module}.weight_zero", pw.zero if pw.zero is not None else torch.full_like(
+            pw.scale, quant.SYMMETRIC_ZERO, dtype=torch.uint8)  # fmt: skip
 
 
 def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: Iterable[str]) -> set[str]:
     """Of a checkpoint's tensor names, those the engine holds in memory as they are stored (the rest it holds in
     the model's float dtype), for the install plan's byte count: a quantized Llama-family checkpoint's quantized
-    projections (load_quantized), an MoE checkpoint's FP8 experts and their scales (MoEConfig.fp8_layers) and
+    projections (load_quantized), an MoE checkpoint's FP8 or INT4 experts and their scales and zeros
+    (MoEConfig.fp8_layers, int4_layers; not weight_shape, nor float shared experts beside INT4 ones) and
     gpt-oss's MXFP4 experts."""
     if config.quantization == "mxfp4":
         return {n for n in names if n.endswith(("_blocks", "_scales"))}
@@ -189,8 +213,10 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
     if qc is None:
         return set()
     if config.moe is not None:
-        fp8 = set(config.moe.fp8_layers)
-        return {n for n in names if (m := _EXPERT_TENSOR.match(n)) is not None and int(m.group(1)) in fp8}
+        fp8, int4 = set(config.moe.fp8_layers), set(config.moe.int4_layers)
+        shared = config.moe.int4_shared
+        return {n for n in names if (m := _EXPERT_TENSOR.match(n)) is not None and (int(m.group(1)) in fp8 or int(
+            m.group(1)) in int4 and (shared or ".shared_experts." not in n) and not n.endswith(".weight_shape"))}
     kept = set()
     for name in names:
         module, _, suffix = name.rpartition(".")

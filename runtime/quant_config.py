@@ -378,34 +378,69 @@ def _ct_activations(acts: Any, where: str) -> str:
 # ---- MoE experts -----------------------------------------------------------------------------------------------
 
 
-def fp8_experts(cfg: Mapping[str, Any], layers: Mapping[int, list[str]]) -> tuple[tuple[int, int] | None,
-                                                                                  tuple[int, ...]]:  # fmt: skip
-    """An MoE checkpoint's experts: (the FP8 block they are stored in, the sparse layers whose experts are so
-    stored), or (None, ()) for a float checkpoint. layers: each sparse layer -> its experts' HF module names. The
-    expert kernels read FP8 block-scaled experts (quant_method "fp8") only: any other scheme of an expert, or a
-    layer whose experts are partly left in float (modules_to_not_convert), is one ConfigError."""
+@dataclass(frozen=True)
+class ExpertQuant:
+    """An MoE checkpoint's quantized experts (moe_experts): their scheme, the sparse layers whose routed experts are
+    stored so, and whether the shared experts (DeepSeek's) are stored so too (else float: Kimi K2's INT4 release)."""
+
+    scheme: WeightScheme | None = None
+    layers: tuple[int, ...] = ()
+    shared_packed: bool = True
+
+
+# INT4 expert layouts the loader converts into kernels.quant.Int4GroupStack's
+INT4_EXPERT_LAYOUTS = (CT_PACK, AWQ_GEMM)
+
+
+def moe_experts(cfg: Mapping[str, Any], layers: Mapping[int, list[str]],
+                shared: Mapping[int, list[str]] | None = None) -> ExpertQuant:  # fmt: skip
+    """An MoE checkpoint's experts: layers maps each sparse layer to its routed experts' HF module names, shared to
+    its shared experts' (DeepSeek). The expert kernels read FP8 block-scaled experts (quant_method "fp8") and INT4
+    group-quantized ones (compressed-tensors pack-quantized, AWQ GEMM; groups a power of two >= 16); any other
+    scheme, one that differs between layers, a layer whose routed experts are partly left in float, or shared
+    experts left in float beside FP8 routed ones, is one ConfigError."""
     qc = quant_config_from_hf(cfg)
     if qc is None:
-        return None, ()
-    block: tuple[int, int] | None = None
-    fp8_layers = []
+        return ExpertQuant()
+    found: WeightScheme | None = None
+    packed_layers, shared_kinds = [], set()
     for i, modules in layers.items():
         schemes = _layer_schemes(qc, modules)
+        side = _layer_schemes(qc, shared[i]) if shared else set()
         if schemes == {None}:
+            if side - {None}:
+                raise _fail(f"layer {i}'s shared experts are quantized and its routed experts left in float; "
+                            "quantize a layer's experts alike")  # fmt: skip
             continue  # the checkpoint keeps this layer's experts in float
-        if None in schemes:
+        if None in schemes or len(side) > 1:
             raise _fail(f"layer {i}'s experts are partly quantized, partly left in float (modules_to_not_convert / "
                         "ignore); quantize a layer's experts alike")  # fmt: skip
         scheme = schemes.pop()
-        if schemes or scheme.kind != quant.FP8_BLOCK or scheme.layout != FP8_DEEPSEEK:
+        fp8 = scheme.kind == quant.FP8_BLOCK and scheme.layout == FP8_DEEPSEEK
+        int4 = scheme.kind == quant.INT4_GROUP and scheme.layout in INT4_EXPERT_LAYOUTS
+        if schemes or not (fp8 or int4):
             raise _fail(f"{qc.method} {scheme.kind} MoE experts are not supported; the expert kernels read FP8 "
-                        "block-scaled experts (quant_method fp8, weight_block_size [128, 128])")  # fmt: skip
-        if scheme.block[1] < 16 or (block is not None and scheme.block != block):
+                        "block-scaled experts (quant_method fp8, weight_block_size [128, 128]) and INT4 ones "
+                        "(compressed-tensors pack-quantized, AWQ GEMM)")  # fmt: skip
+        if fp8 and scheme.block[1] < 16 or found is not None and found.block != scheme.block:
             raise _fail(f"fp8 weight_block_size {list(scheme.block)} is not supported for MoE experts; use blocks "
                         "of 16 or more columns, one size for every layer")  # fmt: skip
-        block = scheme.block
-        fp8_layers.append(i)
-    return block, tuple(fp8_layers)
+        g = scheme.group_size
+        if int4 and (g is None or g < 16 or g & (g - 1)):
+            raise _fail(f"INT4 MoE experts with group_size {g} are not supported; the expert kernels read groups "
+                        "of a power of two >= 16 inputs (32 and 128 in the published releases)")  # fmt: skip
+        if found is not None and found != scheme:
+            raise _fail(f"MoE experts in two schemes ({found.kind} and {scheme.kind}, or other groups); quantize "
+                        "every layer's experts alike")  # fmt: skip
+        if side and side != {scheme} and not (int4 and side == {None}):
+            raise _fail(f"layer {i}'s shared experts are stored in another scheme than its routed experts; FP8 "
+                        "experts need both alike, INT4 ones the shared experts alike or float")  # fmt: skip
+        shared_kinds.update(side)
+        found = scheme
+        packed_layers.append(i)
+    if len(shared_kinds) > 1:
+        raise _fail("the shared experts are quantized in some layers and float in others; quantize them alike")
+    return ExpertQuant(scheme=found, layers=tuple(packed_layers), shared_packed=None not in shared_kinds)
 
 
 def _layer_schemes(qc: QuantConfig, modules: list[str]) -> set[WeightScheme | None]:

@@ -64,13 +64,26 @@ def test_fused_moe_reads_fp8_experts(tokens: int, renormalize: bool, dtype: torc
     assert_close(f"fp8 experts T={tokens}", out, want.to(out.device), dtype)
 
 
-@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_triton_ops_moe_on_fp8_experts_equals_torch_ops(scoring: str) -> None:
-    """Ops.moe end to end (add + norm + router + experts) at 2 rows (GEMV) and 6 (grouped): Qwen3-MoE's softmax
-    routing, and DeepSeek-V3's sigmoid routing with a shared expert (the stacks' last one) on blocks of 16 x 32."""
+def assert_ops_moe_agree(experts: MoEWeights, g: torch.Generator, what: str) -> None:
+    """Ops.moe end to end (add + norm + router + experts, H 64) on the Triton ops equals the torch ops at 2 rows
+    (GEMV) and 6 (grouped)."""
     from envex.kernels.torch_ops import TorchOps
     from envex.kernels.triton_ops import TritonOps
 
+    router = (torch.randn(E, 64, generator=g) * 0.125).to(DEV)
+    norm_w = (1 + 0.1 * torch.randn(64, generator=g)).to(DEV)
+    for rows in (2, 6):
+        x, res = torch.randn(2, rows, 64, generator=g).to(DEV)
+        want = TorchOps().moe(x, res, norm_w, 1e-6, router, None, experts, TOP_K)
+        got = TritonOps().moe(x, res, norm_w, 1e-6, router, None, experts, TOP_K)
+        assert rel_err(got[0], want[0]) < 1e-4, f"{what}, {rows} rows: {rel_err(got[0], want[0]):.2e}"
+        assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_triton_ops_moe_on_fp8_experts_equals_torch_ops(scoring: str) -> None:
+    """Ops.moe at 2 rows (GEMV) and 6 (grouped): Qwen3-MoE's softmax routing, and DeepSeek-V3's sigmoid routing
+    with a shared expert (the stacks' last one) on blocks of 16 x 32."""
     shared = 1 if scoring == "sigmoid" else 0
     (gu, dn), _ = _stacks(E + shared, 64, 48, seed=7, block=(16, 32))
     g = torch.Generator().manual_seed(8)
@@ -78,14 +91,7 @@ def test_triton_ops_moe_on_fp8_experts_equals_torch_ops(scoring: str) -> None:
                  topk_group=2, scaling=2.5, shared_experts=1) if shared else {}  # fmt: skip
     experts = MoEWeights(gate_up=gu.data, down=dn.data, gate_up_scale=gu.scale, down_scale=dn.scale, block=(16, 32),
                          activation="silu", **extra)  # fmt: skip
-    router = (torch.randn(E, 64, generator=g) * 0.125).to(DEV)
-    norm_w = (1 + 0.1 * torch.randn(64, generator=g)).to(DEV)
-    for rows in (2, 6):
-        x, res = torch.randn(2, rows, 64, generator=g).to(DEV)
-        want = TorchOps().moe(x, res, norm_w, 1e-6, router, None, experts, TOP_K)
-        got = TritonOps().moe(x, res, norm_w, 1e-6, router, None, experts, TOP_K)
-        assert rel_err(got[0], want[0]) < 1e-4, f"{scoring}, {rows} rows: {rel_err(got[0], want[0]):.2e}"
-        assert torch.equal(got[1], want[1])
+    assert_ops_moe_agree(experts, g, scoring)
 
 
 def test_inconsistent_fp8_experts_are_one_line() -> None:

@@ -65,8 +65,14 @@ from triton.compiler import ASTSource
 from envex.kernels import moe_mxfp4 as m
 
 def ptx_of(fn, args, consts, warps):
-    sig = {**args, **{k: "constexpr" for k in consts}}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if n.endswith("_ptr") or n.startswith("stride")}
+    import inspect  # parameters left out take their defaults (the INT4 ones: z_ptr None, INT4_G 0)
+    defaults = {n: p.default for n, p in inspect.signature(fn.fn).parameters.items()
+                if n not in args and n not in consts and p.default is not inspect.Parameter.empty}
+    consts = {**defaults, **consts}
+    given = {**args, **{k: "constexpr" for k in consts}}
+    sig = {n: given[n] for n in inspect.signature(fn.fn).parameters}  # in the kernel's order
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n] != "constexpr" and (n.endswith("_ptr") or n.startswith("stride"))}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     return k.asm["ptx"]

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from envex.kernels import quant
 from envex.kernels.accuracy import rel_err
+from envex.kernels.ops import MoEWeights
 from envex.runtime.config import ConfigError, ModelConfig
 from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.tests.test_runtime_deepseek import _hf_model as _deepseek_model
@@ -115,10 +116,17 @@ def test_qwen3_moe_fp8_release_gives_hf_tokens(qwen3_release, backend: str) -> N
     assert not layers[1].experts.fp8 and layers[1].gate_up_proj.dtype == torch.float32
     assert not any(p.is_meta for p in engine.runner.model.parameters())
     assert engine.runner.packed == {"layers.0.gate_up_proj": quant.FP8_BLOCK, "layers.0.down_proj": quant.FP8_BLOCK}
-    n = GREEDY.max_tokens if backend == "torch" else 4  # (the interpreter's steps are slow)
+    assert_greedy_like_hf(engine, hf, backend)
+
+
+def assert_greedy_like_hf(engine: LLMEngine, hf: transformers.PreTrainedModel, backend: str, triton_tokens: int = 4
+                          ) -> None:  # fmt: skip
+    """The engine's greedy tokens are HF's (the first triton_tokens on the Triton ops: the interpreter's steps are
+    slow); on the torch backend, which dequantizes exactly, HF's logits too, to float32 rounding."""
+    n = GREEDY.max_tokens if backend == "torch" else triton_tokens
     got = engine.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     assert [o.token_ids for o in got] == [_hf_tokens(hf, p)[:n] for p in PROMPTS]
-    if backend == "torch":  # the torch backend dequantizes exactly: HF's logits to float32 rounding
+    if backend == "torch":
         with torch.no_grad():
             want = hf(torch.tensor([PROMPTS[0]])).logits[0]
         assert rel_err(engine.full_logits(PROMPTS[0]), want) < 1e-5
@@ -139,8 +147,8 @@ def test_deepseek_v3_fp8_release_gives_hf_tokens(tmp_path: Path) -> None:
 def test_unsupported_expert_schemes_are_one_line() -> None:
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     cases = (
-        ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
-         "awq int4_group MoE experts are not supported; the expert kernels read FP8 block-scaled experts"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 128},
+         "gptq int4_group MoE experts are not supported; the expert kernels read FP8 block-scaled experts"),
         ({**fp8, "weight_block_size": [128, 8]}, r"weight_block_size \[128, 8\] is not supported for MoE experts"),
         ({**fp8, "modules_to_not_convert": ["model.layers.3.mlp.experts.5."]},
          "layer 3's experts are partly quantized, partly left in float"),
@@ -172,15 +180,21 @@ def test_model_card_counts_the_experts_fp8_bytes(qwen3_release) -> None:
 def test_dummy_weights_fill_fp8_experts_at_float_magnitudes(qwen3_release) -> None:
     """--load-format dummy on an FP8 release's config (benches): random codes and block scales whose experts have
     the float matrices' N(0, 1/sqrt(fan_in)) spread."""
+    assert dummy_experts(qwen3_release[0]).fp8
+
+
+def dummy_experts(path: Path) -> MoEWeights:
+    """Layer 0's experts of the tiny Qwen3-MoE release at `path` filled by dummy_weights, checked to have the float
+    matrices' spread (H 64)."""
     from envex.runtime.models import dummy_weights
     from envex.runtime.models.qwen3_moe import Qwen3MoeForCausalLM
 
-    path, _ = qwen3_release
     model = Qwen3MoeForCausalLM(ModelConfig.from_hf(json.loads((path / "config.json").read_text())),
                                 dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
     dummy_weights(model, seed=3)
     w = model.layers[0].experts.gate_up_matrix().expert(5)  # [2I, H]
-    assert model.layers[0].experts.fp8 and abs(float(w.std()) * 64**0.5 - 1) < 0.1
+    assert abs(float(w.std()) * 64**0.5 - 1) < 0.1
+    return model.layers[0].experts
 
 
 @pytest.mark.gpu

@@ -50,8 +50,8 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
 def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights with realistic magnitudes, made on the model's device (vLLM's --load-format dummy): norm
     weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers;
-    MXFP4-packed matrices (`X_blocks` with `X_scales`) and FP8 ones (`X` with `X_scale`) random codes at that same
-    magnitude."""
+    MXFP4-packed matrices (`X_blocks` with `X_scales`), FP8 ones (`X` with `X_scale`) and INT4 ones (int32 `X` with
+    `X_scale`, `X_zero`) random codes at that same magnitude."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     params = dict(model.named_parameters())
     for name, param in params.items():
@@ -64,6 +64,14 @@ def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             params[f"{name}_scale"].fill_(param.shape[-1] ** -0.5)
         elif name.endswith("_scale") and params.get(name.removesuffix("_scale"), param).dtype == quant.FP8_DTYPE:
             continue  # filled with its codes
+        elif param.dtype == torch.int32:  # INT4 experts: random codes (std ~4.6 about zero 8), scales to match
+            param.copy_(torch.randint(-2**31, 2**31, param.shape, generator=gen, device=param.device,
+                                      dtype=torch.int64).to(torch.int32))  # fmt: skip
+            params[f"{name}_scale"].fill_((param.shape[-1] * 8) ** -0.5 / 4.6)
+            if f"{name}_zero" in params:
+                params[f"{name}_zero"].fill_(quant.SYMMETRIC_ZERO)
+        elif name.endswith(("_scale", "_zero")) and params.get(name.rpartition("_")[0], param).dtype == torch.int32:
+            continue  # filled with its words
         elif name.endswith("norm_weight"):
             param.fill_(1.0)
         elif param.dim() == 1:

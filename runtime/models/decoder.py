@@ -16,7 +16,7 @@ from torch import nn
 
 from envex.kernels import quant
 from envex.kernels.ops import AttentionMetadata, LayerKVCache, Ops
-from envex.runtime.config import ModelConfig
+from envex.runtime.config import ModelConfig, MoEConfig
 
 
 def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -25,11 +25,28 @@ def param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter
 
 
 def expert_stacks(layer: nn.Module, experts: int, inter: int, hidden: int, *, dtype: torch.dtype,
-                  device: torch.device, fp8_block: tuple[int, int] | None = None) -> dict[str, Any]:  # fmt: skip
+                  device: torch.device, fp8_block: tuple[int, int] | None = None,
+                  int4: MoEConfig | None = None) -> dict[str, Any]:  # fmt: skip
     """Give an MoE layer its expert stacks, gate_up_proj [E, 2I, H] (rows gate_0, up_0, gate_1, ...) and down_proj
     [E, H, I]: in dtype, or with fp8_block (MoEConfig.fp8_layers) float8_e4m3fn as the checkpoint stores them, with
-    their float32 block scales gate_up_proj_scale and down_proj_scale (kernels.quant.FP8BlockStack's layout).
-    Returns them as MoEWeights' fields."""
+    their float32 block scales gate_up_proj_scale and down_proj_scale (kernels.quant.FP8BlockStack's layout), or
+    with int4 (the MoEConfig of a layer in int4_layers) int32 words [E, 2I, H/8] / [E, H, I/8] with their group
+    scales gate_up_proj_scale / down_proj_scale (int4_scale_dtype or dtype) and, int4_zero, uint8 zero points
+    gate_up_proj_zero / down_proj_zero (kernels.quant.Int4GroupStack's layout). Returns them as MoEWeights' fields."""
+    if int4 is not None:
+        g = int4.int4_group
+        sdt = getattr(torch, int4.int4_scale_dtype) if int4.int4_scale_dtype else dtype
+        layer.gate_up_proj = param(experts, 2 * inter, hidden // 8, dtype=torch.int32, device=device)
+        layer.down_proj = param(experts, hidden, inter // 8, dtype=torch.int32, device=device)
+        layer.gate_up_proj_scale = param(experts, 2 * inter, -(-hidden // g), dtype=sdt, device=device)
+        layer.down_proj_scale = param(experts, hidden, -(-inter // g), dtype=sdt, device=device)
+        out: dict[str, Any] = dict(gate_up=layer.gate_up_proj, down=layer.down_proj,
+                                   gate_up_scale=layer.gate_up_proj_scale, down_scale=layer.down_proj_scale, group=g)
+        if int4.int4_zero:
+            layer.gate_up_proj_zero = param(experts, 2 * inter, -(-hidden // g), dtype=torch.uint8, device=device)
+            layer.down_proj_zero = param(experts, hidden, -(-inter // g), dtype=torch.uint8, device=device)
+            out.update(gate_up_zero=layer.gate_up_proj_zero, down_zero=layer.down_proj_zero)
+        return out
     if fp8_block is None:
         layer.gate_up_proj = param(experts, 2 * inter, hidden, dtype=dtype, device=device)
         layer.down_proj = param(experts, hidden, inter, dtype=dtype, device=device)
@@ -43,11 +60,28 @@ def expert_stacks(layer: nn.Module, experts: int, inter: int, hidden: int, *, dt
                 down_scale=layer.down_proj_scale, block=fp8_block)  # fmt: skip
 
 
+# An INT4 expert's tensors as runtime/packed_load.load_dequantized hands them over (each expert's matrix in the
+# internal int4_group layout, whatever the checkpoint's packing): suffix -> the stack's attribute suffix.
+INT4_EXPERT_SUFFIXES = {"weight_packed": "", "weight_scale": "_scale", "weight_zero": "_zero"}
+
+
+def int4_expert_names(weights: list[str], zero: bool) -> list[str]:
+    """The names an INT4 layer's experts load under, for their `...weight` names (INT4_EXPERT_SUFFIXES)."""
+    suffixes = [n for n in INT4_EXPERT_SUFFIXES if zero or n != "weight_zero"]
+    return [f"{w.removesuffix('weight')}{s}" for w in weights for s in suffixes]
+
+
 def expert_tensor(layer: nn.Module, proj: str, suffix: str) -> torch.Tensor | None:
     """The stack a checkpoint's expert tensor `...{proj}_proj.{suffix}` goes into: gate_up_proj or down_proj
-    ("weight"), or their block scales ("weight_scale_inv", FP8 experts only; None for float ones). An expert's
-    slice of a scale stack is taken as of the weight stack (the scale rows interleave gate and up as the rows)."""
+    ("weight"), or their block scales ("weight_scale_inv", FP8 experts only; None for float ones), or for INT4
+    experts their words, group scales and zeros (INT4_EXPERT_SUFFIXES). An expert's slice of a scale stack is taken
+    as of the weight stack (the scale rows interleave gate and up as the rows)."""
     name = "down_proj" if proj == "down" else "gate_up_proj"
+    words = getattr(layer, name, None)
+    if words is not None and words.dtype == torch.int32:
+        return getattr(layer, name + INT4_EXPERT_SUFFIXES[suffix], None) if suffix in INT4_EXPERT_SUFFIXES else None
+    if suffix not in ("weight", "weight_scale_inv"):
+        return None
     return getattr(layer, name if suffix == "weight" else f"{name}_scale", None)
 
 

@@ -14,7 +14,9 @@ routed to them with weight 1 (ops.deepseek_route), so one expert pass computes b
 
 HF reference: transformers/models/deepseek_v3/modeling_deepseek_v3.py (and deepseek_v2). Parameter names are HF's;
 the checkpoint holds each expert as `mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up
-stacks as in models/qwen3_moe.py (FP8 releases' experts, shared ones included, kept FP8 as there). The router and
+stacks as in models/qwen3_moe.py (FP8 releases' experts, shared ones included, kept FP8 as there; INT4 releases'
+experts kept INT4, and a float shared MLP beside them, Kimi K2 Thinking's, served as its own MLP on the same normed
+input and added to the experts' output as HF adds it). The router and
 e_score_correction_bias stay float32, as HF keeps them.
 """
 
@@ -28,11 +30,12 @@ from torch import nn
 
 from envex.kernels.ops import MLA, MOE, AttentionMetadata, MLALayer, MoEWeights, Ops
 from envex.runtime.config import DEEPSEEK_V3, ModelConfig
-from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, param
+from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, int4_expert_names, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)")
-_SHARED = re.compile(r"mlp\.shared_experts\.(gate|up|down)_proj\.(weight|weight_scale_inv)")
+_SUFFIX = r"(weight|weight_scale_inv|weight_packed|weight_scale|weight_zero)"  # float, FP8, INT4 (decoder.py)
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\." + _SUFFIX)
+_SHARED = re.compile(r"mlp\.shared_experts\.(gate|up|down)_proj\." + _SUFFIX)
 _LORA_EPS = 1e-6  # q_a_layernorm and kv_a_layernorm: HF builds them without the config's eps
 _DIRECT = {
     "input_layernorm.weight": "input_layernorm_weight",
@@ -44,6 +47,7 @@ _DIRECT = {
     "mlp.gate.weight": "router_weight",
     "mlp.gate.e_score_correction_bias": "e_score_correction_bias",
     "mlp.down_proj.weight": "down_proj_weight",
+    "mlp.shared_experts.down_proj.weight": "shared_down_proj_weight",  # float beside INT4 experts (Kimi K2)
 }
 _DENSE_GATE_UP = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 1}  # [gate | up], as models/llama.py packs it
 
@@ -80,17 +84,25 @@ class DeepseekLayer(nn.Module):
         self.experts: MoEWeights | None = None
         if self.sparse:
             e, inter = moe.num_experts, moe.intermediate_size
-            stack = e + moe.shared_experts  # routed experts, then the shared MLP split into experts
+            int4 = moe if index in moe.int4_layers else None  # INT4 experts, kept so
+            # routed experts, then the shared MLP split into experts; float shared experts beside INT4 routed ones
+            # (Kimi K2) are a dense MLP of their own, added to the experts' output as HF adds them
+            shared = moe.shared_experts if int4 is None or moe.int4_shared else 0
+            stack = e + shared
             self.router_weight = param(e, h, dtype=torch.float32, device=device)
             self.e_score_correction_bias = (param(e, dtype=torch.float32, device=device)
                                             if c.architecture == DEEPSEEK_V3 else None)  # fmt: skip
             fp8 = moe.fp8_block if index in moe.fp8_layers else None  # FP8 experts (shared ones too), kept so
-            stacks = expert_stacks(self, stack, inter, h, dtype=dtype, device=device, fp8_block=fp8)
+            stacks = expert_stacks(self, stack, inter, h, dtype=dtype, device=device, fp8_block=fp8, int4=int4)
+            if moe.shared_experts and not shared:
+                width = moe.shared_experts * inter
+                self.shared_gate_up_proj_weight = param(2 * width, h, dtype=dtype, device=device)  # [gate | up]
+                self.shared_down_proj_weight = param(h, width, dtype=dtype, device=device)
             self.experts = MoEWeights(**stacks, activation="silu",
                                       renormalize=moe.norm_topk_prob, scoring=moe.scoring,
                                       correction_bias=self.e_score_correction_bias, n_group=moe.n_group,
                                       topk_group=moe.topk_group, scaling=moe.routed_scaling_factor,
-                                      shared_experts=moe.shared_experts)  # fmt: skip
+                                      shared_experts=shared)  # fmt: skip
         else:
             self.gate_up_proj_weight = param(2 * c.intermediate_size, h, dtype=dtype, device=device)
             self.down_proj_weight = param(h, c.intermediate_size, dtype=dtype, device=device)
@@ -106,8 +118,13 @@ class DeepseekLayer(nn.Module):
         attn = ops.mla_attention(q, qkv_a[:, self.q_width :], kv_cache[0], meta, self.attn)  # [T, H v]
         hidden = ops.linear(attn, self.o_proj_weight)
         if self.experts is not None:
-            return ops.moe(hidden, residual, self.post_attention_layernorm_weight, self.eps, self.router_weight,
-                           None, self.experts, self.top_k)  # fmt: skip
+            out, residual = ops.moe(hidden, residual, self.post_attention_layernorm_weight, self.eps,
+                                    self.router_weight, None, self.experts, self.top_k)  # fmt: skip
+            if hasattr(self, "shared_down_proj_weight"):  # float shared experts beside INT4 ones
+                gate_up = ops.norm_linear(residual, None, self.post_attention_layernorm_weight, self.eps,
+                                          self.shared_gate_up_proj_weight)[0]  # fmt: skip
+                out = out + ops.act_linear(gate_up, self.shared_down_proj_weight)
+            return out, residual
         gate_up, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
                                             self.gate_up_proj_weight)  # [T, 2I]
         return ops.act_linear(gate_up, self.down_proj_weight), residual
@@ -134,6 +151,10 @@ def _layer_target(c: ModelConfig, layer: DeepseekLayer, rest: str) -> tuple[torc
         view = stack[e] if proj == "down" else stack[e, (proj == "up") :: 2]
         return view, tuple(view.shape)
     shared = _SHARED.fullmatch(rest)
+    if shared is not None and layer.sparse and shared.group(1) != "down" and hasattr(layer, "shared_down_proj_weight"):
+        width = layer.shared_down_proj_weight.shape[1]  # float shared experts beside INT4 ones: [gate | up]
+        view = layer.shared_gate_up_proj_weight[(shared.group(1) == "up") * width :][:width]
+        return (view, tuple(view.shape)) if shared.group(2) == "weight" else None
     stack = expert_tensor(layer, shared.group(1), shared.group(2)) if layer.sparse and shared else None
     if shared is not None and stack is not None and moe.shared_experts:
         first, s = moe.num_experts, moe.shared_experts  # (FP8 scales: the same split, in blocks)
@@ -152,9 +173,9 @@ def _layer_target(c: ModelConfig, layer: DeepseekLayer, rest: str) -> tuple[torc
     return None
 
 
-def _layer_names(c: ModelConfig, sparse: bool, fp8: bool = False) -> list[str]:
+def _layer_names(c: ModelConfig, sparse: bool, fp8: bool = False, int4: bool = False) -> list[str]:
     """The HF names after `model.layers.N.` of a decoder layer (MoE when sparse, else a dense MLP; fp8: its
-    experts' block scales too)."""
+    experts' block scales too; int4: its experts' INT4 tensors as runtime/packed_load.py hands them over)."""
     m, moe = c.mla, c.moe
     assert m is not None and moe is not None
     q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if m.q_lora_rank is not None else ["q_proj"]
@@ -170,6 +191,9 @@ def _layer_names(c: ModelConfig, sparse: bool, fp8: bool = False) -> list[str]:
         names.append("mlp.gate.e_score_correction_bias")
     if fp8:  # FP8 experts' block scales
         names += [f"{n}_scale_inv" for n in experts]
+    if int4:  # INT4 experts (the shared ones too unless they are float)
+        packed = [n for n in experts if moe.int4_shared or "shared_experts" not in n]
+        names = [n for n in names if n not in packed] + int4_expert_names(packed, moe.int4_zero)
     return names
 
 
@@ -227,7 +251,8 @@ class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
         if not c.tie_word_embeddings:
             names.add("lm_head.weight")
         for i, layer in enumerate(self.layers):
-            names.update(f"model.layers.{i}.{p}" for p in _layer_names(c, layer.sparse, i in c.moe.fp8_layers))
+            names.update(f"model.layers.{i}.{p}" for p in _layer_names(c, layer.sparse, i in c.moe.fp8_layers,
+                                                                          i in c.moe.int4_layers))
         return names
 
     def multi_token_predictor(self) -> DeepseekMTP:

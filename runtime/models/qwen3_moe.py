@@ -9,7 +9,9 @@ into one matrix as in models/llama.py. The published checkpoint holds each exper
 up rows interleaved (gate_0, up_0, gate_1, ...), the layout `Ops.moe` takes (kernels/ops.py MoEWeights). An FP8
 release (Qwen3-30B-A3B-FP8: quantization_config "fp8", 128 x 128 blocks) keeps its experts so: FP8 stacks beside
 their `weight_scale_inv` block scales, interleaved alike (MoEConfig.fp8_layers; runtime/packed_load.py dequantizes
-its other projections at load).
+its other projections at load). An INT4 release (compressed-tensors pack-quantized, AWQ) keeps its experts as
+int32 words with group scales and zeros (MoEConfig.int4_layers; kernels.quant.Int4GroupStack's layout), converted
+at load by runtime/packed_load.py.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from torch import nn
 
 from envex.kernels.ops import MOE, AttentionLayer, AttentionMetadata, MoEWeights, Ops
 from envex.runtime.config import ModelConfig
-from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, param
+from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, int4_expert_names, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv|weight_packed|weight_scale|"
+                     r"weight_zero)")
 _QKV = {"self_attn.q_proj": 0, "self_attn.k_proj": 1, "self_attn.v_proj": 2}
 # HF name within a layer -> our attribute
 _DIRECT = {
@@ -64,7 +67,8 @@ class Qwen3MoeLayer(nn.Module):
             e, inter = c.moe.num_experts, c.moe.intermediate_size
             self.router_weight = param(e, h, dtype=dtype, device=device)
             fp8 = c.moe.fp8_block if index in c.moe.fp8_layers else None  # FP8 experts, kept so
-            stacks = expert_stacks(self, e, inter, h, dtype=dtype, device=device, fp8_block=fp8)
+            int4 = c.moe if index in c.moe.int4_layers else None  # INT4 experts, kept so
+            stacks = expert_stacks(self, e, inter, h, dtype=dtype, device=device, fp8_block=fp8, int4=int4)
             self.experts = MoEWeights(**stacks, activation="silu", renormalize=c.moe.norm_topk_prob)
         else:
             self.gate_up_proj_weight = param(2 * c.intermediate_size, h, dtype=dtype, device=device)
@@ -140,8 +144,10 @@ class Qwen3MoeForCausalLM(DecoderStack, nn.Module):
         sparse = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts)
                                         for p in ("gate", "up", "down")]  # fmt: skip
         scales = [f"{n}_scale_inv" for n in sparse[1:]]  # FP8 experts' block scales
+        int4 = [sparse[0]] + int4_expert_names(sparse[1:], c.moe.int4_zero)
         dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         for i, layer in enumerate(self.layers):
-            mlp = (sparse + scales if i in c.moe.fp8_layers else sparse) if layer.sparse else dense
+            mlp = (sparse + scales if i in c.moe.fp8_layers else int4 if i in c.moe.int4_layers else sparse) \
+                if layer.sparse else dense  # fmt: skip
             names.update(f"model.layers.{i}.{p}" for p in attention + mlp)
         return names
