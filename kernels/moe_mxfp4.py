@@ -58,6 +58,7 @@ from envex.kernels._common import (
     prefetch_l2,
 )
 from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
+from envex.kernels.quant_gemv import int4_nibbles
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
@@ -248,8 +249,7 @@ def _int4_zero(z_ptr, off, ok):
 @triton.jit
 def _int4_codes(words, R: tl.constexpr, BK: tl.constexpr):
     """int32 words [R, BK/8] -> their codes u [R, BK] in 0..15 (input 8c + j from nibble j of word c)."""
-    shifts = tl.arange(0, 8) * 4
-    return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [R, BK])
+    return tl.reshape(int4_nibbles(words), [R, BK])
 
 
 @triton.jit

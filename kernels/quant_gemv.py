@@ -77,11 +77,17 @@ def _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS: tl.constexp
 
 
 @triton.jit
+def int4_nibbles(words):
+    """int32 words [R, C] -> their 4-bit codes u [R, C, 8] in 0..15 (int32), nibble j of word c = input 8c + j."""
+    return (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF  # & 0xF: >> sign-fills
+
+
+@triton.jit
 def _int4_codes(words, s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_ZERO: tl.constexpr):
     """int4_group words [R, C] (int32, 8 inputs each, nibble j = input 8c + j) with their groups grp (any shape
     broadcasting against [R, C]; ok masks it) -> ((u - zero) [R, C, 8], scale [R, C]) in float32; no zero: 8.
     Callers apply the scale where it costs least (the GEMV per word's sum, the GEMM per weight before its dot)."""
-    u = ((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF).to(tl.float32)  # & 0xF: >> sign-fills
+    u = int4_nibbles(words).to(tl.float32)
     s = tl.load(s_ptr + rows64 * stride_sn + grp, mask=ok, other=0.0).to(tl.float32)
     if HAS_ZERO:
         z = tl.load(z_ptr + rows64 * stride_zn + grp, mask=ok, other=0).to(tl.float32)

@@ -22,6 +22,17 @@ if TYPE_CHECKING:
     ExpertStack = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FP8BlockStack | Int4GroupStack  # expert_matrix's
 
 
+def host_lengths(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, q_lens: list[int] | None = None,
+                 seq_lens_host: list[int] | None = None) -> tuple[list[int], list[int]]:  # fmt: skip
+    """Each sequence's query rows and cached length on the host, for code that loops over sequences: the given
+    host lists where the metadata carries them (AttentionMetadata.q_lens_host / seq_lens_host), else read from
+    the device tensors."""
+    if q_lens is None:
+        cu = cu_seqlens_q.tolist()
+        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    return q_lens, seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF LlamaRMSNorm: fp32 (or wider) math, cast back to the input dtype, then times the weight."""
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -120,10 +131,7 @@ def paged_attention(
     num_tokens, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    if q_lens is None:
-        cu = cu_seqlens_q.tolist()
-        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+    q_lens, lens = host_lengths(cu_seqlens_q, seq_lens, q_lens, seq_lens_host)
     tables = block_tables.long()
     out = torch.empty_like(q)
     q0 = 0
@@ -340,10 +348,7 @@ def paged_attention_invariant(
     num_tokens, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     group = hq // hkv
-    if q_lens is None:
-        cu = cu_seqlens_q.tolist()
-        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+    q_lens, lens = host_lengths(cu_seqlens_q, seq_lens, q_lens, seq_lens_host)
     tables = block_tables.long()
     acc = torch.promote_types(q.dtype, torch.float32)
     out = torch.empty_like(q)
@@ -813,10 +818,7 @@ def mla_paged_attention(q_abs: torch.Tensor, q_pe: torch.Tensor, latent_cache: t
     (already written) and sees keys 0 .. its own position. scale: the softmax scale (mla.mla_softmax_scale)."""
     rank = q_abs.shape[-1]
     page = latent_cache.shape[1]
-    if q_lens is None:
-        cu = cu_seqlens_q.tolist()
-        q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
-    lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+    q_lens, lens = host_lengths(cu_seqlens_q, seq_lens, q_lens, seq_lens_host)
     tables = block_tables.long()
     acc = torch.promote_types(q_abs.dtype, torch.float32)
     q = torch.cat([q_abs, q_pe], dim=-1).to(acc)  # [T, H, rank + rope]

@@ -45,6 +45,7 @@ from envex.kernels import (
     norm,
     quant_gemm,
     quant_gemv,
+    reference,
     rotary,
 )
 from envex.kernels._common import check
@@ -305,12 +306,9 @@ class TritonOps:
                                          seq_lens, layer.scale, max_seq_len=meta.max_seq_len, q_len=q_len,
                                          num_splits=meta.num_splits)  # fmt: skip
             return mla.expand_output(o, layer.w_uv)
-        q_lens = meta.q_lens_host
-        if q_lens is None:
-            cu = meta.cu_seqlens_q.tolist()
-            q_lens = [b - a for a, b in zip(cu[:-1], cu[1:], strict=True)]
         assert meta.seq_lens is not None, "a step with prefill chunks carries seq_lens"
-        seq_lens_host = meta.seq_lens_host if meta.seq_lens_host is not None else meta.seq_lens.tolist()
+        q_lens, seq_lens_host = reference.host_lengths(meta.cu_seqlens_q, meta.seq_lens, meta.q_lens_host,
+                                                       meta.seq_lens_host)  # fmt: skip
         out = mla.mla_prefill_attention(q_nope, q_pe, latent_cache, meta.block_tables, layer.w_uk, layer.w_uv,
                                         layer.scale, q_lens=q_lens, seq_lens=seq_lens_host)  # fmt: skip
         return out.reshape(tokens, -1)  # [T, H v]
