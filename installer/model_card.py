@@ -165,23 +165,22 @@ def _hf_card(folder: Path, served_name: str) -> ModelCard:
     dtypes = Counter[str]()
     for t in tensors.values():
         dtypes[t.dtype] += t.elements
-    quantization = _hf_quantization(folder) or _SAFETENSORS_DTYPES.get(dtypes.most_common(1)[0][0], "unknown")
+    hf = json.loads(read_regular_file(folder / "config.json", max_bytes=16 << 20, what="model config"))
+    quantization = _hf_quantization(hf) or _SAFETENSORS_DTYPES.get(dtypes.most_common(1)[0][0], "unknown")
     return _card(".", "hf", served_name, c, sum(t.elements for t in tensors.values()), quantization,
-                 _has_chat_template(folder), _packed(folder, c, tensors))
+                 _has_chat_template(folder), _packed(hf, c, tensors))
 
 
-def _packed(folder: Path, c: Any, tensors: dict[str, TensorHeader]) -> tuple[int, int]:
+def _packed(hf: dict[str, Any], c: Any, tensors: dict[str, TensorHeader]) -> tuple[int, int]:
     """(elements, bytes) of the tensors the engine keeps as stored (runtime.packed_load.stored_as_packed)."""
     from envex.runtime.packed_load import stored_as_packed
 
-    hf = json.loads(read_regular_file(folder / "config.json", max_bytes=16 << 20, what="model config"))
     kept = [tensors[n] for n in stored_as_packed(c, hf, tensors)]
     return sum(t.elements for t in kept), sum(t.elements * _DTYPE_BYTES.get(t.dtype, 4) for t in kept)
 
 
-def _hf_quantization(folder: Path) -> str | None:
-    data = json.loads(read_regular_file(folder / "config.json", max_bytes=16 << 20, what="model config"))
-    q = data.get("quantization_config")
+def _hf_quantization(hf: dict[str, Any]) -> str | None:
+    q = hf.get("quantization_config")
     return str(q["quant_method"]) if isinstance(q, dict) and q.get("quant_method") else None
 
 
