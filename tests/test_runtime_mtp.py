@@ -74,7 +74,8 @@ def _engine(path, **kw) -> LLMEngine:
 def test_mtp_logits_equal_transformers_mtp_layer(random_mtp) -> None:
     """DeepseekMTP over a prompt's positions (through its latent cache) = HF's MtpLayer (eh_proj over
     [enorm(embed(t_{i+1})); hnorm(h_i)], the decoder layer, shared_head's norm) then the head, at HF's positions
-    i+1 (ours sit at i: rotary attention sees the same offsets)."""
+    i+1 (ours sit at i: rotary attention sees the same offsets); the hidden state it chains on is MtpLayer's output
+    (after shared_head's norm), as transformers' MTP generation chains."""
     hf_model, hf_block, mtp, path, _ = random_mtp
     engine = _engine(path, draft_model="mtp", num_speculative_tokens=1)
     module = engine.spec.drafter.module
@@ -100,8 +101,29 @@ def test_mtp_logits_equal_transformers_mtp_layer(random_mtp) -> None:
         want = hf_model.lm_head(out)[0]
     meta, cache = _prefill(module.config, t), module.make_kv_cache(_blocks(t), 4, torch.float32, torch.device("cpu"))
     with torch.inference_mode():
-        got, _ = module.compute_logits(TorchOps(), *module(TorchOps(), tokens, hidden, cache, meta))
+        got, chained = module.compute_logits(TorchOps(), *module(TorchOps(), tokens, hidden, cache, meta))
     assert rel_err(got, want) < 1e-5
+    assert rel_err(chained, out[0]) < 1e-5
+
+
+def test_the_drafter_reads_the_targets_states_after_the_final_norm(random_mtp) -> None:
+    """After a prompt's step, the state waiting for the first draft is HF's hidden_states[-1] at the prompt's last
+    position: the final norm applied (what transformers' MTP generation feeds its MtpLayer), with a final norm
+    weight that is not uniform, so a state taken before it differs."""
+    hf_model, _, _, path, _ = random_mtp
+    engine = _engine(path, draft_model="mtp", num_speculative_tokens=1)
+    model = engine.runner.model
+    with torch.no_grad():
+        model.norm_weight.copy_(torch.rand(H, generator=torch.Generator().manual_seed(5)) + 0.5)
+        ref = copy.deepcopy(hf_model)
+        ref.model.norm.weight.copy_(model.norm_weight)
+        want = ref(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states[-1][0, -1]
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    seq = engine.scheduler.waiting[0]
+    engine.step()
+    row = seq.spec.row
+    assert int(engine.spec.drafter.start[row]) == len(PROMPTS[0]) - 1 and bool(engine.spec.drafter.pending[row])
+    assert rel_err(engine.spec.drafter.hidden[row], want) < 1e-5
 
 
 def _prefill(config, t: int) -> AttentionMetadata:
@@ -125,13 +147,15 @@ def _predicting_mtp(tmp, noise: float, eh_hidden: float = 0.0):
     alone) and an MTP layer that is then its next-token predictor: eh_proj = [I, 0], a decoder layer that adds
     nothing, unit enorm and shared_head.norm = the model's final norm, so MTP(t_{i+1}) = the model's logits at i+1;
     noise > 0: the MTP layer's own head is the model's plus that much noise (relative), so some drafts miss;
-    eh_hidden > 0: eh_proj's hidden-state half random at that scale (the drafts then depend on the states too)."""
+    eh_hidden > 0: eh_proj's hidden-state half random at that scale (the drafts then depend on the states too). The
+    final norm's weight is not uniform, so states taken before it would not give the same rows."""
     hf_model = _hf_model("v3")
+    gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in hf_model.named_parameters():
             if "o_proj" in name or "down_proj" in name:
                 p.zero_()
-    gen = torch.Generator().manual_seed(3)
+        hf_model.model.norm.weight.copy_(torch.rand(H, generator=torch.Generator().manual_seed(4)) + 0.5)
     own = {"enorm.weight": torch.ones(H), "hnorm.weight": torch.ones(H),
            "eh_proj.weight": torch.cat([torch.eye(H), eh_hidden * torch.randn(H, H, generator=gen) * H**-0.5], dim=1),
            "shared_head.norm.weight": hf_model.model.norm.weight.detach().clone()}  # fmt: skip
@@ -219,7 +243,8 @@ def test_the_mtp_cache_holds_the_modules_rows_of_the_verified_tokens(tmp_path, d
             with torch.inference_mode():
                 caches = model.make_kv_caches(_blocks(start), 4, torch.float32, cpu)
                 hidden, residual = model(ops, torch.tensor(tokens[:start]), caches, meta)
-                drafter.module(ops, torch.tensor(tokens[1 : start + 1]), hidden + residual, cache, meta)
+                normed = model.final_hidden(ops, hidden, residual)  # the target's states after the final norm
+                drafter.module(ops, torch.tensor(tokens[1 : start + 1]), normed, cache, meta)
             got = torch.stack([drafter.kv_cache[0][seq.block_table[p // 4], p % 4] for p in range(start)])
             assert rel_err(got, cache[0].view(-1, got.shape[-1])[:start]) < 1e-5
             checked += 1

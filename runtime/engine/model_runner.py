@@ -51,7 +51,7 @@ class StepResult:
     # [N, V] float32: the last row of each chunk that completes its sequence, in chunk order
     logits: torch.Tensor
     prompt_logits: dict[int, torch.Tensor]  # chunk index -> [num_tokens, V] float32 (prompt logprobs only)
-    hidden: torch.Tensor | None = None  # [T, H] every row's last hidden state before the final norm (on_hidden)
+    hidden: torch.Tensor | None = None  # [T, H] every row's last hidden state after the final norm (on_hidden)
 
 
 class ModelRunner:
@@ -108,7 +108,7 @@ class ModelRunner:
         if config.use_cuda_graphs and self.device.type == "cuda":  # state slots too: a static input (cuda_graphs.py)
             self.decode_graphs = DecodeGraphs(self, max_batch=config.max_num_seqs,
                                               with_hidden=config.draft_model == MTP)  # fmt: skip
-        # Set by an MTP drafter (spec/): called after each step with its chunks, the last hidden states before the
+        # Set by an MTP drafter (spec/): called after each step with its chunks, the last hidden states after the
         # final norm of all their rows [T, H] (a decode graph's too: it keeps them for draft_model "mtp") and the
         # step's pending_tokens.
         self.on_hidden: Callable[[list[ScheduledChunk], torch.Tensor, torch.Tensor | None], None] | None = None
@@ -164,15 +164,14 @@ class ModelRunner:
 
     def forward_logits(self, input_ids: torch.Tensor, meta: AttentionMetadata, *, with_hidden: bool = False):
         """The whole model on a step whose every token needs logits (a decode step) -> [T, V] in the model dtype;
-        with_hidden: (logits, the last hidden states before the final norm [T, H]), which an MTP drafter reads.
+        with_hidden: (logits, the last hidden states after the final norm [T, H]), which an MTP drafter reads.
         What a CUDA graph captures."""
         if self.windows is not None:
             meta = self.windows.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
-        # taken before the final norm, which may update the residual in place
-        prenorm = self.ops.materialize(hidden, residual.dtype) + residual if with_hidden else None
+        normed = self.model.final_hidden(self.ops, hidden, residual) if with_hidden else None
         logits = self.model.compute_logits(self.ops, hidden, residual)
-        return (logits, prenorm) if with_hidden else logits
+        return (logits, normed) if with_hidden else logits
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], pending_tokens: torch.Tensor | None = None) -> StepResult:
@@ -255,7 +254,7 @@ class ModelRunner:
             meta = self.states.attach(meta)
         hidden, residual = self.model(self.ops, input_ids, self.kv_caches, meta)
         hidden = self.ops.materialize(hidden, residual.dtype)  # rows are picked from it below
-        prenorm = hidden + residual if self.on_hidden is not None else None  # every row's, for an MTP drafter
+        normed = self.model.final_hidden(self.ops, hidden, residual) if self.on_hidden is not None else None
         logits = hidden.new_zeros((0, 0))
         if plan.ends:
             rows = upload(plan.ends, torch.int64, self.device)
@@ -264,4 +263,4 @@ class ModelRunner:
             i: self.model.compute_logits(self.ops, hidden[a:b], residual[a:b]).float()
             for i, (a, b) in plan.prompt_rows.items()
         }
-        return StepResult(logits=logits, prompt_logits=prompt_logits, hidden=prenorm)
+        return StepResult(logits=logits, prompt_logits=prompt_logits, hidden=normed)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from envex.kernels import quant
+from envex.kernels import quant, reference
 from envex.kernels.ops import AttentionMetadata, LayerKVCache, Ops
 from envex.runtime.config import ModelConfig, MoEConfig
 
@@ -119,6 +119,13 @@ class DecoderStack:
     def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on the given rows -> logits [N, V] in the model's dtype."""
         return ops.norm_linear(hidden, residual, self.norm_weight, self.config.rms_norm_eps, self.lm_head_weight)[0]
+
+    def final_hidden(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last hidden states after the final norm [T, H] (HF's hidden_states[-1]): what an MTP module reads
+        (as transformers' MTP generation, vLLM and SGLang feed it). Taken before compute_logits, which may update
+        the residual in place."""
+        summed = ops.materialize(hidden, residual.dtype) + residual
+        return reference.rms_norm(summed, self.norm_weight, self.config.rms_norm_eps)
 
     # ---- loading ---------------------------------------------------------------------------------------------
 

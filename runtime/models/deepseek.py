@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from envex.kernels import reference
 from envex.kernels.ops import MLA, MOE, AttentionMetadata, MLALayer, MoEWeights, Ops
 from envex.runtime.config import DEEPSEEK_V3, ModelConfig
 from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, int4_expert_names, param
@@ -272,11 +273,11 @@ _MTP_SHARED = {"embed_tokens.weight": "embed_tokens_weight", "shared_head.head.w
 
 class DeepseekMTP(nn.Module):
     """DeepSeek-V3's multi-token-prediction module (the checkpoint's `model.layers.{N}.*`, N = num_hidden_layers):
-    for the token t at position i+1 and the model's last hidden state h_i (before the final norm),
-    h' = eh_proj([enorm(embed(t)); hnorm(h_i)]) (vLLM deepseek_mtp's order), then one decoder layer (MLA over a
-    latent cache of its own, MoE) and shared_head (norm, head) -> logits for the token at i+2 (forward, then
-compute_logits). Chained on its own
-    output hidden and greedy token it drafts k tokens (runtime/engine/spec/drafters.py, MtpDrafter).
+    for the token t at position i+1 and the model's last hidden state h_i (after the final norm, as transformers'
+    MTP generation, vLLM and SGLang feed it), h' = eh_proj([enorm(embed(t)); hnorm(h_i)]), then one decoder layer
+    (MLA over a latent cache of its own, MoE) and shared_head's norm -> its own hidden state (transformers'
+    MtpLayer output), whose head gives the logits for the token at i+2 (forward, then compute_logits). Chained on
+    its own hidden state and greedy token it drafts k tokens (runtime/engine/spec/mtp.py, MtpDrafter).
 
     Its embedding and head are the model's, unless the checkpoint stores copies that differ (DeepSeek-V3's files
     store equal copies: they are not held twice)."""
@@ -304,7 +305,7 @@ compute_logits). Chained on its own
     def forward(self, ops: Ops, input_ids: torch.Tensor, hidden: torch.Tensor, kv_cache: tuple[torch.Tensor],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """input_ids [T] (the token after each hidden state's position), hidden [T, H] (the model's last hidden
-        states before the final norm, or this module's own), at the hidden states' positions in meta (vLLM's; the
+        states after the final norm, or this module's own), at the hidden states' positions in meta (vLLM's; the
         latent rows are written there) -> the decoder layer's (hidden, residual) [T, H] (compute_logits)."""
         embeds = self.embed_tokens_weight[input_ids]
         emb = ops.norm_linear(embeds, None, self.enorm_weight, self.eps, self.eh_proj[0])[0]
@@ -315,8 +316,9 @@ compute_logits). Chained on its own
     def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """forward's (hidden, residual) rows -> (logits [N, V] for the token after their input_ids, the module's
-        hidden states before shared_head's norm [N, H]: the next draft step's input)."""
-        return ops.norm_linear(hidden, residual, self.head_norm_weight, self.eps, self.head_weight)
+        hidden states after shared_head's norm [N, H]: the next draft step's input)."""
+        logits, summed = ops.norm_linear(hidden, residual, self.head_norm_weight, self.eps, self.head_weight)
+        return logits, reference.rms_norm(summed, self.head_norm_weight, self.eps)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """One latent row a token, as each layer of the model (DeepseekV3ForCausalLM.make_kv_caches)."""

@@ -93,7 +93,7 @@ class DecodeGraphs:
     def __init__(self, runner, *, max_batch: int, capture: bool = True,
                  with_hidden: bool = False) -> None:  # runner: ModelRunner  # fmt: skip
         """capture=False runs the same step eagerly (for CPU tests under the Triton interpreter). with_hidden: the
-        step also keeps its last hidden states before the final norm (`hidden`, for an MTP drafter)."""
+        step also keeps its last hidden states after the final norm (`hidden`, for an MTP drafter)."""
         self.runner = runner
         self.device = runner.device
         self.block_size = runner.block_size

@@ -1,5 +1,5 @@
 """The MTP drafter (draft_model "mtp"): DeepSeek-V3's multi-token-prediction module (models/deepseek.py,
-DeepseekMTP) drafts k tokens from the target's own last hidden states (before the final norm).
+DeepseekMTP) drafts k tokens from the target's own last hidden states (after the final norm).
 
 Its cache is one latent layer over the target's blocks (as a draft model's). The row at position p needs the
 target's state h_p and the token at p+1; it is written once both are known, so per row of SpecDecoder.hist one
