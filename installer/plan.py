@@ -532,13 +532,18 @@ def engine_choices(
 
 def state_slots(engine: dict[str, Any]) -> int:
     """The state slots a hybrid model's engine allocates for these settings (StateSlots): a live slot per sequence
-    (max_num_seqs), with the prefix cache on (EngineConfig's default) as many prefix snapshots, and one scratch slot
-    (the padding rows of a CUDA-graph decode step)."""
+    (max_num_seqs), with the prefix cache on (EngineConfig's default) as many prefix snapshots, one scratch slot
+    (the padding rows of a CUDA-graph decode step), and with speculative decoding its verify slots (K + 1 for each
+    row of a verify batch: speculative_max_batch where set, else max_num_seqs, the most it can be)."""
+    from envex.runtime.engine.caches.state_slots import verify_slots
     from envex.runtime.engine.config import EngineConfig
 
     default = EngineConfig.__dataclass_fields__["enable_prefix_caching"].default
     prefix_cache = engine.get("enable_prefix_caching", default)
-    return int(engine["max_num_seqs"]) * (2 if prefix_cache else 1) + 1
+    seqs = int(engine["max_num_seqs"])
+    verify = verify_slots(int(engine.get("num_speculative_tokens") or 0),
+                          min(int(engine.get("speculative_max_batch") or seqs), seqs))  # fmt: skip
+    return seqs * (2 if prefix_cache else 1) + 1 + verify
 
 
 def _choose_kernels(

@@ -263,6 +263,33 @@ def test_conv1d_snapshots_match_the_reference() -> None:
     assert torch.equal(pool.double(), want_pool)
 
 
+def test_a_verify_step_snapshots_the_state_after_every_token() -> None:
+    """Speculative decoding's verify step (state_slots.py): 3 sequences x 4 tokens (the newest and 3 drafts) from
+    their live slots (the third from zeros: no tokens before), a snapshot after every token into verify slots; the
+    delta rule and the conv, each against the float64 reference."""
+    lens, dim, width = [4, 4, 4], 16, 4
+    q, k, v, g, beta = _delta_inputs(lens, 1, 2, 16, 16, torch.float32, seed=11)
+    slots = torch.tensor([0, 1, 2], dtype=I32, device=DEV)
+    start = torch.tensor([9, 1, 0], dtype=I32, device=DEV)
+    table = torch.arange(3, 15, dtype=I32, device=DEV).view(3, 4)
+    kw = dict(start_pos=start, snapshot_slots=table, snapshot_every=1)
+    pool = _pool(15, 2, 16, 16, seed=12)
+    want_pool = pool.double()
+    want = ref.gated_delta_rule(*f64(q, k, v, g, beta), _cu(lens), want_pool, slots, **kw)
+    out = dr.gated_delta_rule_chunked(q, k, v, g, beta, _cu(lens), pool, slots, max_q_len=4, **kw)
+    assert_close("verify.o", out, want, torch.float32)
+    assert_close("verify.states", pool, want_pool, torch.float32)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(12, dim, generator=gen).to(DEV)
+    weight = torch.randn(dim, width, generator=gen).to(DEV)
+    conv = torch.randn(15, width - 1, dim, generator=gen).to(DEV)
+    want_conv = conv.double()
+    want = ref.causal_conv1d(*f64(x, weight), None, _cu(lens), want_conv, slots, **kw)
+    out = dr.causal_conv1d_prefill(x, weight, None, _cu(lens), conv, slots, **kw)
+    assert_close("verify.conv", out, want, torch.float32)
+    assert torch.equal(conv.double(), want_conv)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gated_rms_norm(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(10)

@@ -2,8 +2,8 @@
 slots, gated full attention with partial rotary, the MoE with its gated shared expert, a dense layer) gives HF
 transformers' logits and greedy tokens from the published checkpoint layout, through the real engine: sequences of
 different lengths batched together, a prompt cut into prefill chunks and a run with preemptions all give the tokens
-of uninterrupted single runs; what the engine refuses for this model (prefix cache, speculation, deterministic mode,
-a stale state) and the config it reads."""
+of uninterrupted single runs; what the engine refuses for this model (deterministic mode, fp8 KV, a stale state;
+speculation: tests/test_runtime_qwen3_next_spec.py) and the config it reads."""
 
 from __future__ import annotations
 
@@ -231,9 +231,6 @@ def test_refusals(checkpoint) -> None:
     with pytest.raises(ValueError, match=r"^deterministic: Qwen3NextForCausalLM has no batch-invariant kernels yet "
                                          r"\(.*gated delta-rule linear attention\)"):
         _engine(path, deterministic=True)
-    with pytest.raises(ValueError, match=r"^num_speculative_tokens: speculative decoding does not run with "
-                                         r"Qwen3NextForCausalLM's recurrent"):
-        _engine(path, num_speculative_tokens=2)
     with pytest.raises(ValueError, match=r"^kv_cache_dtype: fp8 is not available for Qwen3NextForCausalLM"):
         _engine(path, kv_cache_dtype="fp8")
 

@@ -51,7 +51,7 @@ class _FixedDrafts:
 def _runner(model: LlamaForCausalLM, ops, caches) -> _Runner:
     cos, sin = rope_cos_sin(model.config, MAX_LEN, DEV)
     return _Runner(model=model, ops=ops, kv_caches=caches, cos=cos, sin=sin, device=DEV, block_size=PAGE,
-                   max_model_len=MAX_LEN, model_config=model.config)  # fmt: skip
+                   max_model_len=MAX_LEN, model_config=model.config, states=None)  # fmt: skip
 
 
 def _eager(runner: _Runner, ids: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:

@@ -4,7 +4,8 @@ A recurrent layer keeps a fixed-size state per sequence (the delta rule's matrix
 instead of K/V pages. The model allocates one pool per such layer (`make_state_pools`) before the KV cache takes
 its share of memory: `max_num_seqs` live slots, then as many snapshot slots, then one scratch slot that no sequence
 holds: the padding rows of a CUDA-graph decode step (and every row of its capture) read and write there, so they
-touch no live or snapshot state. This class hands each running sequence one live slot for its whole life and tells
+touch no live or snapshot state; then, with speculative decoding, K + 1 verify slots per row of the largest verify
+batch (`verify_slots`). This class hands each running sequence one live slot for its whole life and tells
 the layers, each step, which slot each sequence reads and whether that slot already holds its state
 (`AttentionMetadata.state_slots`, `state_initialized`), or a decode graph the same as host lists (`decode_inputs`).
 
@@ -19,7 +20,10 @@ The state after token n is only right if it was built from tokens 0..n-1 of this
   one token prefix, whatever became of its blocks. One is taken per prompt, after its last full block (the longest
   hit an equal prompt, or a later turn that extends it, can have), by the prefill kernels as they pass it
   (`state_snapshots`); least recently used ones are overwritten first;
-- speculative decoding is refused: a verify step would leave rejected tokens in the state.
+- a verify step (speculative decoding: the newest token and K drafts per sequence) runs the chunked kernels from
+  the live slot with a snapshot after every token, into that row's K + 1 verify slots; once the drafts are judged
+  on the device, the snapshot after the last accepted token is copied back into the live slot (`commit`), so no
+  rejected token stays in the state, and the host counts the tokens it holds when it reads the step (`verified`).
 Slots are released when the engine frees a sequence's blocks (finished, aborted, preempted), seen at the next step.
 """
 
@@ -37,6 +41,12 @@ from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.sequence import Sequence, Status
 
 
+def verify_slots(num_speculative_tokens: int, max_batch: int) -> int:
+    """The state slots verify steps write their per-token snapshots into: K + 1 for each row of the largest verify
+    batch (EngineConfig.speculative_max_batch, at most max_num_seqs), none without speculative decoding."""
+    return max_batch * (num_speculative_tokens + 1) if num_speculative_tokens else 0
+
+
 def has_state(model: torch.nn.Module) -> bool:
     """Whether the model keeps per-sequence state (it then allocates its pools with make_state_pools)."""
     return hasattr(model, "make_state_pools")
@@ -47,17 +57,15 @@ class StateSlots:
     snapshots."""
 
     def __init__(self, config: EngineConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-        arch = getattr(getattr(model, "config", None), "architecture", type(model).__name__)
-        if config.num_speculative_tokens:
-            raise ValueError(f"num_speculative_tokens: speculative decoding does not run with {arch}'s recurrent "
-                             "(linear-attention) state yet (a verify step would keep rejected tokens in it); set it "
-                             "to 0")  # fmt: skip
         self.num_slots = config.max_num_seqs
         self.num_snapshots = config.max_num_seqs if config.enable_prefix_caching else 0
         self.block_size = config.block_size
         self.device = device
         self.scratch_slot = self.num_slots + self.num_snapshots  # padding rows of a decode graph: held by no sequence
-        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(self.scratch_slot + 1, dtype, device)
+        self.verify_base = self.scratch_slot + 1  # row b of a verify batch: slots verify_base + b (K + 1) + j
+        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(
+            self.verify_base + verify_slots(config.num_speculative_tokens, min(
+                config.speculative_max_batch or config.max_num_seqs, config.max_num_seqs)), dtype, device)
         self._free = list(range(self.num_slots - 1, -1, -1))  # a stack: the lowest ids are reused first
         self._slot: dict[Sequence, int] = {}
         self._covered: dict[Sequence, int] = {}  # tokens the slot's state holds, once this step's chunks are done
@@ -69,6 +77,29 @@ class StateSlots:
         # this step's (slots, initialized, snapshot table or None) on the host: uploaded by attach, or copied into a
         # decode graph's static inputs (decode_inputs)
         self._step: tuple[list[int], list[int], list[list[int]] | None] | None = None
+
+    def slot(self, seq: Sequence) -> int:
+        """The live slot a running sequence holds (a verify step reads and commits there)."""
+        return self._slot[seq]
+
+    def verify_table(self, batch: int, k: int) -> torch.Tensor:
+        """int32 [batch, k + 1]: where a verify step of that shape writes each row's state after each token."""
+        table = torch.arange(batch * (k + 1), dtype=torch.int32, device=self.device).view(batch, k + 1)
+        return table + self.verify_base
+
+    def commit(self, table: torch.Tensor, accepted: torch.Tensor, live: torch.Tensor) -> None:
+        """After a verify step, on the device: the state after each row's last accepted token (accepted [B] drafts:
+        the snapshot after token `accepted` of the step, table [B, K + 1] its verify_table) into its live slot
+        (live [B]); every layer's recurrent and conv state."""
+        source = table.gather(1, accepted.view(-1, 1).to(torch.int64)).view(-1).to(torch.int64)
+        target = live.to(torch.int64)
+        for pools in self.pools.values():
+            for pool in pools:
+                pool.index_copy_(0, target, pool.index_select(0, source))
+
+    def verified(self, seq: Sequence, tokens: int) -> None:
+        """The host read a verify step: seq's live slot now holds the state after `tokens` tokens."""
+        self._covered[seq] = tokens
 
     def place(self, kv_caches: list[tuple[torch.Tensor, ...]]) -> None:
         """Put each recurrent layer's (state_pool, conv_pool) into its entry of the engine's per-layer caches."""

@@ -255,11 +255,16 @@ class SpecDecoder:
         k = next(kk for kk in self.ks if kk >= max(ks))
         rows = [s.spec.row for s in seqs if s.spec is not None]
         assert len(rows) == len(seqs) and all(r is not None for r in rows), "sync() gives every sequence a row"
-        x, logits = self.graphs.run(rows, ks, [s.block_table for s in seqs], k)  # type: ignore[arg-type]
+        states = self.runner.states
+        slots = [states.slot(s) for s in seqs] if states is not None else None
+        x, logits = self.graphs.run(rows, ks, [s.block_table for s in seqs], k, slots)  # type: ignore[arg-type]
         b = len(seqs)
         logits = logits.view(b, k + 1, -1)
         drafts, num_drafts = x.drafts[:b], x.num_drafts[:b]
         tokens, accepted, errors = self._accept(logits, drafts, num_drafts, seqs, generator)
+        if states is not None:  # the recurrent state after the last accepted token, into each live slot
+            assert self.graphs.verify is not None and self.graphs.live is not None
+            states.commit(self.graphs.verify[:b], accepted, self.graphs.live[:b])
         if self.drafter.wants_hidden:  # an MTP drafter keeps the target's states of the accepted rows
             self.drafter.record(x, self.graphs.hidden, accepted)  # type: ignore[attr-defined]
         # Append on the device: hist[row, len + j] = tokens[j] (beyond the accepted ones: rewritten before read).
@@ -369,6 +374,8 @@ class SpecDecoder:
             state.synced = seq.num_known_tokens
             state.draft_valid = max(state.draft_valid, seq.num_known_tokens - 2)
             seq.num_computed_tokens = seq.num_known_tokens - 1
+            if self.runner.states is not None:
+                self.runner.states.verified(seq, seq.num_computed_tokens)
             steps.blocks.commit(seq)
             outputs.append(steps.output(seq))
             if seq.is_finished:
