@@ -1,7 +1,11 @@
-"""GGUF files: config and tokenizer from the metadata, weights dequantized with the `gguf` package.
+"""GGUF files: config and tokenizer from the metadata, weights dequantized with the `gguf` package, or kept packed.
 
 llama.cpp's converter permutes the rows of attn_q / attn_k for its interleaved RoPE; we undo that so the
 tensors are exactly HF's (the same reverse permutation transformers applies), and name them as HF does.
+
+Which tensor types stay packed is decided here, once (PACKED_TYPES; offline_docs/quantization.md has the table
+and the reasons): a Q4_0 linear projection is handed over as the internal int4_group form, exactly (q4_0_weight),
+when the caller asks for it (iter_weights' `packed`, runtime/packed_load.py); everything else is dequantized.
 
 The header (metadata and tensor table) is read here, not by `gguf.GGUFReader`: that reader makes a numpy view
 per array element, and a 49K-token vocabulary (tokens, scores, types, merges) took it about 6 s on one core for
@@ -11,17 +15,21 @@ each load; walking the same bytes with `struct` takes a fraction of a second. Th
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from envex.kernels import quant
+from envex.runtime.quant_config import CT_PACK, WeightScheme
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -37,6 +45,7 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # GGUF's little-endian layout (the spec, and what gguf.GGUFReader reads): magic, version (2 or 3), tensor and
@@ -49,6 +58,16 @@ _MAX_NESTING = 16  # arrays of arrays: GGUF's own files nest one level; a damage
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 # Tensor types GGUFReader hands over as plain arrays (the rest are blocks of bytes, dequantized by `gguf`).
 _PLAIN_TENSORS = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+
+# The GGML types a linear projection keeps packed (offline_docs/quantization.md, "GGUF files": why the others do
+# not): Q4_0, blocks of 32 inputs, an fp16 scale d and 4-bit codes q, w = d·(q − 8), is int4_group with group 32,
+# zero 8 and scale d, exactly. Q4_1's w = d·q + m needs a zero m/d that is rarely an integer; Q8_0 has no 8-bit
+# integer scheme here; K-quants nest 6-bit sub-scales in super-blocks; F16/F32 are float already.
+Q4_0, Q4_0_BLOCK, Q4_0_BYTES = 2, 32, 18
+PACKED_TYPES = frozenset({Q4_0})
+# How iter_weights hands a packed projection over: compressed-tensors' pack-quantized tensors (`weight_packed` in
+# the internal layout, `weight_scale`, `weight_shape`), symmetric, groups of 32: what runtime/quant_config.py reads.
+Q4_0_SCHEME = WeightScheme(kind=quant.INT4_GROUP, layout=CT_PACK, group_size=Q4_0_BLOCK, symmetric=True)
 
 
 class GGUFError(ValueError):
@@ -224,43 +243,100 @@ def hf_config(meta: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def _reverse_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
-    # [n_head * 2 * half, in] rows grouped (head, half, pair) by llama.cpp -> HF's (head, pair, half).
+    # [n_head * 2 * half, ...] rows grouped (head, half, pair) by llama.cpp -> HF's (head, pair, half). Rows only:
+    # a float matrix, or a packed one's words and scales alike.
     half = weight.shape[0] // n_head // 2
     w = weight.reshape(n_head, half, 2, *weight.shape[1:])
     return w.swapaxes(2, 1).reshape(weight.shape)
 
 
-def iter_weights(path: Path, cfg: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF parameter name, float32 tensor) for every tensor in the file."""
+def q4_0_weight(blocks: np.ndarray) -> quant.PackedWeight:
+    """A Q4_0 matrix as stored (uint8 [N, K/32 · 18]: per block of 32 inputs an fp16 d, then 16 bytes whose low
+    nibbles are inputs 0..15 and high nibbles inputs 16..31, llama.cpp's block_q4_0) -> int4_group, group 32,
+    symmetric (zero 8), scale float16 d: W = (q − 8)·d, bit for bit what gguf.quants.dequantize gives (both one
+    float32 product of d and a small integer). Codes are moved into the internal order (input 8c + j in nibble j
+    of word c), never rounded."""
+    n, nbytes = blocks.shape
+    if nbytes % Q4_0_BYTES:
+        raise GGUFError(f"Q4_0 rows of {nbytes} bytes are not whole blocks of {Q4_0_BYTES}")
+    b = blocks.reshape(n, -1, Q4_0_BYTES)  # [N, K/32, 18]
+    scale = np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0]  # [N, K/32]
+    qs = b[..., 2:]  # [N, K/32, 16]
+    codes = np.stack([qs & 0xF, qs >> 4], axis=2).astype(np.uint32)  # [N, K/32, 2, 16]: inputs 0..15, 16..31
+    nibbles = codes.reshape(n, -1, quant.PACK) << (4 * np.arange(quant.PACK, dtype=np.uint32))  # [N, K/8, 8]
+    words = np.bitwise_or.reduce(nibbles, axis=-1)  # [N, K/8] uint32
+    return quant.PackedWeight(scheme=quant.INT4_GROUP, shape=(n, b.shape[1] * Q4_0_BLOCK), group=Q4_0_BLOCK,
+                              data=torch.from_numpy(words.view(np.int32)),
+                              scale=torch.from_numpy(np.ascontiguousarray(scale)))  # fmt: skip
+
+
+def _hf_name(tensor: TensorInfo, path: Path) -> tuple[str, str] | None:
+    """(HF name, GGUF short name such as attn_q or output) of a tensor; None for one recomputed from the config."""
+    match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", tensor.name)
+    if match:
+        layer, short, kind = match.groups()
+        if short not in _LAYER_NAMES:
+            raise GGUFError(f"{path}: unexpected tensor {tensor.name}; this GGUF layout is not supported")
+        return f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}", short
+    base, _, kind = tensor.name.rpartition(".")
+    if base not in _GLOBAL_NAMES:
+        return None  # e.g. rope_freqs: recomputed from the config
+    return f"{_GLOBAL_NAMES[base]}.{kind}", base
+
+
+def packed_linears(path: Path) -> frozenset[str]:
+    """HF module names of the linear projections (q, k, v, o, gate, up, down, the LM head) whose GGUF weight is of
+    a type kept packed (PACKED_TYPES): what iter_weights can hand over packed."""
+    stat = path.stat()
+    return _packed_linears(path, stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _packed_linears(path: Path, mtime_ns: int, size: int) -> frozenset[str]:
+    # Cached by the file's identity: the engine asks before building the model and again when loading it.
+    found = set()
+    for tensor in read_header(path).tensors:
+        named = _hf_name(tensor, path)
+        if named and named[1] in _LINEARS and named[0].endswith(".weight") and tensor.ggml_type in PACKED_TYPES:
+            found.add(named[0].removesuffix(".weight"))
+    return frozenset(found)
+
+
+def iter_weights(path: Path, cfg: dict[str, Any], packed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, float32 tensor) for every tensor in the file; the weight of each HF module named in
+    `packed` (a subset of packed_linears) as the pack-quantized tensors of Q4_0_SCHEME instead: `<module>.
+    weight_packed` (int32 [N, K/8]), `.weight_scale` (float16 [N, K/32]) and `.weight_shape` ([N, K])."""
     from gguf.quants import dequantize
 
     header = read_header(path)
     permute_q = cfg["architectures"][0] == "LlamaForCausalLM"  # llama.cpp permutes q/k only for llama
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     for tensor in header.tensors:
-        match = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", tensor.name)
-        if match:
-            layer, short, kind = match.groups()
-            if short not in _LAYER_NAMES:
-                raise GGUFError(f"{path}: unexpected tensor {tensor.name}; this GGUF layout is not supported")
-            name = f"model.layers.{layer}.{_LAYER_NAMES[short]}.{kind}"
-        else:
-            base, _, kind = tensor.name.rpartition(".")
-            if base not in _GLOBAL_NAMES:
-                continue  # e.g. rope_freqs: recomputed from the config
-            name = f"{_GLOBAL_NAMES[base]}.{kind}"
+        named = _hf_name(tensor, path)
+        if named is None:
+            continue
+        name, short = named
+        n_head = heads.get(short) if permute_q else None
+        module = name.removesuffix(".weight")
+        if module in packed and name.endswith(".weight"):
+            if tensor.ggml_type not in PACKED_TYPES:
+                raise GGUFError(f"{path}: {tensor.name} is {_quant_type(tensor.ggml_type).name}, not a type kept "
+                                "packed; load it dequantized")  # fmt: skip
+            pw = q4_0_weight(header.array(tensor))
+            words, scale = pw.data.numpy(), pw.scale.numpy()
+            if n_head is not None:  # rows only: permuting a packed matrix's words and scales is exact
+                words, scale = _reverse_permute(words, n_head), _reverse_permute(scale, n_head)
+            yield f"{module}.weight_packed", torch.from_numpy(np.ascontiguousarray(words))
+            yield f"{module}.weight_scale", torch.from_numpy(np.ascontiguousarray(scale))
+            yield f"{module}.weight_shape", torch.tensor(pw.shape)
+            continue
         # GGML shapes list the fastest dimension first; numpy's order is the reverse.
         shape = tuple(reversed(tensor.dims))
         data = dequantize(header.array(tensor), _quant_type(tensor.ggml_type))
         array = np.asarray(data, dtype=np.float32).reshape(shape)
-        if permute_q and short_is(match, "attn_q"):
-            array = _reverse_permute(array, cfg["num_attention_heads"])
-        elif permute_q and short_is(match, "attn_k"):
-            array = _reverse_permute(array, cfg["num_key_value_heads"])
+        if n_head is not None:
+            array = _reverse_permute(array, n_head)
         yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
-
-
-def short_is(match: re.Match[str] | None, short: str) -> bool:
-    return match is not None and match.group(2) == short
 
 
 def tokenizer_parts(path: Path) -> tuple[Any, dict[str, Any]]:

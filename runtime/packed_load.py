@@ -16,6 +16,11 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
   `weight_zero` (models/decoder.py INT4_EXPERT_SUFFIXES), kept packed;
   its other quantized projections (attention, dense MLPs, shared ones) are dequantized here to the model's dtype
   as they stream in (`load_dequantized`): the packed projections above are the Llama family's.
+- A GGUF file whose linear projections are Q4_0 (runtime/gguf_loader.py PACKED_TYPES): the same path as a
+  quantization_config, with gguf_loader handing each Q4_0 matrix over repacked, exactly, as compressed-tensors'
+  symmetric pack-quantized tensors in groups of 32 (Q4_0_SCHEME). A fused matrix with a part of another type is
+  dequantized whole; so is the whole file where packed weights cannot run (a weights policy, which quantizes the
+  float model; --deterministic; tensor parallelism): dequantized at load as before, not refused (_gguf_packs).
 - A float model and a weights policy (runtime/weight_policy.py, EngineConfig.weights): the model loads as usual,
   then each projection the policy names is quantized by kernels/quant.py's quantizers, part by part (q, k, v
   each, as verify/weight_quality.py measures them) and concatenated.
@@ -34,8 +39,10 @@ from torch import nn
 from envex.kernels import quant
 from envex.kernels.backends import Backend
 from envex.runtime.config import ConfigError, ModelConfig
+from envex.runtime.gguf_loader import Q4_0_SCHEME, packed_linears
+from envex.runtime.gguf_loader import iter_weights as gguf_weights
 from envex.runtime.loader import LoadedModel
-from envex.runtime.models import dummy_weights
+from envex.runtime.models import dummy_weights, model_class
 from envex.runtime.models.llama import LlamaForCausalLM
 from envex.runtime.quant_config import QuantConfig, WeightScheme, load_packed, quant_config_from_hf
 from envex.runtime.weight_policy import WeightPolicy, policy_from_setting
@@ -229,13 +236,35 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
 _EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.(?:shared_)?experts\.")
 
 
-def build_device(loaded: LoadedModel, load_format: str, device: torch.device) -> torch.device:
-    """Where to build the model: the meta device for a quantized Llama-family checkpoint, so the float copies of
-    the projections it brings packed are never allocated (load_quantized allocates the rest); else `device` (an
-    MoE model builds its FP8 experts as such, MoEConfig.fp8_layers, and holds views of some parameters, which a
-    meta build would leave behind)."""
+def build_device(loaded: LoadedModel, load_format: str, device: torch.device, *, weights: str | None = None,
+                 backend: Backend | None = None, world_size: int = 1) -> torch.device:  # fmt: skip
+    """Where to build the model: the meta device for a quantized Llama-family checkpoint, or a GGUF with Q4_0
+    projections it will serve packed (weights, backend, world_size: as load_model_weights will see them), so the
+    float copies of the projections it brings packed are never allocated (load_quantized allocates the rest); else
+    `device` (an MoE model builds its FP8 experts as such, MoEConfig.fp8_layers, and holds views of some
+    parameters, which a meta build would leave behind)."""
     quantized = load_format != "dummy" and quant_config_from_hf(loaded.hf_config) is not None
-    return torch.device("meta") if quantized and loaded.config.moe is None else device
+    gguf = bool(_gguf_packs(loaded, load_format, weights, backend, world_size))
+    return torch.device("meta") if quantized and loaded.config.moe is None or gguf else device
+
+
+def _gguf_packs(loaded: LoadedModel, load_format: str, weights: str | None, backend: Backend | None,
+                world_size: int) -> frozenset[str]:  # fmt: skip
+    """The HF modules of a GGUF whose weights can be served packed (gguf_loader.packed_linears: Q4_0), or none where
+    the file is dequantized at load as before: not a GGUF, dummy weights, a weights policy (it quantizes the float
+    model), a backend without packed kernels (--deterministic), tensor parallelism, not the Llama family."""
+    if (loaded.source.kind != "gguf" or load_format == "dummy" or weights is not None or backend is None
+            or not backend.capabilities.packed_weights or world_size > 1
+            or not issubclass(model_class(loaded.config), LlamaForCausalLM)):  # fmt: skip
+        return frozenset()
+    return packed_linears(loaded.source.path)
+
+
+def _gguf_quant_config(model: LlamaForCausalLM, modules: frozenset[str]) -> QuantConfig | None:
+    """Q4_0_SCHEME for the modules whose whole matrix in Envex (q/k/v and gate/up are one each) is in `modules`; a
+    matrix with a part of another type is dequantized whole (one matrix, one scheme). None: nothing to pack."""
+    keep = sorted(m for t in _targets(model).values() if set(t.parts.values()) <= modules for m in t.parts.values())
+    return QuantConfig(method="gguf", groups=((tuple(keep), Q4_0_SCHEME),)) if keep else None
 
 
 def _materialize(model: nn.Module, device: torch.device) -> None:
@@ -283,9 +312,10 @@ def quantize_by_policy(module: nn.Module, policy: WeightPolicy) -> dict[str, str
 def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: str, seed: int, weights: str | None,
                        backend: Backend, device: torch.device) -> dict[str, str]:  # fmt: skip
     """Fill a freshly built model: random (load_format "dummy"), the checkpoint's float weights, or its packed
-    low-bit ones (a quantization_config); then quantize by the `weights` policy setting (EngineConfig.weights).
-    Returns our parameter name -> scheme for every packed projection (empty: all float). A backend that cannot
-    read packed weights (Capabilities.packed_weights) is refused in one line before anything is read."""
+    low-bit ones (a quantization_config, a GGUF's Q4_0 projections: _gguf_packs); then quantize by the `weights`
+    policy setting (EngineConfig.weights). Returns our parameter name -> scheme for every packed projection
+    (empty: all float). A backend that cannot read packed weights (Capabilities.packed_weights) is refused in one
+    line before anything is read (a GGUF is dequantized for it instead)."""
     qc = quant_config_from_hf(loaded.hf_config) if load_format != "dummy" else None
     policy = policy_from_setting(weights) if weights is not None else None
     if qc is not None and policy is not None:
@@ -305,6 +335,14 @@ def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: st
     elif qc is not None:
         return load_quantized(model, loaded.iter_weights(), qc, device)
     else:
+        world = model.parallel.world_size if isinstance(model, LlamaForCausalLM) else 1
+        gguf = _gguf_packs(loaded, load_format, weights, backend, world)
+        gguf_qc = _gguf_quant_config(model, gguf) if gguf and isinstance(model, LlamaForCausalLM) else None
+        if gguf_qc is not None:
+            packed = gguf_weights(loaded.source.path, loaded.hf_config, packed=set(gguf_qc.groups[0][0]))
+            return load_quantized(model, packed, gguf_qc, device)
+        if gguf:
+            _materialize(model, device)  # built on the meta device (build_device), yet every matrix mixes types
         model.load_weights(loaded.iter_weights())  # type: ignore[operator]
     if policy is None:
         return {}

@@ -75,7 +75,8 @@ class ModelRunner:
         with torch.no_grad():
             extra = {"parallel": self.parallel} if self.parallel is not None else {}
             # a quantized checkpoint's model is built on the meta device: its float projections never take memory
-            build = build_device(loaded, config.load_format, self.device)
+            build = build_device(loaded, config.load_format, self.device, weights=config.weights,
+                                 backend=config.kernels, world_size=shard.world_size)  # fmt: skip
             self.model = model_class(mc)(mc, dtype=self.dtype, device=build, **extra)
             # float, or low-bit projections kept packed (a quantized checkpoint, or quantized by config.weights)
             self.packed = load_model_weights(self.model, loaded, load_format=config.load_format, seed=config.seed,
