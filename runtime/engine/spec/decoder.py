@@ -455,6 +455,8 @@ def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
     if dc.mla is not None:  # its own layout (models/deepseek.py): one latent row a token and layer, never packed
         layers = 1 if config.draft_model == MTP else dc.num_hidden_layers  # MTP: the module's one layer
         return layers * config.block_size * (dc.mla.kv_lora_rank + dc.mla.qk_rope_head_dim) * bits // 8
+    if config.draft_model == MTP:  # the module's one layer of plain K/V (Qwen3-Next's), never packed
+        return 2 * config.block_size * dc.num_key_value_heads * dc.head_dim * bits // 8
     # the draft's runner packs its cache as the target's
     per_token = kv_bytes_per_token(config.kv_cache_dtype, dc.num_key_value_heads, dc.head_dim, dtype_bytes=bits // 8)
     return dc.num_hidden_layers * config.block_size * per_token
