@@ -110,7 +110,7 @@ def serve(
     api_key: Annotated[str | None, typer.Option(envvar="ENVEX_API_KEY", help="require this Bearer key")] = None,
     draft_model: Annotated[str | None, typer.Option(
         "--draft-model", help="speculative decoding: a smaller model of the same tokenizer drafts tokens; mtp: the "
-                         "model's own multi-token-prediction layer (DeepSeek-V3/R1)")] = None,
+                         "model's own multi-token-prediction layer (DeepSeek-V3/R1, Qwen3-Next)")] = None,
     speculative_tokens: Annotated[int, typer.Option(
         "--speculative-tokens", min=0, max=16,
         help="speculative decoding: the most drafts verified per step (0: off; n-gram lookup without a draft model)",

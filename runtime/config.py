@@ -171,8 +171,10 @@ class ModelConfig:
     rope_yarn: YarnScaling | None = None
     mla: MLAConfig | None = None  # DeepSeek: head_dim is then qk_rope_head_dim (the rotary tables' width), as HF
     hybrid: HybridConfig | None = None  # Qwen3-Next
-    # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), stored as model.layers.{N}.* after the
-    # last: read only by the MTP drafter (models/deepseek.py DeepseekMTP; draft_model "mtp").
+    # Multi-token-prediction layers (num_nextn_predict_layers), read only by the MTP drafter (draft_model "mtp"):
+    # DeepSeek-V3's, stored as model.layers.{N}.* after the last (models/deepseek.py DeepseekMTP); Qwen3-Next's, as
+    # mtp.* (models/qwen3_next.py Qwen3NextMTP; 1 where config.json has no such key, as its published ones: the
+    # module's loader refuses a checkpoint without the tensors).
     mtp_layers: int = 0
 
     def __post_init__(self) -> None:
@@ -436,11 +438,8 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
     if yarn.get("mscale_all_dim"):  # HF yarn_apply_mscale: the scale of the whole q·k, not only the rotary dims
         scale *= _yarn_mscale(float(yarn["factor"]), float(yarn["mscale_all_dim"])) ** 2
     routed_scale = cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)
-    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)) or 0  # HF DeepseekV3Config's alias
-    if not isinstance(mtp, int) or mtp < 0:
-        raise ConfigError(f"config.json: num_nextn_predict_layers must be an integer ≥ 0, got {mtp!r}")
     return dict(
-        mtp_layers=mtp if v3 else 0,
+        mtp_layers=_mtp_layers(cfg, 0) if v3 else 0,
         mla=MLAConfig(q_lora_rank=q_lora, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                       v_head_dim=v_dim, interleaved=bool(cfg.get("rope_interleave", True)) if v3 else True,
                       softmax_scale=scale),
@@ -492,4 +491,13 @@ def _qwen3_next_fields(cfg: dict[str, Any], rope_type: str, rope: dict[str, Any]
                           head_v_dim=_positive(cfg, "linear_value_head_dim", 128), conv_width=width,
                           rotary_dim=rotary_dim,
                           shared_expert_size=_positive(cfg, "shared_expert_intermediate_size", 512))  # fmt: skip
-    return dict(moe=moe, hybrid=hybrid)
+    return dict(moe=moe, hybrid=hybrid, mtp_layers=_mtp_layers(cfg, 1))
+
+
+def _mtp_layers(cfg: dict[str, Any], default: int) -> int:
+    """num_nextn_predict_layers (or HF DeepseekV3Config's alias num_mtp_layers); default where neither is set."""
+    mtp = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers"))
+    mtp = default if mtp is None else mtp
+    if not isinstance(mtp, int) or mtp < 0:
+        raise ConfigError(f"config.json: num_nextn_predict_layers must be an integer ≥ 0, got {mtp!r}")
+    return mtp

@@ -139,6 +139,15 @@ def _fresh_states(model, ops, tokens: list[int]) -> dict[int, tuple[torch.Tensor
     return pools
 
 
+def test_a_hybrid_draft_model_is_refused_in_one_line(tiny) -> None:
+    """A draft model with recurrent layers: its own draft passes would keep rejected drafts in its state."""
+    path, _ = tiny
+    with pytest.raises(ValueError, match=r"^draft_model: .* has recurrent \(linear-attention\) layers, which a draft "
+                                         r"model's passes cannot roll back; use n-gram lookup") as err:
+        _engine(path, num_speculative_tokens=2, draft_model=str(path))
+    assert "\n" not in str(err.value)
+
+
 def test_verify_slots_are_sized_from_the_speculation_settings(tiny) -> None:
     path, _ = tiny
     engine = _engine(path, num_speculative_tokens=3, max_num_seqs=6, speculative_max_batch=4)

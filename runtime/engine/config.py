@@ -55,7 +55,7 @@ class EngineConfig:
     # fixed-length cases with speculation against the default).
     num_speculative_tokens: int = 0
     # A smaller model with the same tokenizer that drafts (None: n-gram prompt lookup, no model), or MTP ("mtp"): the
-    # model's own multi-token-prediction module (DeepSeek-V3/R1; spec/mtp.py). Setting it turns speculation
+    # model's own multi-token-prediction module (DeepSeek-V3/R1, Qwen3-Next; spec/mtp.py). Setting it turns speculation
     # on (a num_speculative_tokens of 0 then resolves to 4).
     draft_model: str | None = None
     # Speculate only in steps of at most this many sequences (None: 32 on CUDA, 8 on CPU); above it a step's extra
@@ -265,9 +265,9 @@ def check_weights(weights: str, backend: str, *, deterministic: bool, architectu
 def check_mtp(model: ModelConfig, name: str) -> None:
     """draft_model "mtp" (spec/mtp.py): refuse, in one line, a model without a multi-token-prediction module."""
     if not model.mtp_layers:
-        raise ValueError(f"draft_model: 'mtp' needs a multi-token-prediction module (num_nextn_predict_layers ≥ 1 in "
-                         f"config.json, as DeepSeek-V3/R1 ship); {name} ({model.architecture}) has none; "
-                         "drop --draft-model mtp")  # fmt: skip
+        raise ValueError(f"draft_model: 'mtp' needs a multi-token-prediction module, as DeepSeek-V3/R1 and "
+                         f"Qwen3-Next ship (num_nextn_predict_layers ≥ 1 in config.json; Qwen3-Next's default 1); "
+                         f"{name} ({model.architecture}) has none; drop --draft-model mtp")  # fmt: skip
 
 
 def has_invariant_kernels(architecture: str) -> bool:

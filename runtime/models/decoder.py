@@ -85,6 +85,16 @@ def expert_tensor(layer: nn.Module, proj: str, suffix: str) -> torch.Tensor | No
     return getattr(layer, name if suffix == "weight" else f"{name}_scale", None)
 
 
+def mtp_input(ops: Ops, embeds: torch.Tensor, hidden: torch.Tensor, embed_norm: torch.Tensor,
+              hidden_norm: torch.Tensor, proj: torch.Tensor, eps: float) -> torch.Tensor:  # fmt: skip
+    """A multi-token-prediction module's input to its decoder layer, proj([norm(embeds); norm(hidden)]) [T, H]
+    (DeepSeek's eh_proj, Qwen3-Next's fc), with proj [2, H, H] the [H, 2H] matrix's two column halves (the
+    embedding's first): one norm_linear each."""
+    emb = ops.norm_linear(embeds, None, embed_norm, eps, proj[0])[0]
+    prev = ops.norm_linear(hidden, None, hidden_norm, eps, proj[1])[0]
+    return ops.materialize(emb, hidden.dtype) + ops.materialize(prev, hidden.dtype)
+
+
 class DecoderStack:
     embed_tokens_weight: torch.Tensor
     norm_weight: torch.Tensor

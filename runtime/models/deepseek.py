@@ -31,7 +31,14 @@ from torch import nn
 from envex.kernels import reference
 from envex.kernels.ops import MLA, MOE, AttentionMetadata, MLALayer, MoEWeights, Ops
 from envex.runtime.config import DEEPSEEK_V3, ModelConfig
-from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, int4_expert_names, param
+from envex.runtime.models.decoder import (
+    DecoderStack,
+    expert_stacks,
+    expert_tensor,
+    int4_expert_names,
+    mtp_input,
+    param,
+)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _SUFFIX = r"(weight|weight_scale_inv|weight_packed|weight_scale|weight_zero)"  # float, FP8, INT4 (decoder.py)
@@ -292,6 +299,7 @@ class DeepseekMTP(nn.Module):
         self.layer: DeepseekLayer
         dtype, device = main.norm_weight.dtype, main.norm_weight.device
         h, self.eps, self.index = c.hidden_size, c.rms_norm_eps, c.num_hidden_layers
+        self.weight_prefix = f"model.layers.{self.index}."  # the checkpoint's names of its tensors (MtpDrafter)
         self.enorm_weight = param(h, dtype=dtype, device=device)
         self.hnorm_weight = param(h, dtype=dtype, device=device)
         # eh_proj [H, 2H] as its two column halves [2, H, H]: the embedding's and the hidden state's projections
@@ -307,10 +315,8 @@ class DeepseekMTP(nn.Module):
         """input_ids [T] (the token after each hidden state's position), hidden [T, H] (the model's last hidden
         states after the final norm, or this module's own), at the hidden states' positions in meta (vLLM's; the
         latent rows are written there) -> the decoder layer's (hidden, residual) [T, H] (compute_logits)."""
-        embeds = self.embed_tokens_weight[input_ids]
-        emb = ops.norm_linear(embeds, None, self.enorm_weight, self.eps, self.eh_proj[0])[0]
-        prev = ops.norm_linear(hidden, None, self.hnorm_weight, self.eps, self.eh_proj[1])[0]
-        x = ops.materialize(emb, hidden.dtype) + ops.materialize(prev, hidden.dtype)  # [T, H] eh_proj([e; h])
+        x = mtp_input(ops, self.embed_tokens_weight[input_ids], hidden, self.enorm_weight, self.hnorm_weight,
+                      self.eh_proj, self.eps)  # [T, H] eh_proj([e; h])
         return self.layer(ops, x, None, kv_cache, meta)
 
     def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor
@@ -335,7 +341,7 @@ class DeepseekMTP(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy the checkpoint's `model.layers.{N}.*` tensors in (others are skipped); refuse, in one line, a
         checkpoint (named `source`) that stores none of them or leaves one out."""
-        prefix = f"model.layers.{self.index}."
+        prefix = self.weight_prefix
         seen: set[str] = set()
         for name, tensor in weights:
             if not name.startswith(prefix):

@@ -14,7 +14,9 @@ experts plus a shared expert gated per token by sigmoid(shared_expert_gate(h)). 
   cos 1, sin 0 on the other dims. q·k is unchanged by a permutation applied to both.
 - Norms: HF's Qwen3NextRMSNorm multiplies by (1 + weight): loaded as 1 + weight (input/post-attention, final,
   q/k norms), so the shared RMSNorm ops apply them; the gated norm's weight is plain.
-- MTP (`mtp.*` tensors of the published checkpoints) is not served: those tensors are skipped.
+- MTP: the published checkpoints' `mtp.*` tensors are one more full-attention MoE layer behind an fc over
+  [embedding; hidden state]: `Qwen3NextMTP`, built only when drafting with it (draft_model "mtp"); the model's
+  loader skips them.
 
 HF reference: transformers/models/qwen3_next/modeling_qwen3_next.py. The published checkpoint holds each expert as
 `mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up stacks as in models/qwen3_moe.py.
@@ -29,6 +31,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from envex.kernels import reference
 from envex.kernels.ops import (
     LINEAR_ATTENTION,
     MOE,
@@ -39,7 +42,7 @@ from envex.kernels.ops import (
     Ops,
 )
 from envex.runtime.config import ModelConfig
-from envex.runtime.models.decoder import DecoderStack, param
+from envex.runtime.models.decoder import DecoderStack, mtp_input, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
@@ -156,6 +159,130 @@ class Qwen3NextLayer(nn.Module):
         return ops.materialize(routed, dtype) + torch.sigmoid(shared[:, 2 * self.shared_size :]) * shared_out, residual
 
 
+# ---- loading a layer's tensors (the model's layers and the MTP module's one) -----------------------------------------
+
+
+def _put(name: str, target: torch.Tensor, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    target.copy_(_checked(name, tensor, shape).reshape(target.shape))
+
+
+def _load_layer(c: ModelConfig, layer: Qwen3NextLayer, rest: str, name: str, t: torch.Tensor) -> bool:
+    """Load one tensor of a layer (rest: its HF name after `model.layers.N.` or `mtp.layers.0.`, name: the whole
+    one); False for a name the layer does not have."""
+    hy = c.hybrid
+    assert hy is not None
+    h, d = c.hidden_size, c.head_dim
+    if rest in _ONE_PLUS:
+        target = getattr(layer, rest.replace(".", "_"))
+        _put(name, target, t, (h,))
+        target.add_(1.0)
+        return True
+    if layer.linear and rest.startswith("linear_attn."):
+        return _load_linear(c, layer, rest.removeprefix("linear_attn."), name, t)
+    if not layer.linear and rest.startswith("self_attn."):
+        part, order = rest.removeprefix("self_attn."), rotary_order(d, hy.rotary_dim).to(t.device)
+        w, q, kv = layer.qkvg_proj_weight, c.q_size, c.kv_size
+        if part == "q_proj.weight":  # per head: its query's D rows, then its gate's
+            heads = _checked(name, t, (2 * q, h)).view(-1, 2 * d, h)
+            w[:q].copy_(heads[:, :d][:, order].reshape(q, h))
+            w[q + 2 * kv :].copy_(heads[:, d:].reshape(q, h))
+        elif part == "k_proj.weight":
+            w[q : q + kv].copy_(_checked(name, t, (kv, h)).view(-1, d, h)[:, order].reshape(kv, h))
+        elif part == "v_proj.weight":
+            w[q + kv : q + 2 * kv].copy_(_checked(name, t, (kv, h)))
+        elif part in ("q_norm.weight", "k_norm.weight"):
+            target = layer.q_norm_weight if part == "q_norm.weight" else layer.k_norm_weight
+            target.copy_(_checked(name, t, (d,))[order] + 1.0)
+        elif part == "o_proj.weight":
+            _put(name, layer.o_proj_weight, t, (h, c.q_size))
+        else:
+            return False
+        return True
+    if layer.sparse:
+        expert = _EXPERT.fullmatch(rest)
+        if expert is not None and int(expert.group(1)) < layer.gate_up_proj.shape[0]:
+            e, proj = int(expert.group(1)), expert.group(2)
+            target = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+            _put(name, target, t, tuple(target.shape))
+            return True
+        s = layer.shared_size
+        rows = {"mlp.shared_expert.gate_proj.weight": (0, s), "mlp.shared_expert.up_proj.weight": (s, 2 * s),
+                "mlp.shared_expert_gate.weight": (2 * s, 2 * s + 1)}  # fmt: skip
+        if rest in rows:
+            lo, hi = rows[rest]
+            _put(name, layer.shared_proj_weight[lo:hi], t, (hi - lo, h))
+            return True
+        direct = {"mlp.gate.weight": layer.router_weight, "mlp.shared_expert.down_proj.weight":
+                  layer.shared_down_weight}  # fmt: skip
+    else:
+        i = c.intermediate_size
+        gate_up = layer.gate_up_proj_weight
+        direct = {"mlp.gate_proj.weight": gate_up[:i], "mlp.up_proj.weight": gate_up[i:],
+                  "mlp.down_proj.weight": layer.down_proj_weight}  # fmt: skip
+    if rest in direct:
+        _put(name, direct[rest], t, tuple(direct[rest].shape))
+        return True
+    return False
+
+
+def _load_linear(c: ModelConfig, layer: Qwen3NextLayer, part: str, name: str, t: torch.Tensor) -> bool:
+    """A Gated DeltaNet tensor. HF's in_proj_qkvz rows come in key-head groups [q_g | k_g | v_g | z_g] (v_g, z_g:
+    the group's Hv/Hk value heads) and in_proj_ba's as [b_g | a_g]; ours are [q | k | v | z | b | a]."""
+    hy = c.hybrid
+    assert hy is not None
+    h, nk, dk = c.hidden_size, hy.num_k_heads, hy.head_k_dim
+    gv = hy.num_v_heads // nk * hy.head_v_dim  # one group's v (or z) rows
+    kd, vd, hv, w = hy.key_dim, hy.value_dim, hy.num_v_heads, layer.in_proj_weight
+    if part == "in_proj_qkvz.weight":
+        groups = _checked(name, t, (2 * kd + 2 * vd, h)).view(nk, 2 * dk + 2 * gv, h)  # [Hk, q|k|v|z rows, H]
+        bounds, start = (0, dk, 2 * dk, 2 * dk + gv, 2 * dk + 2 * gv), 0  # q, k, v, z within a group
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            block = groups[:, lo:hi].reshape(-1, h)  # every group's rows of this kind, heads in order
+            w[start : start + block.shape[0]].copy_(block)
+            start += block.shape[0]
+    elif part == "in_proj_ba.weight":
+        base, g = hy.conv_dim + vd, hv // nk
+        groups = _checked(name, t, (2 * hv, h)).view(nk, 2 * g, h)
+        w[base : base + hv].copy_(groups[:, :g].reshape(hv, h))
+        w[base + hv : base + 2 * hv].copy_(groups[:, g:].reshape(hv, h))
+    else:
+        direct = {"conv1d.weight": layer.conv1d_weight, "A_log": layer.A_log, "dt_bias": layer.dt_bias,
+                  "norm.weight": layer.gated_norm_weight, "out_proj.weight": layer.out_proj_weight}  # fmt: skip
+        if part not in direct:
+            return False
+        _put(name, direct[part], t, tuple(direct[part].shape))
+    return True
+
+
+def _layer_names(c: ModelConfig, layer: Qwen3NextLayer) -> list[str]:
+    """The HF names after `model.layers.N.` (or `mtp.layers.0.`) of a layer's tensors."""
+    assert c.moe is not None
+    if layer.linear:
+        names = [f"linear_attn.{p}" for p in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log",
+                                              "dt_bias", "norm.weight", "out_proj.weight")]  # fmt: skip
+    else:
+        names = [f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    if not layer.sparse:
+        return [*_ONE_PLUS, *names, *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
+    experts = [f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts) for p in ("gate", "up", "down")]
+    shared = [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+    return [*_ONE_PLUS, *names, "mlp.gate.weight", "mlp.shared_expert_gate.weight", *shared, *experts]
+
+
+class _OwnRotary:
+    """Qwen3-Next's partial rotary tables in place of the engine's (meta.cos/sin), as long as those: built once a
+    length, shared by the model and its MTP module."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = config
+        self.tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, meta: AttentionMetadata) -> AttentionMetadata:
+        if self.tables is None or self.tables[0].shape[0] != meta.cos.shape[0]:
+            self.tables = partial_rotary_tables(self.config, meta.cos.shape[0], meta.cos.device)
+        return replace(meta, cos=self.tables[0], sin=self.tables[1])
+
+
 class Qwen3NextForCausalLM(DecoderStack, nn.Module):
     features = frozenset({MOE, LINEAR_ATTENTION})  # what the layers need of a backend (kernels/ops.py)
 
@@ -166,15 +293,12 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
         if (config.head_dim - hy.rotary_dim) % 2:
             raise ValueError(f"Qwen3-Next: head_dim {config.head_dim} minus rotary dims {hy.rotary_dim} must be even")
         self.init_stack(config, Qwen3NextLayer, dtype, device)
-        self._order = rotary_order(config.head_dim, hy.rotary_dim)
-        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rotary = _OwnRotary(config)
 
     def forward(self, ops: Ops, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, ...]],
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """As DecoderStack's, with the model's own (partial) rotary tables, as long as the engine's."""
-        if self._tables is None or self._tables[0].shape[0] != meta.cos.shape[0]:
-            self._tables = partial_rotary_tables(self.config, meta.cos.shape[0], meta.cos.device)
-        return super().forward(ops, input_ids, kv_caches, replace(meta, cos=self._tables[0], sin=self._tables[1]))
+        return super().forward(ops, input_ids, kv_caches, self._rotary(meta))
 
     # ---- caches: paged K/V for the full layers, per-sequence state slots for the linear ones -----------------
 
@@ -215,20 +339,16 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (reordered where our layout differs); every parameter written exactly once.
-        The MTP module's tensors (`mtp.*`) are skipped: MTP is not served yet."""
+        The MTP module's tensors (`mtp.*`) are skipped: Qwen3NextMTP loads them when it drafts."""
         seen: set[str] = set()
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or name.startswith("mtp."):
+            if name.endswith("rotary_emb.inv_freq") or name.startswith(Qwen3NextMTP.weight_prefix):
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
             self._load(name, tensor)
             seen.add(name)
         self.check_complete(seen)
-
-    @staticmethod
-    def _put(name: str, target: torch.Tensor, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
-        target.copy_(_checked(name, tensor, shape).reshape(target.shape))
 
     @torch.no_grad()
     def _load(self, name: str, t: torch.Tensor) -> None:
@@ -239,116 +359,122 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
                "lm_head.weight": self.lm_head_weight}  # fmt: skip
         if name in top:
             target = top[name]
-            self._put(name, target, t, tuple(target.shape))
+            _put(name, target, t, tuple(target.shape))
             if name == "model.norm.weight":
                 target.add_(1.0)
             return
         m = _LAYER.fullmatch(name)
         layer = self.layers[int(m.group(1))] if m is not None and int(m.group(1)) < len(self.layers) else None
-        if layer is None or m is None or not self._load_layer(layer, m.group(2), name, t):
+        if layer is None or m is None or not _load_layer(c, layer, m.group(2), name, t):
             raise ValueError(f"weights: unexpected tensor {name!r} for {c.architecture} (linear-attention layers: "
                              f"{list(hy.linear_layers)}, dense layers: {list(moe.dense_layers)})")  # fmt: skip
 
-    def _load_layer(self, layer: Qwen3NextLayer, rest: str, name: str, t: torch.Tensor) -> bool:
-        """Load one tensor of a layer; False for a name the layer does not have."""
-        c = self.config
-        hy = c.hybrid
-        assert hy is not None
-        h, d = c.hidden_size, c.head_dim
-        if rest in _ONE_PLUS:
-            target = getattr(layer, rest.replace(".", "_"))
-            self._put(name, target, t, (h,))
-            target.add_(1.0)
-            return True
-        if layer.linear and rest.startswith("linear_attn."):
-            return self._load_linear(layer, rest.removeprefix("linear_attn."), name, t)
-        if not layer.linear and rest.startswith("self_attn."):
-            part, order = rest.removeprefix("self_attn."), self._order.to(t.device)
-            w, q, kv = layer.qkvg_proj_weight, c.q_size, c.kv_size
-            if part == "q_proj.weight":  # per head: its query's D rows, then its gate's
-                heads = _checked(name, t, (2 * q, h)).view(-1, 2 * d, h)
-                w[:q].copy_(heads[:, :d][:, order].reshape(q, h))
-                w[q + 2 * kv :].copy_(heads[:, d:].reshape(q, h))
-            elif part == "k_proj.weight":
-                w[q : q + kv].copy_(_checked(name, t, (kv, h)).view(-1, d, h)[:, order].reshape(kv, h))
-            elif part == "v_proj.weight":
-                w[q + kv : q + 2 * kv].copy_(_checked(name, t, (kv, h)))
-            elif part in ("q_norm.weight", "k_norm.weight"):
-                target = layer.q_norm_weight if part == "q_norm.weight" else layer.k_norm_weight
-                target.copy_(_checked(name, t, (d,))[order] + 1.0)
-            elif part == "o_proj.weight":
-                self._put(name, layer.o_proj_weight, t, (h, c.q_size))
-            else:
-                return False
-            return True
-        if layer.sparse:
-            expert = _EXPERT.fullmatch(rest)
-            if expert is not None and int(expert.group(1)) < layer.gate_up_proj.shape[0]:
-                e, proj = int(expert.group(1)), expert.group(2)
-                target = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
-                self._put(name, target, t, tuple(target.shape))
-                return True
-            s = layer.shared_size
-            rows = {"mlp.shared_expert.gate_proj.weight": (0, s), "mlp.shared_expert.up_proj.weight": (s, 2 * s),
-                    "mlp.shared_expert_gate.weight": (2 * s, 2 * s + 1)}  # fmt: skip
-            if rest in rows:
-                lo, hi = rows[rest]
-                self._put(name, layer.shared_proj_weight[lo:hi], t, (hi - lo, h))
-                return True
-            direct = {"mlp.gate.weight": layer.router_weight, "mlp.shared_expert.down_proj.weight":
-                      layer.shared_down_weight}  # fmt: skip
-        else:
-            i = c.intermediate_size
-            gate_up = layer.gate_up_proj_weight
-            direct = {"mlp.gate_proj.weight": gate_up[:i], "mlp.up_proj.weight": gate_up[i:],
-                      "mlp.down_proj.weight": layer.down_proj_weight}  # fmt: skip
-        if rest in direct:
-            self._put(name, direct[rest], t, tuple(direct[rest].shape))
-            return True
-        return False
-
-    def _load_linear(self, layer: Qwen3NextLayer, part: str, name: str, t: torch.Tensor) -> bool:
-        """A Gated DeltaNet tensor. HF's in_proj_qkvz rows come in key-head groups [q_g | k_g | v_g | z_g] (v_g, z_g:
-        the group's Hv/Hk value heads) and in_proj_ba's as [b_g | a_g]; ours are [q | k | v | z | b | a]."""
-        hy = self.config.hybrid
-        assert hy is not None
-        h, nk, dk = self.config.hidden_size, hy.num_k_heads, hy.head_k_dim
-        gv = hy.num_v_heads // nk * hy.head_v_dim  # one group's v (or z) rows
-        kd, vd, hv, w = hy.key_dim, hy.value_dim, hy.num_v_heads, layer.in_proj_weight
-        if part == "in_proj_qkvz.weight":
-            groups = _checked(name, t, (2 * kd + 2 * vd, h)).view(nk, 2 * dk + 2 * gv, h)  # [Hk, q|k|v|z rows, H]
-            bounds, start = (0, dk, 2 * dk, 2 * dk + gv, 2 * dk + 2 * gv), 0  # q, k, v, z within a group
-            for lo, hi in zip(bounds, bounds[1:], strict=False):
-                block = groups[:, lo:hi].reshape(-1, h)  # every group's rows of this kind, heads in order
-                w[start : start + block.shape[0]].copy_(block)
-                start += block.shape[0]
-        elif part == "in_proj_ba.weight":
-            base, g = hy.conv_dim + vd, hv // nk
-            groups = _checked(name, t, (2 * hv, h)).view(nk, 2 * g, h)
-            w[base : base + hv].copy_(groups[:, :g].reshape(hv, h))
-            w[base + hv : base + 2 * hv].copy_(groups[:, g:].reshape(hv, h))
-        else:
-            direct = {"conv1d.weight": layer.conv1d_weight, "A_log": layer.A_log, "dt_bias": layer.dt_bias,
-                      "norm.weight": layer.gated_norm_weight, "out_proj.weight": layer.out_proj_weight}  # fmt: skip
-            if part not in direct:
-                return False
-            self._put(name, direct[part], t, tuple(direct[part].shape))
-        return True
-
     def expected_weight_names(self) -> set[str]:
-        c = self.config
-        assert c.moe is not None
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not c.tie_word_embeddings:
+        if not self.config.tie_word_embeddings:
             names.add("lm_head.weight")
-        linear = [f"linear_attn.{p}" for p in ("in_proj_qkvz.weight", "in_proj_ba.weight", "conv1d.weight", "A_log",
-                                               "dt_bias", "norm.weight", "out_proj.weight")]  # fmt: skip
-        full = [f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
-        sparse = ["mlp.gate.weight", "mlp.shared_expert_gate.weight"] + [
-            f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")] + [
-            f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts) for p in ("gate", "up", "down")]
-        dense = [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
         for i, layer in enumerate(self.layers):
-            parts = list(_ONE_PLUS) + (linear if layer.linear else full) + (sparse if layer.sparse else dense)
-            names.update(f"model.layers.{i}.{p}" for p in parts)
+            names.update(f"model.layers.{i}.{p}" for p in _layer_names(self.config, layer))
         return names
+
+    def multi_token_predictor(self) -> Qwen3NextMTP:
+        """The multi-token-prediction module over this model's embedding, head and rotary tables, on its device and
+        dtype (weights unset: Qwen3NextMTP.load_weights or dummy_weights)."""
+        return Qwen3NextMTP(self)
+
+
+_MTP_NORMS = {"pre_fc_norm_embedding.weight": "pre_fc_norm_embedding_weight",
+              "pre_fc_norm_hidden.weight": "pre_fc_norm_hidden_weight", "norm.weight": "norm_weight"}  # fmt: skip
+
+
+class Qwen3NextMTP(nn.Module):
+    """Qwen3-Next's multi-token-prediction module (the checkpoint's `mtp.*`; vLLM's qwen3_next_mtp.py): for the
+    token t at position i+1 and the model's last hidden state h_i (after the final norm),
+    x = fc([pre_fc_norm_embedding(embed(t)); pre_fc_norm_hidden(h_i)]) (the embedding's half first), then one
+    full-attention MoE decoder layer (`mtp.layers.0.*`, named as a layer of the model: gated attention with the
+    model's partial rotary over a paged K/V cache of its own, the routed experts and the gated shared expert) and
+    mtp.norm -> its own hidden state, whose head (the model's) gives the logits for the token at i+2 (forward, then
+    compute_logits). Chained on its own hidden state and greedy token it drafts k tokens (runtime/engine/spec/mtp.py,
+    MtpDrafter). Its three norms are Qwen3NextRMSNorm's x·(1 + w): loaded as 1 + w. Embedding and head are the
+    model's (the checkpoint stores no copies)."""
+
+    weight_prefix = "mtp."  # the checkpoint's names of its tensors (MtpDrafter reads only those)
+
+    def __init__(self, main: Qwen3NextForCausalLM) -> None:
+        super().__init__()
+        c = self.config = main.config
+        dtype, device = main.norm_weight.dtype, main.norm_weight.device
+        h, self.eps = c.hidden_size, c.rms_norm_eps
+        self.pre_fc_norm_embedding_weight = param(h, dtype=dtype, device=device)
+        self.pre_fc_norm_hidden_weight = param(h, dtype=dtype, device=device)
+        # fc [H, 2H] as its two column halves [2, H, H]: the embedding's and the hidden state's projections
+        self.fc = param(2, h, h, dtype=dtype, device=device)
+        # index num_hidden_layers: past the model's layers, so neither a linear-attention nor a dense one (vLLM builds
+        # it as a full-attention layer at that index, whose MLP is sparse with the published decoder_sparse_step 1)
+        self.layer = Qwen3NextLayer(c, c.num_hidden_layers, dtype, device)
+        assert not self.layer.linear and self.layer.sparse
+        self.norm_weight = param(h, dtype=dtype, device=device)
+        # plain tensors, not parameters: the model's (dummy_weights and the loader leave them alone)
+        self.embed_tokens_weight = main.embed_tokens_weight.detach()
+        self.head_weight = main.lm_head_weight.detach()
+        self._rotary = main._rotary
+
+    def forward(self, ops: Ops, input_ids: torch.Tensor, hidden: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """input_ids [T] (the token after each hidden state's position), hidden [T, H] (the model's last hidden
+        states after the final norm, or this module's own), at the hidden states' positions in meta (their K/V
+        written there; rotary with the model's own tables) -> the decoder layer's (hidden, residual) [T, H]."""
+        x = mtp_input(ops, self.embed_tokens_weight[input_ids], hidden, self.pre_fc_norm_embedding_weight,
+                      self.pre_fc_norm_hidden_weight, self.fc, self.eps)  # fmt: skip
+        return self.layer(ops, x, None, kv_cache, self._rotary(meta))
+
+    def compute_logits(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """forward's (hidden, residual) rows -> (logits [N, V] for the token after their input_ids, the module's
+        hidden states after mtp.norm [N, H]: the next draft step's input)."""
+        logits, summed = ops.norm_linear(hidden, residual, self.norm_weight, self.eps, self.head_weight)
+        return logits, reference.rms_norm(summed, self.norm_weight, self.eps)
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """One full-attention layer's K and V, never packed."""
+        c = self.config
+        return 2 * block_size * c.num_key_value_heads * c.head_dim * torch.finfo(dtype).bits // 8
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(K, V) [num_blocks, block_size, Hkv, D], as a full layer's of the model."""
+        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy the checkpoint's `mtp.*` tensors in (others are skipped, and the layers after the first: only that
+        one drafts); refuse, in one line, a checkpoint (named `source`) that stores none of them or leaves one out."""
+        c, prefix, seen = self.config, self.weight_prefix, set()
+        later = tuple(f"{prefix}layers.{i}." for i in range(1, c.mtp_layers))
+        for name, tensor in weights:
+            if not name.startswith(prefix) or name.startswith(later):
+                continue
+            rest = name.removeprefix(prefix)
+            loaded = True
+            if rest == "fc.weight":
+                _put(name, self.fc.permute(1, 0, 2), tensor, (c.hidden_size, 2 * c.hidden_size))
+            elif rest in _MTP_NORMS:
+                target = getattr(self, _MTP_NORMS[rest])
+                _put(name, target, tensor, (c.hidden_size,))
+                target.add_(1.0)
+            else:
+                loaded = rest.startswith("layers.0.") and _load_layer(c, self.layer, rest.removeprefix("layers.0."),
+                                                                      name, tensor)  # fmt: skip
+            if not loaded:
+                raise ValueError(f"weights: unexpected tensor {name!r} in the multi-token-prediction module")
+            seen.add(rest)
+        if not seen:
+            raise ValueError(f"draft_model: 'mtp' needs the multi-token-prediction module's weights ({prefix}*), "
+                             f"which {source} does not store; serve it without --draft-model mtp")  # fmt: skip
+        names = {"fc.weight", *_MTP_NORMS, *(f"layers.0.{n}" for n in _layer_names(c, self.layer))}
+        missing = sorted(names - seen)
+        if missing:
+            raise ValueError(f"weights: {len(missing)} tensors of the multi-token-prediction module missing, e.g. "
+                             f"{[prefix + n for n in missing[:3]]}; the checkpoint is incomplete")  # fmt: skip

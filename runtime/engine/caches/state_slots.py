@@ -77,22 +77,48 @@ class StateSlots:
         # this step's (slots, initialized, snapshot table or None) on the host: uploaded by attach, or copied into a
         # decode graph's static inputs (decode_inputs)
         self._step: tuple[list[int], list[int], list[list[int]] | None] | None = None
+        self._verify: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (live slots, verify slots)
+        self._last_verify = (0, 0)
 
     def slot(self, seq: Sequence) -> int:
         """The live slot a running sequence holds (a verify step reads and commits there)."""
         return self._slot[seq]
 
-    def verify_table(self, batch: int, k: int) -> torch.Tensor:
-        """int32 [batch, k + 1]: where a verify step of that shape writes each row's state after each token."""
-        table = torch.arange(batch * (k + 1), dtype=torch.int32, device=self.device).view(batch, k + 1)
-        return table + self.verify_base
+    # ---- verify steps (speculative decoding: spec/graphs.py, spec/decoder.py) ----------------------------------
 
-    def commit(self, table: torch.Tensor, accepted: torch.Tensor, live: torch.Tensor) -> None:
-        """After a verify step, on the device: the state after each row's last accepted token (accepted [B] drafts:
-        the snapshot after token `accepted` of the step, table [B, K + 1] its verify_table) into its live slot
-        (live [B]); every layer's recurrent and conv state."""
-        source = table.gather(1, accepted.view(-1, 1).to(torch.int64)).view(-1).to(torch.int64)
-        target = live.to(torch.int64)
+    def _verify_inputs(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify step's static inputs for (batch, K): the rows' live slots [batch] (padding rows: the scratch
+        slot) and where each row's state after each of its K + 1 tokens goes, [batch, K + 1]."""
+        if key not in self._verify:
+            b, k = key
+            table = torch.arange(b * (k + 1), dtype=torch.int32, device=self.device).view(b, k + 1)
+            live = torch.full((b,), self.scratch_slot, dtype=torch.int32, device=self.device)
+            self._verify[key] = (live, table + self.verify_base)
+        return self._verify[key]
+
+    def attach_verify(self, meta: AttentionMetadata, key: tuple[int, int]) -> AttentionMetadata:
+        """meta of a verify step (batch, K) from each row's live slot, with a snapshot after every token (the
+        chunked kernels), none of which stays in the live slot until `commit`."""
+        live, table = self._verify_inputs(key)
+        return replace(meta, state_slots=live, state_initialized=torch.ones_like(live), state_snapshots=table,
+                       state_snapshot_every=1)  # fmt: skip
+
+    def load_verify(self, key: tuple[int, int], slots: list[int] | None) -> None:
+        """Before a verify step (batch, K) is launched: its sequences' live slots (`slot`), one upload."""
+        assert slots is not None, "a verify step of a model with state names each sequence's live slot"
+        live, _ = self._verify_inputs(key)
+        host = slots + [self.scratch_slot] * (key[0] - len(slots))
+        live.copy_(torch.tensor(host, dtype=torch.int32), non_blocking=True)
+        self._last_verify = key
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """After the last verify step, on the device: each row's state after its last accepted token (accepted [B]
+        drafts: the snapshot after token `accepted` of the step) into its live slot; every layer's recurrent and
+        conv state."""
+        live, table = self._verify[self._last_verify]
+        rows = accepted.shape[0]
+        source = table[:rows].gather(1, accepted.view(-1, 1).to(torch.int64)).view(-1).to(torch.int64)
+        target = live[:rows].to(torch.int64)
         for pools in self.pools.values():
             for pool in pools:
                 pool.index_copy_(0, target, pool.index_select(0, source))

@@ -263,8 +263,7 @@ class SpecDecoder:
         drafts, num_drafts = x.drafts[:b], x.num_drafts[:b]
         tokens, accepted, errors = self._accept(logits, drafts, num_drafts, seqs, generator)
         if states is not None:  # the recurrent state after the last accepted token, into each live slot
-            assert self.graphs.verify is not None and self.graphs.live is not None
-            states.commit(self.graphs.verify[:b], accepted, self.graphs.live[:b])
+            states.commit(accepted)
         if self.drafter.wants_hidden:  # an MTP drafter keeps the target's states of the accepted rows
             self.drafter.record(x, self.graphs.hidden, accepted)  # type: ignore[attr-defined]
         # Append on the device: hist[row, len + j] = tokens[j] (beyond the accepted ones: rewritten before read).
@@ -444,6 +443,9 @@ def load_draft(config: EngineConfig, loaded: LoadedModel) -> LoadedModel | None:
             _TOKENIZER_PROBE):  # fmt: skip
         raise ValueError(f"draft_model: {config.draft_model!r} does not share the model's tokenizer "
                          f"(vocabulary {dc.vocab_size} vs {tc.vocab_size}); give a draft of the same family")
+    if dc.hybrid is not None:  # its own steps would keep rejected drafts in its state (no verify slots there)
+        raise ValueError(f"draft_model: {config.draft_model!r} has recurrent (linear-attention) layers, which a draft "
+                         "model's passes cannot roll back; use n-gram lookup (no --draft-model) or --draft-model mtp")
     assert config.max_model_len is not None
     if dc.max_position_embeddings < config.max_model_len:
         raise ValueError(f"draft_model: its window ({dc.max_position_embeddings}) is shorter than max_model_len "
@@ -462,6 +464,8 @@ def draft_kv_bytes(config: EngineConfig, draft: LoadedModel | None) -> int:
     if dc.mla is not None:  # its own layout (models/deepseek.py): one latent row a token and layer, never packed
         layers = 1 if config.draft_model == MTP else dc.num_hidden_layers  # MTP: the module's one layer
         return layers * config.block_size * (dc.mla.kv_lora_rank + dc.mla.qk_rope_head_dim) * bits // 8
+    if config.draft_model == MTP:  # the module's one layer of plain K/V (Qwen3-Next's), never packed
+        return 2 * config.block_size * dc.num_key_value_heads * dc.head_dim * bits // 8
     # the draft's runner packs its cache as the target's
     per_token = kv_bytes_per_token(config.kv_cache_dtype, dc.num_key_value_heads, dc.head_dim, dtype_bytes=bits // 8)
     return dc.num_hidden_layers * config.block_size * per_token

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from envex.kernels.ops import AttentionMetadata
@@ -20,9 +18,8 @@ class SpecGraphs:
     appended), its newest token and the drafts from SpecDecoder.hist, positions, cache slots. Row b holds query
     rows b*(K+1) .. b*(K+1)+K: its newest token, then its drafts; rows past the row's proposed drafts (and
     padding sequences) compute garbage and write nothing into the KV cache. A drafter with its own model (a draft
-    model) has a graph of its own per (batch, K), replayed first on the same static inputs. A model with recurrent
-    state (caches/state_slots.py) reads each row's live slot and snapshots its state after every token into the
-    row's verify slots (the padding rows: the scratch slot), for SpecDecoder to commit the accepted one.
+    model) has a graph of its own per (batch, K), replayed first on the same static inputs. Recurrent state: the
+    verify inputs of caches/state_slots.py.
     """
 
     def __init__(self, runner, spec, drafter, *, sizes: tuple[int, ...], ks: tuple[int, ...],
@@ -35,11 +32,9 @@ class SpecGraphs:
         # Block-table columns for every key a row may read (SpecDecoder.width: up to max_model_len + k + 1).
         self.width = -(-(self.max_model_len + max(ks) + 2) // self.block_size)
         self.capture = capture and self.device.type == "cuda"
-        self.states = runner.states  # StateSlots or None
         kv_heads = runner.model_config.num_key_value_heads
         self._inputs: dict[tuple[int, int], SpecInputs] = {}
-        self._packed: dict[tuple[int, int], torch.Tensor] = {}  # [rows, k_limit(, state slots)] x b
-        self._verify: dict[tuple[int, int], torch.Tensor] = {}  # with state: [b, k + 1] verify slots
+        self._packed: dict[tuple[int, int], torch.Tensor] = {}
         self._cu: dict[tuple[int, int], torch.Tensor] = {}
         self._splits: dict[tuple[int, int], int | None] = {}
         self._kv_heads = kv_heads
@@ -61,19 +56,13 @@ class SpecGraphs:
         self._logits: dict[tuple[int, int], torch.Tensor] = {}
         self._hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.hidden: torch.Tensor | None = None  # the last run's [b (k + 1), H] (drafter.wants_hidden)
-        self.verify: torch.Tensor | None = None  # the last run's verify slots [b, k + 1] (a model with state)
-        self.live: torch.Tensor | None = None  # and its rows' live slots [b]
         if self.capture:
             self._capture_all()
 
     def _make_inputs(self, b: int, k: int) -> None:
-        # rows, k_limit (and each row's live state slot): one upload
-        packed = torch.zeros(2 if self.states is None else 3, b, dtype=torch.int64, device=self.device)
+        packed = torch.zeros(2, b, dtype=torch.int64, device=self.device)  # rows, k_limit: one upload
         packed[0].fill_(self.spec.spare)
         packed[1].fill_(-1)
-        if self.states is not None:
-            packed[2].fill_(self.states.scratch_slot)
-            self._verify[(b, k)] = self.states.verify_table(b, k)
         self._packed[(b, k)] = packed
         self._inputs[(b, k)] = SpecInputs(
             hist=self.spec.hist, lens=self.spec.lens, rows=packed[0], k_limit=packed[1],
@@ -107,9 +96,8 @@ class SpecGraphs:
             cos=self.runner.cos, sin=self.runner.sin, max_q_len=k + 1, max_seq_len=self.max_model_len + k + 1,
             seq_lens=seq_lens, num_splits=self._splits[key], q_per_seq=k + 1,
         )  # fmt: skip
-        if self.states is not None:  # from each live slot, a snapshot after every token (none kept in the slot)
-            meta = replace(meta, state_slots=self._packed[key][2], state_initialized=torch.ones_like(self._cu[key][1:]),
-                           state_snapshots=self._verify[key], state_snapshot_every=1)  # fmt: skip
+        if self.runner.states is not None:
+            meta = self.runner.states.attach_verify(meta, key)
         if self.drafter.wants_hidden:  # an MTP drafter reads the target's hidden states of the accepted rows
             logits, self._hidden[key] = self.runner.forward_logits(ids, meta, with_hidden=True)
             return logits
@@ -163,11 +151,10 @@ class SpecGraphs:
         flat = [0] * (b * width)
         for row, t in enumerate(block_tables):
             flat[row * width : row * width + len(t)] = t
-        host = rows + [self.spec.spare] * pad + ks + [-1] * pad
-        if self.states is not None:
-            assert state_slots is not None and len(state_slots) == batch, "a model with state: each row's live slot"
-            host += state_slots + [self.states.scratch_slot] * pad
-        self._packed[key].copy_(torch.tensor(host, dtype=torch.int64).view(-1, b), non_blocking=True)
+        packed = torch.tensor(rows + [self.spec.spare] * pad + ks + [-1] * pad, dtype=torch.int64)
+        self._packed[key].copy_(packed.view(2, b), non_blocking=True)
+        if self.runner.states is not None:
+            self.runner.states.load_verify(key, state_slots)
         x.block_tables[:, :width].copy_(torch.tensor(flat, dtype=torch.int32).view(b, width), non_blocking=True)
         if self.capture:
             if key in self._draft_graphs:
@@ -179,8 +166,6 @@ class SpecGraphs:
                 self._draft(key)
             logits = self._forward(key)
         self.hidden = self._hidden.get(key)
-        self.verify = self._verify.get(key)
-        self.live = self._packed[key][2] if self.states is not None else None
         return x, logits[: batch * (k + 1)]
 
     @torch.inference_mode()

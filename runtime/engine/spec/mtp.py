@@ -1,15 +1,16 @@
-"""The MTP drafter (draft_model "mtp"): DeepSeek-V3's multi-token-prediction module (models/deepseek.py,
-DeepseekMTP) drafts k tokens from the target's own last hidden states (after the final norm).
+"""The MTP drafter (draft_model "mtp"): the target's multi-token-prediction module (DeepSeek-V3's, models/deepseek.py
+DeepseekMTP; Qwen3-Next's, models/qwen3_next.py Qwen3NextMTP) drafts k tokens from the target's own last hidden
+states (after the final norm).
 
-Its cache is one latent layer over the target's blocks (as a draft model's). The row at position p needs the
-target's state h_p and the token at p+1; it is written once both are known, so per row of SpecDecoder.hist one
-state waits on the device (`hidden`, at `start`, if `pending`): the newest position's. A verify step (`record`)
-writes its rows before the last accepted one (their next tokens: the accepted drafts); a plain step (`absorb`:
-prompt chunks, decodes, eager or from a decode graph) writes a decode's waiting row (its next token: the one fed
-now) and every row whose next token the host knows. A draft pass (`propose`; static shapes, a CUDA graph of its
-own) is k single-row steps: the first writes the waiting row with the newest token and gives draft 1, the next ones
-feed the module's own hidden and draft (rewritten once verified). A row with no state waiting at len-2 (its hist
-row was taken) drafts nothing: lower acceptance, never other tokens.
+Its cache is one layer of its own (DeepSeek: latent rows; Qwen3-Next: K/V) over the target's blocks (as a draft
+model's). The row at position p needs the target's state h_p and the token at p+1; it is written once both are
+known, so per row of SpecDecoder.hist one state waits on the device (`hidden`, at `start`, if `pending`): the newest
+position's. A verify step (`record`) writes its rows before the last accepted one (their next tokens: the accepted
+drafts); a plain step (`absorb`: prompt chunks, decodes, eager or from a decode graph) writes a decode's waiting row
+(its next token: the one fed now) and every row whose next token the host knows. A draft pass (`propose`; static
+shapes, a CUDA graph of its own) is k single-row steps: the first writes the waiting row with the newest token and
+gives draft 1, the next ones feed the module's own hidden and draft (rewritten once verified). A row with no state
+waiting at len-2 (its hist row was taken) drafts nothing: lower acceptance, never other tokens.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ class MtpDrafter(DraftModelDrafter):
             if runner.config.load_format == "dummy":
                 dummy_weights(self.module, runner.config.seed + 1)
             else:
-                self.module.load_weights(loaded.iter_weights(f"model.layers.{loaded.config.num_hidden_layers}."),
-                                         loaded.source.name)  # fmt: skip
+                self.module.load_weights(loaded.iter_weights(self.module.weight_prefix), loaded.source.name)
         dev, dtype = runner.device, runner.dtype
         self.ops = runner.ops
         self.kv_cache = self.module.make_kv_cache(runner.num_blocks, self.block_size, dtype, dev)
