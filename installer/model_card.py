@@ -149,7 +149,10 @@ def _gguf_card(path: Path, served_name: str) -> ModelCard:
     except (TypeError, ValueError, ImportError):
         quantization = Counter(str(t.ggml_type) for t in header.tensors).most_common(1)[0][0] if header.tensors \
             else "gguf"  # fmt: skip
-    return _card(path.name, "gguf", served_name, c, parameters, quantization, _has_chat_template(path))
+    from envex.runtime.packed_load import gguf_stored_as_packed
+
+    return _card(path.name, "gguf", served_name, c, parameters, quantization, _has_chat_template(path),
+                 gguf_stored_as_packed(c, path))  # fmt: skip
 
 
 def _hf_card(folder: Path, served_name: str) -> ModelCard:

@@ -284,22 +284,22 @@ def _hf_name(tensor: TensorInfo, path: Path) -> tuple[str, str] | None:
     return f"{_GLOBAL_NAMES[base]}.{kind}", base
 
 
-def packed_linears(path: Path) -> frozenset[str]:
+def packed_linears(path: Path) -> dict[str, int]:
     """HF module names of the linear projections (q, k, v, o, gate, up, down, the LM head) whose GGUF weight is of
-    a type kept packed (PACKED_TYPES): what iter_weights can hand over packed."""
+    a type kept packed (PACKED_TYPES): what iter_weights can hand over packed; each with its weight's elements."""
     stat = path.stat()
-    return _packed_linears(path, stat.st_mtime_ns, stat.st_size)
+    return dict(_packed_linears(path, stat.st_mtime_ns, stat.st_size))
 
 
 @functools.lru_cache(maxsize=8)
-def _packed_linears(path: Path, mtime_ns: int, size: int) -> frozenset[str]:
+def _packed_linears(path: Path, mtime_ns: int, size: int) -> tuple[tuple[str, int], ...]:
     # Cached by the file's identity: the engine asks before building the model and again when loading it.
-    found = set()
+    found = []
     for tensor in read_header(path).tensors:
         named = _hf_name(tensor, path)
         if named and named[1] in _LINEARS and named[0].endswith(".weight") and tensor.ggml_type in PACKED_TYPES:
-            found.add(named[0].removesuffix(".weight"))
-    return frozenset(found)
+            found.append((named[0].removesuffix(".weight"), math.prod(tensor.dims)))
+    return tuple(found)
 
 
 def iter_weights(path: Path, cfg: dict[str, Any], packed: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -249,21 +250,34 @@ def build_device(loaded: LoadedModel, load_format: str, device: torch.device, *,
 
 
 def _gguf_packs(loaded: LoadedModel, load_format: str, weights: str | None, backend: Backend | None,
-                world_size: int) -> frozenset[str]:  # fmt: skip
+                world_size: int) -> Mapping[str, int]:  # fmt: skip
     """The HF modules of a GGUF whose weights can be served packed (gguf_loader.packed_linears: Q4_0), or none where
     the file is dequantized at load as before: not a GGUF, dummy weights, a weights policy (it quantizes the float
     model), a backend without packed kernels (--deterministic), tensor parallelism, not the Llama family."""
     if (loaded.source.kind != "gguf" or load_format == "dummy" or weights is not None or backend is None
             or not backend.capabilities.packed_weights or world_size > 1
             or not issubclass(model_class(loaded.config), LlamaForCausalLM)):  # fmt: skip
-        return frozenset()
+        return {}
     return packed_linears(loaded.source.path)
 
 
-def _gguf_quant_config(model: LlamaForCausalLM, modules: frozenset[str]) -> QuantConfig | None:
+def gguf_stored_as_packed(config: ModelConfig, path: Path) -> tuple[int, int]:
+    """(elements, bytes) of a GGUF's projections the engine keeps packed when served (its default backend, one GPU),
+    for the install plan's byte count: the Q4_0 ones whose whole matrix is Q4_0 (_gguf_quant_config), held as
+    int4_group of 32 (half a byte a weight, a float16 scale per 32)."""
+    if not issubclass(model_class(config), LlamaForCausalLM):
+        return 0, 0
+    sizes = packed_linears(path)
+    qc = _gguf_quant_config(model_class(config)(config, dtype=torch.bfloat16, device=torch.device("meta")), sizes)
+    elements = sum(sizes[m] for group, _ in (qc.groups if qc else ()) for m in group)
+    return elements, elements // 2 + elements // 32 * 2
+
+
+def _gguf_quant_config(model: LlamaForCausalLM, modules: Mapping[str, int]) -> QuantConfig | None:
     """Q4_0_SCHEME for the modules whose whole matrix in Envex (q/k/v and gate/up are one each) is in `modules`; a
     matrix with a part of another type is dequantized whole (one matrix, one scheme). None: nothing to pack."""
-    keep = sorted(m for t in _targets(model).values() if set(t.parts.values()) <= modules for m in t.parts.values())
+    keep = sorted(m for t in _targets(model).values() if set(t.parts.values()) <= modules.keys()
+                  for m in t.parts.values())  # fmt: skip
     return QuantConfig(method="gguf", groups=((tuple(keep), Q4_0_SCHEME),)) if keep else None
 
 

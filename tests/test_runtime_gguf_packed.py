@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from envex.installer.model_card import card_for_model
 from envex.kernels import quant
 from envex.kernels.accuracy import rel_err
 from envex.kernels.backends import backend
@@ -217,3 +218,21 @@ def test_triton_ops_read_the_repacked_q4_0_weights(q4_0_file: Path) -> None:
     for i, (want, got) in enumerate(zip(packed_logits(model, TorchOps()), packed_logits(model, TritonOps()),
                                         strict=True)):  # fmt: skip
         assert rel_err(got, want) < 1e-4, f"step {i}: {rel_err(got, want):.2e}"
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "mixed-qkv", "q8_0"])
+def test_the_card_counts_the_packed_weights_the_engine_holds(tmp_path: Path, kind: str) -> None:
+    """The install plan's byte count (installer/model_card.py, ModelCard.weights_bytes): the card's packed
+    parameters and bytes are those of the PackedWeights the engine holds for the same file (none for Q8_0; q/k/v
+    dequantized whole where v is Q8_0)."""
+    types = {"q4_0": None, "mixed-qkv": {"attn_v": Q8_0}, "q8_0": dict.fromkeys(LINEARS, Q8_0)}[kind]
+    path = write_llama_gguf(tmp_path / f"tiny-{kind}.gguf", types)
+    card = card_for_model(path, "tiny")
+    runner = _engine(path).runner
+    model, held = runner.model, []
+    for name in runner.packed:
+        owner, _, attr = name.rpartition(".")
+        held.append(getattr(model.get_submodule(owner) if owner else model, attr))
+    assert (card.packed_parameters, card.packed_bytes) == (sum(w.shape[0] * w.shape[1] for w in held),
+                                                           sum(w.nbytes for w in held))  # fmt: skip
+    assert (card.packed_parameters > 0) == (kind != "q8_0")
