@@ -95,3 +95,30 @@ def test_flags_are_what_a_user_types(tmp_path) -> None:
                                                                       M.EMBEDDED]  # fmt: skip
     assert M.model_flags(M.MODELS["gpt-oss-120b"], "det", tmp_path)[-3:] == ["--max-model-len", "131072",
                                                                              "--deterministic"]  # fmt: skip
+
+
+def test_the_qwen3_next_cell_is_a_hybrid_model_the_runtime_reads_and_its_roofline_counts_its_bytes(tmp_path) -> None:
+    """The Qwen3-Next cell's dummy folder is a config the runtime reads as the published model's layers at half
+    depth (6 full-attention, 18 Gated DeltaNet layers); its batch-1 roofline bytes are the model's own parameters
+    a decode step reads (every one but the experts it does not route to and all but one embedding row), plus the
+    linear layers' float32 states and the full layers' K/V."""
+    import torch
+
+    from envex.runtime.config import ModelConfig
+    from envex.runtime.models.qwen3_next import Qwen3NextForCausalLM
+    from envex.verify.lab.kernel_bench.bench_server import step_bytes
+
+    flags = M.model_flags(M.MODELS["qwen3-next"], "mtp", tmp_path)
+    assert flags[2:] == ["--load-format", "dummy", "--max-model-len", "131072", "--draft-model", "mtp"]
+    shape = json.loads((tmp_path / "qwen3-next" / "config.json").read_text())
+    config = ModelConfig.from_hf(shape)
+    assert config.hybrid is not None and len(config.hybrid.linear_layers) == 18 and config.mtp_layers == 1
+    model = Qwen3NextForCausalLM(config, dtype=torch.bfloat16, device=torch.device("meta"))
+    moe = config.moe
+    assert moe is not None
+    unrouted = config.num_hidden_layers * (moe.num_experts - moe.top_k) * 3 * config.hidden_size * moe.intermediate_size
+    read = sum(p.numel() for p in model.parameters()) - unrouted - (config.vocab_size - 1) * config.hidden_size
+    hy = config.hybrid
+    state = len(hy.linear_layers) * hy.num_v_heads * hy.head_k_dim * hy.head_v_dim * 4
+    kv = 6 * 2 * config.num_key_value_heads * config.head_dim * 2 * 1024
+    assert step_bytes(M.MODELS["qwen3-next"].shape, 1024) == pytest.approx(2 * read + state + kv, rel=2e-4)

@@ -1,8 +1,8 @@
 """The GPU acceptance matrix: the product as a user runs it (`envex serve` with its defaults and flags, `envex demo`,
 `envex-install`), cell by cell, on the device.
 
-    python3 -P -m envex.verify.lab.gpu_matrix --out DIR [--models llama8b,qwen3-8b,mistral7b,gpt-oss-120b,embedded]
-        [--modes default,no-det,det,spec4,draft] [--demo] [--deadline S] [--merge EARLIER.json ...]
+    python3 -P -m envex.verify.lab.gpu_matrix --out DIR [--models llama8b,qwen3-8b,mistral7b,gpt-oss-120b,qwen3-next,
+        embedded] [--modes default,no-det,det,spec4,draft,mtp] [--demo] [--deadline S] [--merge EARLIER.json ...]
 
 A cell is one model in one mode. It starts `envex serve` as a child process (`python -P -m envex.installer.commands
 serve`, 127.0.0.1; the big shapes with `--load-format dummy`, the embedded model with its real weights) and waits
@@ -14,7 +14,8 @@ ignore_eos, served token counts checked), checks that greedy tokens alone = in a
 where the mode promises it (deterministic), and must exit 0 on SIGTERM (`shutdown_clean`).
 
 Modes: default (no flag), no-det (--no-deterministic), det (--deterministic), spec4 (--speculative-tokens 4), draft
-(--draft-model: a smaller dummy of the same family and tokenizer; the embedded model drafts for itself), tp2
+(--draft-model: a smaller dummy of the same family and tokenizer; the embedded model drafts for itself), mtp
+(--draft-model mtp: the model's own multi-token-prediction module, DeepSeek's and Qwen3-Next's), tp2
 (--tensor-parallel 2, only where two GPUs are visible). default and det run every case of the model; the other
 modes run batch 1 at 1K, beside the default of the same run.
 
@@ -76,9 +77,10 @@ DRAFTS = {
 
 # name: (batch, prompt tokens, output tokens, timed runs after one warm-up)
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
-         "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 1)}  # fmt: skip
+         "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 1), "c64_8k": (64, 8192, 256, 1)}  # fmt: skip
 MODES = {"default": [], "no-det": ["--no-deterministic"], "det": ["--deterministic"],
-         "spec4": ["--speculative-tokens", "4"], "draft": ["--draft-model"], "tp2": ["--tensor-parallel", "2"]}
+         "spec4": ["--speculative-tokens", "4"], "draft": ["--draft-model"], "mtp": ["--draft-model", "mtp"],
+         "tp2": ["--tensor-parallel", "2"]}
 FULL_MODES = ("default", "det")  # every case of the model; the others run batch 1 at 1K
 
 
@@ -100,6 +102,8 @@ MODELS = {
                        ("b1_1k", "b1_10k", "c64_1k")),
     "gpt-oss-120b": Model("gpt-oss-120b", "gpt-oss-120b (dummy, MXFP4 experts)", SHAPES["gpt-oss-120b"], 131072,
                           ("b1_1k", "b1_128k", "c32_2k")),
+    "qwen3-next": Model("qwen3-next", "Qwen3-Next-80B-A3B shape, 24 of 48 layers (dummy bf16)", SHAPES["qwen3-next"],
+                        131072, ("b1_1k", "b1_128k", "c64_8k")),
     "embedded": Model("embedded", "SmolLM2-135M-Instruct (embedded, real weights)", None, None,
                       ("b1_1k", "c64_1k")),
 }  # fmt: skip

@@ -61,6 +61,17 @@ SHAPES = {
         rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
                       "rope_type": "yarn", "truncate": False},
         swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088, torch_dtype="bfloat16"),
+    # The published Qwen/Qwen3-Next-80B-A3B-Instruct config.json at 24 of its 48 layers (the 3:1 pattern of Gated
+    # DeltaNet to gated attention kept): 80B in bf16 does not fit one H200, the half does (about 78 GB).
+    "qwen3-next": dict(
+        architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", attention_bias=False, decoder_sparse_step=1,
+        eos_token_id=151645, full_attention_interval=4, head_dim=256, hidden_act="silu", hidden_size=2048,
+        intermediate_size=5120, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_value_head_dim=128, max_position_embeddings=262144, mlp_only_layers=[],
+        moe_intermediate_size=512, norm_topk_prob=True, num_attention_heads=16, num_experts=512,
+        num_experts_per_tok=10, num_hidden_layers=24, num_key_value_heads=2, partial_rotary_factor=0.25,
+        rms_norm_eps=1e-06, rope_scaling=None, rope_theta=10000000, shared_expert_intermediate_size=512,
+        tie_word_embeddings=False, vocab_size=151936, torch_dtype="bfloat16"),
 }  # fmt: skip
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
          "c64_1k_x6": (64, 1024, 256, 6)}
@@ -73,12 +84,34 @@ def step_bytes(shape: dict, context: int) -> float:
         from envex.verify.lab.kernel_bench.bench_gpt_oss import step_bytes as gpt_oss_step_bytes
 
         return gpt_oss_step_bytes(shape, context)
+    if shape["model_type"] == "qwen3_next":
+        return qwen3_next_step_bytes(shape, context)
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     d = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
     per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * d if shape["model_type"] == "qwen3" else 0)
     weights = n * per_layer + shape["vocab_size"] * h + 2 * h
     return 2.0 * (weights + n * 2 * kv * context)
+
+
+def qwen3_next_step_bytes(shape: dict, context: int) -> float:
+    """Bytes one batch-1 decode step of Qwen3-Next reads: the full-attention layers' projections (q with its gate)
+    and the K/V of `context` tokens, the Gated DeltaNet layers' projections, conv weights and float32 states (read
+    once; written back too, not counted), and per layer the router, the top-k experts and the shared expert with its
+    gate; the LM head and one embedding row. bf16 weights."""
+    h, n, d = shape["hidden_size"], shape["num_hidden_layers"], shape["head_dim"]
+    full = n // shape["full_attention_interval"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    nk, nv = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
+    dk, dv, width = shape["linear_key_head_dim"], shape["linear_value_head_dim"], shape["linear_conv_kernel_dim"]
+    key_dim, value_dim = nk * dk, nv * dv
+    attention = h * (2 * q + 2 * kv) + q * h
+    linear = h * (2 * key_dim + 2 * value_dim + 2 * nv) + value_dim * h + (2 * key_dim + value_dim) * width
+    inter, shared = shape["moe_intermediate_size"], shape["shared_expert_intermediate_size"]
+    moe = h * shape["num_experts"] + shape["num_experts_per_tok"] * 3 * h * inter + 3 * h * shared + h
+    weights = full * attention + (n - full) * linear + n * moe + shape["vocab_size"] * h + h
+    state = (n - full) * nv * dk * dv * 4
+    return 2.0 * (weights + full * 2 * kv * context) + state
 
 
 def write_model_dir(path: Path, shape: dict, *, weights: bool) -> None:
