@@ -83,9 +83,10 @@ class MoEConfig:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_experts: int = 0  # always-on experts, each intermediate_size wide (DeepSeek's shared_experts MLP, split)
-    # FP8 experts (a quantization_config "fp8" checkpoint, runtime/quant_config.fp8_experts): the layers whose
+    # FP8 experts (a quantization_config "fp8" checkpoint, runtime/quant_config.moe_experts): the layers whose
     # experts are stored FP8 with fp8_block (rows, cols) block scales, loaded and served so (kernels.ops.MoEWeights);
-    # the other sparse layers' experts are float (left so by modules_to_not_convert).
+    # the other sparse layers' experts are float (left so by modules_to_not_convert). Here and in int4_layers,
+    # DeepSeek's multi-token-prediction layers (num_hidden_layers, ...: models/deepseek.py DeepseekMTP) too.
     fp8_block: tuple[int, int] | None = None
     fp8_layers: tuple[int, ...] = ()
     # INT4 experts (compressed-tensors pack-quantized: Kimi K2; AWQ): the layers whose routed experts are stored in
@@ -344,21 +345,30 @@ def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                               **packed))
 
 
-def _quantized_experts(cfg: dict[str, Any], layers: int, dense: tuple[int, ...], experts: int, shared: bool = False
-                       ) -> dict[str, Any]:  # fmt: skip
+def _quantized_experts(cfg: dict[str, Any], layers: int, dense: tuple[int, ...], experts: int, shared: bool = False,
+                       mtp: int = 0) -> dict[str, Any]:  # fmt: skip
     """A quantized MoE checkpoint's FP8 or INT4 experts as MoEConfig's fields (runtime/quant_config.moe_experts; one
     ConfigError for a scheme the expert kernels do not read). shared: DeepSeek's shared_experts MLP, loaded as more
-    experts (or beside them, float, next to INT4 routed experts)."""
+    experts (or beside them, float, next to INT4 routed experts). mtp: DeepSeek's multi-token-prediction layers after
+    the model's (MoE layers), listed where the config quantizes their experts as the model's (from the config alone,
+    as the model's layers: a checkpoint without their tensors serves as before); a config that would put them in
+    another scheme leaves them out rather than refusing a model that serves without them (their quantized experts
+    are then dequantized at load into float ones, runtime/packed_load.load_mtp_weights)."""
     if not cfg.get("quantization_config"):
         return {}
     from envex.kernels import quant
     from envex.runtime.quant_config import moe_experts  # (quant_config imports runtime.errors, not this module)
 
     names = [f"experts.{e}.{p}_proj" for e in range(experts) for p in ("gate", "up", "down")]
-    sparse = [i for i in range(layers) if i not in dense]
+    sparse = [i for i in range(layers + mtp) if i not in dense]
     side = {i: [f"model.layers.{i}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")] for i in sparse}
-    found = moe_experts(cfg, {i: [f"model.layers.{i}.mlp.{n}" for n in names] for i in sparse},
-                        side if shared else None)  # fmt: skip
+    routed = {i: [f"model.layers.{i}.mlp.{n}" for n in names] for i in sparse}
+    found = moe_experts(cfg, {i: m for i, m in routed.items() if i < layers}, side if shared else None)
+    if mtp:
+        try:
+            found = moe_experts(cfg, routed, side if shared else None)
+        except ConfigError:
+            pass  # the MTP layers' experts are float (docstring); the model's were read above
     if found.scheme is None:
         return {}
     if found.scheme.kind == quant.INT4_GROUP:
@@ -425,7 +435,8 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
         raise ConfigError(f"config.json: attention_bias true is not supported for {arch}; no published checkpoint "
                           "has it")  # fmt: skip
     inter = _positive(cfg, "moe_intermediate_size", 2048 if v3 else 1407)
-    packed = _quantized_experts(cfg, layers, tuple(range(first_dense)), experts, shared=shared > 0)
+    mtp = _mtp_layers(cfg, 0) if v3 else 0
+    packed = _quantized_experts(cfg, layers, tuple(range(first_dense)), experts, shared=shared > 0, mtp=mtp)
     block = packed.get("fp8_block")
     if block is not None and shared > 1 and (inter % block[0] or inter % block[1]):
         raise ConfigError(f"config.json: moe_intermediate_size {inter} is not a whole number of FP8 blocks "
@@ -439,7 +450,7 @@ def _deepseek_fields(cfg: dict[str, Any], arch: str, yarn: dict[str, Any]) -> di
         scale *= _yarn_mscale(float(yarn["factor"]), float(yarn["mscale_all_dim"])) ** 2
     routed_scale = cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)
     return dict(
-        mtp_layers=_mtp_layers(cfg, 0) if v3 else 0,
+        mtp_layers=mtp,
         mla=MLAConfig(q_lora_rank=q_lora, kv_lora_rank=rank, qk_nope_head_dim=nope, qk_rope_head_dim=rope,
                       v_head_dim=v_dim, interleaved=bool(cfg.get("rope_interleave", True)) if v3 else True,
                       softmax_scale=scale),

@@ -15,7 +15,9 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
   their converter into the internal int4_group layout and handed over as `weight_packed`, `weight_scale` and
   `weight_zero` (models/decoder.py INT4_EXPERT_SUFFIXES), kept packed;
   its other quantized projections (attention, dense MLPs, shared ones) are dequantized here to the model's dtype
-  as they stream in (`load_dequantized`): the packed projections above are the Llama family's.
+  as they stream in (`load_dequantized`): the packed projections above are the Llama family's. DeepSeek's
+  multi-token-prediction layer goes through the same stream when it drafts (`load_mtp_weights`); the model's own
+  load drops its quantized tensors as they come, never gathered or dequantized.
 - A GGUF file whose linear projections are Q4_0 (runtime/gguf_loader.py PACKED_TYPES): the same path as a
   quantization_config, with gguf_loader handing each Q4_0 matrix over repacked, exactly, as compressed-tensors'
   symmetric pack-quantized tensors in groups of 32 (Q4_0_SCHEME). A fused matrix with a part of another type is
@@ -29,7 +31,7 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,49 +155,78 @@ def load_quantized(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
 def load_dequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig,
                      device: torch.device) -> dict[str, str]:  # fmt: skip
     """Load a quantized checkpoint into a model that takes some of its layers packed itself (their block scales are
-    among its expected_weight_names: an MoE model's FP8 experts): those tensors go to the model as they are; every
-    other quantized layer's tensors (an FP8 weight, its scales) are read (load_packed: each checked) and handed
-    over as `<module>.weight`, dequantized to the model's float parameter dtype. Returns our parameter name ->
-    scheme for what stays packed."""
+    among its expected_weight_names: an MoE model's FP8 experts), through `dequantized_weights`. The quantized
+    tensors of a module the model does not take (its _target is None: DeepSeek's multi-token-prediction layer,
+    which DeepseekMTP loads when it drafts, load_mtp_weights) are dropped as they come, not gathered and
+    dequantized first. Returns our parameter name -> scheme for what stays packed."""
     expected = model.expected_weight_names()  # type: ignore[operator]
-    own = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_scale_inv")}  # modules taken as stored
-    int4 = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_packed")}  # INT4 experts, converted
-    dtype = model.embed_tokens_weight.dtype  # type: ignore[union-attr]
-    pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> suffix -> tensor, until its layer is whole
-    done: set[str] = set()
 
-    def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in weights:
-            module, _, suffix = name.rpartition(".")
-            if module in own and suffix == "input_scale":
-                continue  # a static activation scale: read and unused (activations stay in the model's dtype)
-            scheme = None if module in own else qc.scheme_for(module)  # "Linear" targets embeddings and norms too:
-            names = () if scheme is None else (*scheme.tensor_names(), *scheme.optional_tensor_names())
-            if suffix not in names or (suffix == "weight" and tensor.dtype != quant.FP8_DTYPE):  # a float weight
-                yield name, tensor
-            elif module in int4 and module not in done:
-                parts = pending.setdefault(module, {})
-                parts[suffix] = tensor.to(device)
-                if all(n in parts for n in scheme.tensor_names()):
-                    done.add(module)
-                    yield from _int4_expert(load_packed(scheme, pending.pop(module), module=module), module,
-                                            f"{module}.weight_zero" in expected)  # fmt: skip
-            elif module in done:  # an optional tensor after the layer was read (input_scale: unused)
-                if suffix not in scheme.optional_tensor_names():
-                    raise ConfigError(f"{module}: unexpected tensor {name} after its {scheme.kind} weight was read")
-            else:
-                parts = pending.setdefault(module, {})
-                parts[suffix] = tensor.to(device)
-                if all(n in parts for n in scheme.tensor_names()):
-                    done.add(module)
-                    pw = load_packed(scheme, pending.pop(module), module=module)
-                    yield f"{module}.weight", quant.dequantize(pw, dtype)
-        for module, parts in pending.items():  # a layer missing a tensor: load_packed names it
-            load_packed(qc.scheme_for(module), parts, module=module)  # type: ignore[arg-type]
+    def unused(weight: str) -> bool:  # a name the model does not expect: its _target raises for an unknown one
+        return weight not in expected and model._target(weight) is None  # type: ignore[operator]
 
-    model.load_weights(stream())  # type: ignore[operator]
+    dtype: torch.dtype = model.embed_tokens_weight.dtype  # type: ignore[assignment, union-attr]
+    model.load_weights(dequantized_weights(weights, qc, expected, dtype, device, unused))  # type: ignore[operator]
     return {name: quant.FP8_BLOCK if p.dtype == quant.FP8_DTYPE else quant.INT4_GROUP
             for name, p in model.named_parameters() if p.dtype in (quant.FP8_DTYPE, torch.int32)}  # fmt: skip
+
+
+def load_mtp_weights(module: nn.Module, loaded: LoadedModel, device: torch.device) -> None:
+    """Fill a multi-token-prediction module (DeepseekMTP, Qwen3NextMTP: their `weight_prefix`,
+    `load_weights(weights, source)`) with its tensors only; a quantized checkpoint's through the model's stream
+    (`dequantized_weights` with the module's expected_weight_names: its FP8 or INT4 experts as the model takes its
+    own, MoEConfig.fp8_layers / int4_layers naming its index, every other quantized projection dequantized)."""
+    weights = loaded.iter_weights(module.weight_prefix)  # type: ignore[operator]
+    qc = quant_config_from_hf(loaded.hf_config)
+    if qc is not None:
+        expected = module.expected_weight_names()  # type: ignore[operator]
+        dtype: torch.dtype = module.embed_tokens_weight.dtype  # type: ignore[assignment, union-attr]
+        weights = dequantized_weights(weights, qc, expected, dtype, device)
+    module.load_weights(weights, loaded.source.name)  # type: ignore[operator]
+
+
+def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig, expected: set[str],
+                        dtype: torch.dtype, device: torch.device, unused: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """A quantized checkpoint's tensors as a model (or module) whose names are `expected` takes them: the layers it
+    takes packed itself (their `weight_scale_inv` expected: FP8 experts) as they are; INT4 experts (their
+    `weight_packed` expected) converted (_int4_expert); every other quantized layer's tensors (an FP8 weight, its
+    scales) read (load_packed: each checked) and handed over as `<module>.weight`, dequantized to `dtype`; float
+    tensors as they are. unused(`<module>.weight`): a quantized layer the model does not take, dropped as it comes
+    (not gathered, checked or dequantized)."""
+    own = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_scale_inv")}  # modules taken as stored
+    int4 = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_packed")}  # INT4 experts, converted
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> suffix -> tensor, until its layer is whole
+    done: set[str] = set()
+    for name, tensor in weights:
+        module, _, suffix = name.rpartition(".")
+        if module in own and suffix == "input_scale":
+            continue  # a static activation scale: read and unused (activations stay in the model's dtype)
+        scheme = None if module in own else qc.scheme_for(module)
+        names = () if scheme is None else (*scheme.tensor_names(), *scheme.optional_tensor_names())
+        # not a quantized layer's tensor, or a float weight ("Linear" targets embeddings and norms too)
+        if scheme is None or suffix not in names or suffix == "weight" and tensor.dtype != quant.FP8_DTYPE:
+            yield name, tensor
+        elif module in int4 and module not in done:
+            parts = pending.setdefault(module, {})
+            parts[suffix] = tensor.to(device)
+            if all(n in parts for n in scheme.tensor_names()):
+                done.add(module)
+                yield from _int4_expert(load_packed(scheme, pending.pop(module), module=module), module,
+                                        f"{module}.weight_zero" in expected)  # fmt: skip
+        elif module in done:  # an optional tensor after the layer was read (input_scale: unused)
+            if suffix not in scheme.optional_tensor_names():
+                raise ConfigError(f"{module}: unexpected tensor {name} after its {scheme.kind} weight was read")
+        elif unused is not None and unused(f"{module}.weight"):
+            continue
+        else:
+            parts = pending.setdefault(module, {})
+            parts[suffix] = tensor.to(device)
+            if all(n in parts for n in scheme.tensor_names()):
+                done.add(module)
+                pw = load_packed(scheme, pending.pop(module), module=module)
+                yield f"{module}.weight", quant.dequantize(pw, dtype)
+    for module, parts in pending.items():  # a layer missing a tensor: load_packed names it
+        load_packed(qc.scheme_for(module), parts, module=module)  # type: ignore[arg-type]
 
 
 def _int4_expert(pw: quant.PackedWeight, module: str, zero: bool) -> Iterator[tuple[str, torch.Tensor]]:

@@ -137,7 +137,7 @@ def test_deepseek_v3_fp8_release_gives_hf_tokens(tmp_path: Path) -> None:
     stacks' last expert), MLA's projections dequantized at load."""
     path, hf = _release(_deepseek_model("v3"), tmp_path, [128, 128])
     engine = _engine(path)
-    assert engine.model_config.moe.fp8_layers == (1,)  # layer 0 is dense
+    assert engine.model_config.moe.fp8_layers == (1, 2)  # layer 0 is dense; 2: the MTP layer (config's, not stored)
     experts = engine.runner.model.layers[1].experts
     assert experts.fp8 and experts.gate_up_scale.shape == (8 + 1, 2, 1)  # [E + shared, 2·ceil(32/128), ceil(64/128)]
     got = engine.generate(PROMPTS, GREEDY)

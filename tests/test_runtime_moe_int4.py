@@ -121,7 +121,7 @@ def test_deepseek_v3_kimi_k2_layout_gives_hf_tokens(tmp_path: Path) -> None:
     path, hf = _release(_deepseek_model("v3"), tmp_path, "ct", 32)
     engine = _engine(path)
     moe = engine.model_config.moe
-    assert moe.int4_layers == (1,) and not moe.int4_shared  # layer 0 is dense
+    assert moe.int4_layers == (1, 2) and not moe.int4_shared  # layer 0 is dense; 2: the MTP layer (not stored)
     layer = engine.runner.model.layers[1]
     assert layer.experts.int4 and layer.experts.shared_experts == 0 and layer.experts.gate_up.shape[0] == 8
     assert layer.shared_gate_up_proj_weight.dtype == torch.float32

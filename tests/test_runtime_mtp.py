@@ -72,24 +72,30 @@ def _engine(path, **kw) -> LLMEngine:
 
 
 def test_mtp_logits_equal_transformers_mtp_layer(random_mtp) -> None:
-    """DeepseekMTP over a prompt's positions (through its latent cache) = HF's MtpLayer (eh_proj over
-    [enorm(embed(t_{i+1})); hnorm(h_i)], the decoder layer, shared_head's norm) then the head, at HF's positions
-    i+1 (ours sit at i: rotary attention sees the same offsets); the hidden state it chains on is MtpLayer's output
-    (after shared_head's norm), as transformers' MTP generation chains."""
     hf_model, hf_block, mtp, path, _ = random_mtp
     engine = _engine(path, draft_model="mtp", num_speculative_tokens=1)
     module = engine.spec.drafter.module
     assert isinstance(module, DeepseekMTP)
     assert module.embed_tokens_weight.data_ptr() == engine.runner.model.embed_tokens_weight.data_ptr()  # held once
-    config = hf_model.config
+    assert_transformers_mtp_layer(module, hf_model, hf_block, mtp, 1)  # 1: an MoE layer, as N
+
+
+def assert_transformers_mtp_layer(module: DeepseekMTP, hf_model, block, own: dict[str, torch.Tensor], index: int
+                                  ) -> None:  # fmt: skip
+    """DeepseekMTP over a prompt's positions (through its latent cache) = HF's MtpLayer (eh_proj over
+    [enorm(embed(t_{i+1})); hnorm(h_i)], the decoder layer `block` at layer `index` of hf_model's config, shared_head's
+    norm; those tensors from `own`) then hf_model's head, at HF's positions i+1 (ours sit at i: rotary attention sees
+    the same offsets); the hidden state it chains on is MtpLayer's output (after shared_head's norm), as
+    transformers' MTP generation chains."""
+    config = copy.deepcopy(hf_model.config)
     config._attn_implementation = "eager"
-    ref = MtpLayer(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, 1).eval()  # 1: an MoE layer, as N
+    ref = MtpLayer(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, index).eval()
     with torch.no_grad():
-        ref.enorm.weight.copy_(mtp["enorm.weight"])
-        ref.hnorm.weight.copy_(mtp["hnorm.weight"])
-        ref.eh_proj.weight.copy_(mtp["eh_proj.weight"])
-        ref.post_norm.weight.copy_(mtp["shared_head.norm.weight"])
-        ref.mtp_block.load_state_dict(hf_block.state_dict())  # the MTP layer's block (saved as model.layers.N)
+        ref.enorm.weight.copy_(own["enorm.weight"])
+        ref.hnorm.weight.copy_(own["hnorm.weight"])
+        ref.eh_proj.weight.copy_(own["eh_proj.weight"])
+        ref.post_norm.weight.copy_(own["shared_head.norm.weight"])
+        ref.mtp_block.load_state_dict(block.state_dict())  # the MTP layer's block (saved as model.layers.N)
     gen = torch.Generator().manual_seed(2)
     t = len(PROMPTS[0])
     tokens, hidden = torch.tensor(PROMPTS[0]), torch.randn(t, H, generator=gen) * 3  # t_{i+1} and h_i, i = 0..t-1
@@ -149,13 +155,8 @@ def _predicting_mtp(tmp, noise: float, eh_hidden: float = 0.0):
     noise > 0: the MTP layer's own head is the model's plus that much noise (relative), so some drafts miss;
     eh_hidden > 0: eh_proj's hidden-state half random at that scale (the drafts then depend on the states too). The
     final norm's weight is not uniform, so states taken before it would not give the same rows."""
-    hf_model = _hf_model("v3")
+    hf_model = layers_adding_nothing()
     gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in hf_model.named_parameters():
-            if "o_proj" in name or "down_proj" in name:
-                p.zero_()
-        hf_model.model.norm.weight.copy_(torch.rand(H, generator=torch.Generator().manual_seed(4)) + 0.5)
     own = {"enorm.weight": torch.ones(H), "hnorm.weight": torch.ones(H),
            "eh_proj.weight": torch.cat([torch.eye(H), eh_hidden * torch.randn(H, H, generator=gen) * H**-0.5], dim=1),
            "shared_head.norm.weight": hf_model.model.norm.weight.detach().clone()}  # fmt: skip
@@ -164,6 +165,18 @@ def _predicting_mtp(tmp, noise: float, eh_hidden: float = 0.0):
         own["shared_head.head.weight"] = head + noise * head.std() * torch.randn(head.shape, generator=gen)
     _save(hf_model, tmp, _mtp_tensors(hf_model, hf_model, tmp, **own))
     return tmp
+
+
+def layers_adding_nothing():
+    """The tiny V3 with o_proj and every down projection zero (its logits at i depend on t_i alone) and a final
+    norm weight that is not uniform."""
+    hf_model = _hf_model("v3")
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                p.zero_()
+        hf_model.model.norm.weight.copy_(torch.rand(H, generator=torch.Generator().manual_seed(4)) + 0.5)
+    return hf_model
 
 
 @pytest.fixture(scope="module")

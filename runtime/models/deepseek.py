@@ -339,8 +339,10 @@ class DeepseekMTP(nn.Module):
         return (torch.zeros(num_blocks, block_size, m.kv_lora_rank + m.qk_rope_head_dim, dtype=dtype, device=device),)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        """Copy the checkpoint's `model.layers.{N}.*` tensors in (others are skipped); refuse, in one line, a
-        checkpoint (named `source`) that stores none of them or leaves one out."""
+        """Copy the checkpoint's `model.layers.{N}.*` tensors in (others are skipped; a quantized checkpoint's as
+        runtime/packed_load.load_mtp_weights hands them over: FP8 or INT4 experts as stored, any other quantized
+        projection dequantized); refuse, in one line, a checkpoint (named `source`) that stores none of them or
+        leaves one out."""
         prefix = self.weight_prefix
         seen: set[str] = set()
         for name, tensor in weights:
@@ -372,8 +374,17 @@ class DeepseekMTP(nn.Module):
         if not seen:
             raise ValueError(f"draft_model: 'mtp' needs the multi-token-prediction layer's weights ({prefix}*), which "
                              f"{source} does not store; serve it without --draft-model mtp")  # fmt: skip
-        missing = sorted({*_layer_names(self.config, self.layer.sparse), "eh_proj.weight", *_MTP_OWN} - seen)
+        missing = sorted(self.expected_weight_names() - {prefix + n for n in seen})
         if missing:
             raise ValueError(f"weights: {len(missing)} tensors of the multi-token-prediction layer missing, e.g. "
-                             f"{[prefix + n for n in missing[:3]]}; the checkpoint is incomplete")  # fmt: skip
+                             f"{missing[:3]}; the checkpoint is incomplete")  # fmt: skip
+
+    def expected_weight_names(self) -> set[str]:
+        """The checkpoint's names of the tensors it must store (the embedding and head copies it may leave out), as
+        load_weights takes them: its experts' block scales, or INT4 tensors as runtime/packed_load.py hands them
+        over, where MoEConfig.fp8_layers / int4_layers name its index."""
+        moe = self.config.moe
+        assert moe is not None
+        own = _layer_names(self.config, self.layer.sparse, self.index in moe.fp8_layers, self.index in moe.int4_layers)
+        return {self.weight_prefix + n for n in (*own, "eh_proj.weight", *_MTP_OWN)}
 

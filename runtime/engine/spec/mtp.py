@@ -24,6 +24,7 @@ from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.spec.drafters import DraftModelDrafter, SpecInputs
 from envex.runtime.loader import LoadedModel
 from envex.runtime.models import dummy_weights
+from envex.runtime.packed_load import load_mtp_weights
 
 
 class MtpDrafter(DraftModelDrafter):
@@ -40,7 +41,7 @@ class MtpDrafter(DraftModelDrafter):
             if runner.config.load_format == "dummy":
                 dummy_weights(self.module, runner.config.seed + 1)
             else:
-                self.module.load_weights(loaded.iter_weights(self.module.weight_prefix), loaded.source.name)
+                load_mtp_weights(self.module, loaded, runner.device)  # a quantized checkpoint's as the model's
         dev, dtype = runner.device, runner.dtype
         self.ops = runner.ops
         self.kv_cache = self.module.make_kv_cache(runner.num_blocks, self.block_size, dtype, dev)
