@@ -80,13 +80,14 @@ class LoadedModel:
     hf_config: dict[str, Any]
     tokenizer: Tokenizer
 
-    def iter_weights(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's tensors by HF name; prefix: only those whose name starts with it (the others are not
-        read from the safetensors files)."""
+    def iter_weights(self, prefix: str = "", skip: tuple[str, ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors by HF name; prefix: only those whose name starts with it; skip: none whose name
+        starts with one of these (the others are not read from the safetensors files)."""
         if self.source.kind == "gguf":
             from envex.runtime.gguf_loader import iter_weights
 
-            yield from ((n, t) for n, t in iter_weights(self.source.path, self.hf_config) if n.startswith(prefix))
+            yield from ((n, t) for n, t in iter_weights(self.source.path, self.hf_config)
+                        if n.startswith(prefix) and not n.startswith(skip))  # fmt: skip
             return
         from safetensors import safe_open
 
@@ -96,7 +97,7 @@ class LoadedModel:
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    if name.startswith(prefix):
+                    if name.startswith(prefix) and not name.startswith(skip):
                         yield name, handle.get_tensor(name)
 
 

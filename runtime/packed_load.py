@@ -31,7 +31,7 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,17 +155,12 @@ def load_quantized(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
 def load_dequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig,
                      device: torch.device) -> dict[str, str]:  # fmt: skip
     """Load a quantized checkpoint into a model that takes some of its layers packed itself (their block scales are
-    among its expected_weight_names: an MoE model's FP8 experts), through `dequantized_weights`. The quantized
-    tensors of a module the model does not take (its _target is None: DeepSeek's multi-token-prediction layer,
-    which DeepseekMTP loads when it drafts, load_mtp_weights) are dropped as they come, not gathered and
-    dequantized first. Returns our parameter name -> scheme for what stays packed."""
+    among its expected_weight_names: an MoE model's FP8 experts), through `dequantized_weights` (a multi-token-
+    prediction layer is not among `weights`: `unread`). Returns our parameter name -> scheme for what stays
+    packed."""
     expected = model.expected_weight_names()  # type: ignore[operator]
-
-    def unused(weight: str) -> bool:  # a name the model does not expect: its _target raises for an unknown one
-        return weight not in expected and model._target(weight) is None  # type: ignore[operator]
-
     dtype: torch.dtype = model.embed_tokens_weight.dtype  # type: ignore[assignment, union-attr]
-    model.load_weights(dequantized_weights(weights, qc, expected, dtype, device, unused))  # type: ignore[operator]
+    model.load_weights(dequantized_weights(weights, qc, expected, dtype, device))  # type: ignore[operator]
     return {name: quant.FP8_BLOCK if p.dtype == quant.FP8_DTYPE else quant.INT4_GROUP
             for name, p in model.named_parameters() if p.dtype in (quant.FP8_DTYPE, torch.int32)}  # fmt: skip
 
@@ -185,14 +180,12 @@ def load_mtp_weights(module: nn.Module, loaded: LoadedModel, device: torch.devic
 
 
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig, expected: set[str],
-                        dtype: torch.dtype, device: torch.device, unused: Callable[[str], bool] | None = None
-                        ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+                        dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """A quantized checkpoint's tensors as a model (or module) whose names are `expected` takes them: the layers it
     takes packed itself (their `weight_scale_inv` expected: FP8 experts) as they are; INT4 experts (their
     `weight_packed` expected) converted (_int4_expert); every other quantized layer's tensors (an FP8 weight, its
     scales) read (load_packed: each checked) and handed over as `<module>.weight`, dequantized to `dtype`; float
-    tensors as they are. unused(`<module>.weight`): a quantized layer the model does not take, dropped as it comes
-    (not gathered, checked or dequantized)."""
+    tensors as they are."""
     own = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_scale_inv")}  # modules taken as stored
     int4 = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_packed")}  # INT4 experts, converted
     pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> suffix -> tensor, until its layer is whole
@@ -216,8 +209,6 @@ def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], qc: QuantCo
         elif module in done:  # an optional tensor after the layer was read (input_scale: unused)
             if suffix not in scheme.optional_tensor_names():
                 raise ConfigError(f"{module}: unexpected tensor {name} after its {scheme.kind} weight was read")
-        elif unused is not None and unused(f"{module}.weight"):
-            continue
         else:
             parts = pending.setdefault(module, {})
             parts[suffix] = tensor.to(device)
@@ -354,6 +345,12 @@ def quantize_by_policy(module: nn.Module, policy: WeightPolicy) -> dict[str, str
     return done
 
 
+def unread(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes of a checkpoint's tensors the model never takes, left unread from the files: a multi-token-
+    prediction layer (its drafter reads it when asked for, runtime/engine/spec/mtp.py)."""
+    return tuple(getattr(model, "unread_prefixes", ()))
+
+
 def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: str, seed: int, weights: str | None,
                        backend: Backend, device: torch.device) -> dict[str, str]:  # fmt: skip
     """Fill a freshly built model: random (load_format "dummy"), the checkpoint's float weights, or its packed
@@ -369,7 +366,7 @@ def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: st
     what = f"quantization_config {qc.method}" if qc is not None else f"weights policy {weights}"
     if qc is not None and getattr(getattr(model, "config", None), "moe", None) is not None:
         # an MoE checkpoint (ModelConfig.from_hf refused any scheme its experts cannot be served in)
-        return load_dequantized(model, loaded.iter_weights(), qc, device)
+        return load_dequantized(model, loaded.iter_weights(skip=unread(model)), qc, device)
     if qc is not None or policy is not None:
         packable(model, what)  # before any weight is read
     if (qc is not None or policy is not None) and not backend.capabilities.packed_weights:
@@ -378,7 +375,7 @@ def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: st
     if load_format == "dummy":
         dummy_weights(model, seed)
     elif qc is not None:
-        return load_quantized(model, loaded.iter_weights(), qc, device)
+        return load_quantized(model, loaded.iter_weights(skip=unread(model)), qc, device)
     else:
         world = model.parallel.world_size if isinstance(model, LlamaForCausalLM) else 1
         gguf = _gguf_packs(loaded, load_format, weights, backend, world)
@@ -388,7 +385,7 @@ def load_model_weights(model: nn.Module, loaded: LoadedModel, *, load_format: st
             return load_quantized(model, packed, gguf_qc, device)
         if gguf:
             _materialize(model, device)  # built on the meta device (build_device), yet every matrix mixes types
-        model.load_weights(loaded.iter_weights())  # type: ignore[operator]
+        model.load_weights(loaded.iter_weights(skip=unread(model)))  # type: ignore[operator]
     if policy is None:
         return {}
     return quantize_by_policy(model, policy)

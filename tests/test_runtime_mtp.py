@@ -266,6 +266,28 @@ def test_the_mtp_cache_holds_the_modules_rows_of_the_verified_tokens(tmp_path, d
     assert (engine.stats().overlapped_steps_total > 0) == overlap
 
 
+def test_the_mtp_layer_is_not_read_from_the_files_unless_it_drafts(random_mtp, monkeypatch) -> None:
+    """The model's load leaves the MTP layer's tensors unread (unread_prefixes); the drafter reads only them."""
+    from envex.runtime.loader import LoadedModel
+
+    _, _, mtp, path, _ = random_mtp
+    read: list[list[str]] = []
+    real = LoadedModel.iter_weights
+
+    def spy(self, prefix: str = "", skip: tuple[str, ...] = ()):
+        read.append([])
+        for name, tensor in real(self, prefix, skip):
+            read[-1].append(name)
+            yield name, tensor
+
+    monkeypatch.setattr(LoadedModel, "iter_weights", spy)
+    _engine(path)
+    assert len(read) == 1 and read[0] and not any(n.startswith(f"model.layers.{N}.") for n in read[0])
+    read.clear()
+    _engine(path, draft_model="mtp", num_speculative_tokens=1)
+    assert len(read) == 2 and sorted(read[1]) == sorted(f"model.layers.{N}.{k}" for k in mtp)
+
+
 def test_a_model_without_an_mtp_layer_is_refused_in_one_line(random_mtp, tmp_path) -> None:
     _, _, _, path, without = random_mtp
     with pytest.raises(ValueError, match=r"'mtp' needs the multi-token-prediction layer's weights \(model.layers.2"):

@@ -263,6 +263,12 @@ class DeepseekV3ForCausalLM(DecoderStack, nn.Module):
                                                                           i in c.moe.int4_layers))
         return names
 
+    @property
+    def unread_prefixes(self) -> tuple[str, ...]:
+        """The multi-token-prediction layers' tensors: not read from the files when the model loads."""
+        n = self.config.num_hidden_layers
+        return tuple(f"model.layers.{i}." for i in range(n, n + self.config.mtp_layers))
+
     def multi_token_predictor(self) -> DeepseekMTP:
         """The multi-token-prediction module over this model's embedding and head, on its device and dtype (weights
         unset: DeepseekMTP.load_weights or dummy_weights)."""

@@ -377,6 +377,8 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
             names.update(f"model.layers.{i}.{p}" for p in _layer_names(self.config, layer))
         return names
 
+    unread_prefixes = ("mtp.",)  # the MTP module's tensors: not read from the files when the model loads
+
     def multi_token_predictor(self) -> Qwen3NextMTP:
         """The multi-token-prediction module over this model's embedding, head and rotary tables, on its device and
         dtype (weights unset: Qwen3NextMTP.load_weights or dummy_weights)."""
