@@ -102,11 +102,12 @@ def _gates(g_ptr, beta_ptr, g_off, b_off, ok, alog_ptr, dtb_ptr, h, GATING: tl.c
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr, scale, eps,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, o_ptr, state_ptr, slots_ptr, cu_ptr, init_ptr, snap_ptr,
+    scale, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk,
+    stride_ss, stride_sh, stride_sk, stride_snap,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, GATING: tl.constexpr = False,
+    VARLEN: tl.constexpr, HAS_INIT: tl.constexpr, GATING: tl.constexpr = False, SNAPSHOTS: tl.constexpr = False,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -136,6 +137,10 @@ def _recurrent_kernel(
         s = s + kt[:, None] * delta[None, :]
         o = tl.sum(s * qt[:, None], axis=0)
         tl.store(o_ptr + t64 * stride_ot + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        if SNAPSHOTS:  # the state after this token into its snapshot slot (a verify step's rows: spec decoding)
+            target = tl.load(snap_ptr + b * stride_snap + i).to(tl.int64)
+            tl.store(s_ptrs + (target - slot) * stride_ss, s.to(s_ptrs.dtype.element_ty),
+                     mask=tl.where(target >= 0, smask, False))  # fmt: skip
     _store_state(s_ptrs, s, smask)
 
 
@@ -492,33 +497,41 @@ def gated_delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
                             state_pool: torch.Tensor, slots: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
                             has_initial_state: torch.Tensor | None = None,
                             gating: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            snapshot_slots: torch.Tensor | None = None,
                             out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The recurrent gated delta rule, state_pool[slots[b]] updated in place -> o [T, Hv, Dv] in v's dtype.
 
     q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv] (any row strides, unit last stride: views of the conv
     output are fine). Without cu_seqlens row b is sequence b's one new token (decode); with it, each sequence's
-    tokens run one after another and the state after its last is kept (a short prefill; not a speculative verify
-    step, whose rejected tokens would stay in the state). A negative slot is a padding row: its output is
-    left unwritten. has_initial_state [B]: where 0, the sequence starts from a zero state instead of its slot's.
+    tokens run one after another and the state after its last is kept (a short prefill, or a speculative verify step
+    with snapshot_slots [B, W]: the state after token i of sequence b also goes to state_pool[snapshot_slots[b, i]]
+    (negative: nowhere), W >= its tokens; these slots must be none of the batch's own; each token's arithmetic is the
+    one-token step's, so a verify step's outputs are a decode step's). A negative slot is a padding row: its output
+    is left unwritten. has_initial_state [B]: where 0, the sequence starts from a zero state instead of its slot's.
     gating (A_log, dt_bias), each [Hv]: g and beta are then the projection's raw a and b, and the kernel computes
     g = -exp(A_log)·softplus(a + dt_bias) and beta = sigmoid(b) (rounded to b's dtype) as HF's layer does."""
     tokens = q.shape[0] if q.dim() == 3 else 0
     batch = tokens if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, tokens, q.device)
     n_k, d_k, n_v, d_v = _check_heads(q, k, v, g, beta, state_pool, slots, batch)
     _check_batch_flags(has_initial_state, batch, q.device)
+    if snapshot_slots is not None:
+        check(cu_seqlens is not None, "snapshot_slots: a verify step's snapshots need cu_seqlens (tokens a sequence)")
+        check_tensor("snapshot_slots", snapshot_slots, ndim=2, dtypes=_INDEX_DTYPES, device=q.device)
+        check(snapshot_slots.shape[0] == batch, f"snapshot_slots: {snapshot_slots.shape[0]} rows for {batch} sequences")
     a_log, dt_bias = _gating(gating, n_v, g)
     out = _out(out, v)
     if batch == 0:
         return out
     block_v = _block_v(d_v)
+    snaps = snapshot_slots if snapshot_slots is not None else slots.view(-1, 1)
     _recurrent_kernel[(batch, n_v, triton.cdiv(d_v, block_v))](
         q, k, v, g, beta, a_log, dt_bias, out, state_pool, slots, cu_seqlens if cu_seqlens is not None else slots,
-        has_initial_state if has_initial_state is not None else slots, d_k**-0.5, L2_EPS,
+        has_initial_state if has_initial_state is not None else slots, snaps, d_k**-0.5, L2_EPS,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        out.stride(0), out.stride(1), state_pool.stride(0), state_pool.stride(1), state_pool.stride(2), snaps.stride(0),
         GROUP=n_v // n_k, DK=d_k, DV=d_v, BLOCK_K=next_pow2(d_k), BLOCK_V=block_v,
         VARLEN=cu_seqlens is not None, HAS_INIT=has_initial_state is not None, GATING=gating is not None,
-        num_warps=4,
+        SNAPSHOTS=snapshot_slots is not None, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -714,6 +727,15 @@ def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: to
         conv = causal_conv1d_update(x, layer.conv_weight, None, conv_pool, slots)
         q, k, v = layer.split_conv(conv)
         o = gated_delta_rule_decode(q, k, v, a, b, state_pool, slots, gating=gating)
+    elif meta.q_per_seq is not None and meta.state_snapshot_every == 1:  # a verify step: decode's arithmetic per
+        assert meta.seq_lens is not None and meta.state_snapshots is not None  # token, a snapshot after each
+        cu = meta.cu_seqlens_q
+        conv = causal_conv1d_prefill(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=initialized,
+                                     start_pos=meta.seq_lens - (cu[1:] - cu[:-1]), snapshot_slots=meta.state_snapshots,
+                                     snapshot_every=1)  # fmt: skip
+        q, k, v = layer.split_conv(conv)
+        o = gated_delta_rule_decode(q, k, v, a, b, state_pool, slots, cu_seqlens=cu, has_initial_state=initialized,
+                                    gating=gating, snapshot_slots=meta.state_snapshots)  # fmt: skip
     else:
         cu = meta.cu_seqlens_q
         snaps: dict = {}

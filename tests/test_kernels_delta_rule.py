@@ -264,30 +264,41 @@ def test_conv1d_snapshots_match_the_reference() -> None:
 
 
 def test_a_verify_step_snapshots_the_state_after_every_token() -> None:
-    """Speculative decoding's verify step (state_slots.py): 3 sequences x 4 tokens (the newest and 3 drafts) from
-    their live slots (the third from zeros: no tokens before), a snapshot after every token into verify slots; the
-    delta rule and the conv, each against the float64 reference."""
+    """Speculative decoding's verify step (state_slots.py, gated_delta_net): 3 sequences x 4 tokens (the newest and
+    3 drafts) from their live slots through the recurrent kernel, a snapshot after every token into verify slots
+    (one entry -1: not kept); the states and outputs against the float64 reference, and bit for bit the outputs and
+    states of four one-token decode steps (a verify step computes what decoding computes); the conv's snapshots
+    likewise."""
     lens, dim, width = [4, 4, 4], 16, 4
     q, k, v, g, beta = _delta_inputs(lens, 1, 2, 16, 16, torch.float32, seed=11)
     slots = torch.tensor([0, 1, 2], dtype=I32, device=DEV)
-    start = torch.tensor([9, 1, 0], dtype=I32, device=DEV)
     table = torch.arange(3, 15, dtype=I32, device=DEV).view(3, 4)
-    kw = dict(start_pos=start, snapshot_slots=table, snapshot_every=1)
+    table[1, 2] = -1
     pool = _pool(15, 2, 16, 16, seed=12)
-    want_pool = pool.double()
+    want_pool, stepped = pool.double(), pool.clone()
+    kw = dict(start_pos=torch.tensor([9, 1, 0], dtype=I32, device=DEV), snapshot_slots=table, snapshot_every=1)
     want = ref.gated_delta_rule(*f64(q, k, v, g, beta), _cu(lens), want_pool, slots, **kw)
-    out = dr.gated_delta_rule_chunked(q, k, v, g, beta, _cu(lens), pool, slots, max_q_len=4, **kw)
+    out = dr.gated_delta_rule_decode(q, k, v, g, beta, pool, slots, cu_seqlens=_cu(lens), snapshot_slots=table)
     assert_close("verify.o", out, want, torch.float32)
     assert_close("verify.states", pool, want_pool, torch.float32)
+    rows = torch.arange(3, device=DEV) * 4
+    for i in range(4):  # the same tokens as four decode steps
+        one = [t[rows + i] for t in (q, k, v, g, beta)]
+        assert torch.equal(dr.gated_delta_rule_decode(*one, stepped, slots), out[rows + i]), i
+        kept = table[:, i][table[:, i] >= 0].long()
+        assert torch.equal(pool[kept], stepped[slots[table[:, i] >= 0].long()]), i
+    assert torch.equal(pool[:3], stepped[:3])
     gen = torch.Generator().manual_seed(13)
     x = torch.randn(12, dim, generator=gen).to(DEV)
     weight = torch.randn(dim, width, generator=gen).to(DEV)
     conv = torch.randn(15, width - 1, dim, generator=gen).to(DEV)
-    want_conv = conv.double()
+    want_conv, conv_stepped = conv.double(), conv.clone()
     want = ref.causal_conv1d(*f64(x, weight), None, _cu(lens), want_conv, slots, **kw)
     out = dr.causal_conv1d_prefill(x, weight, None, _cu(lens), conv, slots, **kw)
     assert_close("verify.conv", out, want, torch.float32)
     assert torch.equal(conv.double(), want_conv)
+    for i in range(4):
+        assert torch.equal(dr.causal_conv1d_update(x[rows + i], weight, None, conv_stepped, slots), out[rows + i])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

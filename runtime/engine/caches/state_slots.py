@@ -20,10 +20,11 @@ The state after token n is only right if it was built from tokens 0..n-1 of this
   one token prefix, whatever became of its blocks. One is taken per prompt, after its last full block (the longest
   hit an equal prompt, or a later turn that extends it, can have), by the prefill kernels as they pass it
   (`state_snapshots`); least recently used ones are overwritten first;
-- a verify step (speculative decoding: the newest token and K drafts per sequence) runs the chunked kernels from
-  the live slot with a snapshot after every token, into that row's K + 1 verify slots; once the drafts are judged
-  on the device, the snapshot after the last accepted token is copied back into the live slot (`commit`), so no
-  rejected token stays in the state, and the host counts the tokens it holds when it reads the step (`verified`).
+- a verify step (speculative decoding: the newest token and K drafts per sequence) runs the decode kernels token
+  after token from the live slot with a snapshot after every token, into that row's K + 1 verify slots; once the
+  drafts are judged on the device, the snapshot after the last accepted token is copied back into the live slot
+  (`commit`), so no rejected token stays in the state, and the host counts the tokens it holds when it reads the
+  step (`verified`).
 Slots are released when the engine frees a sequence's blocks (finished, aborted, preempted), seen at the next step.
 """
 
@@ -97,8 +98,9 @@ class StateSlots:
         return self._verify[key]
 
     def attach_verify(self, meta: AttentionMetadata, key: tuple[int, int]) -> AttentionMetadata:
-        """meta of a verify step (batch, K) from each row's live slot, with a snapshot after every token (the
-        chunked kernels), none of which stays in the live slot until `commit`."""
+        """meta of a verify step (batch, K) from each row's live slot, with a snapshot after every token
+        (kernels/delta_rule.py gated_delta_net: decode's arithmetic), none of which stays in the live slot until
+        `commit`."""
         live, table = self._verify_inputs(key)
         return replace(meta, state_slots=live, state_initialized=torch.ones_like(live), state_snapshots=table,
                        state_snapshot_every=1)  # fmt: skip
