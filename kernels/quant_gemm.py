@@ -153,10 +153,10 @@ def quant_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None 
 
 
 # Past this many rows (prefill chunks) the weight is dequantized once for the call and multiplied by cuBLAS, as
-# before the GEMM existed: the GEMM widens every weight tile again for each 64-row tile of x, and no GPU timing
-# yet says where it stops paying (verify/lab/kernel_bench/bench_quant_gemm.py measures 9-2048 rows). Decode
-# batches (up to max_num_seqs) stay under it.
-GEMM_MAX_ROWS = 256
+# before the GEMM existed. Measured on an H100 (bench_quant_gemm, Llama-3.1-8B's four projections, FP8 block and
+# channel, INT4 g128; verify/lab/results/h100-2026-12-06-338a41a-quant-gemm.json): the GEMM is faster at every row
+# count measured, 9 to 2048 (1.07-1.33x at 2048, where the gap closes); nothing is measured past 2048.
+GEMM_MAX_ROWS = 2048
 
 
 def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ Each entry point picks its kernel from the rows it is given:
   step;
 - a packed low-bit weight (quant.py): the packed GEMV with the same prologues up to quant_gemv.GEMV_MAX_ROWS rows,
   past them the norm or SwiGLU kernel and the packed GEMM (quant_gemm.py) up to quant_gemm.GEMM_MAX_ROWS (decode
-  batches), and for prefill chunks past that the weight dequantized for the call and cuBLAS;
+  batches, prefill chunks), and past that the weight dequantized for the call and cuBLAS;
 - moe: the norm kernel, the router projection (GEMV at one row), then moe_mxfp4.fused_moe (routing and both
   expert projections, MXFP4 or FP8 dequantized in registers; gpt-oss's clamped SwiGLU with biases, or Qwen3-MoE's
   plain SwiGLU without, compiled as variants of the same kernels).

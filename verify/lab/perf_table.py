@@ -37,7 +37,7 @@ COMMAND = "python -P -m envex.verify.lab.perf_table"
 # <device>-<YYYY-MM-DD>-<commit>-matrix.json; the device slug may hold hyphens (h100-x2), the date anchors it.
 _NAME = re.compile(r"^(?P<device>[A-Za-z0-9][A-Za-z0-9_.-]*?)-(?P<date>\d{4}-\d{2}-\d{2})-(?P<commit>[0-9a-f]{7,40})"
                    r"-matrix\.json$")
-MODE_ORDER = ("default", "no-det", "det", "spec4", "draft", "tp2")
+MODE_ORDER = ("default", "no-det", "det", "spec4", "draft", "mtp", "tp2")
 SPEC_MODES = ("spec4", "draft")
 DASH = "—"
 # The three timed cases, as the matrix names them, and their column headings.
