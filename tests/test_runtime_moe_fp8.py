@@ -200,11 +200,14 @@ def dummy_experts(path: Path) -> MoEWeights:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fp8_release_serves_on_cuda_with_graphs(qwen3_release) -> None:
-    """On the GPU, bf16: the Triton backend (FP8 expert GEMVs at decode, replayed from CUDA graphs; the grouped
-    kernels at prefill) against the torch backend on the same checkpoint: logits within bf16 rounding, greedy tokens
-    equal."""
+    """On the GPU: the Triton backend (FP8 expert GEMVs at decode, replayed from CUDA graphs; the grouped kernels at
+    prefill) against the torch backend on the same checkpoint: logits within 2%, greedy tokens equal. In float32:
+    this test ran in bf16 until 2026-12-06 and failed on an H100 (rel_err 0.196 > 0.02); the CPU shows why, with the
+    same kernels under the interpreter: in bf16 the torch backend itself is 0.20 from HF's float32 logits and the
+    two backends 0.28 apart, two of eleven rows at 0.67-0.70 (a near-tie in the tiny random router rounded the other
+    way: another expert), the rest at 0.02-0.04; in float32 they agree to 6e-7. Not yet rerun on a GPU."""
     path, _ = qwen3_release
-    kw = dict(device="cuda", dtype="bfloat16", max_model_len=64, num_kv_blocks=64)  # a tiny model's pool
+    kw = dict(device="cuda", dtype="float32", max_model_len=64, num_kv_blocks=64)  # a tiny model's pool
     fast = LLMEngine(EngineConfig(model=str(path), backend="triton", **kw))  # type: ignore[arg-type]
     ref = LLMEngine(EngineConfig(model=str(path), backend="torch", **kw))  # type: ignore[arg-type]
     assert fast.runner.decode_graphs is not None and fast.runner.model.layers[0].experts.fp8
