@@ -87,29 +87,38 @@ def assert_transformers_mtp_layer(module: DeepseekMTP, hf_model, block, own: dic
     norm; those tensors from `own`) then hf_model's head, at HF's positions i+1 (ours sit at i: rotary attention sees
     the same offsets); the hidden state it chains on is MtpLayer's output (after shared_head's norm), as
     transformers' MTP generation chains."""
-    config = copy.deepcopy(hf_model.config)
-    config._attn_implementation = "eager"
-    ref = MtpLayer(config, DeepseekV3DecoderLayer, DeepseekV3RMSNorm, index).eval()
-    with torch.no_grad():
-        ref.enorm.weight.copy_(own["enorm.weight"])
-        ref.hnorm.weight.copy_(own["hnorm.weight"])
-        ref.eh_proj.weight.copy_(own["eh_proj.weight"])
-        ref.post_norm.weight.copy_(own["shared_head.norm.weight"])
-        ref.mtp_block.load_state_dict(block.state_dict())  # the MTP layer's block (saved as model.layers.N)
-    gen = torch.Generator().manual_seed(2)
     t = len(PROMPTS[0])
-    tokens, hidden = torch.tensor(PROMPTS[0]), torch.randn(t, H, generator=gen) * 3  # t_{i+1} and h_i, i = 0..t-1
-    with torch.no_grad():
-        pos = torch.arange(1, t + 1)[None]
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        out = ref(hf_model.model.embed_tokens(tokens)[None], hidden[None], hf_model.model.rotary_emb(hidden, pos),
-                  mask, pos, None)  # fmt: skip
-        want = hf_model.lm_head(out)[0]
+    tokens, hidden = torch.tensor(PROMPTS[0]), torch.randn(t, H, generator=torch.Generator().manual_seed(2)) * 3
+    weights = [own[n] for n in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")]
+    out, want = transformers_mtp(hf_model, (DeepseekV3DecoderLayer, DeepseekV3RMSNorm, index), block, *weights,
+                                 tokens, hidden)  # fmt: skip
     meta, cache = _prefill(module.config, t), module.make_kv_cache(_blocks(t), 4, torch.float32, torch.device("cpu"))
     with torch.inference_mode():
         got, chained = module.compute_logits(TorchOps(), *module(TorchOps(), tokens, hidden, cache, meta))
     assert rel_err(got, want) < 1e-5
-    assert rel_err(chained, out[0]) < 1e-5
+    assert rel_err(chained, out) < 1e-5
+
+
+def transformers_mtp(hf_model, layer: tuple, block, enorm: torch.Tensor, hnorm: torch.Tensor, proj: torch.Tensor,
+                     post_norm: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """HF's generic MtpLayer (layer: its decoder-layer class, norm class and layer index in hf_model's config; the
+    decoder layer's weights from `block`) over tokens t_{i+1} [T] and hidden states h_i [T, H] at HF's positions
+    i+1, eager attention -> (its output after post_norm [T, H]: the state MTP generation chains on, hf_model's head
+    on it [T, V])."""
+    config = copy.deepcopy(hf_model.config)
+    config._attn_implementation = "eager"
+    ref = MtpLayer(config, *layer).eval()
+    t = tokens.shape[0]
+    with torch.no_grad():
+        for target, value in ((ref.enorm, enorm), (ref.hnorm, hnorm), (ref.eh_proj, proj), (ref.post_norm, post_norm)):
+            target.weight.copy_(value)
+        ref.mtp_block.load_state_dict(block.state_dict())
+        pos = torch.arange(1, t + 1)[None]
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = ref(hf_model.model.embed_tokens(tokens)[None], hidden[None], hf_model.model.rotary_emb(hidden, pos),
+                  mask, pos, None)[0]  # fmt: skip
+        return out, hf_model.lm_head(out)
 
 
 def test_the_drafter_reads_the_targets_states_after_the_final_norm(random_mtp) -> None:

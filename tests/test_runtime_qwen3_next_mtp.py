@@ -17,7 +17,6 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers.modeling_layers import MtpLayer
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer, Qwen3NextRMSNorm
 
 from envex.kernels.accuracy import rel_err
@@ -28,7 +27,7 @@ from envex.runtime.engine import EngineConfig, LLMEngine
 from envex.runtime.engine.spec import draft_kv_bytes
 from envex.runtime.loader import load_model_info
 from envex.runtime.models.qwen3_next import Qwen3NextForCausalLM, Qwen3NextMTP
-from envex.tests.test_runtime_mtp import _blocks, _prefill
+from envex.tests.test_runtime_mtp import _blocks, _prefill, transformers_mtp
 from envex.tests.test_runtime_qwen3_next import GREEDY, PROMPTS, PUBLISHED, TINY, _hf_greedy, save_tiny_checkpoint
 
 H = TINY["hidden_size"]
@@ -81,25 +80,13 @@ def test_mtp_logits_and_state_equal_transformers_mtp_layer(mtp_checkpoint) -> No
     model, module = _model_and_module(path)
     assert module.embed_tokens_weight.data_ptr() == model.embed_tokens_weight.data_ptr()  # the model's, not copied
     assert module.head_weight.data_ptr() == model.lm_head_weight.data_ptr()
-    config = hf_model.config
-    config._attn_implementation = "eager"
-    ref = MtpLayer(config, Qwen3NextDecoderLayer, Qwen3NextRMSNorm, FULL).eval()
-    with torch.no_grad():
-        ref.enorm.weight.copy_(mtp["mtp.pre_fc_norm_embedding.weight"])
-        ref.hnorm.weight.copy_(mtp["mtp.pre_fc_norm_hidden.weight"])
-        ref.eh_proj.weight.copy_(mtp["mtp.fc.weight"])
-        ref.post_norm.weight.copy_(mtp["mtp.norm.weight"])
-        ref.mtp_block.load_state_dict(hf_block.state_dict())
     prompt = PROMPTS[2]
     t = len(prompt)
     tokens = torch.tensor(prompt)  # t_{i+1}, i = 0..t-1
     hidden = torch.randn(t, H, generator=torch.Generator().manual_seed(2)) * 3  # h_i
-    with torch.no_grad():
-        pos = torch.arange(1, t + 1)[None]
-        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        out = ref(hf_model.model.embed_tokens(tokens)[None], hidden[None], hf_model.model.rotary_emb(hidden, pos),
-                  mask, pos, None)[0]  # fmt: skip
-        want = hf_model.lm_head(out)
+    weights = [mtp[f"mtp.{n}.weight"] for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc", "norm")]
+    out, want = transformers_mtp(hf_model, (Qwen3NextDecoderLayer, Qwen3NextRMSNorm, FULL), hf_block, *weights,
+                                 tokens, hidden)  # fmt: skip
     ops = TorchOps()
     cache, fresh = (module.make_kv_cache(_blocks(t), 4, torch.float32, CPU) for _ in range(2))
     meta = _prefill(module.config, t)
