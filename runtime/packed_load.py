@@ -17,7 +17,7 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
   its other quantized projections (attention, dense MLPs, shared ones) are dequantized here to the model's dtype
   as they stream in (`load_dequantized`): the packed projections above are the Llama family's. DeepSeek's
   multi-token-prediction layer goes through the same stream when it drafts (`load_mtp_weights`); the model's own
-  load drops its quantized tensors as they come, never gathered or dequantized.
+  load does not read its tensors (`unread`).
 - A GGUF file whose linear projections are Q4_0 (runtime/gguf_loader.py PACKED_TYPES): the same path as a
   quantization_config, with gguf_loader handing each Q4_0 matrix over repacked, exactly, as compressed-tensors'
   symmetric pack-quantized tensors in groups of 32 (Q4_0_SCHEME). A fused matrix with a part of another type is

@@ -95,6 +95,14 @@ def mtp_input(ops: Ops, embeds: torch.Tensor, hidden: torch.Tensor, embed_norm: 
     return ops.materialize(emb, hidden.dtype) + ops.materialize(prev, hidden.dtype)
 
 
+def mtp_logits(ops: Ops, hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, head: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A multi-token-prediction module's output rows -> (logits [N, V] through its norm and head, its own state
+    after that norm [N, H]: what the next draft step chains on, as transformers' MtpLayer returns it)."""
+    logits, summed = ops.norm_linear(hidden, residual, norm_weight, eps, head)
+    return logits, reference.rms_norm(summed, norm_weight, eps)
+
+
 class DecoderStack:
     embed_tokens_weight: torch.Tensor
     norm_weight: torch.Tensor

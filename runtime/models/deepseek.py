@@ -28,7 +28,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from envex.kernels import reference
 from envex.kernels.ops import MLA, MOE, AttentionMetadata, MLALayer, MoEWeights, Ops
 from envex.runtime.config import DEEPSEEK_V3, ModelConfig
 from envex.runtime.models.decoder import (
@@ -37,6 +36,7 @@ from envex.runtime.models.decoder import (
     expert_tensor,
     int4_expert_names,
     mtp_input,
+    mtp_logits,
     param,
 )
 
@@ -329,8 +329,7 @@ class DeepseekMTP(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """forward's (hidden, residual) rows -> (logits [N, V] for the token after their input_ids, the module's
         hidden states after shared_head's norm [N, H]: the next draft step's input)."""
-        logits, summed = ops.norm_linear(hidden, residual, self.head_norm_weight, self.eps, self.head_weight)
-        return logits, reference.rms_norm(summed, self.head_norm_weight, self.eps)
+        return mtp_logits(ops, hidden, residual, self.head_norm_weight, self.head_weight, self.eps)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """One latent row a token, as each layer of the model (DeepseekV3ForCausalLM.make_kv_caches)."""

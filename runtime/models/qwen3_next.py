@@ -31,7 +31,6 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from envex.kernels import reference
 from envex.kernels.ops import (
     LINEAR_ATTENTION,
     MOE,
@@ -42,10 +41,11 @@ from envex.kernels.ops import (
     Ops,
 )
 from envex.runtime.config import ModelConfig
-from envex.runtime.models.decoder import DecoderStack, mtp_input, param
+from envex.runtime.models.decoder import DecoderStack, mtp_input, mtp_logits, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+MTP_PREFIX = "mtp."  # the published checkpoints' names of the MTP module's tensors
 _ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight")  # Qwen3NextRMSNorm: x·(1 + w)
 
 
@@ -377,7 +377,7 @@ class Qwen3NextForCausalLM(DecoderStack, nn.Module):
             names.update(f"model.layers.{i}.{p}" for p in _layer_names(self.config, layer))
         return names
 
-    unread_prefixes = ("mtp.",)  # the MTP module's tensors: not read from the files when the model loads
+    unread_prefixes = (MTP_PREFIX,)  # the MTP module's tensors: not read from the files when the model loads
 
     def multi_token_predictor(self) -> Qwen3NextMTP:
         """The multi-token-prediction module over this model's embedding, head and rotary tables, on its device and
@@ -400,7 +400,7 @@ class Qwen3NextMTP(nn.Module):
     MtpDrafter). Its three norms are Qwen3NextRMSNorm's x·(1 + w): loaded as 1 + w. Embedding and head are the
     model's (the checkpoint stores no copies)."""
 
-    weight_prefix = "mtp."  # the checkpoint's names of its tensors (MtpDrafter reads only those)
+    weight_prefix = MTP_PREFIX  # the checkpoint's names of its tensors (MtpDrafter reads only those)
 
     def __init__(self, main: Qwen3NextForCausalLM) -> None:
         super().__init__()
@@ -435,8 +435,7 @@ class Qwen3NextMTP(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """forward's (hidden, residual) rows -> (logits [N, V] for the token after their input_ids, the module's
         hidden states after mtp.norm [N, H]: the next draft step's input)."""
-        logits, summed = ops.norm_linear(hidden, residual, self.norm_weight, self.eps, self.head_weight)
-        return logits, reference.rms_norm(summed, self.norm_weight, self.eps)
+        return mtp_logits(ops, hidden, residual, self.norm_weight, self.head_weight, self.eps)
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """One full-attention layer's K and V, never packed."""
