@@ -715,7 +715,8 @@ def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: to
     A step whose every sequence brings one token to a state it already has runs the decode kernels (state in
     place, nothing allocated: what a CUDA graph can hold); any other step the varlen conv and the chunked delta
     rule, each sequence from its slot or from zeros (meta.state_initialized), with the step's snapshots
-    (meta.state_snapshots) where it asks for them."""
+    (meta.state_snapshots) where it asks for them; a verify step (q_per_seq, a snapshot after every token) the
+    recurrent kernel over its tokens instead, with the decode step's arithmetic per token."""
     assert meta.state_slots is not None, "a model with linear-attention layers gets state slots (state_slots.py)"
     slots, initialized = meta.state_slots, meta.state_initialized
     x, z, b, a = layer.split(mixed)
@@ -727,15 +728,6 @@ def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: to
         conv = causal_conv1d_update(x, layer.conv_weight, None, conv_pool, slots)
         q, k, v = layer.split_conv(conv)
         o = gated_delta_rule_decode(q, k, v, a, b, state_pool, slots, gating=gating)
-    elif meta.q_per_seq is not None and meta.state_snapshot_every == 1:  # a verify step: decode's arithmetic per
-        assert meta.seq_lens is not None and meta.state_snapshots is not None  # token, a snapshot after each
-        cu = meta.cu_seqlens_q
-        conv = causal_conv1d_prefill(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=initialized,
-                                     start_pos=meta.seq_lens - (cu[1:] - cu[:-1]), snapshot_slots=meta.state_snapshots,
-                                     snapshot_every=1)  # fmt: skip
-        q, k, v = layer.split_conv(conv)
-        o = gated_delta_rule_decode(q, k, v, a, b, state_pool, slots, cu_seqlens=cu, has_initial_state=initialized,
-                                    gating=gating, snapshot_slots=meta.state_snapshots)  # fmt: skip
     else:
         cu = meta.cu_seqlens_q
         snaps: dict = {}
@@ -746,6 +738,10 @@ def gated_delta_net(mixed: torch.Tensor, state_pool: torch.Tensor, conv_pool: to
         conv = causal_conv1d_prefill(x, layer.conv_weight, None, cu, conv_pool, slots, has_initial_state=initialized,
                                      **snaps)  # fmt: skip
         q, k, v = layer.split_conv(conv)
-        o = gated_delta_rule_chunked(q, k, v, a, b, cu, state_pool, slots, max_q_len=meta.max_q_len,
-                                     has_initial_state=initialized, gating=gating, **snaps)  # fmt: skip
+        if meta.q_per_seq is not None and meta.state_snapshot_every == 1:  # a verify step: decode's arithmetic
+            o = gated_delta_rule_decode(q, k, v, a, b, state_pool, slots, cu_seqlens=cu, has_initial_state=initialized,
+                                        gating=gating, snapshot_slots=meta.state_snapshots)  # fmt: skip
+        else:
+            o = gated_delta_rule_chunked(q, k, v, a, b, cu, state_pool, slots, max_q_len=meta.max_q_len,
+                                         has_initial_state=initialized, gating=gating, **snaps)  # fmt: skip
     return gated_rms_norm(o, z, layer.norm_weight, layer.norm_eps).flatten(1)
