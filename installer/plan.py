@@ -542,7 +542,7 @@ def state_slots(engine: dict[str, Any]) -> int:
     prefix_cache = engine.get("enable_prefix_caching", default)
     seqs = int(engine["max_num_seqs"])
     verify = verify_slots(int(engine.get("num_speculative_tokens") or 0),
-                          min(int(engine.get("speculative_max_batch") or seqs), seqs))  # fmt: skip
+                          int(engine.get("speculative_max_batch") or 0) or None, seqs)  # fmt: skip
     return seqs * (2 if prefix_cache else 1) + 1 + verify
 
 

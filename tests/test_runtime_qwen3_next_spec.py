@@ -158,7 +158,7 @@ def test_verify_slots_are_sized_from_the_speculation_settings(tiny) -> None:
     assert plain is not None and next(iter(plain.pools.values()))[0].shape[0] == plain.verify_base
     assert state_slots({"max_num_seqs": 6, "num_speculative_tokens": 3, "speculative_max_batch": 4}) == 13 + 16
     assert state_slots({"max_num_seqs": 6, "num_speculative_tokens": 3}) == 13 + 6 * 4  # at most every sequence
-    assert verify_slots(0, 4) == 0
+    assert verify_slots(0, 4, 6) == 0 and verify_slots(3, None, 6) == verify_slots(3, 8, 6) == 6 * 4
 
 
 @pytest.mark.gpu

@@ -42,10 +42,11 @@ from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.sequence import Sequence, Status
 
 
-def verify_slots(num_speculative_tokens: int, max_batch: int) -> int:
+def verify_slots(num_speculative_tokens: int, speculative_max_batch: int | None, max_num_seqs: int) -> int:
     """The state slots verify steps write their per-token snapshots into: K + 1 for each row of the largest verify
-    batch (EngineConfig.speculative_max_batch, at most max_num_seqs), none without speculative decoding."""
-    return max_batch * (num_speculative_tokens + 1) if num_speculative_tokens else 0
+    batch (speculative_max_batch, at most max_num_seqs; unset: max_num_seqs), none without speculative decoding."""
+    batch = min(speculative_max_batch or max_num_seqs, max_num_seqs)
+    return batch * (num_speculative_tokens + 1) if num_speculative_tokens else 0
 
 
 def has_state(model: torch.nn.Module) -> bool:
@@ -65,8 +66,8 @@ class StateSlots:
         self.scratch_slot = self.num_slots + self.num_snapshots  # padding rows of a decode graph: held by no sequence
         self.verify_base = self.scratch_slot + 1  # row b of a verify batch: slots verify_base + b (K + 1) + j
         self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(
-            self.verify_base + verify_slots(config.num_speculative_tokens, min(
-                config.speculative_max_batch or config.max_num_seqs, config.max_num_seqs)), dtype, device)
+            self.verify_base + verify_slots(config.num_speculative_tokens, config.speculative_max_batch,
+                                            config.max_num_seqs), dtype, device)  # fmt: skip
         self._free = list(range(self.num_slots - 1, -1, -1))  # a stack: the lowest ids are reused first
         self._slot: dict[Sequence, int] = {}
         self._covered: dict[Sequence, int] = {}  # tokens the slot's state holds, once this step's chunks are done
