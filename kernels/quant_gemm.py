@@ -19,10 +19,13 @@ Operand order ("swap AB"): the program computes the [BLOCK_N, BLOCK_M] tile W_ti
 rows are the MMA's M side (Hopper's wgmma needs 64 there, and takes that operand from registers, where the
 dequantized tile already is) and the 9-64 activation rows its N side (8 to 256), and stores it transposed.
 
-Tiles: `gemm_config`, a small table chosen before any GPU timing (the reasons beside it); untuned.
+Tiles: `gemm_config`, a small table chosen before any GPU timing (the reasons beside it), and split-K: a long
+row of inputs is shared by several programs, whose float32 partial sums are added after.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,7 +33,7 @@ import triton.language as tl
 
 from envex.kernels import quant_gemv
 from envex.kernels._common import INTERPRETING, check
-from envex.kernels.gemv import PROLOGUE_NONE
+from envex.kernels.gemv import PROLOGUE_NONE, _sm_count
 from envex.kernels.quant import FP8_BLOCK, INT4_GROUP, PACK, PackedWeight, dequantize
 from envex.kernels.quant_gemv import (
     _SCALE_MODE,
@@ -44,37 +47,68 @@ from envex.kernels.quant_gemv import (
 _INT4_MODE = 3  # SCHEME beside quant_gemv's _SCALE_MODE (0 tensor, 1 channel, 2 block)
 
 
-def gemm_config(m: int, n: int, scheme: str) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for m activation rows, n outputs and a weight scheme; chosen before
-    any GPU timing (untuned), from what fits and from the sm_90 build's registers (ptxas through Triton 3.9, no
-    spills at any of these; tests/test_kernels_quant_gemm.py checks the Llama-3.1-8B down projection).
+class GemmTiles(NamedTuple):
+    """One launch's tiles: BLOCK_M activation rows, BLOCK_N outputs, BLOCK_K inputs a step (powers of two >= 16),
+    num_warps, and split: the programs sharing one output tile's inputs (split-K; 1 writes y directly)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    split: int = 1
+
+
+# Programs a launch aims for, per SM, before it splits the inputs; and the fewest BLOCK_K steps a split keeps.
+_PROGRAMS_PER_SM = 4
+_MIN_SPLIT_STEPS = 8
+
+
+def gemm_config(m: int, n: int, k: int, scheme: str, sms: int) -> GemmTiles:
+    """The tiles for m activation rows, n outputs, k inputs and a weight scheme on a device of `sms` SMs; chosen
+    before any GPU timing of them (untuned), from what fits and from the sm_90 build's registers (ptxas through
+    Triton 3.9, no spills at any of these; tests/test_kernels_quant_gemm.py checks the Llama-3.1-8B down projection).
     BLOCK_M: the rows rounded up to a power of two in 16..64 (wgmma's N side: 9-64 rows pay for at most twice
     their count; more rows take several 64-row tiles, which re-read each weight tile from L2, not HBM, as the row
     tiles of one weight tile are adjacent program ids). BLOCK_N 128 (two 64-row wgmma halves over 4 warps).
     FP8: BLOCK_K 64 (112-176 registers; it divides the 128-column block: one scale a row and tile); 64 outputs a
-    tile where 128 leaves fewer than 64 programs (a 4096-output projection at <= 64 rows: 32 of 132 SMs would
-    not saturate HBM; 64-96 registers). INT4: BLOCK_K 32 (127-167 registers; at 64 the unpacked words took all
-    255, and 64-output tiles took more, not fewer), the usual groups (32, 64, 128) whole multiples of it."""
+    tile where 128 leaves fewer than 64 programs (64-96 registers). INT4: BLOCK_K 32 (127-167 registers; at 64 the
+    unpacked words took all 255, and 64-output tiles took more, not fewer), the usual groups (32, 64, 128) whole
+    multiples of it.
+    Split: the first H100 timings (verify/lab/journal-kernels.md, 2026-12-06) had one program stream a whole row of
+    K with 32-64 programs on 132 SMs (the down projection: 224-448 steps a program, 2.2-6x bf16's time), latency,
+    not bytes. So the inputs are split until the launch has _PROGRAMS_PER_SM programs an SM, keeping at least
+    _MIN_SPLIT_STEPS steps a split; the float32 partial sums are added once after (deterministic order)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
     if scheme == INT4_GROUP:
-        return block_m, 128, 32, 4
-    block_n = 128 if triton.cdiv(n, 128) * triton.cdiv(m, block_m) >= 64 else 64
-    return block_m, block_n, 64, 4
+        block_n, block_k = 128, 32
+    else:
+        block_n = 128 if triton.cdiv(n, 128) * triton.cdiv(m, block_m) >= 64 else 64
+        block_k = 64
+    tiles, steps = triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+    split = 1
+    while tiles * split < _PROGRAMS_PER_SM * sms and steps // (2 * split) >= _MIN_SPLIT_STEPS:
+        split *= 2
+    return GemmTiles(block_m, block_n, block_k, 4, split)
 
 
 @triton.jit
 def _quant_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
-    M, N, stride_xm, stride_wn, stride_sn, stride_zn, stride_om,
+    M, N, stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os, split_len,
     K: tl.constexpr, SCHEME: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_M rows, BLOCK_N outputs] tile of y = x @ W^T (+ bias). SCHEME: 0 fp8 one scale, 1 fp8 a scale
-    per row, 2 fp8 a scale per SCALE_ROWS x SCALE_COLS block (BLOCK_K | SCALE_COLS), 3 int4 in groups of GROUP
-    inputs. UPCAST_DOT: float32 operands (the interpreter, whose bf16 dot multiplies raw bits; _common)."""
+    """One [BLOCK_M rows, BLOCK_N outputs] tile of y = x @ W^T (+ bias) over the inputs of split pid_k
+    ([pid_k · split_len, + split_len), split_len a multiple of BLOCK_K), stored at out_ptr + pid_k · stride_os
+    (one split: y itself; several: float32 partial sums, the bias in split 0's). SCHEME: 0 fp8 one scale, 1 fp8 a
+    scale per row, 2 fp8 a scale per SCALE_ROWS x SCALE_COLS block (BLOCK_K | SCALE_COLS), 3 int4 in groups of
+    GROUP inputs. UPCAST_DOT: float32 operands (the interpreter, whose bf16 dot multiplies raw bits; _common)."""
     pid_m = tl.program_id(0)  # fastest: the row tiles of one weight tile run side by side and share it in L2
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_begin = pid_k * split_len
+    k_end = tl.minimum(k_begin + split_len, K)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # weight rows = outputs
     row_ok = rows < N
     rows64 = rows.to(tl.int64)[:, None]
@@ -87,7 +121,7 @@ def _quant_gemm_kernel(
     KW: tl.constexpr = (K + 7) // 8  # INT4 words a row
     dt = tl.float32 if UPCAST_DOT else x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_begin, k_end, BLOCK_K):
         cols = k0 + kk
         x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         if SCHEME == 3:
@@ -113,16 +147,17 @@ def _quant_gemm_kernel(
     if SCHEME == 0:
         acc = acc * tl.load(s_ptr)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out = out_ptr + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
+        if pid_k == 0:
+            acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + ms.to(tl.int64)[None, :] * stride_om + rows[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & m_ok[None, :])
 
 
 def quant_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, *,
-               config: tuple[int, int, int, int] | None = None) -> torch.Tensor:  # fmt: skip
+               config: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
     """y [M, N] = x [M, K] @ dequantize(weight)^T (+ bias [N]) in x's dtype (bf16, fp16 or float32), for any M
-    (meant for M > GEMV_MAX_ROWS). config: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), powers of two >= 16
-    (default gemm_config); BLOCK_K is capped at an fp8_block weight's block columns."""
+    (meant for M > GEMV_MAX_ROWS). config: GemmTiles or its first four fields (default gemm_config); BLOCK_K is
+    capped at an fp8_block weight's block columns, and a split's inputs are whole BLOCK_K steps."""
     n, k = weight.shape
     device = weight.data.device
     _check_inputs(x, n, k, PROLOGUE_NONE, None, None, bias, device)
@@ -130,26 +165,32 @@ def quant_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None 
     out = torch.empty((m, n), dtype=x.dtype, device=device)
     if m == 0:
         return out
-    block_m, block_n, block_k, num_warps = config or gemm_config(m, n, weight.scheme)
-    check(all(b >= 16 and b & (b - 1) == 0 for b in (block_m, block_n, block_k)),
-          f"config: {config} must be powers of two >= 16 (BLOCK_M, BLOCK_N, BLOCK_K, num_warps)")  # fmt: skip
+    tiles = GemmTiles(*config) if config is not None else gemm_config(m, n, k, weight.scheme, _sm_count(device))
+    check(all(b >= 16 and b & (b - 1) == 0 for b in tiles[:3]) and tiles.split >= 1,
+          f"config: {tuple(config or ())} must be BLOCK_M, BLOCK_N, BLOCK_K (powers of two >= 16), num_warps and "
+          "a split >= 1")  # fmt: skip
+    block_k = tiles.block_k
     scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
     if weight.scheme == FP8_BLOCK:
         check(scale_cols >= 16 and scale_cols & (scale_cols - 1) == 0,
               f"weight: fp8_block columns {scale_cols} must be a power of two >= 16 for the GEMM")  # fmt: skip
         block_k = min(block_k, scale_cols)  # one block scale a row of a tile
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    split_len = triton.cdiv(triton.cdiv(k, block_k), tiles.split) * block_k
+    split = triton.cdiv(k, split_len)
+    target = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=device)
     is_int4 = weight.scheme == INT4_GROUP
     z = weight.zero if weight.zero is not None else weight.scale  # never read without HAS_ZERO
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), split)
     _quant_gemm_kernel[grid](
-        x, weight.data, weight.scale, z, bias if bias is not None else x, out, m, n, x.stride(0),
-        weight.data.stride(0), weight.scale.stride(0), z.stride(0), out.stride(0), K=k,
+        x, weight.data, weight.scale, z, bias if bias is not None else x, target, m, n, x.stride(0),
+        weight.data.stride(0), weight.scale.stride(0), z.stride(0), n, m * n, split_len, K=k,
         SCHEME=_INT4_MODE if is_int4 else _SCALE_MODE[weight.scheme], SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
         GROUP=weight.group if is_int4 else PACK, HAS_ZERO=weight.zero is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST_DOT=INTERPRETING, num_warps=num_warps,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k, UPCAST_DOT=INTERPRETING,
+        num_warps=tiles.num_warps,
     )  # fmt: skip
-    return out
+    return out if split == 1 else target.sum(dim=0).to(x.dtype)
 
 
 # Past this many rows (prefill chunks) the weight is dequantized once for the call and multiplied by cuBLAS, as

@@ -11,7 +11,7 @@ import torch
 
 from envex.kernels import quant as q
 from envex.kernels import reference as ref
-from envex.kernels.quant_gemm import gemm_config, quant_gemm
+from envex.kernels.quant_gemm import GemmTiles, gemm_config, quant_gemm
 from envex.kernels.quant_gemv import GEMV_MAX_ROWS
 from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
@@ -39,11 +39,13 @@ def _reference(x: torch.Tensor, w: q.PackedWeight, bias: torch.Tensor | None) ->
 @pytest.mark.parametrize("name", list(WEIGHTS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quant_gemm_against_float64(name: str, dtype: torch.dtype) -> None:
-    """M = 9, 17, 64 with the default tiles (one masked tile each way), and M = 17 with 16-wide tiles (several
-    row, output and K tiles, each with a ragged edge); with and without a bias."""
+    """M = 9, 17, 64 with the default tiles (one masked tile each way), M = 17 with 16-wide tiles (several row,
+    output and K tiles, each with a ragged edge), and split-K: 3 splits of 128, 128 and 44 inputs (the bias added
+    once), 16 asked for (only 10 steps of 32: 10 splits, one step each); with and without a bias."""
     w = WEIGHTS[name].to(DEV)
     gen = torch.Generator().manual_seed(3)
-    for m, cfg in ((9, None), (17, None), (64, None), (17, (16, 16, 32, 4))):
+    split3, split16 = GemmTiles(16, 16, 32, 4, split=3), GemmTiles(16, 16, 32, 4, split=16)
+    for m, cfg in ((9, None), (17, None), (64, None), (17, (16, 16, 32, 4)), (17, split3), (9, split3), (33, split16)):
         x = torch.randn(m, 300, generator=gen).to(DEV, dtype)
         bias = None if m == 9 else torch.randn(37, generator=gen).to(DEV, dtype)
         y = quant_gemm(x, w, bias, config=cfg)
@@ -70,10 +72,15 @@ def test_quant_linear_picks_gemv_then_gemm_then_a_dequantized_weight(monkeypatch
 
 
 def test_gemm_config_table() -> None:
-    assert gemm_config(9, 4096, q.FP8_BLOCK) == (16, 64, 64, 4)  # 32 output tiles of 128 would leave SMs idle
-    assert gemm_config(64, 28672, q.FP8_CHANNEL) == (64, 128, 64, 4)
-    assert gemm_config(64, 4096, q.INT4_GROUP) == (64, 128, 32, 4)
-    assert gemm_config(200, 4096, q.FP8_TENSOR)[0] == 64
+    """Tiles and splits at Llama-3.1-8B's projections on an H100's 132 SMs: the inputs are split until there are
+    4 programs an SM or a split would fall under 8 steps."""
+    h100 = 132
+    assert gemm_config(9, 4096, 14336, q.FP8_BLOCK, h100) == (16, 64, 64, 4, 16)  # down: 64 tiles x 16 = 1,024
+    assert gemm_config(9, 4096, 4096, q.FP8_BLOCK, h100) == (16, 64, 64, 4, 8)  # O: 64 steps, 8 a split
+    assert gemm_config(64, 28672, 4096, q.FP8_CHANNEL, h100) == (64, 128, 64, 4, 4)  # 224 tiles x 4 >= 528
+    assert gemm_config(64, 4096, 14336, q.INT4_GROUP, h100) == (64, 128, 32, 4, 32)  # 32 tiles, 448 steps
+    assert gemm_config(2048, 28672, 4096, q.FP8_TENSOR, h100) == (64, 128, 64, 4, 1)  # 7,168 tiles: no split
+    assert gemm_config(200, 4096, 4096, q.FP8_TENSOR, h100)[0] == 64
 
 
 @pytest.mark.parametrize("name", ["fp8_block_128", "fp8_channel", "int4_g32_zero"])
@@ -109,7 +116,8 @@ def test_quant_gemm_rejects_bad_inputs() -> None:
         (lambda: quant_gemm(x.double(), w), "a: dtype torch.float64 not supported"),
         (lambda: quant_gemm(x.to(torch.int32), w), "a: dtype torch.int32 not supported"),
         (lambda: quant_gemm(x, w, torch.randn(36, device=DEV)), r"bias: shape \(36,\) != \(37,\)"),
-        (lambda: quant_gemm(x, w, config=(16, 16, 8, 4)), "must be powers of two >= 16"),
+        (lambda: quant_gemm(x, w, config=(16, 16, 8, 4)), "must be BLOCK_M, BLOCK_N, BLOCK_K"),
+        (lambda: quant_gemm(x, w, config=(16, 16, 16, 4, 0)), r"and a split >= 1"),
         (lambda: quant_gemm(x, fp8_8x8), "fp8_block columns 8 must be a power of two >= 16"),
     ]
     for call, message in cases:
@@ -150,7 +158,7 @@ int4 = (dict(act, w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8"),
 out = {}
 for scheme, (ptrs, consts) in (("fp8_block", fp8), ("int4_group", int4)):
     for m in (16, 64):  # Llama-3.1-8B's down projection, N 4096, K 14336
-        block_m, block_n, block_k, _ = qg.gemm_config(m, 4096, scheme)
+        block_m, block_n, block_k, _, _ = qg.gemm_config(m, 4096, 14336, scheme, 132)
         out[f"{scheme} M{m}"] = compiled(ptrs, dict(consts, K=14336, HAS_BIAS=False, BLOCK_M=block_m,
                                                     BLOCK_N=block_n, BLOCK_K=block_k, UPCAST_DOT=False))
 print(json.dumps(out))

@@ -9,6 +9,7 @@ import json
 import socket
 
 import pytest
+import torch
 
 from envex.verify.lab import gpu_matrix as M
 
@@ -95,6 +96,35 @@ def test_flags_are_what_a_user_types(tmp_path) -> None:
                                                                       M.EMBEDDED]  # fmt: skip
     assert M.model_flags(M.MODELS["gpt-oss-120b"], "det", tmp_path)[-3:] == ["--max-model-len", "131072",
                                                                              "--deterministic"]  # fmt: skip
+
+
+def test_weights_modes_quantize_at_load_and_their_roofline_counts_packed_bytes(tmp_path) -> None:
+    """fp8 / fp8-channel / int4 are `--weights <scheme>` as a user types it; a step's bytes count the projections
+    at the scheme's bytes a weight (codes and scales, as kernels/quant.py stores them) and the rest in bf16."""
+    from envex.kernels import quant
+    from envex.verify.lab.kernel_bench.bench_server import projection_bytes, step_bytes
+
+    for mode, scheme in (("fp8", "fp8_block"), ("fp8-channel", "fp8_channel"), ("int4", "int4_g128_asym")):
+        assert M.model_flags(M.MODELS["llama8b"], mode, tmp_path)[-2:] == ["--weights", scheme]
+    w = torch.randn(4096, 14336)  # Llama-3.1-8B's down projection
+    for scheme, packed in (("fp8_block", quant.quantize_fp8(w, quant.FP8_BLOCK)),
+                           ("fp8_channel", quant.quantize_fp8(w, quant.FP8_CHANNEL)),
+                           ("int4_g128_asym", quant.quantize_int4(w, 128, symmetric=False))):  # fmt: skip
+        assert packed.nbytes == projection_bytes(4096, 14336, scheme), scheme
+    shape = M.MODELS["llama8b"].shape
+    bf16, int4 = step_bytes(shape, 1024), step_bytes(shape, 1024, "int4_g128_asym")
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # Llama-3.1-8B's qkv, o, gate_up, down
+    assert bf16 - int4 == 32 * sum(projection_bytes(n, k) - projection_bytes(n, k, "int4_g128_asym") for n, k in shapes)
+
+
+@pytest.mark.slow
+def test_a_weights_cell_serves_packed_at_batch_1_and_64(tmp_path, cases, monkeypatch) -> None:
+    monkeypatch.setitem(M.CASES, "c64_1k", (4, 64, 8, 1))
+    int4 = cell(tmp_path, "int4")
+    assert int4["status"] == "ok", int4
+    assert int4["resolved"]["weights"] == "int4_g128_asym"
+    assert list(int4["cases"]) == ["b1_1k", "c64_1k"]
+    assert int4["cases"]["c64_1k"]["metric"] == "output_tok_s" and int4["cases"]["c64_1k"]["median"] > 0
 
 
 def test_the_qwen3_next_cell_is_a_hybrid_model_the_runtime_reads_and_its_roofline_counts_its_bytes(tmp_path) -> None:

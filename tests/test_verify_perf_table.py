@@ -123,6 +123,28 @@ def test_speculation_against_the_default_and_api_checks(results: Path) -> None:
     assert "| **failed**: demo: port 8000 is in use; stop what serves there or pass --port | 12.5 | — | held |" in demo
 
 
+def test_low_bit_weights_against_bf16(results: Path) -> None:
+    """A weights cell is set beside the same run's bf16 default, at batch 1 and 64 concurrent, with its share of
+    the roofline of its packed bytes and its resolved policy; MTP drafting is named as such."""
+    data = json.loads(FIXTURE.read_text())
+    draft = next(c for c in data["cells"] if c["mode"] == "draft")
+    int4 = json.loads(json.dumps(draft))
+    int4.update(mode="int4", resolved={"deterministic": False, "weights": "int4_g128_asym"})
+    int4["cases"] = {"b1_1k": {**draft["cases"]["b1_1k"], "median": 490.6, "share_of_roofline": 0.512},
+                     "c64_1k": {**draft["cases"]["b1_1k"], "metric": "output_tok_s", "median": 4418.0}}  # fmt: skip
+    mtp = json.loads(json.dumps(draft))
+    mtp.update(mode="mtp", resolved={"deterministic": False, "drafter": "mtp", "num_speculative_tokens": 1})
+    data["cells"] += [int4, mtp]
+    (results / FIXTURE.name).write_text(json.dumps(data))
+    page = _page(results)
+    row = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`int4`", "det off, weights int4_g128_asym",
+               section="Low-bit")  # fmt: skip
+    assert "| 490.6 (2.00× of 245.3) | — | 4,418 (1.00× of 4,418) | 51.2% |" in row
+    assert "No run has recorded a low-bit weights cell yet." not in page
+    assert "| det off, 1 drafts, MTP |" in _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`mtp`",
+                                                 section="Speculative")  # fmt: skip
+
+
 def test_the_newest_file_of_each_device_is_read(results: Path) -> None:
     data = json.loads(FIXTURE.read_text())
 

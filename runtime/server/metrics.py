@@ -116,7 +116,8 @@ class Metrics:
                             for key, value in (("backend", config.backend), ("dtype", config.dtype),
                                                ("deterministic", config.deterministic),
                                                ("max_model_len", config.max_model_len),
-                                               ("tensor_parallel", config.tensor_parallel)))  # fmt: skip
+                                               ("tensor_parallel", config.tensor_parallel),
+                                               ("weights", config.weights or "as stored")))  # fmt: skip
         metric("envex_engine_info", "gauge", "The engine's resolved settings.", [f"envex_engine_info{{{settings}}} 1"])
         metric("envex_time_to_first_token_seconds", "histogram",
                "Time from request arrival to each choice's first token.", self.ttft.lines(

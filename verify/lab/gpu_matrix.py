@@ -2,7 +2,8 @@
 `envex-install`), cell by cell, on the device.
 
     python3 -P -m envex.verify.lab.gpu_matrix --out DIR [--models llama8b,qwen3-8b,mistral7b,gpt-oss-120b,qwen3-next,
-        embedded] [--modes default,no-det,det,spec4,draft,mtp] [--demo] [--deadline S] [--merge EARLIER.json ...]
+        embedded] [--modes default,no-det,det,spec4,draft,mtp,fp8,int4] [--demo] [--deadline S]
+        [--merge EARLIER.json ...]
 
 A cell is one model in one mode. It starts `envex serve` as a child process (`python -P -m envex.installer.commands
 serve`, 127.0.0.1; the big shapes with `--load-format dummy`, the embedded model with its real weights) and waits
@@ -16,8 +17,10 @@ where the mode promises it (deterministic), and must exit 0 on SIGTERM (`shutdow
 Modes: default (no flag), no-det (--no-deterministic), det (--deterministic), spec4 (--speculative-tokens 4), draft
 (--draft-model: a smaller dummy of the same family and tokenizer; the embedded model drafts for itself), mtp
 (--draft-model mtp: the model's own multi-token-prediction module, DeepSeek's and Qwen3-Next's), tp2
-(--tensor-parallel 2, only where two GPUs are visible). default and det run every case of the model; the other
-modes run batch 1 at 1K, beside the default of the same run.
+(--tensor-parallel 2, only where two GPUs are visible), fp8 / fp8-channel / int4 (--weights fp8_block, fp8_channel,
+int4_g128_asym: the dummy bf16 projections quantized at load and served packed; their rooflines count the packed
+bytes, bench_server.SCHEME_BYTES). default and det run every case of the model; the weights modes batch 1 and 64
+concurrent at 1K (issue 42's targets); the other modes batch 1 at 1K, beside the default of the same run.
 
 `--demo` runs `envex demo --device cuda` (media, kernel bundle, envex-install's pipeline with gates and benchmark,
 activation, serving) and then `envex-install` of the same media into a second prefix, both under the network guard
@@ -80,8 +83,10 @@ CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64
          "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 1), "c64_8k": (64, 8192, 256, 1)}  # fmt: skip
 MODES = {"default": [], "no-det": ["--no-deterministic"], "det": ["--deterministic"],
          "spec4": ["--speculative-tokens", "4"], "draft": ["--draft-model"], "mtp": ["--draft-model", "mtp"],
-         "tp2": ["--tensor-parallel", "2"]}
-FULL_MODES = ("default", "det")  # every case of the model; the others run batch 1 at 1K
+         "tp2": ["--tensor-parallel", "2"], "fp8": ["--weights", "fp8_block"],
+         "fp8-channel": ["--weights", "fp8_channel"], "int4": ["--weights", "int4_g128_asym"]}
+FULL_MODES = ("default", "det")  # every case of the model; the others run batch 1 at 1K, but:
+WEIGHT_MODES = ("fp8", "fp8-channel", "int4")  # batch 1 and 64 concurrent at 1K (issue 42's targets)
 
 
 @dataclass(frozen=True)
@@ -280,7 +285,8 @@ async def invariance(base: str, model: str, *, batch: int = 32, prompt_len: int 
     return {"identical": alone == batched[0] == hit, "differing_tokens": differing, "compared_tokens": 2 * out_len}
 
 
-def timed_case(base: str, served: str, case: str, shape: dict | None, bandwidth: float | None) -> dict[str, Any]:
+def timed_case(base: str, served: str, case: str, shape: dict | None, bandwidth: float | None,
+               weights: str = "bf16") -> dict[str, Any]:  # fmt: skip
     batch, prompt_len, out_len, reps = CASES[case]
     rows = [asyncio.run(run_case(base, served, batch, prompt_len, out_len, seed=r)) for r in range(reps + 1)][1:]
     ok = [r for r in rows if r["completion_tokens"] == out_len]  # a row whose served count differs is excluded
@@ -289,7 +295,7 @@ def timed_case(base: str, served: str, case: str, shape: dict | None, bandwidth:
     median = statistics.median(values) if values else None
     roof = None
     if batch == 1 and bandwidth and shape is not None:
-        roof = bandwidth * 1e12 / step_bytes(shape, prompt_len + out_len // 2)
+        roof = bandwidth * 1e12 / step_bytes(shape, prompt_len + out_len // 2, weights)
     return {"metric": metric, "median": median, "runs": values, "excluded": len(rows) - len(ok),
             "ttft_ms": statistics.median(r["ttft_ms"] for r in ok) if ok else None,
             "roofline_tok_s": roof, "share_of_roofline": median / roof if roof and median else None}  # fmt: skip
@@ -318,13 +324,14 @@ def run_cell(model: Model, mode: str, *, port: int, out: Path, models_dir: Path,
         del api["errors"]
         cell["api"] = api
         window = model.max_model_len or 8192
-        cases = model.cases if mode in FULL_MODES else ("b1_1k",)
+        cases = model.cases if mode in FULL_MODES else ("b1_1k", "c64_1k") if mode in WEIGHT_MODES else ("b1_1k",)
         for case in cases:
             _, prompt_len, out_len, _ = CASES[case]
             if prompt_len + out_len > window:
                 continue
             shape = SMOLLM2 if model.shape is None else model.shape
-            cell["cases"][case] = timed_case(server.base, served, case, shape, bandwidth)
+            weights = MODES[mode][1] if mode in WEIGHT_MODES else "bf16"
+            cell["cases"][case] = timed_case(server.base, served, case, shape, bandwidth, weights)
         promised = bool(cell["resolved"].get("deterministic"))
         if promised:
             probe = min(600, window // 2 - 7 * 32)

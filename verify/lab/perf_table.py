@@ -37,8 +37,9 @@ COMMAND = "python -P -m envex.verify.lab.perf_table"
 # <device>-<YYYY-MM-DD>-<commit>-matrix.json; the device slug may hold hyphens (h100-x2), the date anchors it.
 _NAME = re.compile(r"^(?P<device>[A-Za-z0-9][A-Za-z0-9_.-]*?)-(?P<date>\d{4}-\d{2}-\d{2})-(?P<commit>[0-9a-f]{7,40})"
                    r"-matrix\.json$")
-MODE_ORDER = ("default", "no-det", "det", "spec4", "draft", "mtp", "tp2")
-SPEC_MODES = ("spec4", "draft")
+MODE_ORDER = ("default", "no-det", "det", "spec4", "draft", "mtp", "tp2", "fp8", "fp8-channel", "int4")
+SPEC_MODES = ("spec4", "draft", "mtp")
+WEIGHT_MODES = ("fp8", "fp8-channel", "int4")
 DASH = "—"
 # The three timed cases, as the matrix names them, and their column headings.
 CASES = (("b1_1k", "batch 1, 1K/256"), ("b1_10k", "batch 1, 10K/512"), ("c64_1k", "64 concurrent, 1K/256"))
@@ -199,14 +200,16 @@ def _label(cell: Mapping[str, Any]) -> str:
 
 
 def _resolved(cell: Mapping[str, Any]) -> str:
-    """What the engine resolved the cell's flags to: the deterministic mode and speculation."""
+    """What the engine resolved the cell's flags to: the deterministic mode, speculation, a weights policy."""
     res = cell.get("resolved") or {}
     parts = []
     if isinstance(res.get("deterministic"), bool):
         parts.append("det on" if res["deterministic"] else "det off")
     if res.get("num_speculative_tokens"):
-        source = "draft model" if res.get("drafter") == "draft_model" else "n-gram"
+        source = {"draft_model": "draft model", "mtp": "MTP"}.get(res.get("drafter"), "n-gram")
         parts.append(f"{res['num_speculative_tokens']} drafts, {source}")
+    if res.get("weights") not in (None, "as stored"):
+        parts.append(f"weights {res['weights']}")
     return _text(", ".join(parts)) if parts else DASH
 
 
@@ -349,15 +352,16 @@ def _det_section(runs: Sequence[Run]) -> list[str]:
     return [*out, *_table(["model", "GPU", "compared", *heads, "clears the bar", "default", "source"], rows)]
 
 
-def _spec_section(runs: Sequence[Run]) -> list[str]:
+def _against_default(runs: Sequence[Run], modes: tuple[str, ...], title: str, text: str, empty: str) -> list[str]:
+    """A table of the cells in `modes` against the same model's `default` cell in the same run, case by case."""
     rows = []
     for run, cell in _rows(runs):
-        if cell.get("mode") not in SPEC_MODES:
+        if cell.get("mode") not in modes:
             continue
         head = [_label(cell), _text(run.gpu), f"`{_text(cell.get('mode'))}`"]
         base = _cell(run, cell.get("model"), "default")
         if (line := _not_ok(cell)) is not None:
-            rows.append([*head, line, "", "", "", run.source])
+            rows.append([*head, line, "", "", "", "", run.source])
             continue
         figures = []
         for name, _ in CASES:
@@ -369,13 +373,32 @@ def _spec_section(runs: Sequence[Run]) -> list[str]:
                 figures.append(f"{_num(value)} (no default)")
             else:
                 figures.append(f"{_num(value)} ({value / b:.2f}× of {_num(b)})")
-        rows.append([*head, _resolved(cell), *figures, run.source])
-    out = ["## Speculative decoding against the default", "",
-           "Speculation (`spec4`: four drafted tokens a step; `draft`: drafted by a smaller model) against the same "
-           "model's `default` cell in the same run: tokens/s, and the ratio to the default's (above 1: faster).", ""]
+        share = _share(_case(cell, "b1_1k").get("share_of_roofline"))
+        rows.append([*head, _resolved(cell), *figures, share, run.source])
+    out = [f"## {title}", "", text, ""]
     if not rows:
-        return [*out, "No run has recorded a speculation cell yet."]
-    return [*out, *_table(["model", "GPU", "mode", "resolved", *(h for _, h in CASES), "source"], rows)]
+        return [*out, empty]
+    return [*out, *_table(["model", "GPU", "mode", "resolved", *(h for _, h in CASES), "b1 1K of roofline",
+                           "source"], rows)]  # fmt: skip
+
+
+def _spec_section(runs: Sequence[Run]) -> list[str]:
+    return _against_default(
+        runs, SPEC_MODES, "Speculative decoding against the default",
+        "Speculation (`spec4`: four drafted tokens a step; `draft`: drafted by a smaller model; `mtp`: by the "
+        "model's own multi-token-prediction module) against the same model's `default` cell in the same run: "
+        "tokens/s, and the ratio to the default's (above 1: faster).",
+        "No run has recorded a speculation cell yet.")  # fmt: skip
+
+
+def _weights_section(runs: Sequence[Run]) -> list[str]:
+    return _against_default(
+        runs, WEIGHT_MODES, "Low-bit weights against bf16",
+        "A float model's projections quantized at load by a weights policy and served packed (`fp8`: `--weights "
+        "fp8_block`; `fp8-channel`: `fp8_channel`; `int4`: `int4_g128_asym`; the LM head stays bf16) against the "
+        "same model's `default` cell (bf16) in the same run: tokens/s, the ratio to bf16's (above 1: faster), and "
+        "the batch-1 figure's share of the roofline of its packed bytes.",
+        "No run has recorded a low-bit weights cell yet.")  # fmt: skip
 
 
 def _check(value: object) -> str:
@@ -455,7 +478,9 @@ def render(runs: Sequence[Run], results_label: str = "verify/lab/results/") -> s
         out += [f"The bar the deterministic mode must clear against `--no-deterministic`, in one run, before it may be "
                 f"a model's default (`DETERMINISTIC_BAR` in `runtime/engine/config.py`): {bar}."]
         return "\n".join(out) + "\n"
-    for section in (_runs_section, _throughput_section, _det_section, _spec_section, _api_section, _install_section):
+    sections = (_runs_section, _throughput_section, _det_section, _spec_section, _weights_section, _api_section,
+                _install_section)
+    for section in sections:
         out += [*section(runs), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 

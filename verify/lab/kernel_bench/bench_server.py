@@ -77,9 +77,20 @@ CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64
          "c64_1k_x6": (64, 1024, 256, 6)}
 
 
-def step_bytes(shape: dict, context: int) -> float:
+def projection_bytes(n: int, k: int, scheme: str = "bf16") -> float:
+    """Bytes of an n x k projection in a weights-policy scheme the GPU matrix serves (runtime/weight_policy.py),
+    as kernels/quant.py stores it: the codes plus fp8_block's float32 a 128 x 128 block, fp8_channel's float32 a
+    row, int4 g128 asymmetric's bf16 scale and uint8 zero a group of 128 inputs."""
+    blocks = -(-n // 128) * -(-k // 128)
+    per_scheme = {"bf16": 2 * n * k, "fp8_block": n * k + 4 * blocks, "fp8_channel": n * k + 4 * n,
+                  "int4_g128_asym": n * k / 2 + 3 * n * -(-k // 128)}  # fmt: skip
+    return float(per_scheme[scheme])
+
+
+def step_bytes(shape: dict, context: int, weights: str = "bf16") -> float:
     """Bytes one batch-1 decode step reads: every weight but the embedding table (one row of it), bf16, plus the
-    K and V of `context` cached tokens in every layer."""
+    K and V of `context` cached tokens in every layer. weights: the projections' scheme (projection_bytes; Llama
+    family only), the LM head, norms and cache staying bf16 as a weights policy leaves them."""
     if shape["model_type"] == "gpt_oss":  # MoE, MXFP4 experts, window layers
         from envex.verify.lab.kernel_bench.bench_gpt_oss import step_bytes as gpt_oss_step_bytes
 
@@ -89,9 +100,11 @@ def step_bytes(shape: dict, context: int) -> float:
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     d = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * d if shape["model_type"] == "qwen3" else 0)
-    weights = n * per_layer + shape["vocab_size"] * h + 2 * h
-    return 2.0 * (weights + n * 2 * kv * context)
+    projections = sum(projection_bytes(rows, cols, weights) for rows, cols in ((q + 2 * kv, h), (h, q), (2 * i, h),
+                                                                              (h, i)))  # fmt: skip
+    per_layer = 2 * h + (2 * d if shape["model_type"] == "qwen3" else 0)
+    floats = n * per_layer + shape["vocab_size"] * h + 2 * h
+    return n * projections + 2.0 * (floats + n * 2 * kv * context)
 
 
 def qwen3_next_step_bytes(shape: dict, context: int) -> float:
