@@ -168,3 +168,41 @@ def test_http_envex_server_agrees_with_in_process(embedded_engine: LLMEngine) ->
     # a 3% difference while another job ran: two engines, two processes' worth of noise).
     a, b = local.intervals["tpot_s"], remote.intervals["tpot_s"]
     assert 2 / 3 < a["estimate"] / b["estimate"] < 3 / 2, (a, b)
+
+
+def test_bench_quant_gemm_sweeps_run_end_to_end_with_a_stand_in_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed GEMM's tile sweep and the GEMV's config sweep (verify/lab/kernel_bench/bench_quant_gemm.py) on
+    small shapes under the interpreter, with graph_time_ms replaced by a stand-in that calls each config (so a
+    device call is not spent on a bench that breaks after minutes): every shape, rows and scheme is reported,
+    gemm_config's tiles first, and a config that fails is recorded with its error, not fatal."""
+    from envex.verify.lab.kernel_bench import bench_quant_gemm as bench
+
+    seen: list[str] = []
+
+    def stand_in(fn, n_inner: int, replays: int = 7) -> float:
+        fn(0)
+        fn(1)
+        seen.append("call")
+        return 0.01
+
+    monkeypatch.setattr(bench, "graph_time_ms", stand_in)
+    monkeypatch.setattr(bench, "SHAPES", {"qkv": (48, 256), "gate_up": (64, 256), "down": (32, 512), "o": (32, 64)})
+    monkeypatch.setattr(bench, "L2_COPIES_BYTES", 100_000)
+    monkeypatch.setattr(bench, "SWEEP", {k: v[:2] + [bench.GemmTiles(0, 64, 24, 4, 1)] for k, v in bench.SWEEP.items()})
+    monkeypatch.setattr(bench, "GEMV_CONFIGS", bench.GEMV_CONFIGS[:2])
+    monkeypatch.setattr(bench, "SWEEP_ROWS", (16,))
+    report: dict = {"bandwidth": {"read_TBps": 1e-6}}  # 1 MB/s: floors of whole microseconds
+    gen = torch.Generator().manual_seed(0)
+    bench.sweep(report, torch.device("cpu"), gen)
+    bench.gemv_sweep(report, torch.device("cpu"), gen)
+    assert set(report["sweep"]) == {"qkv", "gate_up", "down", "o"}
+    down = report["sweep"]["down"]["16"]["int4_g128_asym"]
+    assert down["default"] == ",".join(map(str, bench.gemm_config(16, 32, 512, "int4_group", 4)))
+    assert list(down["all"])[0] == down["default"] and down["default_us"] == 10.0
+    assert down["all"]["16,64,24,4,1"].startswith("ValueError: config")  # BLOCK_K 24: refused, recorded
+    assert down["floor_us"] == 32 * 512 / 2 + 32 * 4 * 3  # int4 codes, a bf16 scale and uint8 zero a group of 128
+    for shape in bench.GEMV_SHAPES:
+        entry = report["gemv"][shape]
+        assert set(entry) == {"bf16", *bench.SCHEMES}
+        assert list(entry["fp8_channel"]["all"]) == ["default", "8,128,4", "8,256,4"]
+    assert len(seen) == 4 * 2 * 3 + 3 * (1 + 3 * 3)  # the failing config never reached the timer

@@ -13,6 +13,8 @@ the first H100 run (338a41a) re-read one copy, so its small packed weights were 
 
 --sweep instead times a grid of tiles and splits (GemmTiles) at 16 and 64 rows for FP8 per-channel and INT4 g128
 and writes quant_gemm_sweep.json: per shape, rows and scheme, every config's time, the best and gemm_config's.
+--gemv instead times the batch-1 GEMV (kernels/quant_gemv.py, rows 1) of each scheme over a grid of (BLOCK_N,
+BLOCK_K) beside the bf16 GEMV the product runs (kernels/gemv.py, its tuned config) and writes quant_gemv.json.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -27,8 +30,9 @@ import torch.nn.functional as F
 
 from envex.kernels import quant
 from envex.kernels.accuracy import rel_err
-from envex.kernels.gemv import _sm_count
+from envex.kernels.gemv import _sm_count, gemv
 from envex.kernels.quant_gemm import GemmTiles, gemm_config, quant_gemm
+from envex.kernels.quant_gemv import quant_gemv
 from envex.verify.lab.kernel_bench._bench_lib import graph_time_ms, measure_bandwidth
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -73,28 +77,62 @@ def sweep(report: dict, dev: torch.device, gen: torch.Generator) -> None:
             ws = copies(SCHEMES[scheme](w))
             for m in SWEEP_ROWS:
                 x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
-                entry = _sweep_point(x, ws, configs, gemm_config(m, n, k, ws[0].scheme, sms), read_tbps)
+                default = gemm_config(m, n, k, ws[0].scheme, sms)
+                tiles = [default, *(c._replace(block_m=default.block_m) for c in configs)]
+                entry = _time_configs(partial(_gemm_call, x, ws), tiles, ws[0].nbytes / (read_tbps * 1e12))
                 report["sweep"].setdefault(shape_name, {}).setdefault(str(m), {})[scheme] = entry
                 print("sweep", shape_name, m, scheme, *(entry[f] for f in ("default", "default_us", "best", "best_us")),
                       flush=True)  # fmt: skip
 
 
-def _sweep_point(x: torch.Tensor, ws: list[quant.PackedWeight], configs: list[GemmTiles], default: GemmTiles,
-                 read_tbps: float) -> dict:  # fmt: skip
-    """gemm_config's tiles and each of `configs` (with its BLOCK_M) on x and the weight's copies."""
+GEMV_SHAPES = ("qkv", "gate_up", "down")
+GEMV_CONFIGS = [(bn, bk, 4) for bn in (8, 16, 32) for bk in (128, 256, 512, 1024)]
+
+
+def gemv_sweep(report: dict, dev: torch.device, gen: torch.Generator) -> None:
+    """report["gemv"][shape]: the bf16 GEMV's time (its tuned config) and per scheme the packed GEMV's at
+    DEFAULT_CONFIGS (listed first) and each GEMV_CONFIGS, the best, and the packed bytes' floor; one row."""
+    read_tbps = report["bandwidth"]["read_TBps"]
+    report["gemv"] = {}
+    for shape_name in GEMV_SHAPES:
+        n, k = SHAPES[shape_name]
+        w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
+        x = torch.randn(1, k, generator=gen, device=dev).bfloat16()
+        bf16 = copies(w.bfloat16())
+        entry: dict = {"bf16": _time_configs(partial(_gemv_call, x, bf16), [None], bf16[0].nbytes / (read_tbps * 1e12))}
+        for scheme, make in SCHEMES.items():
+            ws = copies(make(w))
+            entry[scheme] = _time_configs(partial(_gemv_call, x, ws), [None, *GEMV_CONFIGS],
+                                          ws[0].nbytes / (read_tbps * 1e12))  # fmt: skip
+            print("gemv", shape_name, scheme, entry["bf16"]["default_us"], entry[scheme]["default_us"],
+                  entry[scheme]["best"], entry[scheme]["best_us"], flush=True)  # fmt: skip
+        report["gemv"][shape_name] = entry
+
+
+def _gemm_call(x: torch.Tensor, ws: list, cfg: GemmTiles, i: int) -> torch.Tensor:
+    return quant_gemm(x, ws[i % len(ws)], config=cfg)
+
+
+def _gemv_call(x: torch.Tensor, ws: list, cfg: tuple | None, i: int) -> torch.Tensor:
+    w = ws[i % len(ws)]
+    return (quant_gemv(x, w, config=cfg) if isinstance(w, quant.PackedWeight) else gemv(x, w, config=cfg))[0]
+
+
+def _time_configs(call, configs: list, floor_s: float) -> dict:
+    """call(config, i) timed in graphs for each config (the first is the default); a config that does not compile
+    or launch is recorded with its error, not fatal."""
     timed: dict[str, float | str] = {}
-    for cfg in [default, *(c._replace(block_m=default.block_m) for c in configs)]:
+    for cfg in configs:
         try:
-            us: float | str = round(graph_time_ms(lambda i, c=cfg: quant_gemm(x, ws[i % len(ws)], config=c),
-                                                  n_inner=20) * 1e3, 2)  # fmt: skip
-        except Exception as exc:  # a config that does not compile or launch: recorded, not fatal
+            us: float | str = round(graph_time_ms(partial(call, cfg), n_inner=20) * 1e3, 2)
+        except Exception as exc:
             us = f"{type(exc).__name__}: {exc}"[:200]
-        timed[",".join(map(str, cfg))] = us
+        timed["default" if cfg is None else ",".join(map(str, cfg))] = us
+    name = next(iter(timed))
     numeric = {c: t for c, t in timed.items() if isinstance(t, float)}
-    best = min(numeric, key=numeric.__getitem__)
-    name = ",".join(map(str, default))
-    return {"default": name, "default_us": timed[name], "best": best, "best_us": numeric[best],
-            "floor_us": round(ws[0].nbytes / (read_tbps * 1e12) * 1e6, 2), "all": timed}  # fmt: skip
+    best = min(numeric, key=numeric.__getitem__) if numeric else name
+    return {"default": name, "default_us": timed[name], "best": best, "best_us": numeric.get(best),
+            "floor_us": round(floor_s * 1e6, 2), "all": timed}  # fmt: skip
 
 
 def main() -> None:
@@ -102,6 +140,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--commit", default="")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tiles and splits instead")
+    ap.add_argument("--gemv", action="store_true", help="time the batch-1 GEMV's configs against bf16's instead")
     args = ap.parse_args()
     bw = measure_bandwidth()
     dev = torch.device("cuda")
@@ -111,6 +150,10 @@ def main() -> None:
     if args.sweep:
         sweep(report, dev, gen)
         (args.out / "quant_gemm_sweep.json").write_text(json.dumps(report, indent=1))
+        return
+    if args.gemv:
+        gemv_sweep(report, dev, gen)
+        (args.out / "quant_gemv.json").write_text(json.dumps(report, indent=1))
         return
     for shape_name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
