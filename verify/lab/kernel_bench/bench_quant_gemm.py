@@ -67,8 +67,9 @@ SWEEP = {
 }
 
 
-def sweep(report: dict, dev: torch.device, gen: torch.Generator) -> None:
-    """Every SWEEP config (BLOCK_M as gemm_config's) at SWEEP_ROWS, each shape: report["sweep"][shape][rows][scheme]."""
+def sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
+    """Every SWEEP config (BLOCK_M as gemm_config's) at SWEEP_ROWS, each shape: report["sweep"][shape][rows][scheme]
+    (save() after each shape: a call cut short keeps what ran)."""
     sms, read_tbps = _sm_count(dev), report["bandwidth"]["read_TBps"]
     report["sweep"] = {}
     for shape_name, (n, k) in SHAPES.items():
@@ -83,13 +84,14 @@ def sweep(report: dict, dev: torch.device, gen: torch.Generator) -> None:
                 report["sweep"].setdefault(shape_name, {}).setdefault(str(m), {})[scheme] = entry
                 print("sweep", shape_name, m, scheme, *(entry[f] for f in ("default", "default_us", "best", "best_us")),
                       flush=True)  # fmt: skip
+        save()
 
 
 GEMV_SHAPES = ("qkv", "gate_up", "down")
 GEMV_CONFIGS = [(bn, bk, 4) for bn in (8, 16, 32) for bk in (128, 256, 512, 1024)]
 
 
-def gemv_sweep(report: dict, dev: torch.device, gen: torch.Generator) -> None:
+def gemv_sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
     """report["gemv"][shape]: the bf16 GEMV's time (its tuned config) and per scheme the packed GEMV's at
     DEFAULT_CONFIGS (listed first) and each GEMV_CONFIGS, the best, and the packed bytes' floor; one row."""
     read_tbps = report["bandwidth"]["read_TBps"]
@@ -107,6 +109,7 @@ def gemv_sweep(report: dict, dev: torch.device, gen: torch.Generator) -> None:
             print("gemv", shape_name, scheme, entry["bf16"]["default_us"], entry[scheme]["default_us"],
                   entry[scheme]["best"], entry[scheme]["best_us"], flush=True)  # fmt: skip
         report["gemv"][shape_name] = entry
+        save()
 
 
 def _gemm_call(x: torch.Tensor, ws: list, cfg: GemmTiles, i: int) -> torch.Tensor:
@@ -147,13 +150,9 @@ def main() -> None:
     gen = torch.Generator(device=dev).manual_seed(0)
     report: dict = {"commit": args.commit, "device": torch.cuda.get_device_name(), "bandwidth": bw, "shapes": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.sweep:
-        sweep(report, dev, gen)
-        (args.out / "quant_gemm_sweep.json").write_text(json.dumps(report, indent=1))
-        return
-    if args.gemv:
-        gemv_sweep(report, dev, gen)
-        (args.out / "quant_gemv.json").write_text(json.dumps(report, indent=1))
+    if args.sweep or args.gemv:
+        path = args.out / ("quant_gemm_sweep.json" if args.sweep else "quant_gemv.json")
+        (sweep if args.sweep else gemv_sweep)(report, dev, gen, lambda: path.write_text(json.dumps(report, indent=1)))
         return
     for shape_name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
