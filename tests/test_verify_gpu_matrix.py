@@ -117,6 +117,25 @@ def test_weights_modes_quantize_at_load_and_their_roofline_counts_packed_bytes(t
     assert bf16 - int4 == 32 * sum(projection_bytes(n, k) - projection_bytes(n, k, "int4_g128_asym") for n, k in shapes)
 
 
+def test_kv_modes_run_the_long_context_cases_and_their_roofline_counts_the_packed_cache(tmp_path) -> None:
+    """kv-fp8 / kv-int4 are `--kv-cache-dtype` as a user types it, timed in every case of the 128K-window Llama
+    (1K to 128K at batch 1, 64 x 8K, each within the window); a step reads the cache at the packed bytes a token
+    (kv_bytes_per_token: int4 a quarter of bf16 plus its scales and zeros)."""
+    from envex.kernels.kv_quant_format import kv_bytes_per_token
+    from envex.verify.lab.kernel_bench.bench_server import step_bytes
+
+    long = M.MODELS["llama8b-128k"]
+    assert M.model_flags(long, "kv-int4", tmp_path)[-4:] == ["--max-model-len", "131072", "--kv-cache-dtype", "int4"]
+    assert M.cell_cases(long, "kv-int4") == M.cell_cases(long, "default") == ("b1_1k", "b1_32k", "b1_128k", "c64_8k")
+    assert all(M.CASES[c][1] + M.CASES[c][2] <= 131072 for c in long.cases)
+    assert M.cell_cases(long, "int4") == ("b1_1k", "c64_1k") and M.cell_cases(long, "spec4") == ("b1_1k",)
+    assert M.formats("kv-int4") == ("bf16", "int4") and M.formats("fp8") == ("fp8_block", "bf16")
+    per_token = kv_bytes_per_token("int4", 8, 128)
+    assert per_token == 2 * 8 * (64 + 2 * 2 * 2)  # K and V, 8 heads: 64 bytes of codes, 2 bf16 scales and zeros
+    saved = step_bytes(long.shape, 131072) - step_bytes(long.shape, 131072, kv_cache_dtype="int4")
+    assert saved == 32 * 131072 * (kv_bytes_per_token("bf16", 8, 128) - per_token)
+
+
 @pytest.mark.slow
 def test_a_weights_cell_serves_packed_at_batch_1_and_64(tmp_path, cases, monkeypatch) -> None:
     monkeypatch.setitem(M.CASES, "c64_1k", (4, 64, 8, 1))

@@ -19,8 +19,10 @@ Modes: default (no flag), no-det (--no-deterministic), det (--deterministic), sp
 (--draft-model mtp: the model's own multi-token-prediction module, DeepSeek's and Qwen3-Next's), tp2
 (--tensor-parallel 2, only where two GPUs are visible), fp8 / fp8-channel / int4 (--weights fp8_block, fp8_channel,
 int4_g128_asym: the dummy bf16 projections quantized at load and served packed; their rooflines count the packed
-bytes, bench_server.SCHEME_BYTES). default and det run every case of the model; the weights modes batch 1 and 64
-concurrent at 1K (issue 42's targets); the other modes batch 1 at 1K, beside the default of the same run.
+bytes, bench_server.projection_bytes), kv-fp8 / kv-int4 (--kv-cache-dtype fp8, int4: the packed KV cache; their
+rooflines count its bytes). default, det and the KV modes run every case of the model (`llama8b-128k`: batch 1 at
+1K, 32K and 128K, 64 concurrent at 8K, issue 43's targets); the weights modes batch 1 and 64 concurrent at 1K
+(issue 42's); the other modes batch 1 at 1K, beside the default of the same run.
 
 `--demo` runs `envex demo --device cuda` (media, kernel bundle, envex-install's pipeline with gates and benchmark,
 activation, serving) and then `envex-install` of the same media into a second prefix, both under the network guard
@@ -80,12 +82,14 @@ DRAFTS = {
 
 # name: (batch, prompt tokens, output tokens, timed runs after one warm-up)
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
-         "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 1), "c64_8k": (64, 8192, 256, 1)}  # fmt: skip
+         "b1_32k": (1, 32512, 256, 1), "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 1),
+         "c64_8k": (64, 8192, 256, 1)}  # fmt: skip
 MODES = {"default": [], "no-det": ["--no-deterministic"], "det": ["--deterministic"],
          "spec4": ["--speculative-tokens", "4"], "draft": ["--draft-model"], "mtp": ["--draft-model", "mtp"],
          "tp2": ["--tensor-parallel", "2"], "fp8": ["--weights", "fp8_block"],
          "fp8-channel": ["--weights", "fp8_channel"], "int4": ["--weights", "int4_g128_asym"]}
-FULL_MODES = ("default", "det")  # every case of the model; the others run batch 1 at 1K, but:
+MODES.update({"kv-fp8": ["--kv-cache-dtype", "fp8"], "kv-int4": ["--kv-cache-dtype", "int4"]})
+FULL_MODES = ("default", "det", "kv-fp8", "kv-int4")  # every case of the model; the others batch 1 at 1K, but:
 WEIGHT_MODES = ("fp8", "fp8-channel", "int4")  # batch 1 and 64 concurrent at 1K (issue 42's targets)
 
 
@@ -107,6 +111,8 @@ MODELS = {
                        ("b1_1k", "b1_10k", "c64_1k")),
     "gpt-oss-120b": Model("gpt-oss-120b", "gpt-oss-120b (dummy, MXFP4 experts)", SHAPES["gpt-oss-120b"], 131072,
                           ("b1_1k", "b1_128k", "c32_2k")),
+    "llama8b-128k": Model("llama8b-128k", "Llama-3.1-8B shape, 128K window (dummy bf16)", SHAPES["llama8b"], 131072,
+                          ("b1_1k", "b1_32k", "b1_128k", "c64_8k")),
     "qwen3-next": Model("qwen3-next", "Qwen3-Next-80B-A3B shape, 24 of 48 layers (dummy bf16)", SHAPES["qwen3-next"],
                         131072, ("b1_1k", "b1_128k", "c64_8k")),
     "embedded": Model("embedded", "SmolLM2-135M-Instruct (embedded, real weights)", None, None,
@@ -248,6 +254,8 @@ def api_checks(base: str, served: str) -> dict[str, Any]:
             resolved["deterministic"] = resolved["deterministic"] == "true"
         if spec:
             resolved["drafter"], resolved["num_speculative_tokens"] = spec.group(1), int(spec.group(2))
+        if kv := re.search(r'^envex_kv_cache_capacity_tokens\{kv_cache_dtype="([^"]*)"\} (\d+)$', text, re.M):
+            resolved["kv_cache_dtype"], resolved["kv_capacity_tokens"] = kv.group(1), int(kv.group(2))
         out["resolved"] = resolved
         return info is not None and "envex_generation_tokens_total" in text
 
@@ -285,8 +293,22 @@ async def invariance(base: str, model: str, *, batch: int = 32, prompt_len: int 
     return {"identical": alone == batched[0] == hit, "differing_tokens": differing, "compared_tokens": 2 * out_len}
 
 
+def cell_cases(model: Model, mode: str) -> tuple[str, ...]:
+    """The timed cases of a model in a mode: all of the model's in FULL_MODES, batch 1 and 64 concurrent at 1K in
+    WEIGHT_MODES, batch 1 at 1K otherwise."""
+    if mode in FULL_MODES:
+        return model.cases
+    return ("b1_1k", "c64_1k") if mode in WEIGHT_MODES else ("b1_1k",)
+
+
+def formats(mode: str) -> tuple[str, str]:
+    """(weights scheme, KV-cache dtype) a mode serves, for its roofline."""
+    weights = MODES[mode][1] if mode in WEIGHT_MODES else "bf16"
+    return weights, MODES[mode][1] if mode.startswith("kv-") else "bf16"
+
+
 def timed_case(base: str, served: str, case: str, shape: dict | None, bandwidth: float | None,
-               weights: str = "bf16") -> dict[str, Any]:  # fmt: skip
+               weights: str = "bf16", kv_cache_dtype: str = "bf16") -> dict[str, Any]:  # fmt: skip
     batch, prompt_len, out_len, reps = CASES[case]
     rows = [asyncio.run(run_case(base, served, batch, prompt_len, out_len, seed=r)) for r in range(reps + 1)][1:]
     ok = [r for r in rows if r["completion_tokens"] == out_len]  # a row whose served count differs is excluded
@@ -295,7 +317,7 @@ def timed_case(base: str, served: str, case: str, shape: dict | None, bandwidth:
     median = statistics.median(values) if values else None
     roof = None
     if batch == 1 and bandwidth and shape is not None:
-        roof = bandwidth * 1e12 / step_bytes(shape, prompt_len + out_len // 2, weights)
+        roof = bandwidth * 1e12 / step_bytes(shape, prompt_len + out_len // 2, weights, kv_cache_dtype)
     return {"metric": metric, "median": median, "runs": values, "excluded": len(rows) - len(ok),
             "ttft_ms": statistics.median(r["ttft_ms"] for r in ok) if ok else None,
             "roofline_tok_s": roof, "share_of_roofline": median / roof if roof and median else None}  # fmt: skip
@@ -324,14 +346,12 @@ def run_cell(model: Model, mode: str, *, port: int, out: Path, models_dir: Path,
         del api["errors"]
         cell["api"] = api
         window = model.max_model_len or 8192
-        cases = model.cases if mode in FULL_MODES else ("b1_1k", "c64_1k") if mode in WEIGHT_MODES else ("b1_1k",)
-        for case in cases:
+        for case in cell_cases(model, mode):
             _, prompt_len, out_len, _ = CASES[case]
             if prompt_len + out_len > window:
                 continue
             shape = SMOLLM2 if model.shape is None else model.shape
-            weights = MODES[mode][1] if mode in WEIGHT_MODES else "bf16"
-            cell["cases"][case] = timed_case(server.base, served, case, shape, bandwidth, weights)
+            cell["cases"][case] = timed_case(server.base, served, case, shape, bandwidth, *formats(mode))
         promised = bool(cell["resolved"].get("deterministic"))
         if promised:
             probe = min(600, window // 2 - 7 * 32)

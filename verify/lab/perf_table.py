@@ -37,12 +37,17 @@ COMMAND = "python -P -m envex.verify.lab.perf_table"
 # <device>-<YYYY-MM-DD>-<commit>-matrix.json; the device slug may hold hyphens (h100-x2), the date anchors it.
 _NAME = re.compile(r"^(?P<device>[A-Za-z0-9][A-Za-z0-9_.-]*?)-(?P<date>\d{4}-\d{2}-\d{2})-(?P<commit>[0-9a-f]{7,40})"
                    r"-matrix\.json$")
-MODE_ORDER = ("default", "no-det", "det", "spec4", "draft", "mtp", "tp2", "fp8", "fp8-channel", "int4")
+MODE_ORDER = ("default", "no-det", "det", "spec4", "draft", "mtp", "tp2", "fp8", "fp8-channel", "int4", "kv-fp8",
+              "kv-int4")  # fmt: skip
 SPEC_MODES = ("spec4", "draft", "mtp")
 WEIGHT_MODES = ("fp8", "fp8-channel", "int4")
+KV_MODES = ("kv-fp8", "kv-int4")
 DASH = "—"
 # The three timed cases, as the matrix names them, and their column headings.
 CASES = (("b1_1k", "batch 1, 1K/256"), ("b1_10k", "batch 1, 10K/512"), ("c64_1k", "64 concurrent, 1K/256"))
+# The packed KV cache's cases (the llama8b-128k cell's).
+KV_CASES = (("b1_1k", "batch 1, 1K/256"), ("b1_32k", "batch 1, 32K/256"), ("b1_128k", "batch 1, 128K/256"),
+            ("c64_8k", "64 concurrent, 8K/256"))  # fmt: skip
 API_CHECKS = (("chat", "chat"), ("completion", "completion"), ("stream", "stream"), ("metrics", "metrics"),
               ("shutdown_clean", "clean shutdown"))
 _BAR_HEADINGS = {"b1_1k": "batch 1, 1K", "b1_10k": "batch 1, 10K", "c64_1k": "64 concurrent", "ttft": "TTFT at 1K"}
@@ -352,8 +357,10 @@ def _det_section(runs: Sequence[Run]) -> list[str]:
     return [*out, *_table(["model", "GPU", "compared", *heads, "clears the bar", "default", "source"], rows)]
 
 
-def _against_default(runs: Sequence[Run], modes: tuple[str, ...], title: str, text: str, empty: str) -> list[str]:
-    """A table of the cells in `modes` against the same model's `default` cell in the same run, case by case."""
+def _against_default(runs: Sequence[Run], modes: tuple[str, ...], title: str, text: str, empty: str,
+                     cases: tuple[tuple[str, str], ...] = CASES, capacity: bool = False) -> list[str]:  # fmt: skip
+    """A table of the cells in `modes` against the same model's `default` cell in the same run, case by case;
+    capacity: also the KV pool's tokens (/metrics) against the default's."""
     rows = []
     for run, cell in _rows(runs):
         if cell.get("mode") not in modes:
@@ -361,25 +368,31 @@ def _against_default(runs: Sequence[Run], modes: tuple[str, ...], title: str, te
         head = [_label(cell), _text(run.gpu), f"`{_text(cell.get('mode'))}`"]
         base = _cell(run, cell.get("model"), "default")
         if (line := _not_ok(cell)) is not None:
-            rows.append([*head, line, "", "", "", "", run.source])
+            rows.append([*head, line, *([""] * (len(cases) + 1 + capacity)), run.source])
             continue
+        base_ok = base is not None and base.get("status") == "ok"
         figures = []
-        for name, _ in CASES:
-            value = _median(cell, name)
-            b = _median(base, name) if base is not None and base.get("status") == "ok" else None
-            if value is None:
-                figures.append(DASH)
-            elif not b:
-                figures.append(f"{_num(value)} (no default)")
-            else:
-                figures.append(f"{_num(value)} ({value / b:.2f}× of {_num(b)})")
+        if capacity:
+            tokens = [(c.get("resolved") or {}).get("kv_capacity_tokens") for c in (cell, base if base_ok else {})]
+            figures.append(_versus(*tokens, digits=0))
+        figures += [_versus(_median(cell, name), _median(base, name) if base_ok else None) for name, _ in cases]
         share = _share(_case(cell, "b1_1k").get("share_of_roofline"))
         rows.append([*head, _resolved(cell), *figures, share, run.source])
     out = [f"## {title}", "", text, ""]
     if not rows:
         return [*out, empty]
-    return [*out, *_table(["model", "GPU", "mode", "resolved", *(h for _, h in CASES), "b1 1K of roofline",
+    heads = ["KV capacity, tokens"] if capacity else []
+    return [*out, *_table(["model", "GPU", "mode", "resolved", *heads, *(h for _, h in cases), "b1 1K of roofline",
                            "source"], rows)]  # fmt: skip
+
+
+def _versus(value: float | None, base: float | None, digits: int = 1) -> str:
+    """A figure and its ratio to the default's: "268.5 (1.09× of 245.3)"."""
+    if value is None:
+        return DASH
+    if not base:
+        return f"{_num(value, digits)} (no default)"
+    return f"{_num(value, digits)} ({value / base:.2f}× of {_num(base, digits)})"
 
 
 def _spec_section(runs: Sequence[Run]) -> list[str]:
@@ -389,6 +402,15 @@ def _spec_section(runs: Sequence[Run]) -> list[str]:
         "model's own multi-token-prediction module) against the same model's `default` cell in the same run: "
         "tokens/s, and the ratio to the default's (above 1: faster).",
         "No run has recorded a speculation cell yet.")  # fmt: skip
+
+
+def _kv_section(runs: Sequence[Run]) -> list[str]:
+    return _against_default(
+        runs, KV_MODES, "Packed KV cache against bf16",
+        "The KV cache packed (`kv-fp8`: `--kv-cache-dtype fp8`; `kv-int4`: `int4`) against the same model's "
+        "`default` cell (bf16 KV) in the same run: the tokens the pool holds (/metrics), tokens/s at batch 1 from "
+        "1K to 128K of context and at 64 concurrent 8K prompts, with the ratio to bf16's (above 1: more, faster).",
+        "No run has recorded a packed KV-cache cell yet.", KV_CASES, capacity=True)  # fmt: skip
 
 
 def _weights_section(runs: Sequence[Run]) -> list[str]:
@@ -478,8 +500,8 @@ def render(runs: Sequence[Run], results_label: str = "verify/lab/results/") -> s
         out += [f"The bar the deterministic mode must clear against `--no-deterministic`, in one run, before it may be "
                 f"a model's default (`DETERMINISTIC_BAR` in `runtime/engine/config.py`): {bar}."]
         return "\n".join(out) + "\n"
-    sections = (_runs_section, _throughput_section, _det_section, _spec_section, _weights_section, _api_section,
-                _install_section)
+    sections = (_runs_section, _throughput_section, _det_section, _spec_section, _weights_section, _kv_section,
+                _api_section, _install_section)
     for section in sections:
         out += [*section(runs), ""]
     return "\n".join(out).rstrip("\n") + "\n"

@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from envex.kernels.kv_quant_format import kv_bytes_per_token
+
 SHAPES = {
     "llama8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
                     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -87,10 +89,11 @@ def projection_bytes(n: int, k: int, scheme: str = "bf16") -> float:
     return float(per_scheme[scheme])
 
 
-def step_bytes(shape: dict, context: int, weights: str = "bf16") -> float:
+def step_bytes(shape: dict, context: int, weights: str = "bf16", kv_cache_dtype: str = "bf16") -> float:
     """Bytes one batch-1 decode step reads: every weight but the embedding table (one row of it), bf16, plus the
     K and V of `context` cached tokens in every layer. weights: the projections' scheme (projection_bytes; Llama
-    family only), the LM head, norms and cache staying bf16 as a weights policy leaves them."""
+    family only), the LM head and norms staying bf16 as a weights policy leaves them; kv_cache_dtype: the cache's
+    format (kernels.kv_quant_format.kv_bytes_per_token, Llama family only)."""
     if shape["model_type"] == "gpt_oss":  # MoE, MXFP4 experts, window layers
         from envex.verify.lab.kernel_bench.bench_gpt_oss import step_bytes as gpt_oss_step_bytes
 
@@ -104,7 +107,8 @@ def step_bytes(shape: dict, context: int, weights: str = "bf16") -> float:
                                                                               (h, i)))  # fmt: skip
     per_layer = 2 * h + (2 * d if shape["model_type"] == "qwen3" else 0)
     floats = n * per_layer + shape["vocab_size"] * h + 2 * h
-    return n * projections + 2.0 * (floats + n * 2 * kv * context)
+    kv_token = kv_bytes_per_token(kv_cache_dtype, shape["num_key_value_heads"], d)
+    return n * projections + 2.0 * floats + n * kv_token * context
 
 
 def qwen3_next_step_bytes(shape: dict, context: int) -> float:
