@@ -107,16 +107,6 @@ def _topk_softmax(logits_ptr, t, stride_l, E: tl.constexpr, TOP_K: tl.constexpr,
 
 
 @triton.jit
-def _float_pair(w_ptr, e, rows, row_ok, kb, k_ok, stride_we, stride_wn):
-    """Unquantized experts (a float [E, N, K] stack): expert e's weights for `rows` at the even and odd input
-    columns 2·kb and 2·kb + 1 -> two float32 tiles [len(rows), len(kb)], for the grouped kernels' even/odd dots."""
-    mask = row_ok[:, None] & k_ok[None, :]
-    base = w_ptr + e.to(tl.int64) * stride_we + rows.to(tl.int64)[:, None] * stride_wn + 2 * kb[None, :]
-    return (tl.load(base, mask=mask, other=0.0).to(tl.float32),
-            tl.load(base + 1, mask=mask, other=0.0).to(tl.float32))  # fmt: skip
-
-
-@triton.jit
 def _swiglu_oai(g, u, alpha, limit):
     g = tl.minimum(g, limit)
     u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -669,7 +659,6 @@ def _gate_up_grouped_kernel(
     tok = tl.where(row_ok, pair // TOP_K, 0).to(tl.int64)
     j = pid_n * BLOCK_I + tl.arange(0, BLOCK_I)
     j_ok = j < INTER
-    jj = tl.arange(0, BLOCK_K // 2)
     acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
     e64 = e.to(tl.int64)
@@ -689,7 +678,7 @@ def _gate_up_grouped_kernel(
                 g_w, u_w = g_w.to(x_t.dtype), u_w.to(x_t.dtype)
             acc_g += tl.dot(x_t, tl.trans(g_w))
             acc_u += tl.dot(x_t, tl.trans(u_w))
-        elif INT4_G > 0 or FP8_BN > 0:
+        else:  # INT4, FP8 or float: [BLOCK_I, BLOCK_K] tiles of the gate and up rows as stored
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             x_t = tl.load(x_ptr + tok[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
@@ -709,30 +698,19 @@ def _gate_up_grouped_kernel(
                 g_row = w_ptr + e64 * stride_we + (2 * j).to(tl.int64)[:, None] * stride_wn + k[None, :]
                 g_t = tl.load(g_row, mask=w_mask, other=0.0)
                 u_t = tl.load(g_row + stride_wn, mask=w_mask, other=0.0)
-                g_sc = s_ptr + e64 * stride_se + (2 * (j // FP8_BN)) * stride_sn + k0 // FP8_BK  # block rows interleave
-            g_s = tl.load(g_sc, mask=j_ok, other=0.0).to(tl.float32)
-            u_s = tl.load(g_sc + stride_sn, mask=j_ok, other=0.0).to(tl.float32)
+                if FP8_BN > 0:  # block rows interleave
+                    g_sc = s_ptr + e64 * stride_se + (2 * (j // FP8_BN)) * stride_sn + k0 // FP8_BK
             if UPCAST_DOT:
                 x_t, g_t, u_t = x_t.to(tl.float32), g_t.to(tl.float32), u_t.to(tl.float32)
             else:
                 g_t, u_t = g_t.to(x_t.dtype), u_t.to(x_t.dtype)
-            acc_g += tl.dot(x_t, tl.trans(g_t)) * g_s[None, :]
-            acc_u += tl.dot(x_t, tl.trans(u_t)) * u_s[None, :]
-        else:
-            kb = k0 // 2 + jj
-            k_ok = kb < K // 2
-            x_mask = row_ok[:, None] & k_ok[None, :]
-            x_even = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :], mask=x_mask, other=0.0)
-            x_odd = tl.load(x_ptr + tok[:, None] * stride_x + 2 * kb[None, :] + 1, mask=x_mask, other=0.0)
-            g_lo, g_hi = _float_pair(w_ptr, e, 2 * j, j_ok, kb, k_ok, stride_we, stride_wn)
-            u_lo, u_hi = _float_pair(w_ptr, e, 2 * j + 1, j_ok, kb, k_ok, stride_we, stride_wn)
-            if UPCAST_DOT:
-                x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
-            else:  # dequantized values are exact in bf16/fp16 (a 3-bit mantissa times a power of two)
-                g_lo, g_hi = g_lo.to(x_even.dtype), g_hi.to(x_even.dtype)
-                u_lo, u_hi = u_lo.to(x_even.dtype), u_hi.to(x_even.dtype)
-            acc_g += tl.dot(x_even, tl.trans(g_lo)) + tl.dot(x_odd, tl.trans(g_hi))
-            acc_u += tl.dot(x_even, tl.trans(u_lo)) + tl.dot(x_odd, tl.trans(u_hi))
+            if INT4_G > 0 or FP8_BN > 0:
+                acc_g += tl.dot(x_t, tl.trans(g_t)) * tl.load(g_sc, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+                acc_u += tl.dot(x_t, tl.trans(u_t)) * tl.load(g_sc + stride_sn, mask=j_ok, other=0.0).to(
+                    tl.float32)[None, :]  # fmt: skip
+            else:
+                acc_g += tl.dot(x_t, tl.trans(g_t))
+                acc_u += tl.dot(x_t, tl.trans(u_t))
     dt = act_ptr.dtype.element_ty
     if b_ptr is not None:
         bias_row = b_ptr + e.to(tl.int64) * stride_be
@@ -763,7 +741,6 @@ def _down_grouped_kernel(
     rows = tl.where(row_ok, pair, 0).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    jj = tl.arange(0, BLOCK_K // 2)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     e64 = e.to(tl.int64)
     n_words = w_ptr + tl.multiple_of(e64 * stride_we + n.to(tl.int64) * (INTER // 8), [4])
@@ -777,7 +754,7 @@ def _down_grouped_kernel(
             else:
                 w_t = w_t.to(a_t.dtype)
             acc += tl.dot(a_t, tl.trans(w_t))
-        elif INT4_G > 0 or FP8_BN > 0:
+        else:  # INT4, FP8 or float: a [BLOCK_N, BLOCK_K] tile as stored
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < INTER
             a_t = tl.load(act_ptr + rows[:, None] * stride_act + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
@@ -791,25 +768,16 @@ def _down_grouped_kernel(
             else:
                 w_t = tl.load(w_ptr + e64 * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :],
                               mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-                s_off = e64 * stride_se + (n // FP8_BN) * stride_sn + k0 // FP8_BK
-            sc = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+                if FP8_BN > 0:
+                    s_off = e64 * stride_se + (n // FP8_BN) * stride_sn + k0 // FP8_BK
             if UPCAST_DOT:
                 a_t, w_t = a_t.to(tl.float32), w_t.to(tl.float32)
             else:
                 w_t = w_t.to(a_t.dtype)
-            acc += tl.dot(a_t, tl.trans(w_t)) * sc[None, :]
-        else:
-            kb = k0 // 2 + jj
-            k_ok = kb < INTER // 2
-            a_mask = row_ok[:, None] & k_ok[None, :]
-            a_even = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :], mask=a_mask, other=0.0)
-            a_odd = tl.load(act_ptr + rows[:, None] * stride_act + 2 * kb[None, :] + 1, mask=a_mask, other=0.0)
-            lo, hi = _float_pair(w_ptr, e, n, n_ok, kb, k_ok, stride_we, stride_wn)
-            if UPCAST_DOT:
-                a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+            if INT4_G > 0 or FP8_BN > 0:
+                acc += tl.dot(a_t, tl.trans(w_t)) * tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             else:
-                lo, hi = lo.to(a_even.dtype), hi.to(a_even.dtype)
-            acc += tl.dot(a_even, tl.trans(lo)) + tl.dot(a_odd, tl.trans(hi))
+                acc += tl.dot(a_t, tl.trans(w_t))
     dt = act_ptr.dtype.element_ty
     if b_ptr is not None:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
