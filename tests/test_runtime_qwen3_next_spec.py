@@ -153,7 +153,10 @@ def test_verify_slots_are_sized_from_the_speculation_settings(tiny) -> None:
     engine = _engine(path, num_speculative_tokens=3, max_num_seqs=6, speculative_max_batch=4)
     states = engine.runner.states
     assert states is not None and states.verify_base == 6 + 6 + 1  # after live, snapshot and scratch slots
-    assert next(iter(states.pools.values()))[0].shape[0] == 6 + 6 + 1 + 4 * (3 + 1)
+    assert next(iter(states.pools.values()))[0].shape[0] == 6 + 6 + 1 + 4 * (3 + 1) == states.total_slots
+    # what /metrics reports a sequence holds is one slot of every pool, as allocated
+    slot_bytes = sum(t[0].numel() * t.element_size() for pools in states.pools.values() for t in pools)
+    assert states.bytes_per_slot == slot_bytes > 0
     plain = _engine(path).runner.states
     assert plain is not None and next(iter(plain.pools.values()))[0].shape[0] == plain.verify_base
     assert state_slots({"max_num_seqs": 6, "num_speculative_tokens": 3, "speculative_max_batch": 4}) == 13 + 16

@@ -94,7 +94,9 @@ def test_health_and_metrics_are_open(server: Server) -> None:
     # the settings the engine resolved (the embedded model on the CPU: torch, float32, deterministic mode off)
     config = server.engine.config
     assert (f'envex_engine_info{{backend="torch",dtype="float32",deterministic="false",'
-            f'max_model_len="{config.max_model_len}",tensor_parallel="1",weights="as stored"}} 1') in text
+            f'max_model_len="{config.max_model_len}",tensor_parallel="1",max_num_seqs="{config.max_num_seqs}",'
+            f'weights="as stored"}} 1') in text
+    assert "envex_state_bytes_per_sequence 0\n" in text and "envex_state_slots_total 0\n" in text  # no recurrent layers
 
 
 def test_health_is_503_when_the_engine_thread_is_not_running(embedded_engine: LLMEngine) -> None:

@@ -123,10 +123,11 @@ def test_speculation_against_the_default_and_api_checks(results: Path) -> None:
     assert "| **failed**: demo: port 8000 is in use; stop what serves there or pass --port | 12.5 | — | held |" in demo
 
 
-def test_low_bit_weights_and_packed_kv_against_bf16(results: Path) -> None:
+def test_low_bit_weights_packed_kv_and_recurrent_state(results: Path) -> None:
     """A weights cell is set beside the same run's bf16 default, at batch 1 and 64 concurrent, with its share of
     the roofline of its packed bytes and its resolved policy; a packed-KV cell beside its model's bf16-KV default,
-    with the pool's tokens and the long-context cases; MTP drafting is named as such."""
+    with the pool's tokens and the long-context cases; a hybrid model's state and sessions at its window; MTP
+    drafting is named as such."""
     data = json.loads(FIXTURE.read_text())
     draft = next(c for c in data["cells"] if c["mode"] == "draft")
     int4 = json.loads(json.dumps(draft))
@@ -140,15 +141,24 @@ def test_low_bit_weights_and_packed_kv_against_bf16(results: Path) -> None:
                 resolved={"deterministic": False, "kv_cache_dtype": "bf16", "kv_capacity_tokens": 400000})
     base["cases"] = {"b1_128k": {**draft["cases"]["b1_1k"], "median": 120.0}}
     kv = json.loads(json.dumps(base))
-    kv.update(mode="kv-int4", resolved={"deterministic": False, "kv_cache_dtype": "int4", "kv_capacity_tokens": 1420000})
+    kv.update(mode="kv-int4", resolved={"deterministic": False, "kv_cache_dtype": "int4",
+                                        "kv_capacity_tokens": 1420000})  # fmt: skip
     kv["cases"] = {"b1_128k": {**draft["cases"]["b1_1k"], "median": 204.0}}
-    data["cells"] += [int4, mtp, base, kv]
+    hybrid = json.loads(json.dumps(draft))  # a hybrid model: its recurrent state and the sessions at its window
+    hybrid.update(model="qwen3-next", model_label="Qwen3-Next", mode="default",
+                  resolved={"deterministic": False, "max_model_len": "131072", "max_num_seqs": "256",
+                            "kv_capacity_tokens": 3_000_000, "state_bytes_per_sequence": 77 * 2**20,
+                            "state_slots_total": 513})  # fmt: skip
+    data["cells"] += [int4, mtp, base, kv, hybrid]
     (results / FIXTURE.name).write_text(json.dumps(data))
     page = _page(results)
     row = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`int4`", "det off, weights int4_g128_asym",
                section="Low-bit")  # fmt: skip
     assert "| 490.6 (2.00× of 245.3) | — | 4,418 (1.00× of 4,418) | 51.2% |" in row
     assert "No run has recorded a low-bit weights cell yet." not in page
+    state = _row(page, "Qwen3-Next", "NVIDIA H200", "`default`", section="Recurrent state")
+    assert "| 77.0 | 513 | 38.58 | 3,000,000 | 131,072 | 22 |" in state  # 3M // 131,072 = 22 windows < 256 slots
+    assert "No run has recorded a hybrid model yet." not in page
     kv_row = _row(page, "Llama-3.1-8B, 128K", "NVIDIA H200", "`kv-int4`", "det off", section="Packed KV")
     assert "| 1,420,000 (3.55× of 400,000) | — | — | 204.0 (1.70× of 120.0) | — |" in kv_row
     assert "| det off, 1 drafts, MTP |" in _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`mtp`",

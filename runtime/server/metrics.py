@@ -107,6 +107,13 @@ class Metrics:
         metric("envex_speculative_info", "gauge", "Speculative decoding: the drafter and the most drafts per step.",
                [f'envex_speculative_info{{drafter="{_escape(stats.speculative_drafter or "off")}",'
                 f'max_k="{stats.speculative_max_k}"}} 1'])
+        states = getattr(getattr(async_engine.engine, "runner", None), "states", None)  # a hybrid's state slots
+        metric("envex_state_bytes_per_sequence", "gauge",
+               "Recurrent state one sequence holds over the model's linear-attention layers (0: none).",
+               [f"envex_state_bytes_per_sequence {states.bytes_per_slot if states is not None else 0}"])
+        metric("envex_state_slots_total", "gauge",
+               "Recurrent-state slots allocated: one live a sequence, prefix snapshots, scratch and verify slots.",
+               [f"envex_state_slots_total {states.total_slots if states is not None else 0}"])
         config = async_engine.engine.config  # resolved: what this server actually runs
         # Tokens the KV pool holds in its format (fp8 / int4 packed: more blocks in the same memory), all layers.
         metric("envex_kv_cache_capacity_tokens", "gauge", "Tokens the KV-cache pool holds, in its kv_cache_dtype.",
@@ -117,6 +124,7 @@ class Metrics:
                                                ("deterministic", config.deterministic),
                                                ("max_model_len", config.max_model_len),
                                                ("tensor_parallel", config.tensor_parallel),
+                                               ("max_num_seqs", config.max_num_seqs),
                                                ("weights", config.weights or "as stored")))  # fmt: skip
         metric("envex_engine_info", "gauge", "The engine's resolved settings.", [f"envex_engine_info{{{settings}}} 1"])
         metric("envex_time_to_first_token_seconds", "histogram",

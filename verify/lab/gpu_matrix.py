@@ -256,6 +256,9 @@ def api_checks(base: str, served: str) -> dict[str, Any]:
             resolved["drafter"], resolved["num_speculative_tokens"] = spec.group(1), int(spec.group(2))
         if kv := re.search(r'^envex_kv_cache_capacity_tokens\{kv_cache_dtype="([^"]*)"\} (\d+)$', text, re.M):
             resolved["kv_cache_dtype"], resolved["kv_capacity_tokens"] = kv.group(1), int(kv.group(2))
+        for name in ("state_bytes_per_sequence", "state_slots_total"):  # a hybrid model's recurrent state
+            if found := re.search(rf"^envex_{name} (\d+)$", text, re.M):
+                resolved[name] = int(found.group(1))
         out["resolved"] = resolved
         return info is not None and "envex_generation_tokens_total" in text
 

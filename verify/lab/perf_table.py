@@ -413,6 +413,39 @@ def _kv_section(runs: Sequence[Run]) -> list[str]:
         "No run has recorded a packed KV-cache cell yet.", KV_CASES, capacity=True)  # fmt: skip
 
 
+def _state_section(runs: Sequence[Run]) -> list[str]:
+    """Hybrid models' recurrent state: what a sequence holds, what the slots take, and the sessions a GPU keeps at
+    the full window (the live slots, max_num_seqs, or what the KV pool holds of whole windows, whichever is less)."""
+    rows = []
+    for run, cell in _rows(runs):
+        res = cell.get("resolved") or {}
+        per_seq, slots = res.get("state_bytes_per_sequence"), res.get("state_slots_total")
+        if cell.get("status") != "ok" or not per_seq:
+            continue
+        window, seqs, tokens = (_int(res.get(k)) for k in ("max_model_len", "max_num_seqs", "kv_capacity_tokens"))
+        sessions = min(seqs, tokens // window) if window and seqs is not None and tokens is not None else None
+        rows.append([_label(cell), _text(run.gpu), f"`{_text(cell.get('mode'))}`", _num(per_seq / 2**20),
+                     _num(slots, 0), _num(per_seq * slots / 2**30 if slots else None, 2), _num(tokens, 0),
+                     _num(window, 0), _num(sessions, 0), run.source])  # fmt: skip
+    out = ["## Recurrent state (hybrid models)", "",
+           "A hybrid model's per-sequence state over its linear-attention layers (MiB), the state slots the engine "
+           "allocated (one live a sequence, prefix snapshots, scratch, speculation's verify slots) and what they "
+           "take (GiB), the KV pool of its full-attention layers in tokens, and the sessions it keeps at the full "
+           "window: the live slots or the whole windows the pool holds, whichever is fewer (from `/metrics`).", ""]
+    if not rows:
+        return [*out, "No run has recorded a hybrid model yet."]
+    return [*out, *_table(["model", "GPU", "mode", "state a sequence (MiB)", "state slots", "slots (GiB)",
+                           "KV pool (tokens)", "window", "sessions at the window", "source"], rows)]  # fmt: skip
+
+
+def _int(value: object) -> int | None:
+    """An integer figure from the resolved settings (the metrics give some as strings), None if there is none."""
+    try:
+        return int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        return None
+
+
 def _weights_section(runs: Sequence[Run]) -> list[str]:
     return _against_default(
         runs, WEIGHT_MODES, "Low-bit weights against bf16",
@@ -501,7 +534,7 @@ def render(runs: Sequence[Run], results_label: str = "verify/lab/results/") -> s
                 f"a model's default (`DETERMINISTIC_BAR` in `runtime/engine/config.py`): {bar}."]
         return "\n".join(out) + "\n"
     sections = (_runs_section, _throughput_section, _det_section, _spec_section, _weights_section, _kv_section,
-                _api_section, _install_section)
+                _state_section, _api_section, _install_section)
     for section in sections:
         out += [*section(runs), ""]
     return "\n".join(out).rstrip("\n") + "\n"

@@ -65,9 +65,10 @@ class StateSlots:
         self.device = device
         self.scratch_slot = self.num_slots + self.num_snapshots  # padding rows of a decode graph: held by no sequence
         self.verify_base = self.scratch_slot + 1  # row b of a verify batch: slots verify_base + b (K + 1) + j
-        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(
-            self.verify_base + verify_slots(config.num_speculative_tokens, config.speculative_max_batch,
-                                            config.max_num_seqs), dtype, device)  # fmt: skip
+        self.total_slots = self.verify_base + verify_slots(config.num_speculative_tokens, config.speculative_max_batch,
+                                                           config.max_num_seqs)  # fmt: skip
+        self.bytes_per_slot = model.state_bytes_per_slot(dtype)  # one sequence's state over all recurrent layers
+        self.pools: dict[int, tuple[torch.Tensor, ...]] = model.make_state_pools(self.total_slots, dtype, device)
         self._free = list(range(self.num_slots - 1, -1, -1))  # a stack: the lowest ids are reused first
         self._slot: dict[Sequence, int] = {}
         self._covered: dict[Sequence, int] = {}  # tokens the slot's state holds, once this step's chunks are done
