@@ -109,7 +109,8 @@ def test_fp8_release_gives_hf_logits_and_tokens(release, backend: str) -> None:
 
 def test_a_missing_or_stray_scale_is_one_line(release) -> None:
     """An expert's block scale left out: the model's missing-tensor line; a dequantized projection's: its
-    layer's; an expert scale in a layer whose experts the config leaves float: unexpected."""
+    layer's; FP8 experts in a layer the config leaves float, or float ones where it makes them FP8: the expert,
+    before anything is cast."""
     path, _, _, _ = release
     hf_config = json.loads((path / "config.json").read_text())
     stored = load_file(str(path / "model.safetensors"))
@@ -118,7 +119,7 @@ def test_a_missing_or_stray_scale_is_one_line(release) -> None:
         qc = quant_config_from_hf(cfg)
         assert qc is not None
         model = Qwen3NextForCausalLM(ModelConfig.from_hf(cfg), dtype=torch.float32, device=CPU)
-        load_dequantized(model, ((k, v) for k, v in stored.items() if k != drop), qc, CPU)
+        load_dequantized(model, ((k, v) for k, v in sorted(stored.items()) if k != drop), qc, CPU)  # names in order
 
     expert = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
     with pytest.raises(ValueError, match=rf"^weights: 1 tensors missing, e\.g\. \['{expert}'\]; the checkpoint is "):
@@ -128,9 +129,14 @@ def test_a_missing_or_stray_scale_is_one_line(release) -> None:
         load("model.layers.0.linear_attn.out_proj.weight_scale_inv")
     float_experts = {**hf_config, "quantization_config": {**hf_config["quantization_config"],
                                                           "modules_to_not_convert": ["lm_head", "mlp.gate", "experts"]}}
-    with pytest.raises(ValueError, match=r"^weights: unexpected tensor 'model.layers.0.mlp.experts.0.down_proj."
-                                         r"weight_scale_inv' for Qwen3NextForCausalLM"):
+    with pytest.raises(ValueError, match=r"^weights: 'model.layers.0.mlp.experts.0.down_proj.weight' is stored "
+                                         r"torch.float8_e4m3fn where config.json's quantization_config makes this "
+                                         r"layer's experts torch.float32; the config's modules_to_not_convert"):
         load("", float_experts)
+    stored[expert.removesuffix("_scale_inv")] = torch.zeros(H, TINY["moe_intermediate_size"])  # float, unlisted
+    with pytest.raises(ValueError, match=r"^weights: 'model.layers.1.mlp.experts.3.down_proj.weight' is stored "
+                                         r"torch.float32 where .* makes this layer's experts torch.float8_e4m3fn"):
+        load(expert)
 
 
 def test_the_fp8_mtp_module_gives_transformers_mtp_layer_logits(release) -> None:

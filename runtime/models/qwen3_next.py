@@ -36,6 +36,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from envex.kernels import quant
 from envex.kernels.ops import (
     LINEAR_ATTENTION,
     MOE,
@@ -208,6 +209,10 @@ def _load_layer(c: ModelConfig, layer: Qwen3NextLayer, rest: str, name: str, t: 
         if expert is not None and stack is not None and int(expert.group(1)) < stack.shape[0]:
             e, proj = int(expert.group(1)), expert.group(2)
             target = stack[e] if proj == "down" else stack[e, (proj == "up") :: 2]
+            if quant.FP8_DTYPE in (t.dtype, target.dtype) and t.dtype != target.dtype:  # copy_ would cast it
+                raise ValueError(f"weights: {name!r} is stored {t.dtype} where config.json's quantization_config "
+                                 f"makes this layer's experts {target.dtype}; the config's modules_to_not_convert "
+                                 "and the files disagree")  # fmt: skip
             _put(name, target, t, tuple(target.shape))
             return True
         s = layer.shared_size
