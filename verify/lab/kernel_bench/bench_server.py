@@ -77,11 +77,12 @@ SHAPES = {
 }  # fmt: skip
 # Qwen/Qwen3-Next-80B-A3B-Instruct-FP8 at all 48 layers (about 80 GB: it fits one H200): the routed experts FP8 in
 # 128 x 128 blocks (dummy weights build them so), every other projection bf16 as the runtime dequantizes it at load;
-# the release's small gates left in float as transformers' fp8 integration and its modeling file imply.
+# the release's small projections left in float (offline_docs/quantization.md: the routers, the shared-expert gates
+# and in_proj_ba).
 SHAPES["qwen3-next-fp8"] = {**SHAPES["qwen3-next"], "num_hidden_layers": 48, "quantization_config": {
     "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-    "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.{m}" for i in range(48)
-                                            for m in ("mlp.gate", "mlp.shared_expert_gate"))]}}  # fmt: skip
+    "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.{m}" for i in range(48) for m in (
+        "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba"))]}}  # fmt: skip
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
          "c64_1k_x6": (64, 1024, 256, 6)}
 
