@@ -194,6 +194,21 @@ def test_dummy_weights_fill_the_fp8_experts(release) -> None:
         max_tokens=2, temperature=0.0, ignore_eos=True))[0].token_ids) == 2  # fmt: skip
 
 
+def test_the_model_card_counts_the_fp8_experts_as_stored(release) -> None:
+    """The install plan's bytes: the model's and the MTP module's FP8 experts and their scales as stored (the MTP
+    layer's index, num_hidden_layers, is among fp8_layers), everything else, the dequantized projections and the
+    float shared experts too, at the serving dtype's bytes."""
+    from envex.installer.model_card import card_for_model
+
+    path, _, _, _ = release
+    card = card_for_model(path, "qwen3-next-fp8")
+    stored = load_file(str(path / "model.safetensors"))
+    experts = [t for n, t in stored.items() if ".mlp.experts." in n]
+    assert len(experts) == 4 * 8 * 3 * 2 and card.quantization == "fp8"  # layers 0, 1, 3 and the MTP layer
+    assert card.packed_parameters == sum(t.numel() for t in experts)
+    assert card.packed_bytes == sum(t.numel() * t.element_size() for t in experts)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_fp8_release_serves_on_cuda_with_graphs(release) -> None:
