@@ -86,7 +86,8 @@ class MoEConfig:
     # FP8 experts (a quantization_config "fp8" checkpoint, runtime/quant_config.moe_experts): the layers whose
     # experts are stored FP8 with fp8_block (rows, cols) block scales, loaded and served so (kernels.ops.MoEWeights);
     # the other sparse layers' experts are float (left so by modules_to_not_convert). Here and in int4_layers,
-    # DeepSeek's multi-token-prediction layers (num_hidden_layers, ...: models/deepseek.py DeepseekMTP) too.
+    # DeepSeek's multi-token-prediction layers (num_hidden_layers, ...: models/deepseek.py DeepseekMTP) too, and
+    # (fp8_layers only) Qwen3-Next's one, index num_hidden_layers (models/qwen3_next.py Qwen3NextMTP).
     fp8_block: tuple[int, int] | None = None
     fp8_layers: tuple[int, ...] = ()
     # INT4 experts (compressed-tensors pack-quantized: Kimi K2; AWQ): the layers whose routed experts are stored in
@@ -317,10 +318,11 @@ def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
-def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+def _qwen3_moe_fields(cfg: dict[str, Any], mtp: int = 0, mtp_prefix: str | None = None) -> dict[str, Any]:
     """Qwen3-MoE's MoE fields from its config.json, with HF Qwen3MoeConfig's defaults (transformers 5 writes
     num_experts as num_local_experts). A layer is sparse unless listed in mlp_only_layers or off the
-    decoder_sparse_step (HF Qwen3MoeDecoderLayer: sparse where (i + 1) % step == 0)."""
+    decoder_sparse_step (HF Qwen3MoeDecoderLayer: sparse where (i + 1) % step == 0). mtp, mtp_prefix: MTP layers
+    whose quantized experts to list too (_quantized_experts; Qwen3-Next's)."""
     layers = cfg["num_hidden_layers"]
     experts = cfg.get("num_experts", cfg.get("num_local_experts", 128))
     top_k = cfg.get("num_experts_per_tok", 8)
@@ -339,21 +341,23 @@ def _qwen3_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported for Qwen3-MoE; "
                           "supported: silu")  # fmt: skip
     dense_layers = tuple(i for i in range(layers) if i in dense or (i + 1) % step)
-    packed = _quantized_experts(cfg, layers, dense_layers, experts)
+    packed = _quantized_experts(cfg, layers, dense_layers, experts, mtp=mtp, mtp_prefix=mtp_prefix)
     return dict(moe=MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width, activation="silu",
                               norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), dense_layers=dense_layers,
                               **packed))
 
 
 def _quantized_experts(cfg: dict[str, Any], layers: int, dense: tuple[int, ...], experts: int, shared: bool = False,
-                       mtp: int = 0) -> dict[str, Any]:  # fmt: skip
+                       mtp: int = 0, mtp_prefix: str | None = None) -> dict[str, Any]:  # fmt: skip
     """A quantized MoE checkpoint's FP8 or INT4 experts as MoEConfig's fields (runtime/quant_config.moe_experts; one
     ConfigError for a scheme the expert kernels do not read). shared: DeepSeek's shared_experts MLP, loaded as more
     experts (or beside them, float, next to INT4 routed experts). mtp: DeepSeek's multi-token-prediction layers after
     the model's (MoE layers), listed where the config quantizes their experts as the model's (from the config alone,
     as the model's layers: a checkpoint without their tensors serves as before); a config that would put them in
     another scheme leaves them out rather than refusing a model that serves without them (their quantized experts
-    are then dequantized at load into float ones, runtime/packed_load.load_mtp_weights)."""
+    are then dequantized at load into float ones, runtime/packed_load.load_mtp_weights). mtp_prefix: where the
+    checkpoint names the MTP layers (Qwen3-Next's "mtp.layers.": the j-th is module mtp.layers.j, index layers + j
+    here); None: as more of the model's layers (DeepSeek's model.layers.{layers + j})."""
     if not cfg.get("quantization_config"):
         return {}
     from envex.kernels import quant
@@ -361,8 +365,9 @@ def _quantized_experts(cfg: dict[str, Any], layers: int, dense: tuple[int, ...],
 
     names = [f"experts.{e}.{p}_proj" for e in range(experts) for p in ("gate", "up", "down")]
     sparse = [i for i in range(layers + mtp) if i not in dense]
-    side = {i: [f"model.layers.{i}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")] for i in sparse}
-    routed = {i: [f"model.layers.{i}.mlp.{n}" for n in names] for i in sparse}
+    prefix = {i: f"{mtp_prefix}{i - layers}" if i >= layers and mtp_prefix else f"model.layers.{i}" for i in sparse}
+    side = {i: [f"{prefix[i]}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")] for i in sparse}
+    routed = {i: [f"{prefix[i]}.mlp.{n}" for n in names] for i in sparse}
     found = moe_experts(cfg, {i: m for i, m in routed.items() if i < layers}, side if shared else None)
     if mtp:
         try:
@@ -490,19 +495,23 @@ def _qwen3_next_fields(cfg: dict[str, Any], rope_type: str, rope: dict[str, Any]
     if cfg.get("attention_bias"):
         raise ConfigError("config.json: attention_bias true is not supported for Qwen3-Next; no published checkpoint "
                           "has it")  # fmt: skip
-    if cfg.get("quantization_config"):
-        raise ConfigError("config.json: quantized (FP8) Qwen3-Next checkpoints are not supported yet; use the bf16 or "
-                          "float32 checkpoint")  # fmt: skip
+    mtp = _mtp_layers(cfg, 1)
+    # a quantized checkpoint's FP8 experts (the model's layers', and the one MTP layer Qwen3NextMTP reads, index
+    # num_hidden_layers, where the config quantizes it); its other projections are dequantized at load
     moe = _qwen3_moe_fields({**cfg, "num_experts": cfg.get("num_experts", 512),
                              "num_experts_per_tok": cfg.get("num_experts_per_tok", 10),
                              "moe_intermediate_size": cfg.get("moe_intermediate_size", 512),
-                             "norm_topk_prob": cfg.get("norm_topk_prob", True)})["moe"]  # fmt: skip
+                             "norm_topk_prob": cfg.get("norm_topk_prob", True)},
+                            mtp=min(mtp, 1), mtp_prefix="mtp.layers.")["moe"]  # fmt: skip
+    if moe.int4_layers:
+        raise ConfigError("config.json: INT4 experts are not supported for Qwen3-Next yet; serve its FP8 release "
+                          "(quant_method fp8) or the bf16 checkpoint")  # fmt: skip
     hybrid = HybridConfig(linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
                           num_k_heads=num_k, num_v_heads=num_v, head_k_dim=_positive(cfg, "linear_key_head_dim", 128),
                           head_v_dim=_positive(cfg, "linear_value_head_dim", 128), conv_width=width,
                           rotary_dim=rotary_dim,
                           shared_expert_size=_positive(cfg, "shared_expert_intermediate_size", 512))  # fmt: skip
-    return dict(moe=moe, hybrid=hybrid, mtp_layers=_mtp_layers(cfg, 1))
+    return dict(moe=moe, hybrid=hybrid, mtp_layers=mtp)
 
 
 def _mtp_layers(cfg: dict[str, Any], default: int) -> int:

@@ -245,8 +245,12 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
     if config.moe is not None:
         fp8, int4 = set(config.moe.fp8_layers), set(config.moe.int4_layers)
         shared = config.moe.int4_shared
-        return {n for n in names if (m := _EXPERT_TENSOR.match(n)) is not None and (int(m.group(1)) in fp8 or int(
-            m.group(1)) in int4 and (shared or ".shared_experts." not in n) and not n.endswith(".weight_shape"))}
+
+        def layer(m: re.Match[str]) -> int:  # Qwen3-Next's mtp.layers.j: index num_hidden_layers + j
+            return int(m.group(1)) if m.group(1) is not None else config.num_hidden_layers + int(m.group(2))
+
+        return {n for n in names if (m := _EXPERT_TENSOR.match(n)) is not None and (layer(m) in fp8 or layer(
+            m) in int4 and (shared or ".shared_experts." not in n) and not n.endswith(".weight_shape"))}
     kept = set()
     for name in names:
         module, _, suffix = name.rpartition(".")
@@ -256,7 +260,7 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
     return kept
 
 
-_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.(?:shared_)?experts\.")
+_EXPERT_TENSOR = re.compile(r"(?:model\.layers\.(\d+)|mtp\.layers\.(\d+))\.mlp\.(?:shared_)?experts\.")
 
 
 def build_device(loaded: LoadedModel, load_format: str, device: torch.device, *, weights: str | None = None,

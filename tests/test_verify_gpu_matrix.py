@@ -171,3 +171,38 @@ def test_the_qwen3_next_cell_is_a_hybrid_model_the_runtime_reads_and_its_rooflin
     state = len(hy.linear_layers) * hy.num_v_heads * hy.head_k_dim * hy.head_v_dim * 4
     kv = 6 * 2 * config.num_key_value_heads * config.head_dim * 2 * 1024
     assert step_bytes(M.MODELS["qwen3-next"].shape, 1024) == pytest.approx(2 * read + state + kv, rel=2e-4)
+
+
+def test_the_qwen3_next_fp8_cell_builds_fp8_experts_and_its_roofline_counts_their_bytes(tmp_path) -> None:
+    """The Qwen3-Next FP8 cell's dummy folder is the published model at all 48 layers with the FP8 release's
+    quantization_config, which --load-format dummy builds with FP8 routed experts (the MTP layer's too); its
+    batch-1 roofline bytes are that model's own parameters as held (the routed experts' FP8 codes and float32 block
+    scales, all else bf16) a decode step reads, plus the states and the 12 full layers' K/V."""
+    import torch
+
+    from envex.runtime.config import ModelConfig
+    from envex.runtime.models.qwen3_next import Qwen3NextForCausalLM
+    from envex.verify.lab.kernel_bench.bench_server import qwen3_next_step_bytes, step_bytes
+
+    cell = M.MODELS["qwen3-next-fp8"]
+    assert cell.cases == ("b1_1k", "b1_128k", "c64_8k") and cell.max_model_len == 131072
+    M.model_flags(cell, "default", tmp_path)
+    config = ModelConfig.from_hf(json.loads((tmp_path / "qwen3-next-fp8" / "config.json").read_text()))
+    moe, hy = config.moe, config.hybrid
+    assert moe is not None and hy is not None and config.num_hidden_layers == 48
+    assert moe.fp8_block == (128, 128) and moe.fp8_layers == tuple(range(49))  # the MTP layer's index 48 too
+    model = Qwen3NextForCausalLM(config, dtype=torch.bfloat16, device=torch.device("meta"))
+    held = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    experts = sum(b for name, b in held.items() if name.rpartition(".")[2] in ("gate_up_proj", "gate_up_proj_scale",
+                                                                              "down_proj", "down_proj_scale"))
+    assert model.layers[0].gate_up_proj.dtype == torch.float8_e4m3fn and 77e9 < experts < 78e9
+    unrouted = experts * (moe.num_experts - moe.top_k) // moe.num_experts
+    read = sum(held.values()) - unrouted - (config.vocab_size - 1) * config.hidden_size * 2
+    state = len(hy.linear_layers) * hy.num_v_heads * hy.head_k_dim * hy.head_v_dim * 4
+    kv = 12 * 2 * config.num_key_value_heads * config.head_dim * 2 * 1024
+    assert step_bytes(cell.shape, 1024) == pytest.approx(read + state + kv, rel=2e-4)
+    # exactly: against the same shape in bf16, the routed experts read (codes and scales, 368,640 bytes of scales
+    # a step: below the tolerance above) in place of their bf16 matrices
+    routed_bf16 = config.num_hidden_layers * moe.top_k * 3 * config.hidden_size * moe.intermediate_size * 2
+    saved = qwen3_next_step_bytes(cell.shape, 1024) - step_bytes(cell.shape, 1024)
+    assert saved == routed_bf16 - experts * moe.top_k // moe.num_experts

@@ -19,7 +19,12 @@ experts plus a shared expert gated per token by sigmoid(shared_expert_gate(h)). 
   loader skips them.
 
 HF reference: transformers/models/qwen3_next/modeling_qwen3_next.py. The published checkpoint holds each expert as
-`mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up stacks as in models/qwen3_moe.py.
+`mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up stacks as in models/qwen3_moe.py. The FP8
+release (Qwen3-Next-80B-A3B-Instruct-FP8: quantization_config "fp8", 128 x 128 blocks) keeps its routed experts so:
+FP8 stacks beside their `weight_scale_inv` block scales (MoEConfig.fp8_layers, the MTP layer's index
+num_hidden_layers too), expected by name; every other FP8 projection (attention, Gated DeltaNet, shared expert, the
+MTP module's fc) is dequantized at load by runtime/packed_load.py, and a small one stored float though the config
+does not list it (the gates) is read as float (offline_docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from envex.kernels import quant
 from envex.kernels.ops import (
     LINEAR_ATTENTION,
     MOE,
@@ -41,10 +47,10 @@ from envex.kernels.ops import (
     Ops,
 )
 from envex.runtime.config import ModelConfig
-from envex.runtime.models.decoder import DecoderStack, mtp_input, mtp_logits, param
+from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, mtp_input, mtp_logits, param
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)")  # float or FP8
 MTP_PREFIX = "mtp."  # the published checkpoints' names of the MTP module's tensors
 _ONE_PLUS = ("input_layernorm.weight", "post_attention_layernorm.weight")  # Qwen3NextRMSNorm: x·(1 + w)
 
@@ -119,10 +125,9 @@ class Qwen3NextLayer(nn.Module):
             e, inter, shared = moe.num_experts, moe.intermediate_size, hy.shared_expert_size
             self.shared_size = shared
             self.router_weight = param(e, h, dtype=dtype, device=device)
-            self.gate_up_proj = param(e, 2 * inter, h, dtype=dtype, device=device)  # rows gate_0, up_0, gate_1...
-            self.down_proj = param(e, h, inter, dtype=dtype, device=device)
-            self.experts = MoEWeights(gate_up=self.gate_up_proj, down=self.down_proj, activation="silu",
-                                      renormalize=moe.norm_topk_prob)  # fmt: skip
+            fp8 = moe.fp8_block if index in moe.fp8_layers else None  # an FP8 release's experts, kept so
+            stacks = expert_stacks(self, e, inter, h, dtype=dtype, device=device, fp8_block=fp8)
+            self.experts = MoEWeights(**stacks, activation="silu", renormalize=moe.norm_topk_prob)
             # the shared expert's [gate | up] and its one-row gate, from the same normed input
             self.shared_proj_weight = param(2 * shared + 1, h, dtype=dtype, device=device)
             self.shared_down_weight = param(h, shared, dtype=dtype, device=device)
@@ -200,9 +205,14 @@ def _load_layer(c: ModelConfig, layer: Qwen3NextLayer, rest: str, name: str, t: 
         return True
     if layer.sparse:
         expert = _EXPERT.fullmatch(rest)
-        if expert is not None and int(expert.group(1)) < layer.gate_up_proj.shape[0]:
+        stack = expert_tensor(layer, expert.group(2), expert.group(3)) if expert is not None else None
+        if expert is not None and stack is not None and int(expert.group(1)) < stack.shape[0]:
             e, proj = int(expert.group(1)), expert.group(2)
-            target = layer.down_proj[e] if proj == "down" else layer.gate_up_proj[e, (proj == "up") :: 2]
+            target = stack[e] if proj == "down" else stack[e, (proj == "up") :: 2]
+            if quant.FP8_DTYPE in (t.dtype, target.dtype) and t.dtype != target.dtype:  # copy_ would cast it
+                raise ValueError(f"weights: {name!r} is stored {t.dtype} where config.json's quantization_config "
+                                 f"makes this layer's experts {target.dtype}; the config's modules_to_not_convert "
+                                 "and the files disagree")  # fmt: skip
             _put(name, target, t, tuple(target.shape))
             return True
         s = layer.shared_size
@@ -265,6 +275,8 @@ def _layer_names(c: ModelConfig, layer: Qwen3NextLayer) -> list[str]:
     if not layer.sparse:
         return [*_ONE_PLUS, *names, *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
     experts = [f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts) for p in ("gate", "up", "down")]
+    if layer.experts is not None and layer.experts.fp8:  # an FP8 release's experts: their block scales too
+        experts += [f"{n}_scale_inv" for n in experts]
     shared = [f"mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
     return [*_ONE_PLUS, *names, "mlp.gate.weight", "mlp.shared_expert_gate.weight", *shared, *experts]
 
@@ -474,8 +486,14 @@ class Qwen3NextMTP(nn.Module):
         if not seen:
             raise ValueError(f"draft_model: 'mtp' needs the multi-token-prediction module's weights ({prefix}*), "
                              f"which {source} does not store; serve it without --draft-model mtp")  # fmt: skip
-        names = {"fc.weight", *_MTP_NORMS, *(f"layers.0.{n}" for n in _layer_names(c, self.layer))}
-        missing = sorted(names - seen)
+        missing = sorted(self.expected_weight_names() - {prefix + n for n in seen})
         if missing:
             raise ValueError(f"weights: {len(missing)} tensors of the multi-token-prediction module missing, e.g. "
-                             f"{[prefix + n for n in missing[:3]]}; the checkpoint is incomplete")  # fmt: skip
+                             f"{missing[:3]}; the checkpoint is incomplete")  # fmt: skip
+
+    def expected_weight_names(self) -> set[str]:
+        """The checkpoint's names of the module's tensors: fc, its norms and its decoder layer's (its FP8 experts'
+        block scales too where MoEConfig.fp8_layers names its index, num_hidden_layers: runtime/packed_load.py
+        load_mtp_weights hands those over as stored and dequantizes every other FP8 projection)."""
+        names = ("fc.weight", *_MTP_NORMS, *(f"layers.0.{n}" for n in _layer_names(self.config, self.layer)))
+        return {self.weight_prefix + n for n in names}

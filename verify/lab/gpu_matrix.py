@@ -115,6 +115,8 @@ MODELS = {
                           ("b1_1k", "b1_32k", "b1_128k", "c64_8k")),
     "qwen3-next": Model("qwen3-next", "Qwen3-Next-80B-A3B shape, 24 of 48 layers (dummy bf16)", SHAPES["qwen3-next"],
                         131072, ("b1_1k", "b1_128k", "c64_8k")),
+    "qwen3-next-fp8": Model("qwen3-next-fp8", "Qwen3-Next-80B-A3B-FP8 shape, 48 layers (dummy, FP8 experts)",
+                            SHAPES["qwen3-next-fp8"], 131072, ("b1_1k", "b1_128k", "c64_8k")),
     "embedded": Model("embedded", "SmolLM2-135M-Instruct (embedded, real weights)", None, None,
                       ("b1_1k", "c64_1k")),
 }  # fmt: skip

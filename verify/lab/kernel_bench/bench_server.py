@@ -75,6 +75,14 @@ SHAPES = {
         rms_norm_eps=1e-06, rope_scaling=None, rope_theta=10000000, shared_expert_intermediate_size=512,
         tie_word_embeddings=False, vocab_size=151936, torch_dtype="bfloat16"),
 }  # fmt: skip
+# Qwen/Qwen3-Next-80B-A3B-Instruct-FP8 at all 48 layers (about 80 GB: it fits one H200): the routed experts FP8 in
+# 128 x 128 blocks (dummy weights build them so), every other projection bf16 as the runtime dequantizes it at load;
+# the release's small projections left in float (offline_docs/quantization.md: the routers, the shared-expert gates
+# and in_proj_ba).
+SHAPES["qwen3-next-fp8"] = {**SHAPES["qwen3-next"], "num_hidden_layers": 48, "quantization_config": {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+    "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.{m}" for i in range(48) for m in (
+        "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba"))]}}  # fmt: skip
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
          "c64_1k_x6": (64, 1024, 256, 6)}
 
@@ -99,7 +107,8 @@ def step_bytes(shape: dict, context: int, weights: str = "bf16", kv_cache_dtype:
 
         return gpt_oss_step_bytes(shape, context)
     if shape["model_type"] == "qwen3_next":
-        return qwen3_next_step_bytes(shape, context)
+        fp8 = (shape.get("quantization_config") or {}).get("quant_method") == "fp8"
+        return qwen3_next_step_bytes(shape, context, fp8_experts=fp8)
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     d = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
@@ -111,11 +120,12 @@ def step_bytes(shape: dict, context: int, weights: str = "bf16", kv_cache_dtype:
     return n * projections + 2.0 * floats + n * kv_token * context
 
 
-def qwen3_next_step_bytes(shape: dict, context: int) -> float:
+def qwen3_next_step_bytes(shape: dict, context: int, fp8_experts: bool = False) -> float:
     """Bytes one batch-1 decode step of Qwen3-Next reads: the full-attention layers' projections (q with its gate)
     and the K/V of `context` tokens, the Gated DeltaNet layers' projections, conv weights and float32 states (read
     once; written back too, not counted), and per layer the router, the top-k experts and the shared expert with its
-    gate; the LM head and one embedding row. bf16 weights."""
+    gate; the LM head and one embedding row. bf16 weights; fp8_experts: the routed experts as an FP8 release keeps
+    them (one byte a weight and a float32 scale a 128 x 128 block of each matrix, projection_bytes' fp8_block)."""
     h, n, d = shape["hidden_size"], shape["num_hidden_layers"], shape["head_dim"]
     full = n // shape["full_attention_interval"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
@@ -125,10 +135,12 @@ def qwen3_next_step_bytes(shape: dict, context: int) -> float:
     attention = h * (2 * q + 2 * kv) + q * h
     linear = h * (2 * key_dim + 2 * value_dim + 2 * nv) + value_dim * h + (2 * key_dim + value_dim) * width
     inter, shared = shape["moe_intermediate_size"], shape["shared_expert_intermediate_size"]
-    moe = h * shape["num_experts"] + shape["num_experts_per_tok"] * 3 * h * inter + 3 * h * shared + h
+    moe = h * shape["num_experts"] + 3 * h * shared + h
+    expert = projection_bytes(2 * inter, h, "fp8_block" if fp8_experts else "bf16") + projection_bytes(
+        h, inter, "fp8_block" if fp8_experts else "bf16")  # fmt: skip
     weights = full * attention + (n - full) * linear + n * moe + shape["vocab_size"] * h + h
     state = (n - full) * nv * dk * dv * 4
-    return 2.0 * (weights + full * 2 * kv * context) + state
+    return 2.0 * (weights + full * 2 * kv * context) + n * shape["num_experts_per_tok"] * expert + state
 
 
 def write_model_dir(path: Path, shape: dict, *, weights: bool) -> None:
