@@ -206,3 +206,145 @@ def test_the_qwen3_next_fp8_cell_builds_fp8_experts_and_its_roofline_counts_thei
     routed_bf16 = config.num_hidden_layers * moe.top_k * 3 * config.hidden_size * moe.intermediate_size * 2
     saved = qwen3_next_step_bytes(cell.shape, 1024) - step_bytes(cell.shape, 1024)
     assert saved == routed_bf16 - experts * moe.top_k // moe.num_experts
+
+
+def _meta_model(shape: dict):
+    """The runtime's config of a shape (ModelConfig.from_hf) and its model on the meta device, bf16 as served."""
+    from envex.runtime.config import ModelConfig
+    from envex.runtime.models import model_class
+
+    config = ModelConfig.from_hf(shape)
+    return config, model_class(config)(config, dtype=torch.bfloat16, device=torch.device("meta"))
+
+
+def _same_parameters_as_hf(shape: dict, model) -> bool:
+    """HF transformers' own model of the config (on the meta device) holds as many weights as the runtime's: its
+    parameters and DeepSeek's e_score_correction_bias buffers against ours, FP8 block scales left out."""
+    import transformers
+
+    arch = shape["architectures"][0]
+    hf_config = {"Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig,
+                 "DeepseekV3ForCausalLM": transformers.DeepseekV3Config}[arch]  # fmt: skip
+    cfg = hf_config(**{k: v for k, v in shape.items() if k not in ("architectures", "model_type", "torch_dtype",
+                                                                    "quantization_config")})  # fmt: skip
+    with torch.device("meta"):
+        hf = getattr(transformers, arch)(cfg)
+    theirs = sum(p.numel() for p in hf.parameters()) + sum(
+        b.numel() for name, b in hf.named_buffers() if name.endswith("e_score_correction_bias"))
+    ours = sum(p.numel() for name, p in model.named_parameters() if not name.endswith("_proj_scale"))
+    return theirs == ours
+
+
+def _held(model) -> dict[str, int]:
+    return {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+
+
+def _expert_stacks(held: dict[str, int]) -> int:
+    """Bytes of every layer's expert stacks as held (codes and FP8 block scales; DeepSeek's shared experts too)."""
+    return sum(b for name, b in held.items() if name.rpartition(".")[2] in ("gate_up_proj", "gate_up_proj_scale",
+                                                                             "down_proj", "down_proj_scale"))
+
+
+def test_the_qwen3_30b_a3b_cell_is_the_published_config_and_its_roofline_counts_its_bytes(tmp_path) -> None:
+    """The Qwen3-30B-A3B cell's dummy folder is the published config, which the runtime reads (128 experts, top-8,
+    normalized, every layer sparse); its batch-1 roofline bytes are that model's own parameters a decode step reads
+    (all but the 120 experts a layer it does not route to and all but one embedding row), plus 48 layers' K/V."""
+    from envex.verify.lab.kernel_bench.bench_server import step_bytes
+
+    cell = M.MODELS["qwen3-30b-a3b"]
+    assert cell.cases == ("b1_1k", "b1_10k", "c64_1k") and "(dummy bf16)" in cell.label
+    assert M.model_flags(cell, "default", tmp_path)[2:] == ["--load-format", "dummy", "--max-model-len", "12288"]
+    assert all(M.CASES[c][1] + M.CASES[c][2] <= cell.max_model_len for c in cell.cases)
+    shape = json.loads((tmp_path / "qwen3-30b-a3b" / "config.json").read_text())
+    config, model = _meta_model(shape)
+    assert _same_parameters_as_hf(shape, model)
+    moe = config.moe
+    assert config.architecture == "Qwen3MoeForCausalLM" and config.qk_norm and config.num_hidden_layers == 48
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 768)
+    assert moe.norm_topk_prob and moe.dense_layers == () and not moe.fp8_layers
+    held = _held(model)
+    assert 30.4e9 < sum(held.values()) / 2 < 30.6e9  # 30.5B parameters
+    unrouted = _expert_stacks(held) * (moe.num_experts - moe.top_k) // moe.num_experts
+    read = sum(held.values()) - unrouted - (config.vocab_size - 1) * config.hidden_size * 2
+    kv = 48 * 2 * config.num_key_value_heads * config.head_dim * 2 * 1152
+    assert step_bytes(cell.shape, 1152) == read + kv
+    assert 4.15e12 / step_bytes(cell.shape, 1152) / 2 == pytest.approx(335, abs=1)  # issue 44: "about 340"
+
+
+def test_the_moonlight_cell_is_an_mla_model_in_its_8k_window_and_its_roofline_counts_the_latent_cache(
+        tmp_path) -> None:  # fmt: skip
+    """Moonlight-16B-A3B's published config (DeepSeek-V3 architecture: MLA without a q LoRA, one dense layer, 64
+    routed experts top-6 plus 2 shared, sigmoid routing with its bias) is read by the runtime; its window is 8K, so
+    the cell serves 8192 tokens and its cases fit in it (no 10K or 32K case). Its roofline bytes are the model's
+    parameters a step reads (the 58 experts a layer it does not route to left out; the float32 router and bias
+    counted at 4 bytes) plus the latent cache, whose bytes a token are the runtime's own."""
+    from envex.runtime.engine.config import model_window
+    from envex.verify.lab.kernel_bench.bench_server import step_bytes
+
+    cell = M.MODELS["moonlight"]
+    assert cell.cases == ("b1_1k", "b1_7k", "c64_1k") and "(dummy bf16)" in cell.label
+    M.model_flags(cell, "default", tmp_path)
+    shape = json.loads((tmp_path / "moonlight" / "config.json").read_text())
+    config, model = _meta_model(shape)
+    assert _same_parameters_as_hf(shape, model)
+    moe, mla = config.moe, config.mla
+    assert model_window(config) == cell.max_model_len == 8192
+    assert all(M.CASES[c][1] + M.CASES[c][2] <= 8192 for c in cell.cases) and M.CASES["b1_10k"][1] > 8192
+    assert mla is not None and mla.q_lora_rank is None and (mla.kv_lora_rank, mla.qk_rope_head_dim) == (512, 64)
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.shared_experts, moe.dense_layers) == (64, 6, 2, (0,))
+    assert moe.scoring == "sigmoid" and moe.routed_scaling_factor == 2.446 and config.mtp_layers == 0
+    assert model.layers[1].router_weight.dtype == torch.float32
+    held = _held(model)
+    assert 15.8e9 < sum(held.values()) / 2 < 16.1e9  # "16B"
+    stack = moe.num_experts + moe.shared_experts
+    unrouted = _expert_stacks(held) * (moe.num_experts - moe.top_k) // stack
+    read = sum(held.values()) - unrouted - (config.vocab_size - 1) * config.hidden_size * 2
+    per_token = model.kv_cache_bytes_per_block(16, torch.bfloat16) // 16
+    assert per_token == 27 * (512 + 64) * 2  # the latent row, no V: 31 KB a token over 27 layers
+    assert step_bytes(cell.shape, 1152) == read + per_token * 1152
+    assert step_bytes(cell.shape, 7808) / step_bytes(cell.shape, 1152) < 1.04  # the cache stays small at 7K
+
+
+def test_the_kimi_k2_width_cell_builds_fp8_experts_at_the_depth_that_loads_on_one_h200(tmp_path) -> None:
+    """Kimi K2's width (hidden 7168, 384 experts top-8 plus a shared one, MLA with a q LoRA, yarn) with its FP8
+    quantization_config: the runtime reads it and --load-format dummy builds FP8 routed and shared experts, every
+    other projection bf16. Its roofline bytes are those parameters as held (codes and float32 block scales) a step
+    reads, plus the latent cache. The depth is the largest that loads on one H200 (139 GiB): the weights plus
+    dummy_weights' fill of the largest FP8 stack (float32 normals, then their FP8 copy: 5 bytes an element) plus a
+    4 GiB reserve (CUDA context, allocator); serving, the weights and c32_2k's cache fit the engine's default
+    gpu_memory_utilization (0.85) easily. 7 layers would serve (101 GiB) if the fill went expert by expert."""
+    from envex.kernels import quant
+    from envex.verify.lab.kernel_bench.bench_server import KIMI_K2_WIDTH_LAYERS, SHAPES, step_bytes
+
+    cell = M.MODELS["kimi-k2-width"]
+    depth = KIMI_K2_WIDTH_LAYERS
+    assert cell.cases == ("b1_1k", "c32_2k") and f"(dummy FP8 experts, {depth} of 61 layers)" in cell.label
+    M.model_flags(cell, "default", tmp_path)
+    shape = json.loads((tmp_path / "kimi-k2-width" / "config.json").read_text())
+    config, model = _meta_model(shape)
+    assert _same_parameters_as_hf(shape, model)
+    moe, mla = config.moe, config.mla
+    assert mla is not None and (mla.q_lora_rank, mla.kv_lora_rank) == (1536, 512) and config.rope_yarn is not None
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.shared_experts, moe.intermediate_size) == (384, 8, 1,
+                                                                                                           2048)
+    assert moe.fp8_block == (128, 128) and moe.fp8_layers == tuple(range(1, depth)) and moe.dense_layers == (0,)
+    assert model.layers[1].gate_up_proj.dtype == quant.FP8_DTYPE and model.layers[1].kv_b_proj.dtype == torch.bfloat16
+    held = _held(model)
+    stack = moe.num_experts + moe.shared_experts
+    unrouted = _expert_stacks(held) * (moe.num_experts - moe.top_k) // stack
+    read = sum(held.values()) - unrouted - (config.vocab_size - 1) * config.hidden_size * 2
+    per_token = model.kv_cache_bytes_per_block(16, torch.bfloat16) // 16
+    assert per_token == depth * (512 + 64) * 2
+    assert step_bytes(cell.shape, 2176) == read + per_token * 2176
+
+    gib, h200 = 2**30, 139 * 2**30
+    fill = 5 * max(p.numel() for p in model.parameters())  # the largest stack's float32 normals and FP8 copy
+
+    def weights(layers: int) -> int:
+        return sum(_held(_meta_model({**SHAPES["kimi-k2-width"], "num_hidden_layers": layers})[1]).values())
+
+    assert weights(depth) == sum(held.values()) and 52 * gib < fill < 53 * gib
+    cache = depth * per_token * 32 * (2048 + 256)  # c32_2k's sequences, all resident
+    assert weights(depth) + fill + 4 * gib <= h200 and weights(depth) + cache + 4 * gib <= 0.85 * h200
+    assert weights(depth + 1) + fill + 4 * gib > h200
+    assert weights(7) + 4 * gib < 0.85 * h200 < weights(8) + 4 * gib  # serving alone: 7 layers

@@ -83,7 +83,7 @@ DRAFTS = {
 # name: (batch, prompt tokens, output tokens, timed runs after one warm-up)
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
          "b1_32k": (1, 32512, 256, 1), "b1_128k": (1, 130048, 256, 1), "c32_2k": (32, 2048, 256, 1),
-         "c64_8k": (64, 8192, 256, 1)}  # fmt: skip
+         "c64_8k": (64, 8192, 256, 1), "b1_7k": (1, 7680, 256, 2)}  # fmt: skip
 MODES = {"default": [], "no-det": ["--no-deterministic"], "det": ["--deterministic"],
          "spec4": ["--speculative-tokens", "4"], "draft": ["--draft-model"], "mtp": ["--draft-model", "mtp"],
          "tp2": ["--tensor-parallel", "2"], "fp8": ["--weights", "fp8_block"],
@@ -117,6 +117,16 @@ MODELS = {
                         131072, ("b1_1k", "b1_128k", "c64_8k")),
     "qwen3-next-fp8": Model("qwen3-next-fp8", "Qwen3-Next-80B-A3B-FP8 shape, 48 layers (dummy, FP8 experts)",
                             SHAPES["qwen3-next-fp8"], 131072, ("b1_1k", "b1_128k", "c64_8k")),
+    # issue 44's MoE models: Qwen3-30B-A3B (GQA); Moonlight-16B-A3B (MLA), whose published window is 8K: its longest
+    # batch-1 case is b1_7k, not 10K or 32K; Kimi K2's width at the depth that loads on one H200 (bench_server's
+    # KIMI_K2_WIDTH_LAYERS), timed per layer against its bytes
+    "qwen3-30b-a3b": Model("qwen3-30b-a3b", "Qwen3-30B-A3B (dummy bf16)", SHAPES["qwen3-30b-a3b"], 12288,
+                           ("b1_1k", "b1_10k", "c64_1k")),
+    "moonlight": Model("moonlight", "Moonlight-16B-A3B (dummy bf16)", SHAPES["moonlight"], 8192,
+                       ("b1_1k", "b1_7k", "c64_1k")),
+    "kimi-k2-width": Model("kimi-k2-width", "Kimi K2 width (dummy FP8 experts, "
+                           f"{SHAPES['kimi-k2-width']['num_hidden_layers']} of 61 layers)", SHAPES["kimi-k2-width"],
+                           12288, ("b1_1k", "c32_2k")),
     "embedded": Model("embedded", "SmolLM2-135M-Instruct (embedded, real weights)", None, None,
                       ("b1_1k", "c64_1k")),
 }  # fmt: skip

@@ -83,6 +83,48 @@ SHAPES["qwen3-next-fp8"] = {**SHAPES["qwen3-next"], "num_hidden_layers": 48, "qu
     "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
     "modules_to_not_convert": ["lm_head", *(f"model.layers.{i}.{m}" for i in range(48) for m in (
         "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_ba"))]}}  # fmt: skip
+# Issue 44's MoE models, as their published config.json files state them (written from knowledge of those files;
+# the values marked "unsure" are the ones not re-checked against the file). Qwen/Qwen3-30B-A3B: GQA with q/k norm,
+# 128 experts, top-8, every layer sparse; 30.5B in bf16 fits one H200.
+SHAPES["qwen3-30b-a3b"] = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", attention_bias=False, bos_token_id=151643,
+    decoder_sparse_step=1, eos_token_id=151645, head_dim=128, hidden_act="silu", hidden_size=2048,
+    intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[],
+    moe_intermediate_size=768, norm_topk_prob=True, num_attention_heads=32, num_experts=128, num_experts_per_tok=8,
+    num_hidden_layers=48, num_key_value_heads=4, rms_norm_eps=1e-06, rope_scaling=None, rope_theta=1000000.0,
+    sliding_window=None, tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936,
+    torch_dtype="bfloat16")  # fmt: skip
+# moonshotai/Moonlight-16B-A3B (DeepseekV3ForCausalLM): MLA without a q LoRA, one dense first layer, 64 routed experts
+# top-6 plus 2 shared, sigmoid routing with the correction bias in one group; an 8K window (no rope scaling), so no
+# 10K or 32K case. Unsure: rope_theta 50000 and rms_norm_eps 1e-5 (HF DeepseekV3Config's defaults are 10000 and
+# 1e-6), bos/eos 163584/163585 and num_nextn_predict_layers 0 (no MTP module; HF's default 1 would be wrong).
+SHAPES["moonlight"] = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", attention_bias=False, bos_token_id=163584,
+    eos_token_id=163585, first_k_dense_replace=1, hidden_act="silu", hidden_size=2048, intermediate_size=11264,
+    kv_lora_rank=512, max_position_embeddings=8192, moe_intermediate_size=1408, moe_layer_freq=1, n_group=1,
+    n_routed_experts=64, n_shared_experts=2, norm_topk_prob=True, num_attention_heads=16, num_experts_per_tok=6,
+    num_hidden_layers=27, num_key_value_heads=16, num_nextn_predict_layers=0, q_lora_rank=None, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, rms_norm_eps=1e-05, rope_scaling=None, rope_theta=50000.0, routed_scaling_factor=2.446,
+    scoring_func="sigmoid", tie_word_embeddings=False, topk_group=1, topk_method="noaux_tc", v_head_dim=128,
+    vocab_size=163840, torch_dtype="bfloat16")  # fmt: skip
+# moonshotai/Kimi-K2-Instruct's width (DeepseekV3ForCausalLM; model_type kimi_k2 as published): MLA with a q LoRA,
+# 384 routed experts top-8 plus 1 shared, FP8 in 128 x 128 blocks (the experts, shared one included, kept FP8; its
+# other FP8 projections are dequantized to bf16 at load), at KIMI_K2_WIDTH_LAYERS of its 61 layers. Unsure: eos
+# 163585 (its generation_config stops at 163586 too), rope_theta 50000 and the yarn parameters.
+KIMI_K2_WIDTH_LAYERS = 5  # tests/test_verify_gpu_matrix.py counts why: the weights and --load-format dummy's fill
+SHAPES["kimi-k2-width"] = dict(
+    architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", attention_bias=False, bos_token_id=163584,
+    eos_token_id=163585, first_k_dense_replace=1, hidden_act="silu", hidden_size=7168, intermediate_size=18432,
+    kv_lora_rank=512, max_position_embeddings=131072, moe_intermediate_size=2048, moe_layer_freq=1, n_group=1,
+    n_routed_experts=384, n_shared_experts=1, norm_topk_prob=True, num_attention_heads=64, num_experts_per_tok=8,
+    num_hidden_layers=KIMI_K2_WIDTH_LAYERS, num_key_value_heads=64, num_nextn_predict_layers=0, q_lora_rank=1536,
+    qk_nope_head_dim=128, qk_rope_head_dim=64,
+    quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                         "weight_block_size": [128, 128]},
+    rms_norm_eps=1e-06, rope_scaling={"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0,
+                                      "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+    rope_theta=50000.0, routed_scaling_factor=2.827, scoring_func="sigmoid", tie_word_embeddings=False,
+    topk_group=1, topk_method="noaux_tc", v_head_dim=128, vocab_size=163840, torch_dtype="bfloat16")  # fmt: skip
 CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64, 1024, 256, 2),
          "c64_1k_x6": (64, 1024, 256, 6)}
 
@@ -109,6 +151,17 @@ def step_bytes(shape: dict, context: int, weights: str = "bf16", kv_cache_dtype:
     if shape["model_type"] == "qwen3_next":
         fp8 = (shape.get("quantization_config") or {}).get("quant_method") == "fp8"
         return qwen3_next_step_bytes(shape, context, fp8_experts=fp8)
+    arch = (shape.get("architectures") or [""])[0]
+    if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM") and weights != "bf16":
+        raise ValueError(f"step_bytes: weights {weights!r} has no roofline for {arch}; its experts are counted as "
+                         "its config stores them (bf16, or FP8 by its quantization_config)")  # fmt: skip
+    if arch == "Qwen3MoeForCausalLM":
+        return qwen3_moe_step_bytes(shape, context, kv_cache_dtype)
+    if arch == "DeepseekV3ForCausalLM":
+        if kv_cache_dtype != "bf16":
+            raise ValueError(f"step_bytes: kv_cache_dtype {kv_cache_dtype!r} has no roofline for {arch}; its latent "
+                             "cache is held in the model dtype (bf16)")  # fmt: skip
+        return deepseek_step_bytes(shape, context)
     h, i, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     d = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
@@ -141,6 +194,56 @@ def qwen3_next_step_bytes(shape: dict, context: int, fp8_experts: bool = False) 
     weights = full * attention + (n - full) * linear + n * moe + shape["vocab_size"] * h + h
     state = (n - full) * nv * dk * dv * 4
     return 2.0 * (weights + full * 2 * kv * context) + n * shape["num_experts_per_tok"] * expert + state
+
+
+def _expert_bytes(hidden: int, inter: int, fp8: bool) -> float:
+    """One SwiGLU expert's gate, up and down matrices as the runtime holds them (models/decoder.expert_stacks): bf16,
+    or FP8 codes with a float32 scale a 128 x 128 block (projection_bytes' fp8_block)."""
+    scheme = "fp8_block" if fp8 else "bf16"
+    return projection_bytes(2 * inter, hidden, scheme) + projection_bytes(hidden, inter, scheme)
+
+
+def qwen3_moe_step_bytes(shape: dict, context: int, kv_cache_dtype: str = "bf16") -> float:
+    """Bytes one batch-1 decode step of Qwen3-MoE reads (models/qwen3_moe.py, bf16): each layer's q/k/v and o
+    projections, q/k norms, two norms and router (bf16, as the runtime holds it), the top-k routed experts of each
+    sparse layer (a dense one's MLP: mlp_only_layers, decoder_sparse_step), the K/V of `context` tokens in
+    kv_cache_dtype (kv_bytes_per_token); the final norm, the LM head and one embedding row."""
+    h, n, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
+    d, kv_heads = shape.get("head_dim") or h // heads, shape["num_key_value_heads"]
+    step = shape.get("decoder_sparse_step", 1)
+    dense = sum(i in (shape.get("mlp_only_layers") or []) or (i + 1) % step > 0 for i in range(n))
+    attention = h * (heads + 2 * kv_heads) * d + heads * d * h + 2 * d + 2 * h
+    router = shape["num_experts"] * h
+    weights = 2.0 * (n * attention + (n - dense) * router + dense * 3 * h * shape["intermediate_size"]
+                     + shape["vocab_size"] * h + 2 * h)  # fmt: skip
+    experts = (n - dense) * shape["num_experts_per_tok"] * _expert_bytes(h, shape["moe_intermediate_size"], False)
+    return weights + experts + n * kv_bytes_per_token(kv_cache_dtype, kv_heads, d) * context
+
+
+def deepseek_step_bytes(shape: dict, context: int) -> float:
+    """Bytes one batch-1 decode step of a DeepSeek-V3-architecture model reads (models/deepseek.py): each layer's
+    MLA projections (q_a_proj with its norm and q_b_proj, or q_proj; kv_a_proj_with_mqa with its norm; kv_b_proj,
+    whose per-head halves decode absorbs; o_proj) and two norms in bf16; the first_k_dense_replace layers' dense MLP;
+    each MoE layer's float32 router and correction bias, its top-k routed experts and its shared experts, bf16 or, where
+    the config's quantization_config is "fp8", FP8 in 128 x 128 blocks (the runtime keeps experts so and dequantizes
+    every other FP8 projection to bf16 at load: runtime/packed_load.py); the latent cache of `context` tokens, one row
+    of kv_lora_rank + qk_rope_head_dim bf16 values a token and layer (DeepseekV3ForCausalLM.make_kv_caches); the
+    final norm, the LM head and one embedding row."""
+    h, n, heads = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"]
+    rank, rope = shape["kv_lora_rank"], shape["qk_rope_head_dim"]
+    nope, v = shape["qk_nope_head_dim"], shape["v_head_dim"]
+    q_out, q_lora = heads * (nope + rope), shape.get("q_lora_rank")
+    q = h * q_out if q_lora is None else h * q_lora + q_lora + q_lora * q_out  # q_proj, or q_a, its norm and q_b
+    attention = q + h * (rank + rope) + rank + heads * (nope + v) * rank + heads * v * h + 2 * h
+    dense = shape.get("first_k_dense_replace", 3)
+    quant = shape.get("quantization_config") or {}
+    fp8 = quant.get("quant_method") == "fp8"
+    if fp8 and quant.get("weight_block_size", [128, 128]) != [128, 128]:
+        raise ValueError(f"step_bytes: FP8 blocks {quant['weight_block_size']} have no roofline; [128, 128] has")
+    experts = shape["num_experts_per_tok"] + shape["n_shared_experts"]
+    moe = 4.0 * shape["n_routed_experts"] * (h + 1) + experts * _expert_bytes(h, shape["moe_intermediate_size"], fp8)
+    weights = 2.0 * (n * attention + dense * 3 * h * shape["intermediate_size"] + shape["vocab_size"] * h + 2 * h)
+    return weights + (n - dense) * moe + 2.0 * n * (rank + rope) * context
 
 
 def write_model_dir(path: Path, shape: dict, *, weights: bool) -> None:
