@@ -303,6 +303,8 @@ def test_the_moonlight_cell_is_an_mla_model_in_its_8k_window_and_its_roofline_co
     assert per_token == 27 * (512 + 64) * 2  # the latent row, no V: 31 KB a token over 27 layers
     assert step_bytes(cell.shape, 1152) == read + per_token * 1152
     assert step_bytes(cell.shape, 7808) / step_bytes(cell.shape, 1152) < 1.04  # the cache stays small at 7K
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4' has no roofline for DeepseekV3ForCausalLM"):
+        step_bytes(cell.shape, 1152, kv_cache_dtype="int4")  # the latent cache is the model dtype's
 
 
 def test_the_kimi_k2_width_cell_builds_fp8_experts_at_the_depth_that_loads_on_one_h200(tmp_path) -> None:

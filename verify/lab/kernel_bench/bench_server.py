@@ -143,7 +143,8 @@ def step_bytes(shape: dict, context: int, weights: str = "bf16", kv_cache_dtype:
     """Bytes one batch-1 decode step reads: every weight but the embedding table (one row of it), bf16, plus the
     K and V of `context` cached tokens in every layer. weights: the projections' scheme (projection_bytes; Llama
     family only), the LM head and norms staying bf16 as a weights policy leaves them; kv_cache_dtype: the cache's
-    format (kernels.kv_quant_format.kv_bytes_per_token, Llama family only)."""
+    format (kernels.kv_quant_format.kv_bytes_per_token, Llama family and Qwen3-MoE). The MoE models have functions
+    of their own (gpt-oss, Qwen3-Next, Qwen3-MoE, DeepSeek-V3), which count the experts a step routes to as stored."""
     if shape["model_type"] == "gpt_oss":  # MoE, MXFP4 experts, window layers
         from envex.verify.lab.kernel_bench.bench_gpt_oss import step_bytes as gpt_oss_step_bytes
 
