@@ -111,7 +111,7 @@ SHAPES["moonlight"] = dict(
 # 384 routed experts top-8 plus 1 shared, FP8 in 128 x 128 blocks (the experts, shared one included, kept FP8; its
 # other FP8 projections are dequantized to bf16 at load), at KIMI_K2_WIDTH_LAYERS of its 61 layers. Unsure: eos
 # 163585 (its generation_config stops at 163586 too), rope_theta 50000 and the yarn parameters.
-KIMI_K2_WIDTH_LAYERS = 5  # tests/test_verify_gpu_matrix.py counts why: the weights and --load-format dummy's fill
+KIMI_K2_WIDTH_LAYERS = 7  # tests/test_verify_gpu_matrix.py counts why: the weights, the cache, the reserve
 SHAPES["kimi-k2-width"] = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", attention_bias=False, bos_token_id=163584,
     eos_token_id=163585, first_k_dense_replace=1, hidden_act="silu", hidden_size=7168, intermediate_size=18432,
