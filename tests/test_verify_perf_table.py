@@ -40,11 +40,11 @@ def test_throughput_rows_carry_the_run_figures_and_their_source(results: Path) -
     page = _page(results)
     default = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`default`")
     assert default == ("| Llama-3.1-8B (dummy bf16) | NVIDIA H200 | `default` | det off | 245.3 (244.9–245.6) | "
-                       f"82.8% | 231.0 (230.4–231.3) | 4,418 (4,390–4,440) | 34.2 | 41.2 | {SOURCE} |")
+                       f"82.8% | 231.0 (230.4–231.3) | 4,418 (4,390–4,440) | — | 34.2 | 41.2 | {SOURCE} |")
     # a case the cell did not record is a dash, never a number
     draft = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`draft`")
-    assert "| 301.2 (299.8–303.0) [1 excluded] | — | — | — | 37.9 | 63.0 |" in draft
-    assert "| 400.5 (399.1–401.2) | 83.4% | 372.0 (371.2–373.5) | — | 52.7 |" in _row(
+    assert "| 301.2 (299.8–303.0) [1 excluded] | — | — | — | — | 37.9 | 63.0 |" in draft
+    assert "| 400.5 (399.1–401.2) | 83.4% | 372.0 (371.2–373.5) | — | — | 52.7 |" in _row(
         page, "gpt-oss-120b (dummy MXFP4)", "NVIDIA H200", "`default`")
     # every row of every table names the run's date, commit and raw file
     table_rows = [line for line in page.splitlines() if line.startswith("| ") and "`" in line
@@ -56,7 +56,7 @@ def test_refused_and_failed_cells_show_their_line_not_numbers(results: Path) -> 
     page = _page(results)
     tp2 = _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`tp2`")
     assert tp2 == ("| Llama-3.1-8B (dummy bf16) | NVIDIA H200 | `tp2` | **refused**: tp2: --tensor-parallel 2 needs "
-                   f"2 GPUs; this host has 1 |  |  |  |  |  |  | {SOURCE} |")
+                   f"2 GPUs; this host has 1 |  |  |  |  |  |  |  | {SOURCE} |")
     assert ("- gpt-oss-120b (dummy MXFP4) on NVIDIA H200, `spec4`: **failed**: spec4: the server exited with code 1 "
             f"before it was ready (server-gpt-oss-120b-spec4.log) ({SOURCE})") in page.splitlines()
     assert sum(line.startswith("- ") for line in page.splitlines()) == 3  # tp2, gpt-oss det, gpt-oss spec4
@@ -159,6 +159,8 @@ def test_low_bit_weights_packed_kv_and_recurrent_state(results: Path) -> None:
     state = _row(page, "Qwen3-Next", "NVIDIA H200", "`default`", section="Recurrent state")
     assert "| 77.0 | 513 | 38.58 | 3,000,000 | 131,072 | 22 |" in state  # 3M // 131,072 = 22 windows < 256 slots
     assert "No run has recorded a hybrid model yet." not in page
+    # a case beyond the three columns is in "other cases", with its roofline share where the cell has one
+    assert "| — | — | — | b1_128k: 120.0 |" in _row(page, "Llama-3.1-8B, 128K", "NVIDIA H200", "`default`")
     kv_row = _row(page, "Llama-3.1-8B, 128K", "NVIDIA H200", "`kv-int4`", "det off", section="Packed KV")
     assert "| 1,420,000 (3.55× of 400,000) | — | — | 204.0 (1.70× of 120.0) | — |" in kv_row
     assert "| det off, 1 drafts, MTP |" in _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`mtp`",

@@ -183,6 +183,19 @@ def _median(cell: Mapping[str, Any], name: str) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
+def _other_cases(cell: Mapping[str, Any]) -> str:
+    """The cell's timed cases beyond the three columns (a model's long-context or other batch cases), each as
+    `name: median (share of roofline)`, in the order the cell ran them."""
+    shown = {name for name, _ in CASES}
+    parts = []
+    for name in cell.get("cases") or {}:
+        if name in shown or (median := _median(cell, name)) is None:
+            continue
+        share = _case(cell, name).get("share_of_roofline")
+        parts.append(f"{name}: {_num(median)}" + (f" ({_share(share)})" if share is not None else ""))
+    return _text("; ".join(parts)) if parts else DASH
+
+
 def _ttft(cell: Mapping[str, Any]) -> float | None:
     value = _case(cell, "b1_1k").get("ttft_ms")
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
@@ -263,19 +276,22 @@ def _throughput_section(runs: Sequence[Run]) -> list[str]:
     for run, cell in _rows(runs):
         head = [_label(cell), _text(run.gpu), f"`{_text(cell.get('mode'))}`"]
         if (line := _not_ok(cell)) is not None:
-            rows.append([*head, line, "", "", "", "", "", "", run.source])
+            rows.append([*head, line, "", "", "", "", "", "", "", run.source])
             continue
         share = _share(_case(cell, "b1_1k").get("share_of_roofline"))
         rows.append([*head, _resolved(cell), _figure(cell, "b1_1k"), share, _figure(cell, "b1_10k"),
-                     _figure(cell, "c64_1k"), _num(_ttft(cell)), _num(cell.get("ready_s")), run.source])
+                     _figure(cell, "c64_1k"), _other_cases(cell), _num(_ttft(cell)), _num(cell.get("ready_s")),
+                     run.source])  # fmt: skip
     return ["## Throughput", "",
             "Decode tokens/s of one request at a time (batch 1) after a 1K-token prompt (256 out) and a 10K-token "
             "prompt (512 out), with the batch-1 1K figure's share of the byte roofline; output tokens/s of 64 "
-            "concurrent 1K/256 requests; time to the first token of a 1K prompt at batch 1; seconds from start to "
+            "concurrent 1K/256 requests; the model's other cases (e.g. `b1_128k`: batch 1 after 128K tokens, "
+            "`c64_8k`: 64 concurrent 8K/256; with their roofline share); time to the first token of a 1K prompt at "
+            "batch 1; seconds from start to "
             "ready. Medians, with the spread of the runs in brackets (a run whose served token count differed is "
             "excluded, and counted); each measured through `envex serve` as `verify/lab/gpu_matrix.py` says.", "",
             *_table(["model", "GPU", "mode", "resolved", "b1 1K/256 tok/s", "of roofline", "b1 10K/512 tok/s",
-                     "64× 1K/256 tok/s", "TTFT 1K (ms)", "ready (s)", "source"], rows)]
+                     "64× 1K/256 tok/s", "other cases", "TTFT 1K (ms)", "ready (s)", "source"], rows)]
 
 
 def deterministic_costs(det: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, float]:
