@@ -134,7 +134,7 @@ def validate_json(cls: type[_M], data: bytes) -> _M:
     except ValueError as exc:
         if isinstance(exc, ValidationError) and exc.errors():
             first = exc.errors()[0]
-            raise ValueError(".".join(str(p) for p in first["loc"]) + ": " + first["msg"]) from None
+            raise ValueError(one_line(".".join(str(p) for p in first["loc"])) + ": " + first["msg"]) from None
         raise ValueError(str(exc)) from None
 
 

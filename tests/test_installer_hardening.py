@@ -392,3 +392,12 @@ def test_a_downgrade_refusal_says_it_is_a_downgrade(world):
     with pytest.raises(Exception, match="downgrade refused"):
         refuse_downgrades(verified, "fake-model")
     refuse_downgrades(verify_all(scan, root, State()), None)  # nothing refused: nothing to say
+
+
+def test_a_state_file_key_with_a_newline_is_named_on_one_line() -> None:
+    """A field path holds the file's own keys: one with a newline (high_water's, here) is escaped in the message."""
+    from envex.installer.state import validate_json
+
+    with pytest.raises(ValueError) as err:
+        validate_json(State, json.dumps({"high_water": {"model\nname": 3}}).encode())
+    assert str(err.value) == "high_water.model\\nname: Input should be a valid string"

@@ -171,6 +171,17 @@ _JSON = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=4)
                      | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)  # fmt: skip
 
 
+def test_a_key_with_a_newline_stays_on_one_line(recorded) -> None:
+    """The fuzzer's find (twentieth session): a field set to a mapping whose key is a newline gave a two-line error,
+    the key being part of the field's path; the path is escaped now (bundles.files.one_line)."""
+    doc = json.loads(recorded.read_bytes())
+    doc["computed_on"] = {"\n": False}
+    with pytest.raises(ReferencesError) as err:
+        parse_references(json.dumps(doc).encode(), "refs.json")
+    assert str(err.value) == ("refs.json: field computed_on.\\n: Input should be a valid string; compute it again "
+                              "with `envex media references`")
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_the_parser_refuses_anything_malformed_in_one_line(recorded, data):

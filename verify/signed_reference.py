@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from envex.bundles.files import one_line
 from envex.runtime.engine import SamplingParams, TokenLogprob
 from envex.runtime.engine.engine import Completion
 from envex.runtime.loader import ModelSource
@@ -141,7 +142,7 @@ def parse_references(data: bytes, where: str) -> ReferencesFile:
         refs = ReferencesFile.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"])
+        field = one_line(".".join(str(p) for p in first["loc"]))  # a key of the file's own may hold a newline
         raise ReferencesError(f"{where}: field {field}: {first['msg']}; compute it again with `envex media "
                               "references`") from None  # fmt: skip
     for answer in refs.greedy:
