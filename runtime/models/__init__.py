@@ -46,7 +46,6 @@ def model_class(config: ModelConfig) -> type[nn.Module]:
         ) from None
 
 
-@torch.no_grad()
 def _matrices(param: torch.Tensor) -> list[torch.Tensor]:
     """A stack of matrices (experts [E, N, K]) as its matrices, a matrix as itself: random codes are drawn a
     matrix at a time, so the float draw beside a stack is one expert's (Kimi K2's 385-expert stack drawn whole in
@@ -54,6 +53,7 @@ def _matrices(param: torch.Tensor) -> list[torch.Tensor]:
     return list(param.view(-1, *param.shape[-2:])) if param.dim() > 2 else [param]
 
 
+@torch.no_grad()
 def dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """Random weights with realistic magnitudes, made on the model's device (vLLM's --load-format dummy): norm
     weights 1, biases small, matrices N(0, 1/sqrt(fan_in)) so activations keep their scale through the layers;
