@@ -76,7 +76,7 @@ def _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS: tl.constexp
     return tl.load(s_ptr + (rows // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=row_ok, other=0.0)
 
 
-_TWO_23_BITS = tl.constexpr(0x4B000000)  # the float32 2^23; an integer below 2^23 OR-ed into its mantissa adds
+_TWO_23_BITS = tl.constexpr(0x4B000000)  # the float32 2^23: an integer below 2^23 OR-ed into it is added exactly
 _TWO_23 = tl.constexpr(8388608.0)
 
 

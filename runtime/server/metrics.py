@@ -79,6 +79,7 @@ class Metrics:
         metric("envex_requests_total", "counter", "HTTP requests by endpoint and status code.",
                [f'envex_requests_total{{endpoint="{_escape(e)}",status="{s}"}} {n}'
                 for (e, s), n in sorted(self.requests.items())])
+        states = getattr(getattr(async_engine.engine, "runner", None), "states", None)  # a hybrid's state slots
         for name, kind, help_text, value in (
             ("envex_prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats.prompt_tokens_total),
             ("envex_generation_tokens_total", "counter", "Tokens generated.", stats.generation_tokens_total),
@@ -102,18 +103,17 @@ class Metrics:
             ("envex_kv_blocks_used", "gauge", "KV-cache blocks in use.", stats.kv_blocks_used),
             ("envex_kv_blocks_total", "gauge", "KV-cache blocks in the pool.", stats.kv_blocks_total),
             ("envex_engine_up", "gauge", "1 while the engine thread is alive.", int(async_engine.is_running)),
+            ("envex_state_bytes_per_sequence", "gauge",
+             "Recurrent state one sequence holds over the model's linear-attention layers (0: none).",
+             states.bytes_per_slot if states is not None else 0),
+            ("envex_state_slots_total", "gauge",
+             "Recurrent-state slots allocated: one live a sequence, prefix snapshots, scratch and verify slots.",
+             states.total_slots if states is not None else 0),
         ):
             metric(name, kind, help_text, [f"{name} {value}"])
         metric("envex_speculative_info", "gauge", "Speculative decoding: the drafter and the most drafts per step.",
                [f'envex_speculative_info{{drafter="{_escape(stats.speculative_drafter or "off")}",'
                 f'max_k="{stats.speculative_max_k}"}} 1'])
-        states = getattr(getattr(async_engine.engine, "runner", None), "states", None)  # a hybrid's state slots
-        metric("envex_state_bytes_per_sequence", "gauge",
-               "Recurrent state one sequence holds over the model's linear-attention layers (0: none).",
-               [f"envex_state_bytes_per_sequence {states.bytes_per_slot if states is not None else 0}"])
-        metric("envex_state_slots_total", "gauge",
-               "Recurrent-state slots allocated: one live a sequence, prefix snapshots, scratch and verify slots.",
-               [f"envex_state_slots_total {states.total_slots if states is not None else 0}"])
         config = async_engine.engine.config  # resolved: what this server actually runs
         # Tokens the KV pool holds in its format (fp8 / int4 packed: more blocks in the same memory), all layers.
         metric("envex_kv_cache_capacity_tokens", "gauge", "Tokens the KV-cache pool holds, in its kv_cache_dtype.",
