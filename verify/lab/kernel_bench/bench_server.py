@@ -179,7 +179,7 @@ def qwen3_next_step_bytes(shape: dict, context: int, fp8_experts: bool = False) 
     and the K/V of `context` tokens, the Gated DeltaNet layers' projections, conv weights and float32 states (read
     once; written back too, not counted), and per layer the router, the top-k experts and the shared expert with its
     gate; the LM head and one embedding row. bf16 weights; fp8_experts: the routed experts as an FP8 release keeps
-    them (one byte a weight and a float32 scale a 128 x 128 block of each matrix, projection_bytes' fp8_block)."""
+    them (_expert_bytes)."""
     h, n, d = shape["hidden_size"], shape["num_hidden_layers"], shape["head_dim"]
     full = n // shape["full_attention_interval"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
@@ -190,8 +190,7 @@ def qwen3_next_step_bytes(shape: dict, context: int, fp8_experts: bool = False) 
     linear = h * (2 * key_dim + 2 * value_dim + 2 * nv) + value_dim * h + (2 * key_dim + value_dim) * width
     inter, shared = shape["moe_intermediate_size"], shape["shared_expert_intermediate_size"]
     moe = h * shape["num_experts"] + 3 * h * shared + h
-    expert = projection_bytes(2 * inter, h, "fp8_block" if fp8_experts else "bf16") + projection_bytes(
-        h, inter, "fp8_block" if fp8_experts else "bf16")  # fmt: skip
+    expert = _expert_bytes(h, inter, fp8_experts)
     weights = full * attention + (n - full) * linear + n * moe + shape["vocab_size"] * h + h
     state = (n - full) * nv * dk * dv * 4
     return 2.0 * (weights + full * 2 * kv * context) + n * shape["num_experts_per_tok"] * expert + state
