@@ -49,7 +49,7 @@ L2_COPIES_BYTES = 2 * 50 * 2**20  # twice an H100's / H200's L2
 
 def copies(w: torch.Tensor | quant.PackedWeight) -> list:
     """Enough copies of w to exceed L2 twice together (w itself first)."""
-    n = max(1, -(-L2_COPIES_BYTES // (w.nbytes if isinstance(w, quant.PackedWeight) else w.nbytes)))
+    n = max(1, -(-L2_COPIES_BYTES // w.nbytes))  # a tensor's bytes, or a PackedWeight's codes, scales and zeros
     return [w] + [_clone(w) for _ in range(min(n, 20) - 1)]
 
 
