@@ -33,7 +33,6 @@ class OracleDrafter:
     name = "oracle"
     in_verify_graph = True
     wants_hidden = False
-    has_shadow = False
 
     def __init__(self, answers: list[list[int]], spoil: int, device: torch.device) -> None:
         width = max(map(len, answers))

@@ -38,7 +38,7 @@ class _Runner(SimpleNamespace):
 class _FixedDrafts:
     """A drafter that proposes given tokens (what is drafted does not matter to the forward)."""
 
-    name, in_verify_graph, wants_hidden, has_shadow = "fixed", True, False, False
+    name, in_verify_graph, wants_hidden = "fixed", True, False
 
     def __init__(self, drafts: torch.Tensor) -> None:
         self.drafts = drafts

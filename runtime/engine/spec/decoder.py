@@ -37,7 +37,7 @@ from envex.runtime.engine.sampler import sampling_probs
 from envex.runtime.engine.scheduler import ScheduledChunk
 from envex.runtime.engine.sequence import Sequence, Status
 from envex.runtime.engine.spec.depth import DepthController, SpecState, StepCosts, k_ladder
-from envex.runtime.engine.spec.drafters import Drafter, DraftModelDrafter, NgramDrafter, NgramIndex
+from envex.runtime.engine.spec.drafters import Drafter, DraftModelDrafter, NgramDrafter
 from envex.runtime.engine.spec.graphs import SpecGraphs
 from envex.runtime.engine.spec.mtp import MtpDrafter
 from envex.runtime.engine.step import LaunchedStep, StepRunner
@@ -122,16 +122,17 @@ class SpecDecoder:
         # A row holds every position a verify step may write: a sequence the host has not yet seen finish at
         # max_model_len may have one more step chained (its length max_model_len + 2 at most), plus k + 1 tokens.
         self.width = self.max_model_len + max_k + 2
-        spare = max_num_seqs  # padding rows of a graph read this row
+        self.spare = max_num_seqs  # padding rows of a graph read this row
         self.hist = torch.zeros(max_num_seqs + 1, self.width, dtype=torch.int64, device=self.device)
         self.lens = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)
-        self.lens[spare] = 2
-        self.spare = spare
+        self.lens[self.spare] = 2
         self._free = list(range(max_num_seqs))
         self._owner: dict[int, Sequence] = {}
         self.costs = costs or StepCosts()
+        # n-gram lookup's rule on the host tells what speculation would have accepted while it is off
+        self._shadow = drafter.shadow_index if isinstance(drafter, NgramDrafter) else None
         self.controller = DepthController(self.ks, self.costs, max_batch=self.max_batch,
-                                          shadow=isinstance(drafter, NgramDrafter))  # fmt: skip
+                                          shadow=self._shadow is not None)  # fmt: skip
         self.graphs = SpecGraphs(runner, self, drafter, sizes=graph_ladder(self.max_batch), ks=self.ks,
                                  capture=capture)  # fmt: skip
 
@@ -141,8 +142,8 @@ class SpecDecoder:
         if seq.spec is None:
             seq.spec = self.controller.start()
         state = seq.spec
-        if self.controller.shadow and state.shadow is None:  # built from the known tokens (a pending one joins later)
-            state.shadow = NgramIndex()
+        if self._shadow is not None and state.shadow is None:  # from the known tokens (a pending one joins later)
+            state.shadow = self._shadow()
             state.shadow.extend(seq.all_token_ids)
         return state
 
@@ -187,16 +188,19 @@ class SpecDecoder:
             return None
         return ks
 
-    def _take_row(self, seq: Sequence) -> int | None:
-        if not self._free:  # reclaim rows of sequences that left the running batch (preempted, finished)
-            for owner in list(self._owner.values()):
-                if owner.status is not Status.RUNNING:
-                    self.release(owner)
-        if not self._free:
-            return None
-        row = self._free.pop()
-        self._owner[row] = seq
-        return row
+    def _row(self, seq: Sequence) -> int | None:
+        """The sequence's row of hist, taken on first use (None: every row is taken)."""
+        state = self.state(seq)
+        if state.row is None:
+            if not self._free:  # reclaim rows of sequences that left the running batch (preempted, finished)
+                for owner in list(self._owner.values()):
+                    if owner.status is not Status.RUNNING:
+                        self.release(owner)
+            if not self._free:
+                return None
+            state.row, state.synced = self._free.pop(), 0
+            self._owner[state.row] = seq
+        return state.row
 
     def release(self, seq: Sequence) -> None:
         state = seq.spec
@@ -208,25 +212,15 @@ class SpecDecoder:
     def on_hidden(self, chunks: list[ScheduledChunk], hidden: torch.Tensor, pending: torch.Tensor | None) -> None:
         """The runner's plain steps (ModelRunner.on_hidden): an MTP drafter takes the target's hidden states of each
         speculation-eligible sequence's rows, under the sequence's row of hist (given one here)."""
-        rows: list[int | None] = []
-        for c in chunks:
-            state = self.state(c.seq) if eligible(c.seq.params) else None
-            if state is not None and state.row is None and (row := self._take_row(c.seq)) is not None:
-                state.row, state.synced = row, 0
-            rows.append(state.row if state is not None else None)
+        rows = [self._row(c.seq) if eligible(c.seq.params) else None for c in chunks]
         self.drafter.absorb(chunks, rows, hidden, pending)  # type: ignore[attr-defined]
 
     def sync(self, seqs: list[Sequence]) -> bool:
         """Before a verify step launched from host-known state: give each sequence a row of hist holding all its
         known tokens and lens = its length (uploads only what the device lacks); the drafter catches up.
         False (nothing launched) when rows run out."""
-        for seq in seqs:
-            state = self.state(seq)
-            if state.row is None:
-                row = self._take_row(seq)
-                if row is None:
-                    return False
-                state.row, state.synced = row, 0
+        if any(self._row(seq) is None for seq in seqs):
+            return False
         index: list[int] = []
         values: list[int] = []
         for seq in seqs:
@@ -324,12 +318,9 @@ class SpecDecoder:
 
     def wants(self, steps: StepRunner) -> bool:
         """Whether the running batch would speculate now (then a plain step in flight is read first)."""
-        scheduler = steps.scheduler
-        if scheduler.waiting or not scheduler.running:
-            return False
-        seqs = scheduler.running
-        if any(s.num_tokens - s.num_computed_tokens > 1 for s in seqs):  # a prompt still being computed
-            return False
+        scheduler, seqs = steps.scheduler, steps.scheduler.running
+        if scheduler.waiting or not seqs or any(s.num_tokens - s.num_computed_tokens > 1 for s in seqs):
+            return False  # (the last: a prompt still being computed)
         return self.plan(seqs, budget=scheduler.max_num_batched_tokens) is not None
 
     def on_decoded(self, seq: Sequence, token: int, batch: int) -> None:
@@ -381,7 +372,6 @@ class SpecDecoder:
                 steps.retire(seq)
         return outputs
 
-
     def _accept(self, logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, seqs: list[Sequence],
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor, dict[int, str]]:  # fmt: skip
         tokens, accepted = accept_greedy(logits, drafts, num_drafts)
@@ -396,26 +386,19 @@ class SpecDecoder:
             probs = sampling_probs(logits[idx].reshape(len(sampled) * k1, -1), params).view(len(sampled), k1, -1)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the batch
             return tokens, accepted, {i: _failure(seqs[i].params, exc) for i in sampled}
-        shared = [j for j, i in enumerate(sampled) if seqs[i].generator is None]
-        for j, i in enumerate(sampled):
-            gen = seqs[i].generator
-            if gen is None:
-                continue
-            try:  # a seeded request draws alone from its own generator, as many uniforms whatever the batch's k
-                u = torch.rand((1, self.max_k), generator=gen, device=logits.device)[:, :k1 - 1]
-                t, a = rejection_sample(probs[j:j + 1], drafts[i:i + 1], num_drafts[i:i + 1], u, gen)
-                tokens[i], accepted[i] = t[0], a[0]
-            except Exception as exc:  # noqa: BLE001
-                errors[i] = _failure(seqs[i].params, exc)
-        if shared:
+        # A seeded request draws alone from its own generator, as many uniforms whatever the batch's k; the rest
+        # draw together from the engine's.
+        groups = [([i], seqs[i].generator, self.max_k) for i in sampled if seqs[i].generator is not None]
+        if shared := [i for i in sampled if seqs[i].generator is None]:
+            groups.append((shared, generator, k1 - 1))
+        for group, gen, width in groups:
             try:
-                sel = upload(shared, torch.int64, logits.device)
-                rows = upload([sampled[j] for j in shared], torch.int64, logits.device)
-                u = torch.rand((len(shared), k1 - 1), generator=generator, device=logits.device)
-                t, a = rejection_sample(probs[sel], drafts[rows], num_drafts[rows], u, generator)
-                tokens[rows], accepted[rows] = t, a
+                rows = upload(group, torch.int64, logits.device)
+                sel = upload([sampled.index(i) for i in group], torch.int64, logits.device)
+                u = torch.rand((len(group), width), generator=gen, device=logits.device)[:, :k1 - 1]
+                tokens[rows], accepted[rows] = rejection_sample(probs[sel], drafts[rows], num_drafts[rows], u, gen)
             except Exception as exc:  # noqa: BLE001
-                errors.update({sampled[j]: _failure(seqs[sampled[j]].params, exc) for j in shared})
+                errors.update({i: _failure(seqs[i].params, exc) for i in group})
         return tokens, accepted, errors
 
 

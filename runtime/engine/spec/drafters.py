@@ -66,7 +66,6 @@ class Drafter(Protocol):
     name: str
     in_verify_graph: bool  # True: propose() is captured in the verify graph; False: in a graph of its own
     wants_hidden: bool  # True: needs the target's hidden states (MTP): `record` after a verify, `absorb` eagerly
-    has_shadow: bool  # True: NgramIndex can tell on the host what it would have accepted (no probing needed)
 
     def propose(self, x: SpecInputs) -> None:
         """Write x.drafts[:, :k] and x.num_drafts (<= max(x.k_limit, 0)) for every row, from x.hist / x.seq_lens."""
@@ -119,7 +118,6 @@ class NgramDrafter:
     name = "ngram"
     in_verify_graph = True
     wants_hidden = False
-    has_shadow = True
 
     def __init__(self, *, max_ngram: int = NGRAM_MAX, window: int = NGRAM_WINDOW) -> None:
         self.max_ngram = max_ngram
@@ -140,6 +138,7 @@ class NgramDrafter:
         return None
 
     def shadow_index(self) -> NgramIndex:
+        """The host's incremental form of this drafter's rule (the depth controller's view while speculation is off)."""
         return NgramIndex(max_ngram=self.max_ngram, window=self.window)
 
 
@@ -162,7 +161,6 @@ class DraftModelDrafter:
     name = "draft_model"
     in_verify_graph = False
     wants_hidden = False
-    has_shadow = False
 
     def __init__(self, runner, *, max_num_batched_tokens: int) -> None:  # runner: ModelRunner of the draft
         self.runner = runner

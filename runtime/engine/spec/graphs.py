@@ -32,12 +32,11 @@ class SpecGraphs:
         # Block-table columns for every key a row may read (SpecDecoder.width: up to max_model_len + k + 1).
         self.width = -(-(self.max_model_len + max(ks) + 2) // self.block_size)
         self.capture = capture and self.device.type == "cuda"
-        kv_heads = runner.model_config.num_key_value_heads
         self._inputs: dict[tuple[int, int], SpecInputs] = {}
         self._packed: dict[tuple[int, int], torch.Tensor] = {}
         self._cu: dict[tuple[int, int], torch.Tensor] = {}
         self._splits: dict[tuple[int, int], int | None] = {}
-        self._kv_heads = kv_heads
+        self._kv_heads = runner.model_config.num_key_value_heads
         # Eager steps (no capture) run their exact batch (buffers made when first needed); pad=True pads them to
         # the ladder as the graphs do, padding rows included.
         self.pad = self.capture
