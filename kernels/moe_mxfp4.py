@@ -8,9 +8,10 @@ widen each tile's codes and multiply them by their row's block scale in register
 kernels widen a tile's codes to the activation dtype for the tensor cores and scale each output column's product;
 only the chosen experts' bytes are read. INT4 releases' experts (Kimi K2's pack-quantized groups of 32, AWQ /
 GPTQ: int32 words of 8 codes with group scales and optional zeros, quant.Int4GroupStack) likewise, as the
-constexpr INT4_G > 0: the GEMVs take each word's 8 codes against the 8 input planes (the words' own layout, as
-MXFP4) and scale each word's sum by its group's scale, the grouped kernels unpack a tile's codes less their zero
-(small integers, exact in bf16) for the tensor cores and scale each output column's product by its group scale.
+constexpr INT4_G > 0: the GEMVs take each word's 8 codes less their zero against the 8 input planes (the words' own
+layout, as MXFP4) and scale each word's sum by its group's scale, the grouped kernels unpack a tile's codes less
+their zero (small integers, exact in bf16) for the tensor cores and scale each output column's product by its group
+scale. Codes become floats without an int-to-float conversion (quant_gemv's 2^23 trick).
 
 Two paths, chosen by the number of token rows T (`fused_moe`):
 
@@ -58,7 +59,7 @@ from envex.kernels._common import (
     prefetch_l2,
 )
 from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
-from envex.kernels.quant_gemv import int4_nibbles
+from envex.kernels.quant_gemv import TWO_23, TWO_23_BITS, int4_nibbles
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
@@ -237,9 +238,18 @@ def _int4_zero(z_ptr, off, ok):
 
 
 @triton.jit
-def _int4_codes(words, R: tl.constexpr, BK: tl.constexpr):
-    """int32 words [R, BK/8] -> their codes u [R, BK] in 0..15 (input 8c + j from nibble j of word c)."""
-    return tl.reshape(int4_nibbles(words), [R, BK])
+def _int4_tile(words, zero, R: tl.constexpr, BK: tl.constexpr):
+    """int32 words [R, BK/8] and their zero points [R] (int32) -> u - zero [R, BK] in float32, exact (input 8c + j
+    from nibble j of word c). No int-to-float conversion (quant_gemv._int4_codes: 2^23 + u by OR, 2^23 + zero
+    subtracted)."""
+    u = tl.reshape((int4_nibbles(words) | TWO_23_BITS).to(tl.float32, bitcast=True), [R, BK])
+    return u - (zero.to(tl.float32) + TWO_23)[:, None]
+
+
+@triton.jit
+def _int4_code(words, shift: tl.constexpr):
+    """2^23 + the 4-bit code at bit `shift` of each word, a float32 made by OR (see _int4_tile)."""
+    return (((words >> shift) & 0xF) | TWO_23_BITS).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -259,13 +269,11 @@ def _int4_rows_dot(w_rows, s_ptr, z_ptr, s_off, row_ok, x_base, K: tl.constexpr,
         x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
         g_off = s_off[:, None] + (f * 8 // G)[None, :]
         sc = tl.reshape(tl.load(s_ptr + g_off, mask=m, other=0.0).to(tl.float32), [R, GB, 4])
-        zero = tl.reshape(_int4_zero(z_ptr, g_off, m).to(tl.float32), [R, GB, 4])
-        d = ((words & 0xF).to(tl.float32) * x0 + ((words >> 4) & 0xF).to(tl.float32) * x1
-             + ((words >> 8) & 0xF).to(tl.float32) * x2 + ((words >> 12) & 0xF).to(tl.float32) * x3
-             + ((words >> 16) & 0xF).to(tl.float32) * x4 + ((words >> 20) & 0xF).to(tl.float32) * x5
-             + ((words >> 24) & 0xF).to(tl.float32) * x6 + ((words >> 28) & 0xF).to(tl.float32) * x7)
-        xs = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
-        acc += tl.sum((d - zero * xs) * sc, axis=2)
+        z = tl.reshape(_int4_zero(z_ptr, g_off, m).to(tl.float32), [R, GB, 4]) + TWO_23  # 2^23 + zero
+        d = ((_int4_code(words, 0) - z) * x0 + (_int4_code(words, 4) - z) * x1 + (_int4_code(words, 8) - z) * x2
+             + (_int4_code(words, 12) - z) * x3 + (_int4_code(words, 16) - z) * x4 + (_int4_code(words, 20) - z) * x5
+             + (_int4_code(words, 24) - z) * x6 + (_int4_code(words, 28) - z) * x7)  # (u - zero) · x, exact codes
+        acc += tl.sum(d * sc, axis=2)
     return acc
 
 
@@ -688,10 +696,10 @@ def _gate_up_grouped_kernel(
                 w_mask = j_ok[:, None] & (c < K // 8)[None, :]
                 g_row = w_ptr + e64 * stride_we + (2 * j).to(tl.int64)[:, None] * stride_wn + c[None, :]
                 s_off = e64 * stride_se + (2 * j) * stride_sn + k0 // INT4_G
-                g_t = _int4_codes(tl.load(g_row, mask=w_mask, other=0), BLOCK_I, BLOCK_K) - \
-                    _int4_zero(z_ptr, s_off, j_ok)[:, None]  # fmt: skip
-                u_t = _int4_codes(tl.load(g_row + stride_wn, mask=w_mask, other=0), BLOCK_I, BLOCK_K) - \
-                    _int4_zero(z_ptr, s_off + stride_sn, j_ok)[:, None]  # fmt: skip
+                g_t = _int4_tile(tl.load(g_row, mask=w_mask, other=0), _int4_zero(z_ptr, s_off, j_ok), BLOCK_I,
+                                 BLOCK_K)  # fmt: skip
+                u_t = _int4_tile(tl.load(g_row + stride_wn, mask=w_mask, other=0),
+                                 _int4_zero(z_ptr, s_off + stride_sn, j_ok), BLOCK_I, BLOCK_K)  # fmt: skip
                 g_sc = s_ptr + s_off
             else:
                 w_mask = j_ok[:, None] & k_ok[None, :]
@@ -764,7 +772,7 @@ def _down_grouped_kernel(
                 w_words = tl.load(w_ptr + e64 * stride_we + n.to(tl.int64)[:, None] * stride_wn + c[None, :],
                                   mask=n_ok[:, None] & (c < INTER // 8)[None, :], other=0)  # fmt: skip
                 s_off = e64 * stride_se + n * stride_sn + k0 // INT4_G
-                w_t = _int4_codes(w_words, BLOCK_N, BLOCK_K) - _int4_zero(z_ptr, s_off, n_ok)[:, None]
+                w_t = _int4_tile(w_words, _int4_zero(z_ptr, s_off, n_ok), BLOCK_N, BLOCK_K)
             else:
                 w_t = tl.load(w_ptr + e64 * stride_we + n.to(tl.int64)[:, None] * stride_wn + k[None, :],
                               mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip

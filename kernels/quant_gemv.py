@@ -76,8 +76,8 @@ def _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS: tl.constexp
     return tl.load(s_ptr + (rows // SCALE_ROWS) * stride_sn + k0 // SCALE_COLS, mask=row_ok, other=0.0)
 
 
-_TWO_23_BITS = tl.constexpr(0x4B000000)  # the float32 2^23: an integer below 2^23 OR-ed into it is added exactly
-_TWO_23 = tl.constexpr(8388608.0)
+TWO_23_BITS = tl.constexpr(0x4B000000)  # the float32 2^23: an integer below 2^23 OR-ed into it is added exactly
+TWO_23 = tl.constexpr(8388608.0)
 
 
 @triton.jit
@@ -94,12 +94,12 @@ def _int4_codes(words, s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_
     Each code becomes a float without an int-to-float conversion (a quarter-rate instruction on Hopper, one per
     weight): OR-ed into the mantissa of 2^23 it is the float 2^23 + u, and 2^23 + zero is subtracted (both exact),
     as Marlin and the LUT-free dequantizers do."""
-    u = (int4_nibbles(words) | _TWO_23_BITS).to(tl.float32, bitcast=True)  # 2^23 + u
+    u = (int4_nibbles(words) | TWO_23_BITS).to(tl.float32, bitcast=True)  # 2^23 + u
     s = tl.load(s_ptr + rows64 * stride_sn + grp, mask=ok, other=0.0).to(tl.float32)
     if HAS_ZERO:
-        z = tl.load(z_ptr + rows64 * stride_zn + grp, mask=ok, other=0).to(tl.float32) + _TWO_23
+        z = tl.load(z_ptr + rows64 * stride_zn + grp, mask=ok, other=0).to(tl.float32) + TWO_23
     else:
-        z = tl.full(s.shape, _TWO_23 + 8.0, dtype=tl.float32)
+        z = tl.full(s.shape, TWO_23 + 8.0, dtype=tl.float32)
     return u - z[:, :, None], s
 
 
