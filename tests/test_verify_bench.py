@@ -206,3 +206,24 @@ def test_bench_quant_gemm_sweeps_run_end_to_end_with_a_stand_in_timer(monkeypatc
         assert set(entry) == {"bf16", *bench.SCHEMES}
         assert list(entry["fp8_channel"]["all"]) == ["default", "8,128,4", "8,256,4"]
     assert len(seen) == 4 * 2 * 3 + 3 * (1 + 3 * 3)  # the failing config never reached the timer
+
+
+def test_bench_moe_fp8_runs_every_form_end_to_end_with_a_stand_in_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The MoE experts bench (verify/lab/kernel_bench/bench_moe_fp8.py: FP8, INT4 and bf16 experts by token rows) on
+    a small layer under the interpreter, both paths (the decode GEMV, the grouped kernels past GEMV_MAX_ROWS), with
+    a stand-in timer: each form's result is checked against its float64 reference and its floor counts its bytes."""
+    from envex.kernels.moe_mxfp4 import GEMV_MAX_ROWS
+    from envex.verify.lab.kernel_bench import bench_moe_fp8 as bench
+
+    monkeypatch.setattr(bench, "graph_time_ms", lambda fn, n_inner: (fn(0), 0.01)[1])
+    small = {"E": 8, "H": 256, "INTER": 128, "TOP_K": 2, "ROTATE": 2, "ROWS": (1, GEMV_MAX_ROWS + 1)}
+    for name, value in small.items():
+        monkeypatch.setattr(bench, name, value)
+    report = bench.bench(torch.device("cpu"), torch.Generator().manual_seed(0), {"read_TBps": 1e-6})
+    assert list(report["rows"]) == [1, GEMV_MAX_ROWS + 1]
+    for row in report["rows"].values():
+        assert set(row) == {"experts_chosen_per_input", "fp8", "int4", "bf16"}
+        for form, bytes_per_weight in bench.BYTES_PER_WEIGHT.items():
+            assert row[form]["us"] == 10.0 and row[form]["rel_err"] < 2e-2, (form, row[form])
+            floor = row["experts_chosen_per_input"] * 3 * 256 * 128 * bytes_per_weight
+            assert row[form]["floor_us"] == round(floor, 2)

@@ -1,14 +1,14 @@
-"""Qwen3-30B-A3B's MoE experts on one GPU: FP8 block-scaled experts (the FP8 release's layout) against bf16 ones, by
-token rows (issues 42, 44).
+"""Qwen3-30B-A3B's MoE experts on one GPU: FP8 block-scaled experts (the FP8 release's layout) and INT4 ones (Kimi K2's
+layout: symmetric, groups of 32, bf16 scales) against bf16 ones, by token rows (issues 42, 44).
 
     python3 -m envex.verify.lab.kernel_bench.bench_moe_fp8 --out $OUT --commit C
 
 One layer's experts (128 × gate-up [1536, 2048] and down [2048, 768], top 8), random weights at dummy magnitudes,
-quantized to 128 × 128 blocks (kernels.quant.quantize_fp8_stack); moe_mxfp4.fused_moe timed in CUDA graphs at
+quantized to 128 × 128 blocks (kernels.quant.quantize_fp8_stack) and to INT4 groups of 32
+(quantize_int4_stack); moe_mxfp4.fused_moe timed in CUDA graphs at
 each row count, "cold" (8 inputs in rotation whose routings pick other experts) for both forms. Per row count:
-the times, the bytes of the experts the rows choose (the decode floor at the measured read bandwidth), and the FP8
-result's relative error against the float64 reference on the same dequantized experts (and bf16's against its
-own), so a fast wrong kernel shows.
+the times, the bytes of the experts the rows choose (the decode floor at the measured read bandwidth), and each
+form's relative error against the float64 reference on its own dequantized experts, so a fast wrong kernel shows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from envex.verify.lab.kernel_bench._bench_lib import graph_time_ms, measure_band
 E, H, INTER, TOP_K = 128, 2048, 768, 8
 ROWS = (1, 2, 4, 8, 16, 64, 256, 1024)
 ROTATE = 8
+BYTES_PER_WEIGHT = {"fp8": 1.0, "int4": 0.5 + 2 / 32, "bf16": 2.0}  # codes and scales (FP8's 128 x 128: ~0)
 
 
 def main() -> None:
@@ -36,16 +37,23 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
     dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
+    report = bench(dev, torch.Generator(device=dev).manual_seed(0), measure_bandwidth())
+    report = {"commit": args.commit, "device": torch.cuda.get_device_name(), **report}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "moe_fp8.json").write_text(json.dumps(report, indent=1))
+
+
+def bench(dev: torch.device, gen: torch.Generator, bw: dict) -> dict:
+    """Every form at every row count: {"shape", "bandwidth", "rows": {t: {"experts_chosen_per_input", form: {"us",
+    "floor_us", "rel_err"}}}}."""
     wg = torch.randn(E, 2 * INTER, H, generator=gen, device=dev) * H**-0.5
     wd = torch.randn(E, H, INTER, generator=gen, device=dev) * INTER**-0.5
-    gu, dn = quant.quantize_fp8_stack(wg, paired=True), quant.quantize_fp8_stack(wd)
-    forms = {"fp8": (gu, dn), "bf16": (wg.bfloat16(), wd.bfloat16())}
+    forms = {"fp8": (quant.quantize_fp8_stack(wg, paired=True), quant.quantize_fp8_stack(wd)),
+             "int4": (quant.quantize_int4_stack(wg, 32), quant.quantize_int4_stack(wd, 32)),
+             "bf16": (wg.bfloat16(), wd.bfloat16())}  # fmt: skip
     del wg, wd
     f64 = {name: (_cpu64(g), _cpu64(d)) for name, (g, d) in forms.items()}  # the reference's experts, made once
-    bw = measure_bandwidth()
-    report: dict = {"commit": args.commit, "device": torch.cuda.get_device_name(), "shape": [E, H, INTER, TOP_K],
-                    "bandwidth": bw, "rows": {}}  # fmt: skip
+    report: dict = {"shape": [E, H, INTER, TOP_K], "bandwidth": bw, "rows": {}}
     for t in ROWS:
         xs = [torch.randn(t, H, generator=gen, device=dev).bfloat16() for _ in range(ROTATE)]
         # float32 router logits: bf16 ones tie at the top-k edge, which the kernel and the reference break apart
@@ -58,8 +66,7 @@ def main() -> None:
                                    down_bias=None, alpha=1.702, limit=7.0, activation="silu")  # fmt: skip
 
             us = graph_time_ms(run, n_inner=2 * ROTATE) * 1e3
-            per_expert = 3 * H * INTER * (1 if name == "fp8" else 2)
-            floor_us = chosen * per_expert / (bw["read_TBps"] * 1e12) * 1e6
+            floor_us = chosen * 3 * H * INTER * BYTES_PER_WEIGHT[name] / (bw["read_TBps"] * 1e12) * 1e6
             out = run(0).double().cpu()
             w, ids = ref.moe_route(logits[0].double().cpu(), TOP_K)
             g64, d64 = f64[name]
@@ -67,11 +74,10 @@ def main() -> None:
             row[name] = {"us": round(us, 2), "floor_us": round(floor_us, 2), "rel_err": rel_err(out, want)}
         report["rows"][t] = row
         print(t, json.dumps(row), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "moe_fp8.json").write_text(json.dumps(report, indent=1))
+    return report
 
 
-def _cpu64(w: torch.Tensor | quant.FP8BlockStack) -> torch.Tensor:
+def _cpu64(w: torch.Tensor | quant.FP8BlockStack | quant.Int4GroupStack) -> torch.Tensor:
     """The stack's experts in float64 on the CPU (the reference's)."""
     if isinstance(w, torch.Tensor):
         return w.double().cpu()
