@@ -233,3 +233,32 @@ def test_dummy_weights_build_the_packed_layout(release) -> None:
             assert isinstance(w, quant.PackedWeight) and w.block == HELD[block].get(name, block)
             assert bool((w.scale == w.shape[1] ** -0.5).all()) and abs(float(w.data.float().std()) - 1) < 0.15
     assert model.layers[0].in_proj_ba_weight.dtype == model.layers[0].shared_gate_weight.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_80b_qkvg_matrix_on_cuda() -> None:
+    """The published 80B's [q | k | v | gate] matrix (9,216 x 2,048) gathered from FP8 q/k/v parts in 128 x 128
+    blocks by the model's row maps (per-row scales), on the GPU: the packed GEMV at 1 row (with the add + RMSNorm
+    prologue) and the packed GEMM at 9 rows against the dequantized weight in float64."""
+    from envex.runtime.models.qwen3_next import _row_maps
+    from envex.tests.test_runtime_qwen3_next import PUBLISHED
+    from envex.tests.test_runtime_qwen3_next_fp8 import FP8_CONFIG
+
+    config = ModelConfig.from_hf({**PUBLISHED, "quantization_config": FP8_CONFIG})
+    maps = _row_maps(config, linear=False, sparse=True, fp8=True)
+    n, k = config.q_size * 2 + 2 * config.kv_size, config.hidden_size
+    w = quant.PackedWeight(scheme=quant.FP8_BLOCK, shape=(n, k), block=(1, 128),
+                           data=torch.zeros(n, k, dtype=quant.FP8_DTYPE, device="cuda"),
+                           scale=torch.zeros(n, 16, device="cuda"))  # fmt: skip
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for module in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        _, rows = maps[module]
+        part = torch.randn(rows.numel(), k, device="cuda", generator=gen) / k**0.5
+        quant.put_rows(w, rows, quant.quantize_fp8(part, quant.FP8_BLOCK, (128, 128)))
+    w64 = quant.dequantize(w, torch.float64)
+    a, b, nw = (torch.randn(1, k, device="cuda", generator=gen).bfloat16() for _ in range(3))
+    y, _ = quant_gemv(a, w, prologue=gemv.PROLOGUE_ADD_RMS, b=b, norm_weight=nw[0], eps=1e-6)
+    assert_close("80b qkvg gemv", y, ref.add_rms_norm_linear(*f64(a, b, nw[0]), 1e-6, w64)[0], torch.bfloat16)
+    x = torch.randn(9, k, device="cuda", generator=gen).bfloat16()
+    assert_close("80b qkvg gemm", quant_gemm(x, w), ref.linear(*f64(x), w64), torch.bfloat16)
