@@ -5,6 +5,8 @@ A linear layer's float weight is W [N, K] (N outputs, K inputs). `PackedWeight` 
   fp8_block    data float8_e4m3fn [N, K]; scale float32 [ceil(N/bn), ceil(K/bk)], one per bn x bk block (128 x 128
                in every published checkpoint): W[n, k] = data[n, k] * scale[n // bn, k // bk]. The DeepSeek-V3 /
                Kimi K2 / Qwen3-FP8 layout, whose scale tensor is named `weight_scale_inv` although it multiplies.
+               A model's matrix gathered from a checkpoint's rows across blocks holds block (1, bk): one scale row
+               a row, the blocks' scales repeated (put_rows).
   fp8_channel  data float8_e4m3fn [N, K]; scale float32 [N]: W[n, k] = data[n, k] * scale[n]
                (compressed-tensors float-quantized, strategy "channel": `weight_scale` [N, 1]).
   fp8_tensor   data float8_e4m3fn [N, K]; scale float32 [1]: W = data * scale (strategy "tensor").
@@ -416,6 +418,37 @@ def concat_outputs(parts: list[PackedWeight]) -> PackedWeight:
         return PackedWeight(scheme=FP8_TENSOR, shape=(n, k), data=data, scale=first.scale.clone())
     rows = [p.scale if p.scheme == FP8_CHANNEL else p.scale.expand(p.shape[0]) for p in parts]
     return PackedWeight(scheme=FP8_CHANNEL, shape=(n, k), data=data, scale=torch.cat(rows).contiguous())
+
+
+def keeps_blocks(rows: torch.Tensor, bn: int) -> bool:
+    """Whether writing a matrix's rows at `rows` of another (its row j at rows[j]) moves each of its bn-row blocks
+    whole onto one bn-row block, at the same offsets (a last, partial block too): then its fp8_block scales can move
+    with the blocks (put_rows); else the target holds one scale row per row."""
+    j = torch.arange(rows.numel(), device=rows.device)
+    start = j - j % bn  # each row's block's first row
+    return bool((rows % bn == j % bn).all() and (rows // bn == rows[start] // bn).all())
+
+
+def put_rows(target: PackedWeight, rows: torch.Tensor, part: PackedWeight) -> None:
+    """Write an fp8_block weight's rows into a larger fp8_block weight in place, target row rows[j] = part row j,
+    exactly as dequantize sees them: a model gathers and reorders a checkpoint's rows into its fused matrices so,
+    never dequantizing them. A target in the part's blocks takes each block's scales with it (the rows must move
+    whole blocks: keeps_blocks); a target with one scale row per row (block (1, bk)) takes each row's block scales,
+    repeated (4 bytes a row per bk inputs), as a row permutation across blocks needs."""
+    (bn, bk), (n, k) = part.block, part.shape
+    _fail(target.scheme == FP8_BLOCK and part.scheme == FP8_BLOCK and rows.shape == (n,) and target.shape[1] == k
+          and target.block in ((bn, bk), (1, bk)) and bool(((rows >= 0) & (rows < target.shape[0])).all()),
+          f"put_rows: fp8_block rows {part.shape} in block {part.block} into {target.scheme} {target.shape} in block "
+          f"{target.block}: give one target row (< {target.shape[0]}) a row, the same inputs and block columns, and a "
+          f"target in blocks of {bn} or 1 rows")  # fmt: skip
+    rows = rows.to(target.data.device)
+    target.data.view(torch.uint8)[rows] = part.data.view(torch.uint8)  # the codes' bytes (no FP8 index_copy on CPU)
+    if target.block[0] == 1:
+        target.scale[rows] = part.scale.repeat_interleave(bn, 0)[:n]
+        return
+    _fail(keeps_blocks(rows, bn), f"put_rows: the rows move parts of {bn}-row blocks, whose scales a target in "
+                                  f"blocks of {bn} rows cannot hold; give a target in block (1, {bk})")  # fmt: skip
+    target.scale[rows[::bn] // bn] = part.scale
 
 
 # ---- reference: dequantize and multiply ----------------------------------------------------------------------------

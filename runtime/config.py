@@ -129,6 +129,10 @@ class HybridConfig:
     conv_width: int  # linear_conv_kernel_dim
     rotary_dim: int
     shared_expert_size: int
+    # An FP8 release (quantization_config "fp8"): the layers whose projections (qwen3_next_projections) are all
+    # stored FP8 in MoEConfig.fp8_block blocks, loaded and served so (kernels.quant.PackedWeight); the MTP layer's
+    # index num_hidden_layers too where the config quantizes it so. A layer not listed is dequantized at load.
+    fp8_layers: tuple[int, ...] = ()
 
     @property
     def key_dim(self) -> int:
@@ -142,6 +146,17 @@ class HybridConfig:
     def conv_dim(self) -> int:
         """The convolution's channels: q, k and v of every head, packed."""
         return 2 * self.key_dim + self.value_dim
+
+
+def qwen3_next_projections(linear: bool, sparse: bool) -> tuple[str, ...]:
+    """A Qwen3-Next layer's projections an FP8 release stores FP8 beside its routed experts, as HF names after the
+    layer's prefix: the Gated DeltaNet's in_proj_qkvz and out_proj (linear) or the gated attention's q/k/v/o, and the
+    shared expert's gate/up/down (sparse) or the dense MLP's. The router, the shared-expert gate and in_proj_ba are
+    float in the release (its modules_to_not_convert) and stay so."""
+    mixer = ("in_proj_qkvz", "out_proj") if linear else ("q_proj", "k_proj", "v_proj", "o_proj")
+    mlp = "mlp.shared_expert." if sparse else "mlp."
+    return (*(f"{'linear_attn' if linear else 'self_attn'}.{m}" for m in mixer),
+            *(f"{mlp}{p}_proj" for p in ("gate", "up", "down")))  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -497,7 +512,7 @@ def _qwen3_next_fields(cfg: dict[str, Any], rope_type: str, rope: dict[str, Any]
                           "has it")  # fmt: skip
     mtp = _mtp_layers(cfg, 1)
     # a quantized checkpoint's FP8 experts (the model's layers', and the one MTP layer Qwen3NextMTP reads, index
-    # num_hidden_layers, where the config quantizes it); its other projections are dequantized at load
+    # num_hidden_layers, where the config quantizes it); its other FP8 projections too (HybridConfig.fp8_layers)
     moe = _qwen3_moe_fields({**cfg, "num_experts": cfg.get("num_experts", 512),
                              "num_experts_per_tok": cfg.get("num_experts_per_tok", 10),
                              "moe_intermediate_size": cfg.get("moe_intermediate_size", 512),
@@ -510,8 +525,31 @@ def _qwen3_next_fields(cfg: dict[str, Any], rope_type: str, rope: dict[str, Any]
                           num_k_heads=num_k, num_v_heads=num_v, head_k_dim=_positive(cfg, "linear_key_head_dim", 128),
                           head_v_dim=_positive(cfg, "linear_value_head_dim", 128), conv_width=width,
                           rotary_dim=rotary_dim,
-                          shared_expert_size=_positive(cfg, "shared_expert_intermediate_size", 512))  # fmt: skip
+                          shared_expert_size=_positive(cfg, "shared_expert_intermediate_size", 512),
+                          fp8_layers=_qwen3_next_fp8_layers(cfg, types, moe, min(mtp, 1)))  # fmt: skip
     return dict(moe=moe, hybrid=hybrid, mtp_layers=mtp)
+
+
+def _qwen3_next_fp8_layers(cfg: dict[str, Any], types: list[str], moe: MoEConfig, mtp: int) -> tuple[int, ...]:
+    """HybridConfig.fp8_layers: of the model's layers and its MTP layer (index len(types), module mtp.layers.0,
+    full attention and sparse), those whose projections (qwen3_next_projections) the config makes FP8 in the
+    experts' blocks, every one of them (from the config alone, as MoEConfig.fp8_layers)."""
+    if moe.fp8_block is None:
+        return ()
+    from envex.kernels import quant
+    from envex.runtime.quant_config import FP8_DEEPSEEK, quant_config_from_hf
+
+    qc = quant_config_from_hf(cfg)
+    assert qc is not None, "fp8_block comes from a quantization_config"
+    n, layers = len(types), []
+    for i in range(n + mtp):
+        prefix = f"model.layers.{i}" if i < n else "mtp.layers.0"
+        names = qwen3_next_projections(i < n and types[i] == "linear_attention", i not in moe.dense_layers)
+        schemes = [qc.scheme_for(f"{prefix}.{m}") for m in names]
+        if all(s is not None and s.kind == quant.FP8_BLOCK and s.layout == FP8_DEEPSEEK and s.block == moe.fp8_block
+               for s in schemes):  # fmt: skip
+            layers.append(i)
+    return tuple(layers)
 
 
 def _mtp_layers(cfg: dict[str, Any], default: int) -> int:

@@ -14,10 +14,12 @@ concatenated along the outputs, quant.concat_outputs), and the backends' Ops dis
   INT4 experts (compressed-tensors pack-quantized, AWQ; MoEConfig.int4_layers) are read here expert by expert by
   their converter into the internal int4_group layout and handed over as `weight_packed`, `weight_scale` and
   `weight_zero` (models/decoder.py INT4_EXPERT_SUFFIXES), kept packed;
-  its other quantized projections (attention, dense MLPs, shared ones) are dequantized here to the model's dtype
-  as they stream in (`load_dequantized`): the packed projections above are the Llama family's. DeepSeek's
-  multi-token-prediction layer goes through the same stream when it drafts (`load_mtp_weights`); the model's own
-  load does not read its tensors (`unread`).
+  Qwen3-Next's FP8 release keeps its other FP8 projections packed too, the model file taking them by name as
+  stored (HybridConfig.fp8_layers: their `weight_scale_inv` expected) into kernels.quant.PackedWeight matrices of
+  its own layout (models/qwen3_next.py); any other quantized projection (Qwen3-MoE's and DeepSeek's attention,
+  dense MLPs, shared ones; Qwen3-Next's MTP fc) is dequantized here to the model's dtype as it streams in
+  (`load_dequantized`). The multi-token-prediction layers go through the same stream when they draft
+  (`load_mtp_weights`); the model's own load does not read their tensors (`unread`).
 - A GGUF file whose linear projections are Q4_0 (runtime/gguf_loader.py PACKED_TYPES): the same path as a
   quantization_config, with gguf_loader handing each Q4_0 matrix over repacked, exactly, as compressed-tensors'
   symmetric pack-quantized tensors in groups of 32 (Q4_0_SCHEME). A fused matrix with a part of another type is
@@ -41,7 +43,7 @@ from torch import nn
 
 from envex.kernels import quant
 from envex.kernels.backends import Backend
-from envex.runtime.config import ConfigError, ModelConfig
+from envex.runtime.config import ConfigError, ModelConfig, qwen3_next_projections
 from envex.runtime.gguf_loader import Q4_0_SCHEME, packed_linears
 from envex.runtime.gguf_loader import iter_weights as gguf_weights
 from envex.runtime.loader import LoadedModel
@@ -155,9 +157,9 @@ def load_quantized(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
 def load_dequantized(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig,
                      device: torch.device) -> dict[str, str]:  # fmt: skip
     """Load a quantized checkpoint into a model that takes some of its layers packed itself (their block scales are
-    among its expected_weight_names: an MoE model's FP8 experts), through `dequantized_weights` (a multi-token-
-    prediction layer is not among `weights`: `unread`). Returns our parameter name -> scheme for what stays
-    packed."""
+    among its expected_weight_names: an MoE model's FP8 experts, Qwen3-Next's FP8 projections), through
+    `dequantized_weights` (a multi-token-prediction layer is not among `weights`: `unread`). Returns our parameter
+    name -> scheme for what stays packed."""
     expected = model.expected_weight_names()  # type: ignore[operator]
     dtype: torch.dtype = model.embed_tokens_weight.dtype  # type: ignore[assignment, union-attr]
     model.load_weights(dequantized_weights(weights, qc, expected, dtype, device))  # type: ignore[operator]
@@ -182,10 +184,10 @@ def load_mtp_weights(module: nn.Module, loaded: LoadedModel, device: torch.devic
 def dequantized_weights(weights: Iterable[tuple[str, torch.Tensor]], qc: QuantConfig, expected: set[str],
                         dtype: torch.dtype, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """A quantized checkpoint's tensors as a model (or module) whose names are `expected` takes them: the layers it
-    takes packed itself (their `weight_scale_inv` expected: FP8 experts) as they are; INT4 experts (their
-    `weight_packed` expected) converted (_int4_expert); every other quantized layer's tensors (an FP8 weight, its
-    scales) read (load_packed: each checked) and handed over as `<module>.weight`, dequantized to `dtype`; float
-    tensors as they are."""
+    takes packed itself (their `weight_scale_inv` expected: FP8 experts, Qwen3-Next's FP8 projections) as they
+    are; INT4 experts (their `weight_packed` expected) converted (_int4_expert); every other quantized layer's
+    tensors (an FP8 weight, its scales) read (load_packed: each checked) and handed over as `<module>.weight`,
+    dequantized to `dtype`; float tensors as they are."""
     own = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_scale_inv")}  # modules taken as stored
     int4 = {n.rpartition(".")[0] for n in expected if n.endswith(".weight_packed")}  # INT4 experts, converted
     pending: dict[str, dict[str, torch.Tensor]] = {}  # module -> suffix -> tensor, until its layer is whole
@@ -235,8 +237,10 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
     """Of a checkpoint's tensor names, those the engine holds in memory as they are stored (the rest it holds in
     the model's float dtype), for the install plan's byte count: a quantized Llama-family checkpoint's quantized
     projections (load_quantized), an MoE checkpoint's FP8 or INT4 experts and their scales and zeros
-    (MoEConfig.fp8_layers, int4_layers; not weight_shape, nor float shared experts beside INT4 ones) and
-    gpt-oss's MXFP4 experts."""
+    (MoEConfig.fp8_layers, int4_layers; not weight_shape, nor float shared experts beside INT4 ones), a Qwen3-Next
+    FP8 release's other FP8 projections and their block scales (HybridConfig.fp8_layers; the engine holds a
+    gathered matrix's scales per row where its rows cross blocks: models/qwen3_next.py) and gpt-oss's MXFP4
+    experts."""
     if config.quantization == "mxfp4":
         return {n for n in names if n.endswith(("_blocks", "_scales"))}
     qc = quant_config_from_hf(hf_config)
@@ -249,8 +253,11 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
         def layer(m: re.Match[str]) -> int:  # Qwen3-Next's mtp.layers.j: index num_hidden_layers + j
             return int(m.group(1)) if m.group(1) is not None else config.num_hidden_layers + int(m.group(2))
 
+        projections = set(config.hybrid.fp8_layers) if config.hybrid is not None else set()  # Qwen3-Next's
         return {n for n in names if (m := _EXPERT_TENSOR.match(n)) is not None and (layer(m) in fp8 or layer(
-            m) in int4 and (shared or ".shared_experts." not in n) and not n.endswith(".weight_shape"))}
+            m) in int4 and (shared or ".shared_experts." not in n) and not n.endswith(".weight_shape")) or (
+            m := _PROJECTION_TENSOR.fullmatch(n)) is not None and layer(m) in projections and m.group(
+            3) in _QWEN3_NEXT_PROJECTIONS}  # fmt: skip
     kept = set()
     for name in names:
         module, _, suffix = name.rpartition(".")
@@ -261,6 +268,9 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
 
 
 _EXPERT_TENSOR = re.compile(r"(?:model\.layers\.(\d+)|mtp\.layers\.(\d+))\.mlp\.(?:shared_)?experts\.")
+_PROJECTION_TENSOR = re.compile(r"(?:model\.layers\.(\d+)|mtp\.layers\.(\d+))\.(.+)\.(?:weight|weight_scale_inv)")
+_QWEN3_NEXT_PROJECTIONS = {m for linear in (True, False) for sparse in (True, False)
+                           for m in qwen3_next_projections(linear, sparse)}  # fmt: skip
 
 
 def build_device(loaded: LoadedModel, load_format: str, device: torch.device, *, weights: str | None = None,

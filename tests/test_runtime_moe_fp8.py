@@ -48,16 +48,16 @@ def _qwen3_model() -> transformers.Qwen3MoeForCausalLM:
 
 def _release(model: transformers.PreTrainedModel, tmp: Path, block: list[int], skip: tuple[str, ...] = ()
              ) -> tuple[Path, transformers.PreTrainedModel]:  # fmt: skip
-    """Write `model` as an FP8 release: every projection (`*_proj.weight`) but those whose name holds one of
-    `skip` quantized by kernels.quant's fp8_block quantizer, with its `weight_scale_inv`, and the routers, the LM
-    head and `skip` listed in modules_to_not_convert, as Qwen3-30B-A3B-FP8 lists its routers. -> (its directory,
-    HF's model in float32 on the same weights dequantized)."""
+    """Write `model` as an FP8 release: every projection (`*_proj.weight`, and Qwen3-Next's in_proj_qkvz) but those
+    whose name holds one of `skip` quantized by kernels.quant's fp8_block quantizer, with its `weight_scale_inv`,
+    and the routers, the LM head and `skip` listed in modules_to_not_convert, as Qwen3-30B-A3B-FP8 lists its
+    routers. -> (its directory, HF's model in float32 on the same weights dequantized)."""
     float_dir, fp8_dir = tmp / "dequantized", tmp / "fp8"
     model.save_pretrained(float_dir, safe_serialization=True)  # the published per-expert names
     stored = load_file(str(float_dir / "model.safetensors"))
     fp8, dequantized = {}, {}
     for name, w in stored.items():
-        if name.endswith("_proj.weight") and not any(s in name for s in skip):
+        if name.endswith(("_proj.weight", "in_proj_qkvz.weight")) and not any(s in name for s in skip):
             q = quant.quantize_fp8(w, quant.FP8_BLOCK, (block[0], block[1]))
             fp8[name], fp8[f"{name}_scale_inv"] = q.data, q.scale
             dequantized[name] = quant.dequantize(q, torch.float32)

@@ -1,12 +1,13 @@
 """Qwen3-Next FP8 releases (Qwen/Qwen3-Next-80B-A3B-Instruct-FP8: quantization_config "fp8", e4m3, block scales
 `weight_scale_inv`) on the tiny random Qwen3-Next of tests/test_runtime_qwen3_next.py written in that layout by
-tests/test_runtime_moe_fp8.py's release writer (every `*_proj.weight` FP8 in 16 x 16 blocks, the routers and one
-in_proj_ba listed in modules_to_not_convert, the shared-expert gates stored float though the config does not list
-them), plus an `mtp.*` module quantized alike (its fc too). The routed experts load as FP8 stacks and are served so;
-attention, Gated DeltaNet and shared-expert projections are dequantized at load; the engine's logits and greedy
-tokens equal HF transformers' in float32 on the dequantized weights (torch ops, and the Triton ops under the
-interpreter); a missing scale is one line; the MTP module keeps its experts FP8, gives HF's MtpLayer logits, and
-drafting with it leaves the greedy output unchanged; --load-format dummy fills the FP8 stacks."""
+tests/test_runtime_moe_fp8.py's release writer (every `*_proj.weight` and in_proj_qkvz FP8 in 16 x 16 blocks, the
+routers and one in_proj_ba listed in modules_to_not_convert, the in_proj_ba and shared-expert gates stored float
+though the config does not list them), plus an `mtp.*` module quantized alike (its fc too). The routed experts load
+as FP8 stacks, the attention, Gated DeltaNet, shared-expert and dense projections as packed FP8 matrices
+(tests/test_runtime_qwen3_next_fp8_packed.py), served so; the engine's logits and greedy tokens equal HF
+transformers' in float32 on the dequantized weights (torch ops, and the Triton ops under the interpreter); a
+missing scale is one line; the MTP module keeps its experts and layer FP8 (its fc dequantized), gives HF's MtpLayer
+logits, and drafting with it leaves the greedy output unchanged; --load-format dummy fills the FP8 stacks."""
 
 from __future__ import annotations
 
@@ -95,11 +96,16 @@ def test_fp8_release_gives_hf_logits_and_tokens(release, backend: str) -> None:
     engine = _engine(path, backend)
     moe, model = engine.model_config.moe, engine.runner.model
     assert moe is not None and moe.fp8_block == (16, 16) and moe.fp8_layers == (0, 1, 3, N)  # 2: dense
-    assert engine.runner.packed == {f"layers.{i}.{p}": quant.FP8_BLOCK for i in (0, 1, 3)
-                                    for p in ("gate_up_proj", "down_proj")}  # fmt: skip
+    assert engine.model_config.hybrid.fp8_layers == (0, 1, 2, 3, N)  # the other projections: every layer's
+    own = {0: ("in_proj", "out_proj", "shared_proj", "shared_down"), 2: ("in_proj", "out_proj"),
+           1: ("qkvg_proj", "o_proj", "shared_proj", "shared_down")}  # layer 3 as 1, and 2's dense MLP as experts
+    assert engine.runner.packed == {f"layers.{i}.{p}": quant.FP8_BLOCK for i, ps in (*own.items(), (3, own[1]))
+                                    for p in ps} | {f"layers.{i}.{p}": quant.FP8_BLOCK for i in (0, 1, 2, 3)
+                                                    for p in ("gate_up_proj", "down_proj")}  # fmt: skip
     assert model.layers[1].experts.fp8 and model.layers[1].gate_up_proj_scale.shape == (8, 2 * 2, 4)
-    assert {model.layers[0].in_proj_weight.dtype, model.layers[1].qkvg_proj_weight.dtype,
-            model.layers[3].shared_proj_weight.dtype} == {torch.float32}  # dequantized at load
+    assert all(isinstance(w, quant.PackedWeight) for w in (model.layers[0].in_proj_weight,
+               model.layers[1].qkvg_proj_weight, model.layers[3].shared_proj_weight))  # kept FP8 (packed test)
+    assert {model.layers[0].in_proj_ba_weight.dtype, model.layers[3].shared_gate_weight.dtype} == {torch.float32}
     assert_greedy_like_hf(engine, hf, backend)
     if backend == "triton":  # the FP8 expert kernels and the dequantized projections under the interpreter
         with torch.no_grad():
@@ -124,9 +130,9 @@ def test_a_missing_or_stray_scale_is_one_line(release) -> None:
     expert = "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"
     with pytest.raises(ValueError, match=rf"^weights: 1 tensors missing, e\.g\. \['{expert}'\]; the checkpoint is "):
         load(expert)
-    with pytest.raises(ConfigError, match=r"^model.layers.0.linear_attn.out_proj: missing tensor model.layers.0."
-                                          r"linear_attn.out_proj.weight_scale_inv for the fp8 fp8_block weight"):
-        load("model.layers.0.linear_attn.out_proj.weight_scale_inv")
+    scale = "model.layers.0.linear_attn.out_proj.weight_scale_inv"  # a packed projection's: the same line
+    with pytest.raises(ValueError, match=rf"^weights: 1 tensors missing, e\.g\. \['{scale}'\]; the checkpoint is "):
+        load(scale)
     float_experts = {**hf_config, "quantization_config": {**hf_config["quantization_config"],
                                                           "modules_to_not_convert": ["lm_head", "mlp.gate", "experts"]}}
     with pytest.raises(ValueError, match=r"^weights: 'model.layers.0.mlp.experts.0.down_proj.weight' is stored "
@@ -152,7 +158,8 @@ def test_the_fp8_mtp_module_gives_transformers_mtp_layer_logits(release) -> None
         load_dequantized(model, loaded.iter_weights(skip=("mtp.",)), qc, CPU)  # the embedding and head it reads
         module = model.multi_token_predictor()
         load_mtp_weights(module, loaded, CPU)
-    assert module.layer.experts.fp8 and module.fc.dtype == module.layer.qkvg_proj_weight.dtype == torch.float32
+    assert module.layer.experts.fp8 and module.fc.dtype == torch.float32  # fc dequantized, the layer packed
+    assert isinstance(module.layer.qkvg_proj_weight, quant.PackedWeight)
     assert "mtp.layers.0.mlp.experts.7.up_proj.weight_scale_inv" in module.expected_weight_names()
     prompt = PROMPTS[0]
     t, tokens = len(prompt), torch.tensor(prompt)
@@ -194,10 +201,10 @@ def test_dummy_weights_fill_the_fp8_experts(release) -> None:
         max_tokens=2, temperature=0.0, ignore_eos=True))[0].token_ids) == 2  # fmt: skip
 
 
-def test_the_model_card_counts_the_fp8_experts_as_stored(release) -> None:
-    """The install plan's bytes: the model's and the MTP module's FP8 experts and their scales as stored (the MTP
-    layer's index, num_hidden_layers, is among fp8_layers), everything else, the dequantized projections and the
-    float shared experts too, at the serving dtype's bytes."""
+def test_the_model_card_counts_the_fp8_experts_and_projections_as_stored(release) -> None:
+    """The install plan's bytes: the model's and the MTP module's FP8 experts and other FP8 projections with their
+    scales as stored (the MTP layer's index, num_hidden_layers, is among fp8_layers), everything else, the
+    dequantized MTP fc and the float gates too, at the serving dtype's bytes."""
     from envex.installer.model_card import card_for_model
 
     path, _, _, _ = release
@@ -205,8 +212,11 @@ def test_the_model_card_counts_the_fp8_experts_as_stored(release) -> None:
     stored = load_file(str(path / "model.safetensors"))
     experts = [t for n, t in stored.items() if ".mlp.experts." in n]
     assert len(experts) == 4 * 8 * 3 * 2 and card.quantization == "fp8"  # layers 0, 1, 3 and the MTP layer
-    assert card.packed_parameters == sum(t.numel() for t in experts)
-    assert card.packed_bytes == sum(t.numel() * t.element_size() for t in experts)
+    kept = [t for n, t in stored.items() if (t.dtype == quant.FP8_DTYPE or n.endswith("_scale_inv"))
+            and not n.startswith("mtp.fc.")]  # fmt: skip
+    assert len(kept) - len(experts) == 2 * (5 + 7 + 5 + 7 + 7)  # layers 0-3, MTP: qkvz, out or q, k, v, o; 3 MLP
+    assert card.packed_parameters == sum(t.numel() for t in kept)
+    assert card.packed_bytes == sum(t.numel() * t.element_size() for t in kept)
 
 
 @pytest.mark.gpu

@@ -175,9 +175,10 @@ def test_the_qwen3_next_cell_is_a_hybrid_model_the_runtime_reads_and_its_rooflin
 
 def test_the_qwen3_next_fp8_cell_builds_fp8_experts_and_its_roofline_counts_their_bytes(tmp_path) -> None:
     """The Qwen3-Next FP8 cell's dummy folder is the published model at all 48 layers with the FP8 release's
-    quantization_config, which --load-format dummy builds with FP8 routed experts (the MTP layer's too); its
-    batch-1 roofline bytes are that model's own parameters as held (the routed experts' FP8 codes and float32 block
-    scales, all else bf16) a decode step reads, plus the states and the 12 full layers' K/V."""
+    quantization_config, which --load-format dummy builds with FP8 routed experts (the MTP layer's too) and FP8
+    projections (HybridConfig.fp8_layers); its batch-1 roofline bytes are that model's own parameters as held (FP8
+    codes and float32 scales, per block or, q/k/v, per row; the router, gates, norms and LM head bf16) a decode
+    step reads, plus the states and the 12 full layers' K/V."""
     import torch
 
     from envex.runtime.config import ModelConfig
@@ -191,6 +192,7 @@ def test_the_qwen3_next_fp8_cell_builds_fp8_experts_and_its_roofline_counts_thei
     moe, hy = config.moe, config.hybrid
     assert moe is not None and hy is not None and config.num_hidden_layers == 48
     assert moe.fp8_block == (128, 128) and moe.fp8_layers == tuple(range(49))  # the MTP layer's index 48 too
+    assert hy.fp8_layers == tuple(range(49))
     model = Qwen3NextForCausalLM(config, dtype=torch.bfloat16, device=torch.device("meta"))
     held = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
     experts = sum(b for name, b in held.items() if name.rpartition(".")[2] in ("gate_up_proj", "gate_up_proj_scale",
@@ -202,10 +204,17 @@ def test_the_qwen3_next_fp8_cell_builds_fp8_experts_and_its_roofline_counts_thei
     kv = 12 * 2 * config.num_key_value_heads * config.head_dim * 2 * 1024
     assert step_bytes(cell.shape, 1024) == pytest.approx(read + state + kv, rel=2e-4)
     # exactly: against the same shape in bf16, the routed experts read (codes and scales, 368,640 bytes of scales
-    # a step: below the tolerance above) in place of their bf16 matrices
+    # a step: below the tolerance above) and the other FP8 projections as held (q/k/v's scales per row: 7 MB) in
+    # place of their bf16 matrices
     routed_bf16 = config.num_hidden_layers * moe.top_k * 3 * config.hidden_size * moe.intermediate_size * 2
+    own = {f"{n}{s}" for n in ("in_proj", "out_proj", "qkvg_proj", "o_proj", "shared_proj", "shared_down")
+           for s in ("", "_scale")}  # the other projections' FP8 codes and scales (models/qwen3_next.py)
+    packed = sum(b for name, b in held.items() if name.rpartition(".")[2] in own)
+    codes = sum(p.numel() for name, p in model.named_parameters()
+                if name.rpartition(".")[2] in own and p.dtype == torch.float8_e4m3fn)  # fmt: skip
+    assert model.layers[3].qkvg_proj_weight.block == (1, 128) and model.layers[0].in_proj_weight.block == (128, 128)
     saved = qwen3_next_step_bytes(cell.shape, 1024) - step_bytes(cell.shape, 1024)
-    assert saved == routed_bf16 - experts * moe.top_k // moe.num_experts
+    assert saved == routed_bf16 - experts * moe.top_k // moe.num_experts + 2 * codes - packed
 
 
 def _meta_model(shape: dict):

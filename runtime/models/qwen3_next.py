@@ -20,11 +20,16 @@ experts plus a shared expert gated per token by sigmoid(shared_expert_gate(h)). 
 
 HF reference: transformers/models/qwen3_next/modeling_qwen3_next.py. The published checkpoint holds each expert as
 `mlp.experts.E.{gate,up,down}_proj.weight`, loaded into interleaved gate/up stacks as in models/qwen3_moe.py. The FP8
-release (Qwen3-Next-80B-A3B-Instruct-FP8: quantization_config "fp8", 128 x 128 blocks) keeps its routed experts so:
-FP8 stacks beside their `weight_scale_inv` block scales (MoEConfig.fp8_layers, the MTP layer's index
-num_hidden_layers too), expected by name; every other FP8 projection (attention, Gated DeltaNet, shared expert, the
-MTP module's fc) is dequantized at load by runtime/packed_load.py, and a small one stored float though the config
-does not list it (the gates) is read as float (offline_docs/quantization.md).
+release (Qwen3-Next-80B-A3B-Instruct-FP8: quantization_config "fp8", 128 x 128 blocks) is kept as stored, never
+dequantized: its routed experts as FP8 stacks beside their `weight_scale_inv` block scales (MoEConfig.fp8_layers),
+and in the layers HybridConfig.fp8_layers names (the MTP layer's index num_hidden_layers too) every other FP8
+projection (in_proj_qkvz, out_proj, q/k/v/o, the shared expert's or dense MLP's) as a kernels.quant.PackedWeight
+(fp8_block) over an FP8 codes parameter and its float32 scales (`_matrix`), all expected by name. The fused
+matrices gather the checkpoint's rows by index (`_row_maps`), codes and scales alike (quant.put_rows): the
+release's blocks where the rows move whole blocks, else one scale row a row (q/k/v's rotary permutation). The
+release's float in_proj_ba and shared-expert gate are then matrices of their own, projected by a second norm_linear
+from the same normed input (a bf16 model keeps them fused). The MTP module's fc is dequantized at load by
+runtime/packed_load.py, as is a float neighbour stored FP8 (offline_docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ from envex.kernels.ops import (
     MoEWeights,
     Ops,
 )
-from envex.runtime.config import ModelConfig
+from envex.runtime.config import ModelConfig, qwen3_next_projections
 from envex.runtime.models.decoder import DecoderStack, expert_stacks, expert_tensor, mtp_input, mtp_logits, param
+from envex.runtime.quant_config import FP8_DEEPSEEK, WeightScheme, load_packed
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)")  # float or FP8
@@ -94,17 +100,24 @@ class Qwen3NextLayer(nn.Module):
         self.input_layernorm_weight = param(h, dtype=dtype, device=device)
         self.post_attention_layernorm_weight = param(h, dtype=dtype, device=device)
         self.linear = index in hy.linear_layers
+        self.sparse = index not in moe.dense_layers
+        # an FP8 release's projections (HybridConfig.fp8_layers): kept packed as stored, their float neighbours (the
+        # release's float in_proj_ba and shared-expert gate) as matrices of their own
+        self.fp8_block = moe.fp8_block if index in hy.fp8_layers else None
+        self.fp8_pending: dict[str, dict[str, torch.Tensor]] = {}  # an FP8 projection's tensors until both came
+        self.row_maps = _row_maps(c, self.linear, self.sparse, self.fp8_block is not None)
         if self.linear:
-            # rows [q | k | v | z | b | a] (LinearAttentionLayer.split)
-            self.in_proj_weight = param(hy.conv_dim + hy.value_dim + 2 * hy.num_v_heads, h, dtype=dtype,
-                                        device=device)  # fmt: skip
+            qkvz, ba = hy.conv_dim + hy.value_dim, 2 * hy.num_v_heads
+            # rows [q | k | v | z | b | a] (LinearAttentionLayer.split); FP8: [q | k | v | z], and [b | a] apart
+            self.in_proj_weight = self._matrix("in_proj", qkvz + (0 if self.fp8_block else ba), h, dtype, device)
+            self.in_proj_ba_weight = param(ba, h, dtype=dtype, device=device) if self.fp8_block else None
             # [conv_dim, K]: 2-D, but not a matrix of a projection; the CPU's column-major pass must leave it
             # alone, so it is kept as a view of a 3-D parameter
             self.conv1d_weight = param(hy.conv_dim, 1, hy.conv_width, dtype=dtype, device=device)
             self.A_log = param(hy.num_v_heads, dtype=dtype, device=device)
             self.dt_bias = param(hy.num_v_heads, dtype=dtype, device=device)
             self.gated_norm_weight = param(hy.head_v_dim, dtype=dtype, device=device)
-            self.out_proj_weight = param(h, hy.value_dim, dtype=dtype, device=device)
+            self.out_proj_weight = self._matrix("out_proj", h, hy.value_dim, dtype, device)
             self.mixer = LinearAttentionLayer(num_k_heads=hy.num_k_heads, num_v_heads=hy.num_v_heads,
                                               head_k_dim=hy.head_k_dim, head_v_dim=hy.head_v_dim,
                                               conv_weight=self.conv1d_weight[:, 0], a_log=self.A_log,
@@ -112,14 +125,14 @@ class Qwen3NextLayer(nn.Module):
                                               norm_eps=c.rms_norm_eps)  # fmt: skip
         else:
             self.qkv_size = c.q_size + 2 * c.kv_size
-            self.qkvg_proj_weight = param(self.qkv_size + c.q_size, h, dtype=dtype, device=device)  # [q|k|v|gate]
+            # [q|k|v|gate]
+            self.qkvg_proj_weight = self._matrix("qkvg_proj", self.qkv_size + c.q_size, h, dtype, device)
             self.q_norm_weight = param(c.head_dim, dtype=dtype, device=device)
             self.k_norm_weight = param(c.head_dim, dtype=dtype, device=device)
-            self.o_proj_weight = param(h, c.q_size, dtype=dtype, device=device)
+            self.o_proj_weight = self._matrix("o_proj", h, c.q_size, dtype, device)
             self.attn = AttentionLayer(num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                        head_dim=c.head_dim, scale=c.head_dim**-0.5, q_norm=self.q_norm_weight,
                                        k_norm=self.k_norm_weight, norm_eps=c.rms_norm_eps)  # fmt: skip
-        self.sparse = index not in moe.dense_layers
         self.experts: MoEWeights | None = None
         if self.sparse:
             e, inter, shared = moe.num_experts, moe.intermediate_size, hy.shared_expert_size
@@ -128,12 +141,31 @@ class Qwen3NextLayer(nn.Module):
             fp8 = moe.fp8_block if index in moe.fp8_layers else None  # an FP8 release's experts, kept so
             stacks = expert_stacks(self, e, inter, h, dtype=dtype, device=device, fp8_block=fp8)
             self.experts = MoEWeights(**stacks, activation="silu", renormalize=moe.norm_topk_prob)
-            # the shared expert's [gate | up] and its one-row gate, from the same normed input
-            self.shared_proj_weight = param(2 * shared + 1, h, dtype=dtype, device=device)
-            self.shared_down_weight = param(h, shared, dtype=dtype, device=device)
+            # the shared expert's [gate | up] and its one-row gate, from the same normed input (FP8: the gate apart)
+            self.shared_proj_weight = self._matrix("shared_proj", 2 * shared + (0 if self.fp8_block else 1), h, dtype,
+                                                   device)  # fmt: skip
+            self.shared_gate_weight = param(1, h, dtype=dtype, device=device) if self.fp8_block else None
+            self.shared_down_weight = self._matrix("shared_down", h, shared, dtype, device)
         else:
-            self.gate_up_proj_weight = param(2 * c.intermediate_size, h, dtype=dtype, device=device)
-            self.down_proj_weight = param(h, c.intermediate_size, dtype=dtype, device=device)
+            self.gate_up_proj_weight = self._matrix("gate_up_proj", 2 * c.intermediate_size, h, dtype, device)
+            self.down_proj_weight = self._matrix("down_proj", h, c.intermediate_size, dtype, device)
+
+    def _matrix(self, name: str, n: int, k: int, dtype: torch.dtype, device: torch.device
+                ) -> torch.Tensor | quant.PackedWeight:  # fmt: skip
+        """A projection's weight [n, k]: a float parameter, or in an FP8 layer a kernels.quant.PackedWeight over the
+        parameters `name` (the FP8 codes [1, n, k]: 3-D, which the CPU's column-major pass leaves alone) and
+        `name`_scale (float32), in the release's blocks where the rows it gathers from the checkpoint move whole
+        blocks (quant.keeps_blocks), else with one scale row a row (block (1, bk)), as quant.put_rows fills it."""
+        if self.fp8_block is None:
+            return param(n, k, dtype=dtype, device=device)
+        bn, bk = self.fp8_block
+        attr = f"{name}_weight"
+        if not all(quant.keeps_blocks(rows, bn) for target, rows in self.row_maps.values() if target == attr):
+            bn = 1
+        setattr(self, name, param(1, n, k, dtype=quant.FP8_DTYPE, device=device))
+        setattr(self, f"{name}_scale", param(1, -(-n // bn), -(-k // bk), dtype=torch.float32, device=device))
+        return quant.PackedWeight(scheme=quant.FP8_BLOCK, shape=(n, k), data=getattr(self, name)[0],
+                                  scale=getattr(self, f"{name}_scale")[0], block=(bn, bk))  # fmt: skip
 
     def forward(self, ops: Ops, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
@@ -142,7 +174,10 @@ class Qwen3NextLayer(nn.Module):
         kv_cache: (K, V) pages for a full-attention layer; (state_pool, conv_pool) for a Gated DeltaNet layer."""
         if self.linear:
             mixed, residual = ops.norm_linear(hidden, residual, self.input_layernorm_weight, self.eps,
-                                              self.in_proj_weight)  # [T, q|k|v|z|b|a]
+                                              self.in_proj_weight)  # [T, q|k|v|z|b|a]; FP8: [T, q|k|v|z]
+            if self.in_proj_ba_weight is not None:  # FP8: b|a (float) on the same normed input, joined on
+                ba, _ = ops.norm_linear(residual, None, self.input_layernorm_weight, self.eps, self.in_proj_ba_weight)
+                mixed = torch.cat([mixed, ba], dim=1)  # [T, q|k|v|z|b|a]
             o = ops.linear_attention(mixed, kv_cache[0], kv_cache[1], meta, self.mixer)  # [T, Hv Dv]
             hidden = ops.linear(o, self.out_proj_weight)
         else:
@@ -155,13 +190,17 @@ class Qwen3NextLayer(nn.Module):
                                                 self.gate_up_proj_weight)  # [T, 2I]
             return ops.act_linear(gate_up, self.down_proj_weight), residual
         shared, residual = ops.norm_linear(hidden, residual, self.post_attention_layernorm_weight, self.eps,
-                                           self.shared_proj_weight)  # [T, 2S + 1]
+                                           self.shared_proj_weight)  # [T, 2S + 1]; FP8: [T, 2S]
+        gate = shared[:, 2 * self.shared_size :]  # [T, 1]
+        if self.shared_gate_weight is not None:  # FP8: the gate (float) on the same normed input
+            gate, _ = ops.norm_linear(residual, None, self.post_attention_layernorm_weight, self.eps,
+                                      self.shared_gate_weight)  # fmt: skip
         routed, _ = ops.moe(residual, None, self.post_attention_layernorm_weight, self.eps, self.router_weight, None,
                             self.experts, self.top_k)  # fmt: skip
         dtype = residual.dtype
         shared_out = ops.materialize(ops.act_linear(shared[:, : 2 * self.shared_size].contiguous(),
                                                     self.shared_down_weight), dtype)  # fmt: skip
-        return ops.materialize(routed, dtype) + torch.sigmoid(shared[:, 2 * self.shared_size :]) * shared_out, residual
+        return ops.materialize(routed, dtype) + torch.sigmoid(gate) * shared_out, residual
 
 
 # ---- loading a layer's tensors (the model's layers and the MTP module's one) -----------------------------------------
@@ -171,38 +210,106 @@ def _put(name: str, target: torch.Tensor, tensor: torch.Tensor, shape: tuple[int
     target.copy_(_checked(name, tensor, shape).reshape(target.shape))
 
 
+def _row_maps(c: ModelConfig, linear: bool, sparse: bool, fp8: bool) -> dict[str, tuple[str, torch.Tensor]]:
+    """Where each checkpoint matrix of a layer goes: HF module name (after the layer's prefix) -> (our matrix's
+    attribute, our row of each of its rows). Gated DeltaNet: HF's in_proj_qkvz rows come in key-head groups
+    [q_g | k_g | v_g | z_g] (v_g, z_g: the group's Hv/Hk value heads) and in_proj_ba's as [b_g | a_g]; ours are
+    [q | k | v | z | b | a], heads in order ([b | a] a matrix of its own in an FP8 layer). Gated attention: HF's
+    q_proj rows are each head's query then its gate; ours [q | k | v | gate], q and k rows permuted in each head
+    for the partial rotary (rotary_order). Shared expert: [gate | up | shared_expert_gate's row] (FP8: the gate row
+    apart). The rows as indices, so the FP8 codes and their scales follow them alike (quant.put_rows)."""
+    hy = c.hybrid
+    assert hy is not None
+    h, d, ar = c.hidden_size, c.head_dim, torch.arange
+
+    def grouped(groups: int, sizes: tuple[int, ...], starts: tuple[int, ...]) -> torch.Tensor:
+        # per group g, part p's s rows to starts[p] + g·s + (0..s-1); [groups, Σ sizes] -> flat, HF's row order
+        g = ar(groups)[:, None]
+        return torch.cat([st + g * sz + ar(sz) for sz, st in zip(sizes, starts, strict=True)], dim=1).flatten()
+
+    if linear:
+        nk, dk, hv = hy.num_k_heads, hy.head_k_dim, hy.num_v_heads
+        gv, kd, vd, g = hv // nk * hy.head_v_dim, hy.key_dim, hy.value_dim, hv // nk
+        base, ba = (0, "in_proj_ba_weight") if fp8 else (hy.conv_dim + vd, "in_proj_weight")
+        maps = {"linear_attn.in_proj_qkvz": ("in_proj_weight", grouped(nk, (dk, dk, gv, gv), (0, kd, 2 * kd,
+                                                                                            2 * kd + vd))),
+                "linear_attn.in_proj_ba": (ba, grouped(nk, (g, g), (base, base + hv))),
+                "linear_attn.out_proj": ("out_proj_weight", ar(h))}  # fmt: skip
+    else:
+        q, kv = c.q_size, c.kv_size
+        inv = torch.argsort(rotary_order(d, hy.rotary_dim))  # HF dim j of a head -> our dim inv[j]
+        heads = ar(c.num_attention_heads)[:, None] * d
+        maps = {"self_attn.q_proj": ("qkvg_proj_weight", torch.cat([heads + inv, q + 2 * kv + heads + ar(d)],
+                                                                   dim=1).flatten()),
+                "self_attn.k_proj": ("qkvg_proj_weight", (q + ar(c.num_key_value_heads)[:, None] * d + inv).flatten()),
+                "self_attn.v_proj": ("qkvg_proj_weight", q + kv + ar(kv)),
+                "self_attn.o_proj": ("o_proj_weight", ar(h))}  # fmt: skip
+    if sparse:
+        s = hy.shared_expert_size
+        gate = ("shared_gate_weight", ar(1)) if fp8 else ("shared_proj_weight", ar(2 * s, 2 * s + 1))
+        maps |= {"mlp.shared_expert.gate_proj": ("shared_proj_weight", ar(s)),
+                 "mlp.shared_expert.up_proj": ("shared_proj_weight", ar(s, 2 * s)), "mlp.shared_expert_gate": gate,
+                 "mlp.shared_expert.down_proj": ("shared_down_weight", ar(h))}  # fmt: skip
+    else:
+        i = c.intermediate_size
+        maps |= {"mlp.gate_proj": ("gate_up_proj_weight", ar(i)), "mlp.up_proj": ("gate_up_proj_weight", ar(i, 2 * i)),
+                 "mlp.down_proj": ("down_proj_weight", ar(h))}  # fmt: skip
+    return maps
+
+
+def _load_rows(layer: Qwen3NextLayer, module: str, suffix: str, name: str, t: torch.Tensor) -> bool:
+    """One tensor of a matrix that layer.row_maps places: a float one's rows copied in; an FP8 one's codes or block
+    scales held until both came (`name`: the whole HF name), then read and checked (quant_config.load_packed) and
+    written in packed (quant.put_rows). False for a tensor the matrix does not take."""
+    attr, rows = layer.row_maps[module]
+    target = getattr(layer, attr)
+    if not isinstance(target, quant.PackedWeight):
+        if suffix != "weight":
+            return False
+        if t.dtype == quant.FP8_DTYPE:  # a cast would drop its scales
+            raise ValueError(f"weights: {name!r} is stored float8_e4m3fn where config.json's quantization_config "
+                             "leaves this projection float; the config's modules_to_not_convert and the files "
+                             "disagree")  # fmt: skip
+        value = _checked(name, t, (rows.numel(), target.shape[1]))
+        target[rows.to(target.device)] = value.to(target.device, target.dtype)  # index_put_: one device, one dtype
+        return True
+    if suffix not in ("weight", "weight_scale_inv"):
+        return False
+    pending = layer.fp8_pending.setdefault(module, {})
+    pending[suffix] = t
+    if len(pending) == 2:
+        hf_module = name.rpartition(".")[0]
+        assert layer.fp8_block is not None
+        scheme = WeightScheme(kind=quant.FP8_BLOCK, layout=FP8_DEEPSEEK, block=layer.fp8_block)
+        part = load_packed(scheme, layer.fp8_pending.pop(module), module=hf_module)
+        _checked(f"{hf_module}.weight", part.data, (rows.numel(), target.shape[1]))
+        quant.put_rows(target, rows, part.to(target.data.device))
+    return True
+
+
 def _load_layer(c: ModelConfig, layer: Qwen3NextLayer, rest: str, name: str, t: torch.Tensor) -> bool:
     """Load one tensor of a layer (rest: its HF name after `model.layers.N.` or `mtp.layers.0.`, name: the whole
     one); False for a name the layer does not have."""
     hy = c.hybrid
     assert hy is not None
     h, d = c.hidden_size, c.head_dim
+    module, _, suffix = rest.rpartition(".")
+    if module in layer.row_maps:
+        return _load_rows(layer, module, suffix, name, t)
     if rest in _ONE_PLUS:
         target = getattr(layer, rest.replace(".", "_"))
         _put(name, target, t, (h,))
         target.add_(1.0)
         return True
-    if layer.linear and rest.startswith("linear_attn."):
-        return _load_linear(c, layer, rest.removeprefix("linear_attn."), name, t)
-    if not layer.linear and rest.startswith("self_attn."):
-        part, order = rest.removeprefix("self_attn."), rotary_order(d, hy.rotary_dim).to(t.device)
-        w, q, kv = layer.qkvg_proj_weight, c.q_size, c.kv_size
-        if part == "q_proj.weight":  # per head: its query's D rows, then its gate's
-            heads = _checked(name, t, (2 * q, h)).view(-1, 2 * d, h)
-            w[:q].copy_(heads[:, :d][:, order].reshape(q, h))
-            w[q + 2 * kv :].copy_(heads[:, d:].reshape(q, h))
-        elif part == "k_proj.weight":
-            w[q : q + kv].copy_(_checked(name, t, (kv, h)).view(-1, d, h)[:, order].reshape(kv, h))
-        elif part == "v_proj.weight":
-            w[q + kv : q + 2 * kv].copy_(_checked(name, t, (kv, h)))
-        elif part in ("q_norm.weight", "k_norm.weight"):
-            target = layer.q_norm_weight if part == "q_norm.weight" else layer.k_norm_weight
-            target.copy_(_checked(name, t, (d,))[order] + 1.0)
-        elif part == "o_proj.weight":
-            _put(name, layer.o_proj_weight, t, (h, c.q_size))
-        else:
-            return False
+    if layer.linear:
+        direct = {"linear_attn.conv1d.weight": layer.conv1d_weight, "linear_attn.A_log": layer.A_log,
+                  "linear_attn.dt_bias": layer.dt_bias, "linear_attn.norm.weight": layer.gated_norm_weight}
+    elif rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):
+        target = layer.q_norm_weight if rest == "self_attn.q_norm.weight" else layer.k_norm_weight
+        target.copy_(_checked(name, t, (d,))[rotary_order(d, hy.rotary_dim).to(t.device)] + 1.0)
         return True
+    else:
+        direct = {}
     if layer.sparse:
         expert = _EXPERT.fullmatch(rest)
         stack = expert_tensor(layer, expert.group(2), expert.group(3)) if expert is not None else None
@@ -215,53 +322,11 @@ def _load_layer(c: ModelConfig, layer: Qwen3NextLayer, rest: str, name: str, t: 
                                  "and the files disagree")  # fmt: skip
             _put(name, target, t, tuple(target.shape))
             return True
-        s = layer.shared_size
-        rows = {"mlp.shared_expert.gate_proj.weight": (0, s), "mlp.shared_expert.up_proj.weight": (s, 2 * s),
-                "mlp.shared_expert_gate.weight": (2 * s, 2 * s + 1)}  # fmt: skip
-        if rest in rows:
-            lo, hi = rows[rest]
-            _put(name, layer.shared_proj_weight[lo:hi], t, (hi - lo, h))
-            return True
-        direct = {"mlp.gate.weight": layer.router_weight, "mlp.shared_expert.down_proj.weight":
-                  layer.shared_down_weight}  # fmt: skip
-    else:
-        i = c.intermediate_size
-        gate_up = layer.gate_up_proj_weight
-        direct = {"mlp.gate_proj.weight": gate_up[:i], "mlp.up_proj.weight": gate_up[i:],
-                  "mlp.down_proj.weight": layer.down_proj_weight}  # fmt: skip
+        direct["mlp.gate.weight"] = layer.router_weight
     if rest in direct:
         _put(name, direct[rest], t, tuple(direct[rest].shape))
         return True
     return False
-
-
-def _load_linear(c: ModelConfig, layer: Qwen3NextLayer, part: str, name: str, t: torch.Tensor) -> bool:
-    """A Gated DeltaNet tensor. HF's in_proj_qkvz rows come in key-head groups [q_g | k_g | v_g | z_g] (v_g, z_g:
-    the group's Hv/Hk value heads) and in_proj_ba's as [b_g | a_g]; ours are [q | k | v | z | b | a]."""
-    hy = c.hybrid
-    assert hy is not None
-    h, nk, dk = c.hidden_size, hy.num_k_heads, hy.head_k_dim
-    gv = hy.num_v_heads // nk * hy.head_v_dim  # one group's v (or z) rows
-    kd, vd, hv, w = hy.key_dim, hy.value_dim, hy.num_v_heads, layer.in_proj_weight
-    if part == "in_proj_qkvz.weight":
-        groups = _checked(name, t, (2 * kd + 2 * vd, h)).view(nk, 2 * dk + 2 * gv, h)  # [Hk, q|k|v|z rows, H]
-        bounds, start = (0, dk, 2 * dk, 2 * dk + gv, 2 * dk + 2 * gv), 0  # q, k, v, z within a group
-        for lo, hi in zip(bounds, bounds[1:], strict=False):
-            block = groups[:, lo:hi].reshape(-1, h)  # every group's rows of this kind, heads in order
-            w[start : start + block.shape[0]].copy_(block)
-            start += block.shape[0]
-    elif part == "in_proj_ba.weight":
-        base, g = hy.conv_dim + vd, hv // nk
-        groups = _checked(name, t, (2 * hv, h)).view(nk, 2 * g, h)
-        w[base : base + hv].copy_(groups[:, :g].reshape(hv, h))
-        w[base + hv : base + 2 * hv].copy_(groups[:, g:].reshape(hv, h))
-    else:
-        direct = {"conv1d.weight": layer.conv1d_weight, "A_log": layer.A_log, "dt_bias": layer.dt_bias,
-                  "norm.weight": layer.gated_norm_weight, "out_proj.weight": layer.out_proj_weight}  # fmt: skip
-        if part not in direct:
-            return False
-        _put(name, direct[part], t, tuple(direct[part].shape))
-    return True
 
 
 def _layer_names(c: ModelConfig, layer: Qwen3NextLayer) -> list[str]:
@@ -272,6 +337,8 @@ def _layer_names(c: ModelConfig, layer: Qwen3NextLayer) -> list[str]:
                                               "dt_bias", "norm.weight", "out_proj.weight")]  # fmt: skip
     else:
         names = [f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")]
+    if layer.fp8_block is not None:  # an FP8 release's projections: their block scales too
+        names += [f"{m}.weight_scale_inv" for m in qwen3_next_projections(layer.linear, layer.sparse)]
     if not layer.sparse:
         return [*_ONE_PLUS, *names, *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down"))]
     experts = [f"mlp.experts.{e}.{p}_proj.weight" for e in range(c.moe.num_experts) for p in ("gate", "up", "down")]
@@ -493,7 +560,8 @@ class Qwen3NextMTP(nn.Module):
 
     def expected_weight_names(self) -> set[str]:
         """The checkpoint's names of the module's tensors: fc, its norms and its decoder layer's (its FP8 experts'
-        block scales too where MoEConfig.fp8_layers names its index, num_hidden_layers: runtime/packed_load.py
-        load_mtp_weights hands those over as stored and dequantizes every other FP8 projection)."""
+        and projections' block scales too where MoEConfig.fp8_layers / HybridConfig.fp8_layers name its index,
+        num_hidden_layers: runtime/packed_load.py load_mtp_weights hands those over as stored and dequantizes the
+        fc, which stays a float matrix)."""
         names = ("fc.weight", *_MTP_NORMS, *(f"layers.0.{n}" for n in _layer_names(self.config, self.layer)))
         return {self.weight_prefix + n for n in names}

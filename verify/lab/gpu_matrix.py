@@ -115,7 +115,7 @@ MODELS = {
                           ("b1_1k", "b1_32k", "b1_128k", "c64_8k")),
     "qwen3-next": Model("qwen3-next", "Qwen3-Next-80B-A3B shape, 24 of 48 layers (dummy bf16)", SHAPES["qwen3-next"],
                         131072, ("b1_1k", "b1_128k", "c64_8k")),
-    "qwen3-next-fp8": Model("qwen3-next-fp8", "Qwen3-Next-80B-A3B-FP8 shape, 48 layers (dummy, FP8 experts)",
+    "qwen3-next-fp8": Model("qwen3-next-fp8", "Qwen3-Next-80B-A3B-FP8 shape, 48 layers (dummy, FP8 as released)",
                             SHAPES["qwen3-next-fp8"], 131072, ("b1_1k", "b1_128k", "c64_8k")),
     # issue 44's MoE models: Qwen3-30B-A3B (GQA); Moonlight-16B-A3B (MLA), whose published window is 8K: its longest
     # batch-1 case is b1_7k, not 10K or 32K; Kimi K2's width at the depth that loads on one H200 (bench_server's

@@ -76,7 +76,7 @@ SHAPES = {
         tie_word_embeddings=False, vocab_size=151936, torch_dtype="bfloat16"),
 }  # fmt: skip
 # Qwen/Qwen3-Next-80B-A3B-Instruct-FP8 at all 48 layers (about 80 GB: it fits one H200): the routed experts FP8 in
-# 128 x 128 blocks (dummy weights build them so), every other projection bf16 as the runtime dequantizes it at load;
+# 128 x 128 blocks and every other projection FP8 too (dummy weights build them so, as the runtime loads a release);
 # the release's small projections left in float (offline_docs/quantization.md: the routers, the shared-expert gates
 # and in_proj_ba).
 SHAPES["qwen3-next-fp8"] = {**SHAPES["qwen3-next"], "num_hidden_layers": 48, "quantization_config": {
@@ -151,7 +151,7 @@ def step_bytes(shape: dict, context: int, weights: str = "bf16", kv_cache_dtype:
         return gpt_oss_step_bytes(shape, context)
     if shape["model_type"] == "qwen3_next":
         fp8 = (shape.get("quantization_config") or {}).get("quant_method") == "fp8"
-        return qwen3_next_step_bytes(shape, context, fp8_experts=fp8)
+        return qwen3_next_step_bytes(shape, context, fp8=fp8)
     arch = (shape.get("architectures") or [""])[0]
     if arch in ("Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM") and weights != "bf16":
         raise ValueError(f"step_bytes: weights {weights!r} has no roofline for {arch}; its experts are counted as "
@@ -174,26 +174,37 @@ def step_bytes(shape: dict, context: int, weights: str = "bf16", kv_cache_dtype:
     return n * projections + 2.0 * floats + n * kv_token * context
 
 
-def qwen3_next_step_bytes(shape: dict, context: int, fp8_experts: bool = False) -> float:
+def qwen3_next_step_bytes(shape: dict, context: int, fp8: bool = False) -> float:
     """Bytes one batch-1 decode step of Qwen3-Next reads: the full-attention layers' projections (q with its gate)
     and the K/V of `context` tokens, the Gated DeltaNet layers' projections, conv weights and float32 states (read
     once; written back too, not counted), and per layer the router, the top-k experts and the shared expert with its
-    gate; the LM head and one embedding row. bf16 weights; fp8_experts: the routed experts as an FP8 release keeps
-    them (_expert_bytes)."""
+    gate; the LM head and one embedding row. bf16 weights; fp8: an FP8 release as the runtime holds it
+    (models/qwen3_next.py): the routed experts (_expert_bytes) and every other projection but the router, in_proj_ba
+    and the shared-expert gate FP8 with a float32 scale a 128 x 128 block, or a row's 128 inputs where the model
+    gathers rows across blocks (q/k/v's rotary permutation; in_proj_qkvz's head groups, the shared gate/up, where
+    not whole blocks)."""
     h, n, d = shape["hidden_size"], shape["num_hidden_layers"], shape["head_dim"]
     full = n // shape["full_attention_interval"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
     nk, nv = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
     dk, dv, width = shape["linear_key_head_dim"], shape["linear_value_head_dim"], shape["linear_conv_kernel_dim"]
     key_dim, value_dim = nk * dk, nv * dv
-    attention = h * (2 * q + 2 * kv) + q * h
-    linear = h * (2 * key_dim + 2 * value_dim + 2 * nv) + value_dim * h + (2 * key_dim + value_dim) * width
     inter, shared = shape["moe_intermediate_size"], shape["shared_expert_intermediate_size"]
-    moe = h * shape["num_experts"] + 3 * h * shared + h
-    expert = _expert_bytes(h, inter, fp8_experts)
-    weights = full * attention + (n - full) * linear + n * moe + shape["vocab_size"] * h + h
+
+    def proj(rows: int, cols: int, per_row: bool = False) -> float:
+        if not fp8:
+            return 2.0 * rows * cols
+        return rows * cols + 4.0 * (rows if per_row else -(-rows // 128)) * -(-cols // 128)
+
+    attention = proj(2 * q + 2 * kv, h, per_row=True) + proj(h, q)
+    qkvz_rows = bool(dk % 128 or nv // nk * dv % 128)
+    linear = (proj(2 * key_dim + 2 * value_dim, h, per_row=qkvz_rows) + 2.0 * 2 * nv * h + proj(h, value_dim)
+              + 2.0 * (2 * key_dim + value_dim) * width)  # fmt: skip
+    moe = 2.0 * h * shape["num_experts"] + proj(2 * shared, h, per_row=bool(shared % 128)) + 2.0 * h + proj(h, shared)
+    weights = full * attention + (n - full) * linear + n * moe + 2.0 * (shape["vocab_size"] * h + h)
     state = (n - full) * nv * dk * dv * 4
-    return 2.0 * (weights + full * 2 * kv * context) + n * shape["num_experts_per_tok"] * expert + state
+    expert = _expert_bytes(h, inter, fp8)
+    return weights + 2.0 * full * 2 * kv * context + n * shape["num_experts_per_tok"] * expert + state
 
 
 def _expert_bytes(hidden: int, inter: int, fp8: bool) -> float:
