@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 MODEL_CARD = "envex-model.json"
 RUNTIME_CARD = "envex-runtime.json"
 WHEELHOUSE = "wheelhouse"
+# torch of the runtime wheelhouse (installer/media_build.py). On PyPI, torch 2.11.0's linux x86_64 wheel is the CUDA
+# 13.0 build (it requires nvidia-*-cu13 and triton 3.6.0): that is `cu130`. The CPU build is `2.11.0+cpu` on
+# PyTorch's own index, https://download.pytorch.org/whl/cpu (give it as --extra-index-url, or its wheel in
+# --find-links).
+TORCH_VERSION = "2.11.0"
 MAX_CARD_BYTES = 1 << 20
 CARD_DOCS = "offline_docs/install.md"  # where the cards' fields are described
 

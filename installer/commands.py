@@ -149,13 +149,14 @@ def serve(
     if launch is not None and load_format != "auto":
         raise fail("--load-format: a release serves the weights its gates passed with; drop the flag")
     if launch is not None:
-        from envex.installer.admin import admin_routers_for_launch
         from envex.installer.launch import LaunchError, load_launch
 
         try:
             config = load_launch(launch)
         except (LaunchError, ValueError) as exc:  # ValueError: an engine setting's value (EngineConfig)
             raise fail(str(exc)) from None
+        from envex.installer.admin import admin_routers_for_launch  # (after the launch file: it brings torch)
+
         extra_routers = admin_routers_for_launch(launch)  # /admin for the release's prefix
     else:
         config = engine_config(model=model, device=device, dtype=dtype, backend=backend, max_model_len=max_model_len,

@@ -57,7 +57,7 @@ from envex.bundles import (
 from envex.bundles.archive import MANIFEST, BundleArchive
 from envex.bundles.files import show
 from envex.bundles.manifest import Manifest
-from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, WHEELHOUSE, RuntimeCard
+from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, TORCH_VERSION, WHEELHOUSE, RuntimeCard
 from envex.installer.demo import INSTALL_SH, RUNTIME_BUNDLE, build_envex_wheel
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR, InstallError
 from envex.installer.model_card import card_for_model
@@ -72,10 +72,6 @@ from envex.verify.signed_reference import (
     references_bytes,
 )
 
-# torch of the runtime wheelhouse. On PyPI, torch 2.11.0's linux x86_64 wheel is the CUDA 13.0 build (it requires
-# nvidia-*-cu13 and triton 3.6.0): that is `cu130`. The CPU build is `2.11.0+cpu` on PyTorch's own index,
-# https://download.pytorch.org/whl/cpu (give it as --extra-index-url, or its wheel in --find-links).
-TORCH_VERSION = "2.11.0"
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 # What the appliance's gates need beyond envex's own dependencies: transformers loads the HF reference of a GGUF
 # model only with accelerate (the first CPU install from a complete wheelhouse failed its gates without it).

@@ -8,7 +8,10 @@ from typing import Annotated
 import typer
 
 from envex.bundles.files import one_line, show
-from envex.installer.media_build import TORCH_VERSION, MediaRequest, PipSource, Target, build_media
+from envex.installer.cards import TORCH_VERSION
+
+# installer/media_build.py is imported by the commands that run it: it computes reference answers, so it brings torch
+# and the engine (~2 s), which every other `envex` command would otherwise pay at start.
 
 media_app = typer.Typer(help="Make signed install media.", no_args_is_help=True, add_completion=False)
 
@@ -67,6 +70,7 @@ def build(
 
     from envex.bundles import VerificationError
     from envex.installer.media import InstallError
+    from envex.installer.media_build import MediaRequest, PipSource, Target, build_media
 
     console = Console(stderr=True)
     try:

@@ -400,3 +400,13 @@ def test_a_release_keeps_its_deterministic_setting_and_the_cli_takes_both_ways(t
     assert off.returncode == 0, off.stderr
     on = run(["generate", "hi", "--device", "cpu", "--max-tokens", "2", "--deterministic"], timeout=120)
     assert on.returncode == 0 and on.stdout == off.stdout, (on.stdout, off.stdout, on.stderr)
+
+
+def test_the_commands_start_without_torch() -> None:
+    """`envex` and `envex-install` load torch only in the commands that run a model (serve, gates, bench, media
+    build): `envex verify bundle` on an appliance, and every command's errors, answer in well under a second
+    (importing installer/media_build.py at start cost every command ~2 s)."""
+    for module in ("envex.installer.commands", "envex.installer.cli"):
+        probe = f"import sys, {module}; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+        done = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, check=True)
+        assert done.stdout.strip() == "[]", (module, done.stdout, done.stderr)
