@@ -254,10 +254,15 @@ def stored_as_packed(config: ModelConfig, hf_config: Mapping[str, Any], names: I
             return int(m.group(1)) if m.group(1) is not None else config.num_hidden_layers + int(m.group(2))
 
         projections = set(config.hybrid.fp8_layers) if config.hybrid is not None else set()  # Qwen3-Next's
-        return {n for n in names if (m := _EXPERT_TENSOR.match(n)) is not None and (layer(m) in fp8 or layer(
-            m) in int4 and (shared or ".shared_experts." not in n) and not n.endswith(".weight_shape")) or (
-            m := _PROJECTION_TENSOR.fullmatch(n)) is not None and layer(m) in projections and m.group(
-            3) in _QWEN3_NEXT_PROJECTIONS}  # fmt: skip
+
+        def stored(n: str) -> bool:
+            if (m := _EXPERT_TENSOR.match(n)) is not None:  # a routed (or shared) expert's tensor
+                return layer(m) in fp8 or (layer(m) in int4 and (shared or ".shared_experts." not in n)
+                                           and not n.endswith(".weight_shape"))  # fmt: skip
+            m = _PROJECTION_TENSOR.fullmatch(n)  # a Qwen3-Next FP8 layer's projection, or its scales
+            return m is not None and layer(m) in projections and m.group(3) in _QWEN3_NEXT_PROJECTIONS
+
+        return {n for n in names if stored(n)}
     kept = set()
     for name in names:
         module, _, suffix = name.rpartition(".")

@@ -131,11 +131,12 @@ CASES = {"b1_1k": (1, 1024, 256, 3), "b1_10k": (1, 10240, 512, 2), "c64_1k": (64
 
 def projection_bytes(n: int, k: int, scheme: str = "bf16") -> float:
     """Bytes of an n x k projection in a weights-policy scheme the GPU matrix serves (runtime/weight_policy.py),
-    as kernels/quant.py stores it: the codes plus fp8_block's float32 a 128 x 128 block, fp8_channel's float32 a
-    row, int4 g128 asymmetric's bf16 scale and uint8 zero a group of 128 inputs."""
+    as kernels/quant.py stores it: the codes plus fp8_block's float32 a 128 x 128 block (fp8_block_rows: a row's
+    128 inputs, the block (1, 128) a model's matrix takes where it gathers a release's rows across blocks),
+    fp8_channel's float32 a row, int4 g128 asymmetric's bf16 scale and uint8 zero a group of 128 inputs."""
     blocks = -(-n // 128) * -(-k // 128)
-    per_scheme = {"bf16": 2 * n * k, "fp8_block": n * k + 4 * blocks, "fp8_channel": n * k + 4 * n,
-                  "int4_g128_asym": n * k / 2 + 3 * n * -(-k // 128)}  # fmt: skip
+    per_scheme = {"bf16": 2 * n * k, "fp8_block": n * k + 4 * blocks, "fp8_block_rows": n * k + 4 * n * -(-k // 128),
+                  "fp8_channel": n * k + 4 * n, "int4_g128_asym": n * k / 2 + 3 * n * -(-k // 128)}  # fmt: skip
     return float(per_scheme[scheme])
 
 
@@ -192,9 +193,7 @@ def qwen3_next_step_bytes(shape: dict, context: int, fp8: bool = False) -> float
     inter, shared = shape["moe_intermediate_size"], shape["shared_expert_intermediate_size"]
 
     def proj(rows: int, cols: int, per_row: bool = False) -> float:
-        if not fp8:
-            return 2.0 * rows * cols
-        return rows * cols + 4.0 * (rows if per_row else -(-rows // 128)) * -(-cols // 128)
+        return projection_bytes(rows, cols, ("fp8_block_rows" if per_row else "fp8_block") if fp8 else "bf16")
 
     attention = proj(2 * q + 2 * kv, h, per_row=True) + proj(h, q)
     qkvz_rows = bool(dk % 128 or nv // nk * dv % 128)
