@@ -59,31 +59,26 @@ class GemmTiles(NamedTuple):
 
 
 # Programs a launch aims for, per SM, before it splits the inputs; and the fewest BLOCK_K steps a split keeps.
-_PROGRAMS_PER_SM = 4
+_PROGRAMS_PER_SM = 2
 _MIN_SPLIT_STEPS = 8
 
 
 def gemm_config(m: int, n: int, k: int, scheme: str, sms: int) -> GemmTiles:
-    """The tiles for m activation rows, n outputs, k inputs and a weight scheme on a device of `sms` SMs; chosen
-    before any GPU timing of them (untuned), from what fits and from the sm_90 build's registers (ptxas through
-    Triton 3.9, no spills at any of these; tests/test_kernels_quant_gemm.py checks the Llama-3.1-8B down projection).
+    """The tiles for m activation rows, n outputs, k inputs and a weight scheme on a device of `sms` SMs, from the
+    first sweep of tiles and splits on a GPU (one H100, `bench_quant_gemm --sweep`, Llama-3.1-8B's four projections
+    at 16 and 64 rows; verify/lab/journal-kernels.md, 2026-12-07).
     BLOCK_M: the rows rounded up to a power of two in 16..64 (wgmma's N side: 9-64 rows pay for at most twice
     their count; more rows take several 64-row tiles, which re-read each weight tile from L2, not HBM, as the row
-    tiles of one weight tile are adjacent program ids). BLOCK_N 128 (two 64-row wgmma halves over 4 warps).
-    FP8: BLOCK_K 64 (112-176 registers; it divides the 128-column block: one scale a row and tile); 64 outputs a
-    tile where 128 leaves fewer than 64 programs (64-96 registers). INT4: BLOCK_K 32 (127-167 registers; at 64 the
-    unpacked words took all 255, and 64-output tiles took more, not fewer), the usual groups (32, 64, 128) whole
-    multiples of it.
-    Split: the first H100 timings (verify/lab/journal-kernels.md, 2026-12-06) had one program stream a whole row of
-    K with 32-64 programs on 132 SMs (the down projection: 224-448 steps a program, 2.2-6x bf16's time), latency,
-    not bytes. So the inputs are split until the launch has _PROGRAMS_PER_SM programs an SM, keeping at least
-    _MIN_SPLIT_STEPS steps a split; the float32 partial sums are added once after (deterministic order)."""
+    tiles of one weight tile are adjacent program ids). FP8: 64 outputs x 128 inputs a tile (the 128-column scale
+    block: one scale a row and tile), best or within 5% of the best at six of the eight points; INT4: 128 x 64,
+    best at seven of eight. Split: the inputs are split until the launch has _PROGRAMS_PER_SM programs an SM,
+    keeping at least _MIN_SPLIT_STEPS steps a split (one program streaming a whole row of K was latency-bound: the
+    down projection took 2.2-6x bf16's time); the float32 partial sums are added once after (deterministic order).
+    Two programs an SM, not the four first guessed. The sweep's times of these tiles against the first defaults, a
+    layer's four projections: FP8 at 16 rows 152 -> 115 us (gate-up 80 -> 51), at 64 rows 211 -> 175; INT4 at 16
+    rows 245 -> about 230, at 64 rows 326 -> about 305 (gate-up's split of 2 was not in the sweep's grid)."""
     block_m = min(64, max(16, triton.next_power_of_2(m)))
-    if scheme == INT4_GROUP:
-        block_n, block_k = 128, 32
-    else:
-        block_n = 128 if triton.cdiv(n, 128) * triton.cdiv(m, block_m) >= 64 else 64
-        block_k = 64
+    block_n, block_k = (128, 64) if scheme == INT4_GROUP else (64, 128)
     tiles, steps = triton.cdiv(m, block_m) * triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     split = 1
     while tiles * split < _PROGRAMS_PER_SM * sms and steps // (2 * split) >= _MIN_SPLIT_STEPS:

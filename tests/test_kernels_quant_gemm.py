@@ -73,13 +73,13 @@ def test_quant_linear_picks_gemv_then_gemm_then_a_dequantized_weight(monkeypatch
 
 def test_gemm_config_table() -> None:
     """Tiles and splits at Llama-3.1-8B's projections on an H100's 132 SMs: the inputs are split until there are
-    4 programs an SM or a split would fall under 8 steps."""
+    2 programs an SM or a split would fall under 8 steps."""
     h100 = 132
-    assert gemm_config(9, 4096, 14336, q.FP8_BLOCK, h100) == (16, 64, 64, 4, 16)  # down: 64 tiles x 16 = 1,024
-    assert gemm_config(9, 4096, 4096, q.FP8_BLOCK, h100) == (16, 64, 64, 4, 8)  # O: 64 steps, 8 a split
-    assert gemm_config(64, 28672, 4096, q.FP8_CHANNEL, h100) == (64, 128, 64, 4, 4)  # 224 tiles x 4 >= 528
-    assert gemm_config(64, 4096, 14336, q.INT4_GROUP, h100) == (64, 128, 32, 4, 32)  # 32 tiles, 448 steps
-    assert gemm_config(2048, 28672, 4096, q.FP8_TENSOR, h100) == (64, 128, 64, 4, 1)  # 7,168 tiles: no split
+    assert gemm_config(9, 4096, 14336, q.FP8_BLOCK, h100) == (16, 64, 128, 4, 8)  # down: 64 tiles x 8 = 512
+    assert gemm_config(9, 4096, 4096, q.FP8_BLOCK, h100) == (16, 64, 128, 4, 4)  # O: 32 steps, 8 a split
+    assert gemm_config(64, 28672, 4096, q.FP8_CHANNEL, h100) == (64, 64, 128, 4, 1)  # 448 tiles >= 264: no split
+    assert gemm_config(64, 4096, 14336, q.INT4_GROUP, h100) == (64, 128, 64, 4, 16)  # 32 tiles, 224 steps
+    assert gemm_config(2048, 28672, 4096, q.FP8_TENSOR, h100) == (64, 64, 128, 4, 1)  # 14,336 tiles: no split
     assert gemm_config(200, 4096, 4096, q.FP8_TENSOR, h100)[0] == 64
 
 

@@ -18,7 +18,7 @@ from envex.runtime.engine import EngineConfig, LLMEngine, SamplingParams
 from envex.runtime.engine.caches.state_slots import verify_slots
 from envex.runtime.engine.spec import decoder
 from envex.runtime.engine.spec.depth import DepthController
-from envex.runtime.engine.spec.drafters import SpecInputs
+from envex.runtime.engine.spec.drafters import NgramIndex, SpecInputs
 from envex.tests.test_runtime_qwen3_next import PROMPTS, _engine, save_tiny_checkpoint
 
 TOKENS = 20
@@ -180,6 +180,9 @@ def test_captured_verify_graphs_on_the_recurrent_state_give_the_plain_output(tin
     class Oracle(OracleDrafter):  # built where the n-gram drafter would be, so the verify graphs capture it
         def __init__(self) -> None:
             super().__init__(answers, 3, torch.device("cuda"))
+
+        def shadow_index(self) -> NgramIndex:  # asked of whatever stands where the n-gram drafter is
+            return NgramIndex()
 
     monkeypatch.setattr(decoder, "NgramDrafter", Oracle)
     for warm_up in (False, True):

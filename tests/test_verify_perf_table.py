@@ -186,6 +186,35 @@ def test_the_newest_file_of_each_device_is_read(results: Path) -> None:
     assert "| NVIDIA H100 80GB HBM3 | `h100-x2` |" in page
 
 
+def test_a_model_the_newest_run_left_out_keeps_its_rows_from_the_run_that_measured_it(results: Path) -> None:
+    data = json.loads(FIXTURE.read_text())
+    llama = [c for c in data["cells"] if c["model"] == "llama8b"]
+    for cell in llama:
+        for case in (cell.get("cases") or {}).values():
+            case["median"] = 111.1
+    data["cells"] = llama  # the newer run measured llama8b alone, and neither the install nor the demo
+    data["env"].update(commit="7777777", date="2026-12-07 05:00 UTC")
+    data.pop("install"), data.pop("demo")
+    (results / "h200-2026-12-07-7777777-matrix.json").write_text(json.dumps(data))
+    (results / "h200-2026-12-01-0000000-matrix.json").write_text(FIXTURE.read_text())  # older still: adds nothing
+    runs = perf_table.current_runs(results)
+    assert [r.path.name for r in runs] == ["h200-2026-12-07-7777777-matrix.json", FIXTURE.name]
+    assert {c["model"] for c in runs[1].cells} == {"gpt-oss-120b"}  # llama8b only from the newest run
+    page = perf_table.render(runs)
+    newer = "2026-12-07 05:00 UTC, `7777777`, `h200-2026-12-07-7777777-matrix.json`"
+    assert _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`default`").endswith(f"{newer} |")
+    assert "| 111.1 (" in _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", "`default`")
+    assert _row(page, "gpt-oss-120b (dummy MXFP4)", "NVIDIA H200", "`default`").endswith(f"{SOURCE} |")
+    # the install and demo come from the older run, once; the newest run has no "not in this run" rows for them
+    install = page.split("\n## Install and demo", 1)[1]
+    assert install.count("| NVIDIA H200 | install |") == 1 and "not in this run" not in install
+    assert f"{SOURCE} |" in _row(page, "NVIDIA H200", "install", section="Install and demo")
+    # main writes the page from these runs
+    out = results.parent / "performance.md"
+    assert perf_table.main(["--results", str(results), "--out", str(out)]) == 0
+    assert out.read_text() == page
+
+
 def test_regressions_name_rows_more_than_3_percent_below_the_run_before(results: Path, capsys) -> None:
     data = json.loads(FIXTURE.read_text())
     llama = next(c for c in data["cells"] if c["model"] == "llama8b" and c["mode"] == "default")

@@ -5,7 +5,9 @@
 verify/lab/gpu_matrix.py writes one `<device>-<YYYY-MM-DD>-<commit>-matrix.json` (schema "envex-gpu-matrix/1") per
 run into verify/lab/results/. For each device this reads the newest file: the latest date in its name, then the
 run's own timestamp inside it (`env.date`), then the name. File times are not used: in a checkout they are the
-checkout's, not the run's, and `--check` must give the same answer on every clone.
+checkout's, not the run's, and `--check` must give the same answer on every clone. A model the newest run did not
+measure keeps its rows from the newest older run that did (`current_runs`): all of a model's cells from one run, so
+a mode is only ever set against a default of the same run.
 
 The page holds, over every model x GPU x mode of those runs: throughput, the deterministic mode's cost against
 --no-deterministic in the same run (against DETERMINISTIC_BAR, runtime/engine/config.py), speculation against the
@@ -23,7 +25,7 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,27 @@ def latest_runs(results: Path) -> list[Run]:
         newest_date = max(date for date, _ in files)
         candidates = [load_run(path, device) for date, path in files if date == newest_date]
         runs.append(max(candidates, key=lambda r: (str(r.env.get("date") or ""), r.path.name)))
+    return runs
+
+
+def current_runs(results: Path) -> list[Run]:
+    """What the page shows: per device, the newest run whole, then, newest first, each older run's cells of the
+    models no newer run measured (a model's cells always come from one run, so its modes are compared within that
+    run) and its install and demo where no newer run has them. An older run that adds nothing is left out."""
+    runs = []
+    for device, files in sorted(matrix_files(results).items()):
+        older = sorted((load_run(path, device) for _, path in files),
+                       key=lambda r: (_NAME.match(r.path.name)["date"], str(r.env.get("date") or ""),  # type: ignore[index]
+                                      r.path.name), reverse=True)  # fmt: skip
+        models: set[object] = set()
+        install = demo = False
+        for run in older:
+            cells = [c for c in run.cells if c.get("model") not in models]
+            kept = replace(run, cells=cells, install=None if install else run.install, demo=None if demo else run.demo)
+            if not runs or runs[-1].device != device or cells or kept.install or kept.demo:
+                runs.append(kept)
+            models |= {c.get("model") for c in run.cells}
+            install, demo = install or run.install is not None, demo or run.demo is not None
     return runs
 
 
@@ -266,8 +289,9 @@ def _runs_section(runs: Sequence[Run]) -> list[str]:
              _text(run.env.get("torch") or DASH), _text(run.env.get("triton") or DASH),
              _num(run.env.get("read_TBps"), 2), f"`{run.path.name}`"] for run in runs]
     return ["## Runs", "",
-            "The newest matrix of each device. Read bandwidth is the run's own measurement; the byte rooflines below "
-            "divide a decode step's bytes by it.", "",
+            "The newest matrix of each device, then any older one that measured a model (or the install) the "
+            "newer ones did not: a model's rows all come from one run. Read bandwidth is the run's own measurement; "
+            "the byte rooflines below divide a decode step's bytes by it.", "",
             *_table(["GPU", "slug", "date", "commit", "torch", "Triton", "read TB/s", "raw file"], rows)]
 
 
@@ -525,7 +549,12 @@ def _step(run: Run, name: str, step: object) -> list[str]:
 
 
 def _install_section(runs: Sequence[Run]) -> list[str]:
-    rows = [row for run in runs for row in (_step(run, "install", run.install), _step(run, "demo", run.demo))]
+    # the runs that brought an install or a demo (current_runs keeps the newest of each); a device with neither
+    # shows its newest run's "not in this run"
+    has = {run.device for run in runs if run.install or run.demo}
+    shown = [run for i, run in enumerate(runs)
+             if run.install or run.demo or (run.device not in has and (i == 0 or runs[i - 1].device != run.device))]
+    rows = [row for run in shown for row in (_step(run, "install", run.install), _step(run, "demo", run.demo))]
     return ["## Install and demo", "",
             "`envex-install` from signed media on the GPU host (its gates, the network guard, and the installed "
             "release's answer to one chat question), and `envex demo`.", "",
@@ -575,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for line in found:
                     print(f"  {line}")
             return 0
-        page = render(runs)
+        page = render(current_runs(args.results))
     except MatrixError as exc:
         print(f"perf_table: {exc}", file=sys.stderr)
         return 2
