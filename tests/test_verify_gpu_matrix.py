@@ -81,6 +81,10 @@ def test_cli_refuses_unknown_models_and_modes_in_one_line(tmp_path, capsys) -> N
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "gpt-5, turbo" in err[0] and "llama8b" in err[0]
     assert not (tmp_path / "matrix.json").exists()
+    assert M.main(["--out", str(tmp_path), "--cells", "llama8b:default", "--cases", "b1_1k,b1_2k",
+                   "--no-bandwidth"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "case b1_2k;" in err[0] and "b1_128k" in err[0]
 
 
 def test_flags_are_what_a_user_types(tmp_path) -> None:
@@ -129,6 +133,9 @@ def test_kv_modes_run_the_long_context_cases_and_their_roofline_counts_the_packe
     assert M.cell_cases(long, "kv-int4") == M.cell_cases(long, "default") == ("b1_1k", "b1_32k", "b1_128k", "c64_8k")
     assert all(M.CASES[c][1] + M.CASES[c][2] <= 131072 for c in long.cases)
     assert M.cell_cases(long, "int4") == ("b1_1k", "c64_1k") and M.cell_cases(long, "spec4") == ("b1_1k",)
+    # --cases keeps the cell's own cases it names, in the cell's order
+    assert M.cell_cases(long, "kv-int4", ("b1_128k", "b1_1k", "b1_10k")) == ("b1_1k", "b1_128k")
+    assert M.cell_cases(long, "spec4", ("b1_32k",)) == ()
     assert M.formats("kv-int4") == ("bf16", "int4") and M.formats("fp8") == ("fp8_block", "bf16")
     per_token = kv_bytes_per_token("int4", 8, 128)
     assert per_token == 2 * 8 * (64 + 2 * 2 * 2)  # K and V, 8 heads: 64 bytes of codes, 2 bf16 scales and zeros

@@ -308,12 +308,14 @@ async def invariance(base: str, model: str, *, batch: int = 32, prompt_len: int 
     return {"identical": alone == batched[0] == hit, "differing_tokens": differing, "compared_tokens": 2 * out_len}
 
 
-def cell_cases(model: Model, mode: str) -> tuple[str, ...]:
+def cell_cases(model: Model, mode: str, only: tuple[str, ...] | None = None) -> tuple[str, ...]:
     """The timed cases of a model in a mode: all of the model's in FULL_MODES, batch 1 and 64 concurrent at 1K in
-    WEIGHT_MODES, batch 1 at 1K otherwise."""
+    WEIGHT_MODES, batch 1 at 1K otherwise; `only` (--cases) keeps those of them it names."""
     if mode in FULL_MODES:
-        return model.cases
-    return ("b1_1k", "c64_1k") if mode in WEIGHT_MODES else ("b1_1k",)
+        cases = model.cases
+    else:
+        cases = ("b1_1k", "c64_1k") if mode in WEIGHT_MODES else ("b1_1k",)
+    return cases if only is None else tuple(c for c in cases if c in only)
 
 
 def formats(mode: str) -> tuple[str, str]:
@@ -339,7 +341,7 @@ def timed_case(base: str, served: str, case: str, shape: dict | None, bandwidth:
 
 
 def run_cell(model: Model, mode: str, *, port: int, out: Path, models_dir: Path, bandwidth: float | None,
-             ready_timeout: float = 600.0) -> dict[str, Any]:  # fmt: skip
+             ready_timeout: float = 600.0, only: tuple[str, ...] | None = None) -> dict[str, Any]:  # fmt: skip
     flags = model_flags(model, mode, models_dir)
     cell: dict[str, Any] = {"model": model.name, "model_label": model.label, "mode": mode, "flags": flags,
                             "status": "ok", "line": None, "resolved": {}, "api": {}, "cases": {},
@@ -361,7 +363,7 @@ def run_cell(model: Model, mode: str, *, port: int, out: Path, models_dir: Path,
         del api["errors"]
         cell["api"] = api
         window = model.max_model_len or 8192
-        for case in cell_cases(model, mode):
+        for case in cell_cases(model, mode, only):
             _, prompt_len, out_len, _ = CASES[case]
             if prompt_len + out_len > window:
                 continue
@@ -506,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--modes", default="default,no-det,det,spec4,draft,tp2")
     ap.add_argument("--cells", default=None, help="model:mode,... in this order (instead of --models x --modes)")
+    ap.add_argument("--cases", default=None,
+                    help="time only these of each cell's cases, e.g. b1_1k,b1_32k (a quick check between full runs)")
     ap.add_argument("--demo", action="store_true", help="envex demo and envex-install on this GPU, guarded")
     ap.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new cell starts")
     ap.add_argument("--work", type=Path, default=Path("/tmp/envex-matrix"))
@@ -520,10 +524,12 @@ def main(argv: list[str] | None = None) -> int:
         cells = [tuple(c.split(":", 1)) if ":" in c else (c, "?") for c in args.cells.split(",")]
     else:
         cells = [(m, mode) for m in args.models.split(",") for mode in args.modes.split(",")]
-    unknown = sorted({m for m, _ in cells if m not in MODELS} | {mode for _, mode in cells if mode not in MODES})
+    only = tuple(args.cases.split(",")) if args.cases else None
+    unknown = sorted({m for m, _ in cells if m not in MODELS} | {mode for _, mode in cells if mode not in MODES}
+                     | set(only or ()) - set(CASES))  # fmt: skip
     if unknown:
-        print(f"error: unknown model or mode {', '.join(unknown)}; models: {', '.join(MODELS)}; modes: "
-              f"{', '.join(MODES)}", file=sys.stderr)
+        print(f"error: unknown model, mode or case {', '.join(unknown)}; models: {', '.join(MODELS)}; modes: "
+              f"{', '.join(MODES)}; cases: {', '.join(CASES)}", file=sys.stderr)
         return 2
     sha, dirty = git_commit()
     report: dict[str, Any] = {"schema": SCHEMA, "env": environment(args.commit or sha), "cells": []}
@@ -550,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port += 2
         cell = run_cell(MODELS[name], mode, port=port, out=args.out, models_dir=args.work / "models",
-                        bandwidth=bandwidth)  # fmt: skip
+                        bandwidth=bandwidth, only=only)  # fmt: skip
         report["cells"].append(cell)
         path.write_text(json.dumps(report, indent=1))
         print(summary_line(cell), flush=True)
