@@ -139,9 +139,13 @@ def test_the_packed_logits_are_the_dequantized_checkpoint_logits(release, backen
         for p in packed.runner.model.parameters():  # row-major again, as _engine does for the Triton ops
             p.data = p.data.contiguous()
     assert isinstance(packed.runner.model.layers[1].qkvg_proj_weight, quant.PackedWeight)
+    # torch ops: 5e-6, was 1e-6 until 2026-12-07, when a fresh machine's CPU (torch 2.13.0+cpu) measured 1.1e-6 and
+    # 1.4e-6 on the two releases: the packed model's in_proj_ba and shared gate are matrices of their own where the
+    # float model has them fused, so BLAS sums in float32 in another order (an order that varies with the CPU's
+    # kernels). Each packed matrix is checked exactly against the float one above; this bounds the whole forward.
     for prompt in ([5, 17, 300, 9, 44, 12, 7, 8, 9, 100, 3, 99], [7]):
         err = rel_err(packed.full_logits(prompt), plain.full_logits(prompt))
-        assert err < (1e-5 if backend == "triton" else 1e-6), (prompt, err)
+        assert err < (1e-5 if backend == "triton" else 5e-6), (prompt, err)
 
 
 def test_put_rows_is_exact_and_keeps_blocks_where_it_can() -> None:
