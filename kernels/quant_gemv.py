@@ -7,17 +7,25 @@ rows, streams their packed rows in BLOCK_K-input chunks with the next chunk requ
 used, and computes its input from the previous layer's outputs on the fly (the same PROLOGUE_* values, the same
 rounding: the residual sum and SwiGLU as HF rounds them, the RMS scale applied after the dot).
 
-  FP8 (fp8_block, fp8_channel, fp8_tensor): a [BLOCK_N, BLOCK_K] tile of e4m3 codes. A block scale multiplies
-    the tile before the sum (BLOCK_K divides the block's columns, so one scale per row of a tile); a channel or
-    tensor scale multiplies each row's finished sum.
-  INT4 (int4_group): a [BLOCK_N, BLOCK_K/8] tile of int32 words, each split into its 8 nibbles ([.., .., 8],
-    nibble j = input 8c + j, the internal layout), (u - zero) summed against the input per word, then times the
-    word's group scale (a group is a whole number of words).
+  FP8 (fp8_block, fp8_channel, fp8_tensor): a [BLOCK_N, BLOCK_K] tile of e4m3 codes. A channel or tensor scale
+    multiplies each row's finished sum. A block scale, where a program's rows lie in one scale row (BLOCK_N
+    divides the block's rows: the 128 x 128 DeepSeek / Qwen layout), is folded into the input instead:
+    x[k] · s[row block, k // cols], BLOCK_K multiplies a step for any BLOCK_K (a chunk may span several block
+    columns). Where the rows of a program have different scale rows (put_rows' block (1, bk), Qwen3-Next's q/k/v),
+    each row of the tile is multiplied by its own scale (BLOCK_K divides the block's columns). Either way the
+    scales are requested a step ahead with the tile: a scale load waited on in its own step cost its whole latency
+    each step (the H100's fp8_block down projection, 112 steps: 78 us against fp8_channel's 26).
+  INT4 (int4_group): a [BLOCK_N, BLOCK_K/8] tile of int32 words, kept 2-D: nibble j of every word (input 8c + j,
+    the internal layout) becomes the float 2^23 + u (int4_code), less 2^23 + the word's zero, times the inputs
+    x_j [BLOCK_K/8] at columns 8c + j (one contiguous [BLOCK_K/8, 8] load split into its 8 columns), summed over j
+    per word, then times the word's group scale (a group is a whole number of words); scale and zero are
+    requested a step ahead with the words. The former [BLOCK_N, BLOCK_K/8, 8] form summed over its last axis ran
+    at 5.5-6.3x its byte floor on the H100.
 
 Rows: each row of `a` is one program column and re-reads the weight (from L2 when the rows are few); meant for up
 to GEMV_MAX_ROWS rows. Past that, kernels/quant_gemm.py's GEMM reads the same packing once per tile of rows
 (`quant_gemm.quant_linear` picks between the two).
-Configs are untuned (no GPU measurement yet): DEFAULT_CONFIGS says why each was picked.
+Configs: fp8_channel's measured on the H100, the others by the same bytes a thread (DEFAULT_CONFIGS says why).
 """
 
 from __future__ import annotations
@@ -32,15 +40,21 @@ from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, 
 
 GEMV_MAX_ROWS = 8  # rows up to which the packed projections use the GEMV; past it, quant_gemm's GEMM
 _SCALE_MODE = {FP8_TENSOR: 0, FP8_CHANNEL: 1, FP8_BLOCK: 2}
-# (BLOCK_N, BLOCK_K, num_warps) per scheme, before any GPU measurement. FP8: 8 x 512 one-byte codes over 128
-# threads is 32 bytes a thread (two 16-byte loads); a block scale caps BLOCK_K at the block's 128 columns, so
-# BLOCK_N doubles to keep 16 bytes a thread. INT4: 8 rows x 512 inputs = 8 x 64 words, 16 bytes a thread.
+# (BLOCK_N, BLOCK_K, num_warps) per scheme. Measured on an H100 (bench_quant_gemm --gemv, 2026-12-07, the "before"
+# of journal-kernels.md): fp8_channel at (8, 512, 4), 8 x 512 one-byte codes over 128 threads = 32 bytes a thread
+# (two 16-byte loads, two tiles in flight with the prefetch), runs at 1.3-1.4x its byte floor. The others are
+# chosen by that reasoning, not yet measured: fp8_block folds its scale into the input (no BLOCK_K cap), so it
+# takes the same tile; INT4 at 8 x 1024 inputs = 8 x 128 words is the same 32 bytes a thread and the same programs
+# per row count (its old 8 x 512 was 16 bytes a thread).
 DEFAULT_CONFIGS: dict[str, tuple[int, int, int]] = {
-    FP8_BLOCK: (16, 128, 4),
+    FP8_BLOCK: (8, 512, 4),
     FP8_CHANNEL: (8, 512, 4),
     FP8_TENSOR: (8, 512, 4),
-    INT4_GROUP: (8, 512, 4),
+    INT4_GROUP: (8, 1024, 4),
 }
+# fp8_block with a program's rows in several scale rows (put_rows' block (1, bk)): a scale a tile row, so a tile
+# lies in one block column (BLOCK_K capped at the block's 128 columns) and BLOCK_N doubles to keep 16 bytes a thread.
+FP8_BLOCK_ROWS_CONFIG = (16, 128, 4)
 
 
 @triton.jit
@@ -87,20 +101,48 @@ def int4_nibbles(words):
 
 
 @triton.jit
-def _int4_codes(words, s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_ZERO: tl.constexpr):
-    """int4_group words [R, C] (int32, 8 inputs each, nibble j = input 8c + j) with their groups grp (any shape
-    broadcasting against [R, C]; ok masks it) -> ((u - zero) [R, C, 8], scale [R, C]) in float32; no zero: 8.
-    Callers apply the scale where it costs least (the GEMV per word's sum, the GEMM per weight before its dot).
-    Each code becomes a float without an int-to-float conversion (a quarter-rate instruction on Hopper, one per
-    weight): OR-ed into the mantissa of 2^23 it is the float 2^23 + u, and 2^23 + zero is subtracted (both exact),
-    as Marlin and the LUT-free dequantizers do."""
-    u = (int4_nibbles(words) | TWO_23_BITS).to(tl.float32, bitcast=True)  # 2^23 + u
+def int4_code(words, shift: tl.constexpr):
+    """2^23 + the 4-bit code at bit `shift` of each word (any shape), a float32 made by OR (see _int4_codes)."""
+    return (((words >> shift) & 0xF) | TWO_23_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_group_params(s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_ZERO: tl.constexpr):
+    """int4_group: the scales and 2^23 + zeros of rows rows64 [R, 1] at groups grp (broadcasting against it; ok
+    masks it) -> (scale, 2^23 + zero), float32 of the broadcast shape; no zero: 8."""
     s = tl.load(s_ptr + rows64 * stride_sn + grp, mask=ok, other=0.0).to(tl.float32)
     if HAS_ZERO:
         z = tl.load(z_ptr + rows64 * stride_zn + grp, mask=ok, other=0).to(tl.float32) + TWO_23
     else:
         z = tl.full(s.shape, TWO_23 + 8.0, dtype=tl.float32)
+    return s, z
+
+
+@triton.jit
+def _int4_codes(words, s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_ZERO: tl.constexpr):
+    """int4_group words [R, C] (int32, 8 inputs each, nibble j = input 8c + j) with their groups grp (any shape
+    broadcasting against [R, C]; ok masks it) -> ((u - zero) [R, C, 8], scale [R, C]) in float32; no zero: 8.
+    Callers apply the scale where it costs least (the GEMM per weight before its dot).
+    Each code becomes a float without an int-to-float conversion (a quarter-rate instruction on Hopper, one per
+    weight): OR-ed into the mantissa of 2^23 it is the float 2^23 + u, and 2^23 + zero is subtracted (both exact),
+    as Marlin and the LUT-free dequantizers do."""
+    u = (int4_nibbles(words) | TWO_23_BITS).to(tl.float32, bitcast=True)  # 2^23 + u
+    s, z = _int4_group_params(s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_ZERO)
     return u - z[:, :, None], s
+
+
+@triton.jit
+def _columns_of_8(x, R: tl.constexpr):
+    """x [R, 8] -> its 8 columns, [R] each, in order: three halvings of the last dim (tl.split), column
+    j = 4a + 2b + c of the [R, 2, 2, 2] view taken by c, then b, then a."""
+    c0, c1 = tl.split(tl.reshape(x, [R, 2, 2, 2]))  # [R, 2, 2] each: the even and the odd columns
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    x0, x4 = tl.split(c0b0)
+    x2, x6 = tl.split(c0b1)
+    x1, x5 = tl.split(c1b0)
+    x3, x7 = tl.split(c1b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -108,17 +150,28 @@ def _fp8_gemv_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_sn, stride_om, stride_hm, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, FOLD_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """SCALE_MODE 0: one scale; 1: one per row; 2: one per SCALE_ROWS x SCALE_COLS block (BLOCK_K | SCALE_COLS)."""
+    """SCALE_MODE 0: one scale; 1: one per row; 2: one per SCALE_ROWS x SCALE_COLS block, either folded into the
+    input (FOLD_SCALE: the program's rows lie in one scale row, SCALE_ROWS % BLOCK_N == 0; any BLOCK_K) or
+    multiplying each row of the tile (BLOCK_K | SCALE_COLS: one scale a row of a tile)."""
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_wn
     kk = tl.arange(0, BLOCK_K)
-    w_next = _stream_tile(w_rows, kk, row_ok, K, 0.0)  # requested before waiting on the previous kernel (PDL)
+    # The weight tile and its block scales are requested a step ahead (the first before waiting on the previous
+    # kernel, PDL): the scales are streamed from memory like the codes, and a load waited on in its own step
+    # costs its whole latency each step.
+    w_next = _stream_tile(w_rows, kk, row_ok, K, 0.0)
+    if SCALE_MODE == 2:
+        if FOLD_SCALE:  # the scale of each input of this program's scale row: [BLOCK_K], BLOCK_K / SCALE_COLS values
+            s_row = s_ptr + (pid_n * BLOCK_N // SCALE_ROWS).to(tl.int64) * stride_sn
+            s_next = tl.load(s_row + kk // SCALE_COLS, mask=kk < K, other=0.0)
+        else:  # the scale of each row at this tile's block column: [BLOCK_N]
+            s_next = _fp8_block_scale(s_ptr, rows, row_ok, 0, stride_sn, SCALE_ROWS, SCALE_COLS)
     pdl_enter(USE_PDL, False)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -128,6 +181,13 @@ def _fp8_gemv_kernel(
         k_ok = cols < K
         ahead = cols + BLOCK_K
         w_next = _stream_tile(w_rows, ahead, row_ok, K, 0.0)
+        if SCALE_MODE == 2:
+            s = s_next
+            if FOLD_SCALE:
+                s_next = tl.load(s_row + ahead // SCALE_COLS, mask=ahead < K, other=0.0)
+            else:
+                s_next = _fp8_block_scale(s_ptr, rows, row_ok & (k0 + BLOCK_K < K), k0 + BLOCK_K, stride_sn,
+                                          SCALE_ROWS, SCALE_COLS)  # fmt: skip
         x = _input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
                          tl.where(pid_n == 0, K, 0), PROLOGUE)  # fmt: skip
         if PROLOGUE == 1 or PROLOGUE == 2:
@@ -135,7 +195,10 @@ def _fp8_gemv_kernel(
             x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
         wf = w.to(tl.float32)
         if SCALE_MODE == 2:
-            wf = wf * _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS, SCALE_COLS)[:, None]
+            if FOLD_SCALE:
+                x = x * s  # BLOCK_K multiplies, not BLOCK_N x BLOCK_K
+            else:
+                wf = wf * s[:, None]
         acc += wf * x[None, :]
     y = tl.sum(acc, axis=1)
     if SCALE_MODE == 1:
@@ -159,6 +222,7 @@ def _int4_gemv_kernel(
     """W[n, 8c + j] = (nibble j of word [n, c] - zero[n, g]) · scale[n, g], g = 8c // GROUP; no zero: 8."""
     BW: tl.constexpr = BLOCK_K // 8  # words per row and chunk
     KW: tl.constexpr = (K + 7) // 8  # words per row
+    WPG: tl.constexpr = GROUP // 8  # words per group
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -166,27 +230,40 @@ def _int4_gemv_kernel(
     rows64 = rows.to(tl.int64)[:, None]
     w_rows = w_ptr + rows64 * stride_wn
     cw = tl.arange(0, BW)
+    # The words and each word's group scale and zero are requested a step ahead, as the FP8 kernel's tile.
     w_next = _stream_tile(w_rows, cw, row_ok, KW, 0)
+    first_ok = row_ok[:, None] & (cw < KW)[None, :]
+    s_next, z_next = _int4_group_params(s_ptr, z_ptr, rows64, (cw // WPG)[None, :], first_ok, stride_sn, stride_zn,
+                                        HAS_ZERO)  # fmt: skip
     pdl_enter(USE_PDL, False)
     acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
     sumsq = tl.zeros([BW, 8], dtype=tl.float32)
     for w0 in range(0, KW, BW):
-        words = w_next
+        words, s, z = w_next, s_next, z_next  # [BLOCK_N, BW]: int32 words, float32 scale and 2^23 + zero
         wc = w0 + cw  # this chunk's word columns [BW]
-        w_ok = row_ok[:, None] & (wc < KW)[None, :]
         ahead = wc + BW
         w_next = _stream_tile(w_rows, ahead, row_ok, KW, 0)
-        cols = wc[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]: input 8c + j
+        s_next, z_next = _int4_group_params(s_ptr, z_ptr, rows64, (ahead // WPG)[None, :],
+                                            row_ok[:, None] & (ahead < KW)[None, :], stride_sn, stride_zn,
+                                            HAS_ZERO)  # fmt: skip
+        cols = wc[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]: input 8c + j, one contiguous load
         k_ok = cols < K
         x = _input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
                          tl.where(pid_n == 0, K, 0), PROLOGUE)  # fmt: skip
         if PROLOGUE == 1 or PROLOGUE == 2:
-            sumsq += x * x
+            sumsq += x * x  # each input once
             x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
-        grp = wc // (GROUP // 8)
-        uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, grp[None, :], w_ok, stride_sn, stride_zn, HAS_ZERO)
-        # Σ_j (u - z)·x_j per word ([BLOCK_N, BW, 8] summed over j), then one multiply by the word's group scale.
-        acc += tl.sum(uz * x[None, :, :], axis=2) * s
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_8(x, BW)  # [BW] each: the inputs of nibble j
+        # Σ_j (u_j - zero) · x_j per word, all [BLOCK_N, BW] (u_j - zero exact), then one multiply by its scale.
+        d = (int4_code(words, 0) - z) * x0[None, :]
+        d += (int4_code(words, 4) - z) * x1[None, :]
+        d += (int4_code(words, 8) - z) * x2[None, :]
+        d += (int4_code(words, 12) - z) * x3[None, :]
+        d += (int4_code(words, 16) - z) * x4[None, :]
+        d += (int4_code(words, 20) - z) * x5[None, :]
+        d += (int4_code(words, 24) - z) * x6[None, :]
+        d += (int4_code(words, 28) - z) * x7[None, :]
+        acc += d * s
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * tl.rsqrt(tl.sum(tl.sum(sumsq, axis=1), axis=0) / K + eps)
@@ -228,7 +305,8 @@ def quant_gemv(
     """y [M, N] = prologue(a) @ dequantize(weight)^T, in a's dtype; returns (y, a + b) for PROLOGUE_ADD_RMS, else
     (y, None). The arguments are kernels.gemv.gemv's (a: [M, K], or [M, 2K] for PROLOGUE_SILU_MUL; b, norm_weight,
     bias, pdl), the weight a PackedWeight of any scheme. config: (BLOCK_N, BLOCK_K, num_warps), powers of two,
-    BLOCK_K >= 8 (INT4: a multiple of 8 inputs); for fp8_block it is capped at the block's columns."""
+    BLOCK_K >= 8 (INT4: a multiple of 8 inputs); for fp8_block with BLOCK_N not dividing the block's rows, BLOCK_K
+    must divide the block's columns (refused otherwise; the default is FP8_BLOCK_ROWS_CONFIG there)."""
     n, k = weight.shape
     device = weight.data.device
     _check_inputs(a, n, k, prologue, b, norm_weight, bias, device)
@@ -238,10 +316,21 @@ def quant_gemv(
     extra = h if prologue == PROLOGUE_ADD_RMS else None
     if m == 0:
         return out, extra
+    scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
     block_n, block_k, num_warps = config or DEFAULT_CONFIGS[weight.scheme]
+    if config is None and weight.scheme == FP8_BLOCK and scale_rows % block_n:  # e.g. a scale row per row
+        block_n, block_k, num_warps = FP8_BLOCK_ROWS_CONFIG
+        block_k = min(block_k, scale_cols & -scale_cols)  # the largest power of two dividing the block's columns
     check(block_n & (block_n - 1) == 0 and block_k >= 8 and block_k & (block_k - 1) == 0,
           f"config: {config} must be powers of two (BLOCK_N, BLOCK_K >= 8, num_warps)")  # fmt: skip
     block_k = min(block_k, max(8, triton.next_power_of_2(k)))
+    # fp8_block: a program's rows in one scale row have their scales folded into the input (any BLOCK_K); rows in
+    # several scale rows (put_rows' block (1, bk)) take a scale a tile row, so a tile must lie in one block column.
+    fold = scale_rows % block_n == 0
+    check(weight.scheme != FP8_BLOCK or fold or scale_cols % block_k == 0,
+          f"config: {config} for fp8_block in blocks of {weight.block}: BLOCK_N {block_n} spans several scale rows, "
+          f"so BLOCK_K {block_k} must divide the block's {scale_cols} columns; use a smaller BLOCK_K or a BLOCK_N "
+          f"dividing {scale_rows}")  # fmt: skip
     bb = b if b is not None else a
     nw = norm_weight if norm_weight is not None else a  # never read without an RMS prologue
     bias_arg = bias if bias is not None else a  # never read when HAS_BIAS is off
@@ -256,13 +345,9 @@ def quant_gemv(
             HAS_ZERO=weight.zero is not None, GROUP=weight.group, BLOCK_K=max(block_k, PACK), **common,
         )  # fmt: skip
         return out, extra
-    scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
-    if weight.scheme == FP8_BLOCK:
-        check(scale_cols & (scale_cols - 1) == 0, f"weight: block columns {scale_cols} must be a power of two")
-        block_k = min(block_k, scale_cols)  # one block scale per row of a tile
     _fp8_gemv_kernel[grid](
         a, bb, nw, weight.data, weight.scale, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.data.stride(0),
         weight.scale.stride(0), out.stride(0), h.stride(0), float(eps), SCALE_MODE=_SCALE_MODE[weight.scheme],
-        SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, BLOCK_K=block_k, **common,
+        SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols, FOLD_SCALE=fold, BLOCK_K=block_k, **common,
     )  # fmt: skip
     return out, extra

@@ -318,13 +318,17 @@ def compiled(fn, ptrs, consts):
 act = dict(a_ptr="*bf16", b_ptr="*bf16", nw_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16", h_ptr="*bf16")
 common = dict(K=4096, PROLOGUE=1, HAS_BIAS=False, USE_PDL=True)
 fp8 = dict(act, w_ptr="*fp8e4nv", s_ptr="*fp32")
+cfg = lambda scheme: dict(zip(("BLOCK_N", "BLOCK_K"), qg.DEFAULT_CONFIGS[scheme][:2]))
 print(json.dumps({
     "fp8_block": compiled(qg._fp8_gemv_kernel, fp8, dict(common, SCALE_MODE=2, SCALE_ROWS=128, SCALE_COLS=128,
-                                                           BLOCK_N=16, BLOCK_K=128)),
+                                                           FOLD_SCALE=True, **cfg("fp8_block"))),
+    "fp8_block_rows": compiled(qg._fp8_gemv_kernel, fp8, dict(common, SCALE_MODE=2, SCALE_ROWS=1, SCALE_COLS=128,
+                                                                FOLD_SCALE=False, BLOCK_N=qg.FP8_BLOCK_ROWS_CONFIG[0],
+                                                                BLOCK_K=qg.FP8_BLOCK_ROWS_CONFIG[1])),
     "fp8_channel": compiled(qg._fp8_gemv_kernel, fp8, dict(common, SCALE_MODE=1, SCALE_ROWS=1, SCALE_COLS=1,
-                                                             BLOCK_N=8, BLOCK_K=512)),
+                                                             FOLD_SCALE=False, **cfg("fp8_channel"))),
     "int4": compiled(qg._int4_gemv_kernel, dict(act, w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8"),
-                     dict(common, HAS_ZERO=True, GROUP=128, BLOCK_N=8, BLOCK_K=512)),
+                     dict(common, HAS_ZERO=True, GROUP=128, **cfg("int4_group"))),
 }))
 """
 

@@ -88,6 +88,8 @@ def sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: No
 
 
 GEMV_SHAPES = ("qkv", "gate_up", "down")
+# Each runs as named for every scheme: fp8_block's 128 x 128 blocks hold whole programs of rows (BLOCK_N | 128), so
+# its scales fold into the input and BLOCK_K is not capped (before 2026-12-07 a BLOCK_K over 128 ran as 128).
 GEMV_CONFIGS = [(bn, bk, 4) for bn in (8, 16, 32) for bk in (128, 256, 512, 1024)]
 
 
