@@ -40,7 +40,7 @@ import triton.language as tl
 
 from envex.kernels import reference
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
-from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits
+from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits, split_key_range
 from envex.kernels.kv_quant_format import (
     DEFAULT_INT4_GROUP,
     INT4_GROUP_SIZES,
@@ -394,15 +394,7 @@ def _packed_attn_kernel(
     row_ok = tok < q_len
     q_pos = seq_len - q_len + tok
     j = tl.arange(0, HALF)
-    # Keys this tile may see, split NUM_SPLITS ways in BLOCK_N multiples (as _attn_kernel).
-    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
-    kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok + 1)
-    kv_start = 0
-    if WINDOW > 0:
-        kv_start = tl.maximum(seq_len - q_len + (pid_m * BLOCK_M) // GROUP - WINDOW + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = kv_start + split * chunk
-    hi = tl.minimum(kv_end, lo + chunk)
+    lo, hi = split_key_range(pid_m, q_len, seq_len, split, GROUP, BLOCK_M, BLOCK_N, NUM_SPLITS, WINDOW)
 
     # Software-pipelined by hand, as quant_gemv's w_next: tile i + 1's K/V bytes and meta are requested before
     # tile i is computed, and its block ids one tile earlier still, so no step waits on a load chain (block table
