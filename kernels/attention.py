@@ -37,6 +37,22 @@ LONG_SPLIT_KEYS = 2048  # batch 1: split further while a split holds more keys t
 
 
 @triton.jit
+def split_key_range(pid_m, q_len, seq_len, split, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """Keys [lo, hi) that query tile pid_m (BLOCK_M (token, query head) rows, GROUP heads a token) sees in key
+    split `split`: up to the last row's position (causal), from the first row's window start (sliding window;
+    else from 0), split NUM_SPLITS ways in BLOCK_N multiples."""
+    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
+    kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok + 1)
+    kv_start = 0
+    if WINDOW > 0:
+        kv_start = tl.maximum(seq_len - q_len + (pid_m * BLOCK_M) // GROUP - WINDOW + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * chunk
+    return lo, tl.minimum(kv_end, lo + chunk)
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
                  k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -115,16 +131,7 @@ def _attn_kernel(
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
-    # Keys this tile may see: up to the last row's position (causal), from the first row's window start (sliding
-    # window; else from 0), split NUM_SPLITS ways in BLOCK_N multiples.
-    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
-    kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok + 1)
-    kv_start = 0
-    if WINDOW > 0:
-        kv_start = tl.maximum(seq_len - q_len + (pid_m * BLOCK_M) // GROUP - WINDOW + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = kv_start + split * chunk
-    hi = tl.minimum(kv_end, lo + chunk)
+    lo, hi = split_key_range(pid_m, q_len, seq_len, split, GROUP, BLOCK_M, BLOCK_N, NUM_SPLITS, WINDOW)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -6,7 +6,7 @@ Formats, per (token, KV head) row of D elements (reference.py's packed KV sectio
 - int4: groups of G = 64 (or 32) elements, each with a bf16 scale s = (max - min)/15 and a bf16 zero z = min,
   codes clamp(floor((x - z)/s + 1/2), 0, 15). data uint8 [blocks, page, Hkv, D/2]: byte j holds element j in its
   low nibble and element j + D/2 in its high nibble ("split-half": the kernel gets the row's two halves as two
-  [N, D/2] tiles with one mask and one shift each, and the q·k and p·v dots run per half). meta bf16 [blocks, page,
+  [N, D/2] tiles with one mask each, and the q·k and p·v dots run per half). meta bf16 [blocks, page,
   Hkv, 2·D/G]: the D/G scales, then the D/G zeros. 4.5 bits an element at G = 64 (3.56x fewer bytes than bf16).
   A zero point with G = 64 beat symmetric codes with G = 32 at the same bytes on SmolLM2's real K/V (attention
   output error 15.4% vs 16.6%; verify/lab/kernel_bench/kv_quant_errors.py).
@@ -20,6 +20,11 @@ and symmetric, so the kernel rotates q the same way and (qH)·(kH) = q·k; a rot
 once per program. H_D = [[H', H'], [H', -H']] / sqrt(D) with H' = H_{D/2} (±1, built in registers from the parity of
 i & j), which matches the split-half layout: x·H_D = [(x_lo + x_hi)·H', (x_lo - x_hi)·H'] / sqrt(D), two [R, D/2] x
 [D/2, D/2] dots (fp32, ieee: exact for the ±1 entries). D must be a power of two ≥ 32 (64 and 128 are served).
+
+Attention's key loop (`_packed_attn_kernel`): tile i + 1's packed bytes and meta rows are loaded into registers
+before tile i is dequantized and computed, its block ids one tile earlier (`_fetch_rows` / `_decode_rows`, the
+quant_gemv `w_next` pattern); int4 codes become floats without I2F: the low nibble OR-ed into 2^23's mantissa, the
+high nibble, left in place, into 2^19's, the power of two subtracted (exact), then u·s + z as before.
 
 Floor (decode): memory, the packed K and V of every cached token read once: seq_len·bytes_per_token per sequence
 per layer (Llama-8B: 1152 bytes a token against bf16's 4096). The formats and their layout constants live in
@@ -35,7 +40,7 @@ import triton.language as tl
 
 from envex.kernels import reference
 from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
-from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits
+from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits, split_key_range
 from envex.kernels.kv_quant_format import (
     DEFAULT_INT4_GROUP,
     INT4_GROUP_SIZES,
@@ -46,6 +51,7 @@ from envex.kernels.kv_quant_format import (
     kv_bytes_per_token,
 )
 from envex.kernels.ops import AttentionLayer, AttentionMetadata, split_qkv
+from envex.kernels.quant_gemv import TWO_23, TWO_23_BITS
 
 __all__ = ["DEFAULT_INT4_GROUP", "INT4_GROUP_SIZES", "KV_CACHE_DTYPES", "KVCacheFormat", "PackedKVCache",
            "dequantize_blocks", "kv_bytes_per_token", "packed_attention", "packed_paged_attention",
@@ -279,40 +285,77 @@ def rotary_and_write_packed_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return q_rot
 
 
+# 2^19 as fp32 bits: its mantissa's bit 4 weighs 1, so a high nibble left in place (b & 0xF0) OR-ed in is 2^19 + u
+TWO_19_BITS = tl.constexpr(0x49000000)
+TWO_19 = tl.constexpr(524288.0)
+
+
 @triton.jit
-def _load_packed(data_ptr, meta_ptr, doff, moff, k_ok, j, FP8: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr,
-                 NG: tl.constexpr):  # fmt: skip
-    """Rows at doff/moff [N] of a packed cache -> their two halves, fp32 [N, HALF] each (0 where not k_ok)."""
+def _block_ids(bt_row, kpos, hi, PAGE: tl.constexpr):
+    """The cache blocks (int64) holding keys kpos [N]; block 0 at kpos ≥ hi, whose loads the callers mask."""
+    return tl.load(bt_row + kpos // PAGE, mask=kpos < hi, other=0).to(tl.int64)
+
+
+@triton.jit
+def _fetch_rows(data_ptr, meta_ptr, blk, kpos, hi, kvh, j, stride_db, stride_ds, stride_dh, stride_mb, stride_ms,
+                stride_mh, FP8: tl.constexpr, HALF: tl.constexpr, MW: tl.constexpr, PAGE: tl.constexpr):  # fmt: skip
+    """The stored rows of keys kpos [N] (in blocks blk) of one KV head, as loaded: (data_lo, data_hi, meta); masked
+    rows (kpos ≥ hi) read nothing and are 0. int4: data [N, HALF] bytes, both halves' nibbles (data_hi is data_lo);
+    fp8: the two halves' [N, HALF] bytes. meta: the whole row, [N, MW] (fp8: [N, 2], the second column masked).
+    The meta strides are in rows (units of MW entries), so the compiler sees each row start aligned to MW entries:
+    vector loads (sm_90: 32- or 64-bit) instead of one 16-bit load an entry."""
+    k_ok = kpos < hi
     m2 = k_ok[:, None]
+    doff = blk * stride_db + (kpos % PAGE) * stride_ds + kvh * stride_dh
+    moff = (blk * stride_mb + (kpos % PAGE) * stride_ms + kvh * stride_mh) * MW
     if FP8:
-        col = tl.arange(0, 2)[None, :]  # [N, 2] with the second column masked off: as the int4 pairs below
-        s, _ = tl.split(tl.load(meta_ptr + moff[:, None] + col, mask=m2 & (col < 1), other=0.0).to(tl.float32))
-        s = s[:, None]
-        # the bytes (masked lanes 0, not an fp8 NaN pattern), then reinterpreted as e4m3
-        lo = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0)
+        col = tl.arange(0, 2)[None, :]
+        meta = tl.load(meta_ptr + moff[:, None] + col, mask=m2 & (col < 1), other=0.0)
+        lo = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0)  # masked lanes 0, not an fp8 NaN
         hi = tl.load(data_ptr + doff[:, None] + HALF + j[None, :], mask=m2, other=0)
-        lo = lo.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        hi = hi.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return lo * s, hi * s
-    b = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0).to(tl.int32)
-    if G >= HALF:  # one group spans each half (G = D/2) or the whole row (G = D): one scale and zero a half
-        HI: tl.constexpr = HALF // G  # the high half's group: 1, or 0 when one group is the whole row
-        # (scale, zero) of each half as [N, 2] loads split in registers: a [N] load broadcast over the tile's
-        # layout compiled to 4x the loads (sm_90 PTX: 272 16-bit loads a tile against 64)
-        pair = tl.arange(0, 2)[None, :] * NG
-        s_lo, z_lo = tl.split(tl.load(meta_ptr + moff[:, None] + pair, mask=m2, other=0.0).to(tl.float32))
-        s_hi, z_hi = tl.split(tl.load(meta_ptr + moff[:, None] + HI + pair, mask=m2, other=0.0).to(tl.float32))
-        s_lo, z_lo, s_hi, z_hi = s_lo[:, None], z_lo[:, None], s_hi[:, None], z_hi[:, None]
-    else:  # NH groups a half: [N, NH] loads, each group's value broadcast over its G elements
-        NH: tl.constexpr = HALF // G
-        g = tl.arange(0, NH)[None, :]
-        mp = meta_ptr + moff[:, None] + g
-        N: tl.constexpr = doff.shape[0]
-        s_lo = _spread(tl.load(mp, mask=m2, other=0.0).to(tl.float32), N, NH, G)
-        s_hi = _spread(tl.load(mp + NH, mask=m2, other=0.0).to(tl.float32), N, NH, G)
-        z_lo = _spread(tl.load(mp + NG, mask=m2, other=0.0).to(tl.float32), N, NH, G)
-        z_hi = _spread(tl.load(mp + NG + NH, mask=m2, other=0.0).to(tl.float32), N, NH, G)
-    return (b & 15).to(tl.float32) * s_lo + z_lo, (b >> 4).to(tl.float32) * s_hi + z_hi
+    else:
+        meta = tl.load(meta_ptr + moff[:, None] + tl.arange(0, MW)[None, :], mask=m2, other=0.0)
+        lo = tl.load(data_ptr + doff[:, None] + j[None, :], mask=m2, other=0)
+        hi = lo
+    return lo, hi, meta
+
+
+@triton.jit
+def _decode_rows(raw, FP8: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr, MW: tl.constexpr):
+    """_fetch_rows' rows (data_lo, data_hi, meta) -> their two halves, fp32 [N, HALF] each (0 where masked)."""
+    data_lo, data_hi, meta = raw
+    if FP8:
+        s, _ = tl.split(meta.to(tl.float32))
+        lo = data_lo.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]
+        hi = data_hi.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]
+    else:
+        lo, hi = _decode_int4(data_lo, meta.to(tl.float32), HALF, G, MW)
+    return lo, hi
+
+
+@triton.jit
+def _decode_int4(data, meta, HALF: tl.constexpr, G: tl.constexpr, MW: tl.constexpr):
+    """int4 rows: bytes [N, HALF] and their meta rows [N, MW] (fp32) -> the two halves, fp32 [N, HALF] each."""
+    N: tl.constexpr = data.shape[0]
+    if MW == 2:  # one group is the whole row (G = D): [s, z], shared by both halves
+        s_lo, z_lo = tl.split(meta)
+        s_lo, z_lo = s_lo[:, None], z_lo[:, None]
+        s_hi, z_hi = s_lo, z_lo
+    else:  # the row [s_lo (NH groups), s_hi, z_lo, z_hi] -> [N, NH] each, broadcast over each group's G elements
+        NH: tl.constexpr = MW // 4
+        sz = tl.permute(tl.reshape(meta, [N, 2, 2, NH]), (0, 3, 2, 1))  # [N, NH, half, scale|zero]
+        s, z = tl.split(sz)
+        s_lo, s_hi = tl.split(s)
+        z_lo, z_hi = tl.split(z)
+        s_lo, s_hi = _spread(s_lo, N, NH, G), _spread(s_hi, N, NH, G)
+        z_lo, z_hi = _spread(z_lo, N, NH, G), _spread(z_hi, N, NH, G)
+    # Each code becomes its float without an int-to-float conversion (quarter rate on Hopper, one an element):
+    # OR-ed into the mantissa of 2^23 (low nibble) or, left in place, of 2^19 (high nibble), then the power of two
+    # taken off again, both exact (quant_gemv._int4_codes); u·s + z then rounds as before.
+    b = data.to(tl.int32)
+    u_lo = ((b & 0x0F) | TWO_23_BITS).to(tl.float32, bitcast=True) - TWO_23
+    u_hi = ((b & 0xF0) | TWO_19_BITS).to(tl.float32, bitcast=True) - TWO_19
+    return u_lo * s_lo + z_lo, u_hi * s_hi + z_hi
 
 
 @triton.jit
@@ -329,7 +372,7 @@ def _packed_attn_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_db, stride_ds, stride_dh, stride_mb, stride_ms, stride_mh, stride_bt,
     stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-    GROUP: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, FP8: tl.constexpr,
+    GROUP: tl.constexpr, HALF: tl.constexpr, G: tl.constexpr, MW: tl.constexpr, FP8: tl.constexpr,
     ROT_K: tl.constexpr, ROT_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_SINKS: tl.constexpr, WINDOW: tl.constexpr,
 ):  # fmt: skip
@@ -351,6 +394,22 @@ def _packed_attn_kernel(
     row_ok = tok < q_len
     q_pos = seq_len - q_len + tok
     j = tl.arange(0, HALF)
+    lo, hi = split_key_range(pid_m, q_len, seq_len, split, GROUP, BLOCK_M, BLOCK_N, NUM_SPLITS, WINDOW)
+
+    # Software-pipelined by hand, as quant_gemv's w_next: tile i + 1's K/V bytes and meta are requested before
+    # tile i is computed, and its block ids one tile earlier still, so no step waits on a load chain (block table
+    # -> meta); Triton's pipeliner left the meta loads (2-byte entries, below cp.async's 4) synchronous. Loads past
+    # hi (the split's end; the last tile's prefetch) are masked off. Tile 0's are requested before q is loaded
+    # and rotated: a decode split of one tile (1K context) waits on them while the Hadamard products run.
+    kk = tl.arange(0, BLOCK_N)
+    bt_row = block_tables_ptr + b * stride_bt
+    blk = _block_ids(bt_row, lo + kk, hi, PAGE)
+    k_next = _fetch_rows(kd_ptr, km_ptr, blk, lo + kk, hi, kvh, j, stride_db, stride_ds, stride_dh, stride_mb,
+                         stride_ms, stride_mh, FP8, HALF, MW, PAGE)  # fmt: skip
+    v_next = _fetch_rows(vd_ptr, vm_ptr, blk, lo + kk, hi, kvh, j, stride_db, stride_ds, stride_dh, stride_mb,
+                         stride_ms, stride_mh, FP8, HALF, MW, PAGE)  # fmt: skip
+    blk_next = _block_ids(bt_row, lo + BLOCK_N + kk, hi, PAGE)
+
     q_rows = (q_start + tok).to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + j[None, :]
     q_mask = row_ok[:, None]
@@ -364,16 +423,6 @@ def _packed_attn_kernel(
     q_lo = q_lo.to(dot_ty)
     q_hi = q_hi.to(dot_ty)
 
-    # Keys this tile may see, split NUM_SPLITS ways in BLOCK_N multiples (as _attn_kernel).
-    last_tok = tl.minimum(q_len - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // GROUP)
-    kv_end = tl.minimum(seq_len, seq_len - q_len + last_tok + 1)
-    kv_start = 0
-    if WINDOW > 0:
-        kv_start = tl.maximum(seq_len - q_len + (pid_m * BLOCK_M) // GROUP - WINDOW + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = kv_start + split * chunk
-    hi = tl.minimum(kv_end, lo + chunk)
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_SINKS:  # the sink joins split 0's softmax as one more logit (log2 domain, unscaled) with no value
@@ -383,19 +432,23 @@ def _packed_attn_kernel(
     acc_lo = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     acc_hi = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        kpos = start + tl.arange(0, BLOCK_N)
+        kpos = start + kk
         k_ok = kpos < hi
-        blk = tl.load(block_tables_ptr + b * stride_bt + kpos // PAGE, mask=k_ok, other=0).to(tl.int64)
-        doff = blk * stride_db + (kpos % PAGE) * stride_ds + kvh * stride_dh
-        moff = blk * stride_mb + (kpos % PAGE) * stride_ms + kvh * stride_mh
-        k_lo, k_hi = _load_packed(kd_ptr, km_ptr, doff, moff, k_ok, j, FP8, HALF, G, NG)
+        k_raw, v_raw = k_next, v_next
+        ahead = kpos + BLOCK_N  # tile i + 1, requested before tile i is computed
+        k_next = _fetch_rows(kd_ptr, km_ptr, blk_next, ahead, hi, kvh, j, stride_db, stride_ds, stride_dh, stride_mb,
+                             stride_ms, stride_mh, FP8, HALF, MW, PAGE)  # fmt: skip
+        v_next = _fetch_rows(vd_ptr, vm_ptr, blk_next, ahead, hi, kvh, j, stride_db, stride_ds, stride_dh, stride_mb,
+                             stride_ms, stride_mh, FP8, HALF, MW, PAGE)  # fmt: skip
+        blk_next = _block_ids(bt_row, ahead + BLOCK_N, hi, PAGE)
+        k_lo, k_hi = _decode_rows(k_raw, FP8, HALF, G, MW)
+        v_lo, v_hi = _decode_rows(v_raw, FP8, HALF, G, MW)
         s = tl.dot(q_lo, tl.trans(k_lo.to(dot_ty))) + tl.dot(q_hi, tl.trans(k_hi.to(dot_ty)))
         s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
         visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if WINDOW > 0:
             visible = visible & (kpos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
-        v_lo, v_hi = _load_packed(vd_ptr, vm_ptr, doff, moff, k_ok, j, FP8, HALF, G, NG)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet keeps p = 0
         p = tl.exp2(s - m_safe[:, None])
@@ -488,6 +541,7 @@ def packed_paged_attention(
         part_o = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((1, 1, 1), dtype=torch.float32, device=q.device)
     fmt = cache.fmt
+    mw = fmt.meta_width(head_dim)  # meta strides in rows of mw entries (the cache is contiguous: whole rows)
     grid = (triton.cdiv(max_q_len * group, block_m), batch, n_kv * num_splits)
     _packed_attn_kernel[grid](
         q, cache.k_data.view(torch.uint8), cache.k_meta, cache.v_data.view(torch.uint8), cache.v_meta, out, part_o,
@@ -495,9 +549,9 @@ def packed_paged_attention(
         block_tables, sinks if sinks is not None else q, float(scale) * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cache.k_data.stride(0), cache.k_data.stride(1), cache.k_data.stride(2),
-        cache.k_meta.stride(0), cache.k_meta.stride(1), cache.k_meta.stride(2), block_tables.stride(0),
+        *(st // mw for st in cache.k_meta.stride()[:3]), block_tables.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        GROUP=group, HALF=head_dim // 2, G=fmt.group_size, NG=fmt.meta_width(head_dim) // 2, FP8=fmt.dtype == "fp8",
+        GROUP=group, HALF=head_dim // 2, G=fmt.group_size, MW=mw, FP8=fmt.dtype == "fp8",
         ROT_K=fmt.keys_rotated, ROT_V=fmt.values_rotated, BLOCK_M=block_m, BLOCK_N=block_n, PAGE=page,
         NUM_SPLITS=num_splits, UPCAST_DOT=INTERPRETING, HAS_SINKS=sinks is not None, WINDOW=window or 0,
         num_warps=num_warps or 4, num_stages=num_stages or 2,

@@ -236,6 +236,31 @@ def test_packed_attention_matches_reference(case: str) -> None:
     assert_close(f"packed attention [{case}]", out, expect, torch.bfloat16)
 
 
+@pytest.mark.parametrize("kind,group,d", [("int4", 64, 128), ("int4", 32, 128), ("fp8", 64, 64)])
+def test_splits_ending_inside_a_tile_read_nothing_past_their_end(kind: str, group: int, d: int) -> None:
+    """16-key tiles and 3 splits: 150 keys split 64 / 64 / 22 (the last split's second tile half past its end) and
+    45 keys split 16 / 16 / 13, so each split's last tile, and the next tile the kernel requests ahead, cross its
+    end. Every slot no sequence wrote holds NaN (data bytes 0xFF, meta NaN): a load that the split's end or the
+    sequence's does not mask would turn the output NaN; against the float64 reference on the same bits."""
+    fmt = kq.KVCacheFormat(dtype=kind, group_size=group)
+    hq, hkv, page, seq_lens = 4, 2, 8, [150, 45]
+    cache, bt, *_ = _filled(fmt, seq_lens, hq, hkv, d, page, seed=d + group, kernel=False)
+    written = torch.zeros(cache.k_data.shape[0] * page, dtype=torch.bool)
+    for b, n in enumerate(seq_lens):
+        written[bt.cpu()[b, torch.arange(n) // page].long() * page + torch.arange(n) % page] = True
+    for t in (cache.k_data, cache.k_meta, cache.v_data, cache.v_meta):  # 0xFF: a bf16 and an e4m3 NaN
+        t.view(torch.uint8).flatten(0, 1)[~written.to(t.device)] = 0xFF  # [blocks·page, Hkv, bytes]
+    g = torch.Generator().manual_seed(8)
+    cu = torch.arange(3, dtype=torch.int32, device=DEV)
+    sl = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    q = torch.randn(2, hq, d, generator=g).to(torch.bfloat16).to(DEV)
+    out = kq.packed_paged_attention(q, cache, cu, sl, bt, d**-0.5, max_q_len=1, max_seq_len=150, num_splits=3,
+                                    block_n=16)  # fmt: skip
+    assert torch.isfinite(out).all()
+    expect = _ref_attention(q.cpu(), cache, cu, sl, bt, d**-0.5)
+    assert_close(f"{kind} G{group} splits ending inside a tile", out, expect, torch.bfloat16)
+
+
 @pytest.mark.parametrize("model", ["qwen3_int4", "gpt_oss_fp8"])
 def test_packed_attention_entry_point_over_two_steps(model: str) -> None:
     """packed_attention, the Ops.attention of a packed cache: a prefill step (a chunk after a cached prefix beside a
@@ -388,8 +413,8 @@ for fp8, half in ((False, 64), (True, 32)):  # Llama-8B's int4 (D 128, GQA 4); g
     a = dict(q_ptr=bf, kd_ptr=u8, km_ptr=bf, vd_ptr=u8, vm_ptr=bf, out_ptr=bf, part_o_ptr=f32, part_lse_ptr=f32,
              cu_q_ptr=i32, seq_lens_ptr=i32, block_tables_ptr=i32, sinks_ptr=bf)
     out[f"attention {fp8}"] = compiled(kq._packed_attn_kernel, a, dict(
-        GROUP=8 if fp8 else 4, HALF=half, G=64, NG=ng, FP8=fp8, ROT_K=True, ROT_V=not fp8, BLOCK_M=16, BLOCK_N=64,
-        PAGE=16, NUM_SPLITS=4, UPCAST_DOT=False, HAS_SINKS=fp8, WINDOW=128 if fp8 else 0))
+        GROUP=8 if fp8 else 4, HALF=half, G=64, MW=1 if fp8 else 2 * ng, FP8=fp8, ROT_K=True, ROT_V=not fp8,
+        BLOCK_M=16, BLOCK_N=64, PAGE=16, NUM_SPLITS=4, UPCAST_DOT=False, HAS_SINKS=fp8, WINDOW=128 if fp8 else 0))
 print(json.dumps(out))
 """
 
