@@ -3,8 +3,12 @@ file it picks per device, `--check`, and the page it writes when no run has been
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
 import shutil
+from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -265,3 +269,87 @@ def test_no_run_recorded(tmp_path: Path) -> None:
 def test_the_committed_page_is_current() -> None:
     """offline_docs/performance.md is what the generator makes of verify/lab/results/ (regenerate it if not)."""
     assert perf_table.main(["--check"]) == 0
+
+
+def test_the_busiest_gpus_expected_experts_are_exact() -> None:
+    """Checked by enumerating every choice on a small split, against a seeded sample at Kimi K2's, and at the ends:
+    one GPU runs all top-k, one expert a GPU runs one."""
+    from envex.verify.lab.kimi_projection import expected_busiest
+
+    choices = list(itertools.combinations(range(12), 4))  # 12 experts, top-4, 3 GPUs of 4
+    by_hand = Fraction(sum(max(sum(e // 4 == g for e in c) for g in range(3)) for c in choices), len(choices))
+    assert expected_busiest(12, 4, 3) == by_hand
+    assert expected_busiest(384, 8, 1) == 8 and expected_busiest(384, 8, 384) == 1
+    rng = random.Random(0)
+    for gpus in (8, 16):
+        draws = [max(Counter(e * gpus // 384 for e in rng.sample(range(384), 8)).values()) for _ in range(20000)]
+        assert float(expected_busiest(384, 8, gpus)) == pytest.approx(sum(draws) / len(draws), abs=0.02)
+
+
+def test_kimi_k2_bytes_on_the_busiest_gpu_by_hand() -> None:
+    """Kimi K2's published config (hidden 7168, 61 layers of which 1 dense, MLA: 64 heads, q LoRA 1536, rank 512,
+    rope 64, nope 128, v 128; 384 experts of 2048 top-8 + 1 shared, FP8 128 x 128 blocks; vocabulary 163840) at the
+    1K case's 1152 tokens, counted by hand: the split parts over N, the replicated ones whole."""
+    from envex.verify.lab import kimi_projection as kimi
+    from envex.verify.lab.kernel_bench.bench_server import deepseek_step_bytes
+
+    split = 1536 * 64 * 192 + 64 * 256 * 512 + 64 * 128 * 7168  # q_b, kv_b, o: bf16
+    whole = 7168 * 1536 + 1536 + 7168 * 576 + 512 + 2 * 7168  # q_a, its norm, kv_a, its norm, two norms
+    expert = 4096 * 7168 + 4 * 32 * 56 + 7168 * 2048 + 4 * 56 * 16  # FP8 codes, a float32 scale a block
+    shared = {8: 512 * 7168 + 4 * 4 * 56 + 7168 * 256 + 4 * 56 * 2, 16: 256 * 7168 + 4 * 2 * 56 + 7168 * 128 + 4 * 56}
+    router = 4 * 384 * 7169  # float32 weights and correction bias
+    for n in (8, 16):
+        busiest = float(kimi.expected_busiest(384, 8, n))
+        by_hand = (61 * 2 * (split / n + whole) + 2 * 3 * 7168 * 18432 / n + 60 * (router + busiest * expert
+                   + shared[n]) + 2 * (163840 * 7168 / n + 2 * 7168) + 61 * 576 * 2 * 1152)  # fmt: skip
+        assert kimi.gpu_step_bytes(kimi.KIMI_K2, kimi.CONTEXT, n) == pytest.approx(by_hand, rel=1e-12)
+        held = (61 * 2 * (split / n + whole) + 2 * 3 * 7168 * 18432 / n + 60 * (router + 384 / n * expert
+                + shared[n]) + 2 * (2 * 163840 * 7168 / n + 7168))  # fmt: skip
+        assert kimi.gpu_weight_bytes(kimi.KIMI_K2, n) == pytest.approx(held, rel=1e-12)
+    assert kimi.CONTEXT == 1152 and kimi.KIMI_K2["first_k_dense_replace"] == 1
+    # on one GPU it is the one-GPU roofline's count
+    assert kimi.gpu_step_bytes(kimi.KIMI_K2, 1152, 1) == deepseek_step_bytes(kimi.KIMI_K2, 1152)
+    # the all-reduce the projection waits on: a token's bf16 hidden vector (14 KB) at the 16 KB size measured
+    assert kimi.measured_allreduce(perf_table.RESULTS, 2 * 7168) == pytest.approx(
+        (6.549760103225708, "h200-2026-11-30-f2712c7-tp.json")
+    )
+
+
+def test_the_kimi_k2_section_carries_the_cells_share_over(results: Path) -> None:
+    from envex.verify.lab import kimi_projection as kimi
+
+    data = json.loads(FIXTURE.read_text())
+    cell = json.loads(json.dumps(data["cells"][0]))
+    cell.update(model="kimi-k2-width", model_label="Kimi K2 width (dummy FP8 experts, 7 of 61 layers)")
+    cell["cases"] = {"b1_1k": {"metric": "decode_tok_s", "median": 40.0, "runs": [39.8, 40.0, 40.1],
+                               "roofline_tok_s": 72.0, "share_of_roofline": 0.555}}  # fmt: skip
+    data["cells"].append(cell)
+    (results / FIXTURE.name).write_text(json.dumps(data))
+    page = perf_table.render(perf_table.latest_runs(results), allreduce=(6.5, "h200-x-tp.json"))
+    section = "Kimi K2, projected"
+    assert "No run has recorded a `kimi-k2-width` cell yet" not in page
+    measured = _row(page, "Kimi K2 width (dummy FP8 experts, 7 of 61 layers)", "NVIDIA H200", section=section)
+    assert measured == (  # 1e6 / 40 / 7 µs a layer
+        "| Kimi K2 width (dummy FP8 experts, 7 of 61 layers) | NVIDIA H200 | 40.0 (39.8–40.1) | "
+        f"25.00 | 3,571 | 55.5% | {SOURCE} |"
+    )
+    for n in (8, 16):
+        step = kimi.gpu_step_bytes(kimi.KIMI_K2, 1152, n)
+        free, bound = 1 / (step / (4.15e12 * 0.555)), 1 / (step / (4.15e12 * 0.555) + 123 * 6.5e-6)
+        assert _row(page, str(n), section=section) == (
+            f"| {n} | {step / 1e9:.2f} | {perf_table._num(kimi.gpu_weight_bytes(kimi.KIMI_K2, n) / 1e9)} | 4.15 | "
+            f"55.5% (measured) | {free:.1f} ({free / 335:.2f}× of 335.0) | {bound:.1f} ({bound / 335:.2f}× of "
+            f"335.0) | {SOURCE} |"
+        )
+    assert "| tok/s, 123 collectives at 6.5 µs |" in page and "(`h200-x-tp.json`)" in page
+
+
+def test_without_the_cell_the_projection_is_bytes_only(results: Path) -> None:
+    page = _page(results)  # the fixture has no kimi-k2-width cell, and no all-reduce is given
+    assert "No run has recorded a `kimi-k2-width` cell yet: the rows below are bytes only" in page
+    row = _row(page, "8", section="Kimi K2, projected")
+    assert "| 4.15 | 100.0% (bytes only) |" in row and row.endswith(f"| — | {SOURCE} |")
+    data = json.loads(FIXTURE.read_text())
+    data["env"]["device"] = "NVIDIA H100 80GB HBM3"  # no H200 run: no bandwidth to assume, no tok/s
+    (results / FIXTURE.name).write_text(json.dumps(data))
+    assert "| 100.0% (bytes only) | — | — | — |" in _row(_page(results), "16", section="Kimi K2, projected")

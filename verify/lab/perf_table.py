@@ -11,9 +11,10 @@ a mode is only ever set against a default of the same run.
 
 The page holds, over every model x GPU x mode of those runs: throughput, the deterministic mode's cost against
 --no-deterministic in the same run (against DETERMINISTIC_BAR, runtime/engine/config.py), speculation against the
-same model's default, the API checks and invariance verdicts, the refused and failed cells (one line each), and the
-install and demo results. Every row names its run's date, commit and raw file; nothing on the page is typed by
-hand. A figure the run did not record renders as "—"; a refused or failed cell renders as its one line.
+same model's default, the API checks and invariance verdicts, the refused and failed cells (one line each), the
+install and demo results, and Kimi K2 over 8 and 16 GPUs projected from its `kimi-k2-width` cell (kimi_projection.py).
+Every row names its run's date, commit and raw file; nothing on the page is typed by hand. A figure the run did not
+record renders as "—"; a refused or failed cell renders as its one line.
 
 `--check` writes nothing and exits 1 when the page on disk differs from what would be generated (CI runs it).
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from envex.runtime.engine.config import DETERMINISTIC_BAR, meets_deterministic_bar
+from envex.verify.lab import kimi_projection as kimi
 
 SCHEMA = "envex-gpu-matrix/1"
 LAB = Path(__file__).resolve().parent
@@ -496,6 +498,69 @@ def _weights_section(runs: Sequence[Run]) -> list[str]:
         "No run has recorded a low-bit weights cell yet.")  # fmt: skip
 
 
+def _kimi_source(runs: Sequence[Run]) -> tuple[Run | None, Mapping[str, Any] | None]:
+    """The newest run with an ok `kimi-k2-width` default cell timed at batch 1 against its roofline, and the cell;
+    else the newest H200 run with a read bandwidth (the cell's GPU), and None; else (None, None)."""
+    timed = [(run, cell) for run in runs if (cell := _cell(run, "kimi-k2-width", "default")) is not None
+             and cell.get("status") == "ok" and _median(cell, "b1_1k")
+             and isinstance(_case(cell, "b1_1k").get("share_of_roofline"), int | float)]  # fmt: skip
+    if timed:
+        return max(timed, key=lambda pair: str(pair[0].env.get("date") or ""))
+    h200 = [run for run in runs if "H200" in run.gpu and isinstance(run.env.get("read_TBps"), int | float)]
+    return (max(h200, key=lambda run: str(run.env.get("date") or "")) if h200 else None), None
+
+
+def _kimi_section(runs: Sequence[Run], allreduce: tuple[float, str] | None) -> list[str]:
+    run, cell = _kimi_source(runs)
+    claim, shape = kimi.GB200_CLAIM_TOK_S, kimi.KIMI_K2
+    layers, top_k, waits = shape["num_hidden_layers"], shape["num_experts_per_tok"], kimi.collectives(shape)
+    wait = f"{waits} collectives at {allreduce[0]:.1f} µs" if allreduce else "collectives (none measured)"
+    out = ["## Kimi K2, projected from its width", "",
+           "Measured: the `kimi-k2-width` cell, Kimi K2's published width (dummy weights, FP8 experts) at a few of "
+           f"its {layers} layers on one GPU; its batch-1 1K/256 decode, that step over its layers (the LM head's "
+           "read in it) and its share of its byte roofline. Projected, not measured (`verify/lab/kimi_projection.py` "
+           f"says how; Envex does not yet split this model over GPUs): the {layers} layers over "
+           f"{' and '.join(map(str, kimi.GPU_COUNTS))} GPUs, experts by expert parallelism and the rest by tensor "
+           "parallelism, the latent cache replicated. The bytes a step reads on the busiest GPU at the 1K case's "
+           f"mean context (a layer waits for the GPU running the most of a token's {top_k} experts: the expected "
+           "most under uniform routing, which real routing's skew makes optimistic) and the weights a GPU must hold. "
+           "Tokens/s: those bytes at the run's read bandwidth times the cell's share of its roofline (one GPU's "
+           "efficiency carried over to projections 8 to 16 times narrower: optimistic), without communication, and "
+           "with the step's collectives (two a layer, one for the LM head) at the one-shot all-reduce latency "
+           "measured on two GPUs" + (f" (`{allreduce[1]}`)" if allreduce else "") + ", which more GPUs only "
+           f"lengthen: both are upper bounds. Each against {_num(claim, 0)} tok/s, the product page's claim for "
+           "GB200 (not our measurement).", ""]  # fmt: skip
+    if cell is not None and run is not None:
+        median = _median(cell, "b1_1k") or 0.0
+        served = re.search(r"(\d+) of \d+ layers", str(cell.get("model_label")))
+        per_layer = 1e6 / median / int(served[1]) if served else None
+        out += [*_table(["model", "GPU", "b1 1K/256 tok/s", "ms a step", "µs a layer (step / layers)",
+                         "of roofline", "source"],
+                        [[_label(cell), _text(run.gpu), _figure(cell, "b1_1k"), _num(1e3 / median, 2),
+                          _num(per_layer), _share(_case(cell, "b1_1k").get("share_of_roofline")), run.source]]),
+                ""]  # fmt: skip
+        share, carried = float(_case(cell, "b1_1k")["share_of_roofline"]), "measured"
+    else:
+        out += ["No run has recorded a `kimi-k2-width` cell yet: the rows below are bytes only, not yet measured, "
+                "at 100% of the newest H200 run's read bandwidth.", ""]  # fmt: skip
+        share, carried = 1.0, "bytes only"
+    read = run.env.get("read_TBps") if run is not None else None
+    bandwidth = float(read) if isinstance(read, int | float) else None
+    rows = []
+    for gpus in kimi.GPU_COUNTS:
+        step = kimi.gpu_step_bytes(shape, kimi.CONTEXT, gpus)
+        free = bound = None
+        if bandwidth is not None:
+            free = kimi.projected_tok_s(step, bandwidth, share)
+            bound = kimi.projected_tok_s(step, bandwidth, share, waits, allreduce[0]) if allreduce else None
+        rows.append([str(gpus), _num(step / 1e9, 2), _num(kimi.gpu_weight_bytes(shape, gpus) / 1e9),
+                     _num(bandwidth, 2), f"{_share(share)} ({carried})", _versus(free, claim), _versus(bound, claim),
+                     run.source if run is not None else DASH])  # fmt: skip
+    head = ["GPUs", "GB a step, busiest GPU", "GB of weights a GPU", "read TB/s", "share of roofline",
+            "tok/s, no communication", f"tok/s, {wait}", "source"]  # fmt: skip
+    return [*out, *_table(head, rows)]
+
+
 def _check(value: object) -> str:
     return {True: "pass", False: "**FAIL**"}.get(value, DASH) if isinstance(value, bool) else DASH
 
@@ -562,8 +627,10 @@ def _install_section(runs: Sequence[Run]) -> list[str]:
                      "source"], rows)]
 
 
-def render(runs: Sequence[Run], results_label: str = "verify/lab/results/") -> str:
-    """The whole page. Deterministic: the same runs give the same bytes (no time of generation on it)."""
+def render(runs: Sequence[Run], results_label: str = "verify/lab/results/",
+           allreduce: tuple[float, str] | None = None) -> str:  # fmt: skip
+    """The whole page. Deterministic: the same runs give the same bytes (no time of generation on it). allreduce:
+    the measured all-reduce (µs, raw file) the Kimi K2 projection waits on (kimi_projection.measured_allreduce)."""
     out = ["# Performance", "",
            f"Generated by `{COMMAND}` from the newest GPU acceptance matrix of each device in `{results_label}` "
            "(written by `verify/lab/gpu_matrix.py`).",
@@ -582,6 +649,7 @@ def render(runs: Sequence[Run], results_label: str = "verify/lab/results/") -> s
                 _state_section, _api_section, _install_section)
     for section in sections:
         out += [*section(runs), ""]
+    out += [*_kimi_section(runs, allreduce), ""]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -604,7 +672,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for line in found:
                     print(f"  {line}")
             return 0
-        page = render(current_runs(args.results))
+        # one token's bf16 hidden vector is what a batch-1 step's collectives carry
+        allreduce = kimi.measured_allreduce(args.results, 2 * kimi.KIMI_K2["hidden_size"])
+        page = render(current_runs(args.results), allreduce=allreduce)
     except MatrixError as exc:
         print(f"perf_table: {exc}", file=sys.stderr)
         return 2
