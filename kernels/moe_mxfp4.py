@@ -59,7 +59,7 @@ from envex.kernels._common import (
     prefetch_l2,
 )
 from envex.kernels.norm import plane_offsets, residual_sum, rms_normed
-from envex.kernels.quant_gemv import TWO_23, TWO_23_BITS, int4_code, int4_nibbles
+from envex.kernels.quant_gemv import TWO_23, TWO_23_BITS, int4_nibbles, int4_word_dot
 
 _HALVES_ASM = tl.constexpr(not INTERPRETING)  # _e2m1_pair's inline PTX; the interpreter runs the tensor form
 GEMV_MAX_ROWS = 4  # above this many tokens the grouped path reads each used expert once, not once per token
@@ -264,9 +264,7 @@ def _int4_rows_dot(w_rows, s_ptr, z_ptr, s_off, row_ok, x_base, K: tl.constexpr,
         g_off = s_off[:, None] + (f * 8 // G)[None, :]
         sc = tl.reshape(tl.load(s_ptr + g_off, mask=m, other=0.0).to(tl.float32), [R, GB, 4])
         z = tl.reshape(_int4_zero(z_ptr, g_off, m).to(tl.float32), [R, GB, 4]) + TWO_23  # 2^23 + zero
-        d = ((int4_code(words, 0) - z) * x0 + (int4_code(words, 4) - z) * x1 + (int4_code(words, 8) - z) * x2
-             + (int4_code(words, 12) - z) * x3 + (int4_code(words, 16) - z) * x4 + (int4_code(words, 20) - z) * x5
-             + (int4_code(words, 24) - z) * x6 + (int4_code(words, 28) - z) * x7)  # (u - zero) · x, exact codes
+        d = int4_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7)  # (u - zero) · x, exact codes
         acc += tl.sum(d * sc, axis=2)
     return acc
 

@@ -107,6 +107,15 @@ def int4_code(words, shift: tl.constexpr):
 
 
 @triton.jit
+def int4_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7):
+    """Σ_j (code j of each word - zero) · x_j, code j at bits 4j (int4_code; 2^23 + code less z = 2^23 + zero:
+    exact), summed in order j = 0..7; words and z of one shape, each x_j broadcasting against it."""
+    return ((int4_code(words, 0) - z) * x0 + (int4_code(words, 4) - z) * x1 + (int4_code(words, 8) - z) * x2
+            + (int4_code(words, 12) - z) * x3 + (int4_code(words, 16) - z) * x4 + (int4_code(words, 20) - z) * x5
+            + (int4_code(words, 24) - z) * x6 + (int4_code(words, 28) - z) * x7)  # fmt: skip
+
+
+@triton.jit
 def _int4_group_params(s_ptr, z_ptr, rows64, grp, ok, stride_sn, stride_zn, HAS_ZERO: tl.constexpr):
     """int4_group: the scales and 2^23 + zeros of rows rows64 [R, 1] at groups grp (broadcasting against it; ok
     masks it) -> (scale, 2^23 + zero), float32 of the broadcast shape; no zero: 8."""
@@ -255,14 +264,8 @@ def _int4_gemv_kernel(
             x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
         x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_8(x, BW)  # [BW] each: the inputs of nibble j
         # Σ_j (u_j - zero) · x_j per word, all [BLOCK_N, BW] (u_j - zero exact), then one multiply by its scale.
-        d = (int4_code(words, 0) - z) * x0[None, :]
-        d += (int4_code(words, 4) - z) * x1[None, :]
-        d += (int4_code(words, 8) - z) * x2[None, :]
-        d += (int4_code(words, 12) - z) * x3[None, :]
-        d += (int4_code(words, 16) - z) * x4[None, :]
-        d += (int4_code(words, 20) - z) * x5[None, :]
-        d += (int4_code(words, 24) - z) * x6[None, :]
-        d += (int4_code(words, 28) - z) * x7[None, :]
+        d = int4_word_dot(words, z, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :],
+                          x6[None, :], x7[None, :])  # fmt: skip
         acc += d * s
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
