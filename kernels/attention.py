@@ -53,6 +53,17 @@ def split_key_range(pid_m, q_len, seq_len, split, GROUP: tl.constexpr, BLOCK_M: 
 
 
 @triton.jit
+def exact_dot(a, b):
+    """a @ b (float32 accumulation); float32 operands at float32 precision. Triton's default for them is TF32 (10
+    mantissa bits), which would set a float32 model's verify tile (a dot) apart from its decode step (elementwise
+    float32) by ~1e-3 and flip near-ties between them; bf16 and fp16 operands are exact in either."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
 def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
                  k_cache_ptr, v_cache_ptr, block_tables_ptr, stride_kb, stride_ks, stride_kh, stride_bt,
                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr, UPCAST_DOT: tl.constexpr,
@@ -67,7 +78,7 @@ def _attend_tile(q, m_i, l_i, acc, start, hi, q_pos, b, kvh, d, d_ok, qk_scale,
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
+    s = exact_dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
     if MASKED:
         visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if WINDOW > 0:
@@ -85,7 +96,7 @@ def _softmax_step(s, v, m_i, l_i, acc):
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + exact_dot(p.to(v.dtype), v)
     return m_new, l_i, acc
 
 

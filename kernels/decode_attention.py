@@ -48,6 +48,7 @@ from envex.kernels.attention import (
     _merge_splits_kernel,
     _softmax_step,
     choose_num_splits,
+    exact_dot,
 )
 
 # A split of fewer keys than this takes 64-key tiles in a launch built with 128-key ones (run-time choice).
@@ -271,7 +272,7 @@ def _decode_fused_kernel(
         if UPCAST_DOT:
             k_new = k_new.to(tl.float32)
             v_new = v_new.to(tl.float32)
-        s_new = tl.dot(q, tl.trans(k_new)) * qk_scale  # [BLOCK_M, Q_P2], log2 domain
+        s_new = exact_dot(q, tl.trans(k_new)) * qk_scale  # [BLOCK_M, Q_P2], log2 domain
         visible = (j[None, :] <= tok[:, None]) & j_ok[None, :]
         if WINDOW > 0:
             visible = visible & (pos_new[None, :] > q_pos[:, None] - WINDOW)

@@ -219,6 +219,28 @@ def test_a_model_the_newest_run_left_out_keeps_its_rows_from_the_run_that_measur
     assert out.read_text() == page
 
 
+def test_the_deterministic_cost_stays_from_the_last_run_that_measured_it(results: Path) -> None:
+    """A newer run that timed a model's default but not its `det` mode does not hide the cost an older run
+    measured: the section compares the older run's pair and names that run."""
+    data = json.loads(FIXTURE.read_text())
+    data["cells"] = [c for c in data["cells"] if c["model"] == "llama8b" and c["mode"] == "default"]
+    data["env"].update(commit="7777777", date="2026-12-07 05:00 UTC")
+    (results / "h200-2026-12-07-7777777-matrix.json").write_text(json.dumps(data))
+    runs, history = perf_table.current_runs(results), perf_table.all_runs(results)
+    older = perf_table.render([perf_table.load_run(results / FIXTURE.name, "h200")])
+    page = perf_table.render(runs, history=history)
+    det_row = _row(older, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", section="Deterministic mode")
+    assert det_row.endswith(f"{SOURCE} |") and "%" in det_row
+    assert _row(page, "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", section="Deterministic mode") == det_row
+    # without the history the newer run has no pair to compare
+    bare = _row(perf_table.render(runs), "Llama-3.1-8B (dummy bf16)", "NVIDIA H200", section="Deterministic mode")
+    assert "no `det` cell in this run" in bare and "7777777" in bare
+    # main passes the history
+    out = results.parent / "performance.md"
+    assert perf_table.main(["--results", str(results), "--out", str(out)]) == 0
+    assert out.read_text() == page
+
+
 def test_regressions_name_rows_more_than_3_percent_below_the_run_before(results: Path, capsys) -> None:
     data = json.loads(FIXTURE.read_text())
     llama = next(c for c in data["cells"] if c["model"] == "llama8b" and c["mode"] == "default")

@@ -7,7 +7,8 @@ run into verify/lab/results/. For each device this reads the newest file: the la
 run's own timestamp inside it (`env.date`), then the name. File times are not used: in a checkout they are the
 checkout's, not the run's, and `--check` must give the same answer on every clone. A model the newest run did not
 measure keeps its rows from the newest older run that did (`current_runs`): all of a model's cells from one run, so
-a mode is only ever set against a default of the same run.
+a mode is only ever set against a default of the same run. The deterministic section alone looks further back:
+where the run shown lacks the model's `det` pair, it compares the pair of the newest run that has one (`_det_run`).
 
 The page holds, over every model x GPU x mode of those runs: throughput, the deterministic mode's cost against
 --no-deterministic in the same run (against DETERMINISTIC_BAR, runtime/engine/config.py), speculation against the
@@ -27,6 +28,7 @@ import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -124,15 +126,20 @@ def latest_runs(results: Path) -> list[Run]:
     return runs
 
 
+def all_runs(results: Path) -> dict[str, list[Run]]:
+    """Every run of each device, newest first (see the module docstring for "newest")."""
+    return {device: sorted((load_run(path, device) for _, path in files),
+                           key=lambda r: (_NAME.match(r.path.name)["date"], str(r.env.get("date") or ""),  # type: ignore[index]
+                                          r.path.name), reverse=True)  # fmt: skip
+            for device, files in sorted(matrix_files(results).items())}
+
+
 def current_runs(results: Path) -> list[Run]:
     """What the page shows: per device, the newest run whole, then, newest first, each older run's cells of the
     models no newer run measured (a model's cells always come from one run, so its modes are compared within that
     run) and its install and demo where no newer run has them. An older run that adds nothing is left out."""
     runs = []
-    for device, files in sorted(matrix_files(results).items()):
-        older = sorted((load_run(path, device) for _, path in files),
-                       key=lambda r: (_NAME.match(r.path.name)["date"], str(r.env.get("date") or ""),  # type: ignore[index]
-                                      r.path.name), reverse=True)  # fmt: skip
+    for device, older in all_runs(results).items():
         models: set[object] = set()
         install = demo = False
         for run in older:
@@ -351,7 +358,21 @@ def _det_pair(run: Run, model: object) -> tuple[Mapping[str, Any] | None, Mappin
     return det, base, f"`{det_name}` vs `{base_name}`"
 
 
-def _det_section(runs: Sequence[Run]) -> list[str]:
+def _det_run(run: Run, model: object, history: Mapping[str, Sequence[Run]] | None) -> Run:
+    """The run whose `det` and baseline cells of `model` the section compares: `run` (the one the page shows the
+    model from) where it has both, else the newest run of the device that has both (a later run that timed other
+    modes of the model does not hide the last measured cost), else `run`."""
+    det, base, _ = _det_pair(run, model)
+    if det is not None and base is not None:
+        return run
+    for older in (history or {}).get(run.device, ()):
+        det, base, _ = _det_pair(older, model)
+        if det is not None and base is not None:
+            return older
+    return run
+
+
+def _det_section(runs: Sequence[Run], history: Mapping[str, Sequence[Run]] | None = None) -> list[str]:
     bar = ", ".join(f"{_BAR_HEADINGS.get(k, k)} ≤ {v * 100:g}%" for k, v in DETERMINISTIC_BAR.items())
     out = ["## Deterministic mode: its cost against --no-deterministic", "",
            f"The bar the mode must clear, in one run, before it may be a model's default (`DETERMINISTIC_BAR` in "
@@ -364,6 +385,7 @@ def _det_section(runs: Sequence[Run]) -> list[str]:
         if (run.device, model) in seen:
             continue
         seen.add((run.device, model))
+        run = _det_run(run, model, history)
         det, base, compared = _det_pair(run, model)
         default = ((_cell(run, model, "default") or {}).get("resolved") or {}).get("deterministic")
         if det is None and base is None:
@@ -628,9 +650,12 @@ def _install_section(runs: Sequence[Run]) -> list[str]:
 
 
 def render(runs: Sequence[Run], results_label: str = "verify/lab/results/",
-           allreduce: tuple[float, str] | None = None) -> str:  # fmt: skip
+           allreduce: tuple[float, str] | None = None,
+           history: Mapping[str, Sequence[Run]] | None = None) -> str:  # fmt: skip
     """The whole page. Deterministic: the same runs give the same bytes (no time of generation on it). allreduce:
-    the measured all-reduce (µs, raw file) the Kimi K2 projection waits on (kimi_projection.measured_allreduce)."""
+    the measured all-reduce (µs, raw file) the Kimi K2 projection waits on (kimi_projection.measured_allreduce).
+    history: every run per device, newest first (all_runs), where the deterministic section looks for a model's
+    last measured cost when the run shown lacks one."""
     out = ["# Performance", "",
            f"Generated by `{COMMAND}` from the newest GPU acceptance matrix of each device in `{results_label}` "
            "(written by `verify/lab/gpu_matrix.py`).",
@@ -645,8 +670,8 @@ def render(runs: Sequence[Run], results_label: str = "verify/lab/results/",
         out += [f"The bar the deterministic mode must clear against `--no-deterministic`, in one run, before it may be "
                 f"a model's default (`DETERMINISTIC_BAR` in `runtime/engine/config.py`): {bar}."]
         return "\n".join(out) + "\n"
-    sections = (_runs_section, _throughput_section, _det_section, _spec_section, _weights_section, _kv_section,
-                _state_section, _api_section, _install_section)
+    sections = (_runs_section, _throughput_section, partial(_det_section, history=history), _spec_section,
+                _weights_section, _kv_section, _state_section, _api_section, _install_section)
     for section in sections:
         out += [*section(runs), ""]
     out += [*_kimi_section(runs, allreduce), ""]
@@ -674,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         # one token's bf16 hidden vector is what a batch-1 step's collectives carry
         allreduce = kimi.measured_allreduce(args.results, 2 * kimi.KIMI_K2["hidden_size"])
-        page = render(current_runs(args.results), allreduce=allreduce)
+        page = render(current_runs(args.results), allreduce=allreduce, history=all_runs(args.results))
     except MatrixError as exc:
         print(f"perf_table: {exc}", file=sys.stderr)
         return 2
