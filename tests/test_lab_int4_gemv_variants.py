@@ -19,6 +19,7 @@ CONFIGS = {
     "v3_both": [(8, 128, 4), (16, 512, 4)],
     "v4_one_group": [(32, 128, 4), (64, 128, 8)],
     "v5_zero_fold": [(8, 256, 4), (16, 512, 2)],
+    "v6_perm_x": [(8, 128, 4), (16, 512, 4)],
 }
 
 
@@ -35,13 +36,15 @@ def test_every_variant_has_test_configs() -> None:
 def test_variant_equals_quant_gemv(variant: str) -> None:
     w = _weight()
     x = torch.randn(1, K, generator=torch.Generator().manual_seed(4))
+    pw = bench.prepare(variant, w)
+    assert (pw is w) == (variant not in bench.PERMUTED)
     want32 = quant_gemv(x, w)[0]
     want16 = quant_gemv(x.bfloat16(), w)[0]
     for cfg in CONFIGS[variant]:
-        y = bench.run(variant, x, w, cfg)
+        y = bench.run(variant, x, pw, cfg)
         assert y.dtype == torch.float32 and y.shape == (1, N)
         assert rel_err(y, want32) < 1e-5, (variant, cfg, rel_err(y, want32))
-        y16 = bench.run(variant, x.bfloat16(), w, cfg)
+        y16 = bench.run(variant, x.bfloat16(), pw, cfg)
         assert y16.dtype == torch.bfloat16
         torch.testing.assert_close(y16, want16, rtol=1e-2, atol=1e-2)
 

@@ -18,6 +18,9 @@ next chunk's words, scales and zeros requested before the current chunk's math) 
   v5_zero_fold     v3's tile, with each code made as the float 1 + u/16 (the nibble shifted to the top of the
                    mantissa of 1.0: shift, and, or; no float subtract a weight) and the zero folded out:
                    Σ_j (u_j - z) x_j = 16 (Σ_j c_j x_j - (1 + z/16) Σ_j x_j), the word's Σ_j x_j once a chunk.
+  v6_perm_x        v3 on a weight repacked once (prepare): nibble j of a group's word c holds the group's input
+                   16j + c, so x_j of a group's 16 words is 16 consecutive inputs (vector loads, in the words'
+                   layout) instead of 16 inputs 8 apart.
 Per shape: quant_gemv at its default config, every variant over its CONFIGS, each timed in CUDA graphs over copies
 of the weight exceeding L2 (bench_quant_gemm.copies), each output's relative error against float64 and against
 quant_gemv; written to int4_gemv_variants.json, one line per shape and variant printed with the best.
@@ -26,6 +29,7 @@ quant_gemv; written to int4_gemv_variants.json, one line per shape and variant p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from functools import partial
@@ -64,12 +68,14 @@ def _load_words(w_rows, wcol, ok):
 
 
 @triton.jit
-def _x_strided(x_ptr, wc):
-    """The 8 inputs of words wc (any shape): x_j = x[8 wc + j] as 8 strided loads, float32, each of wc's shape."""
-    base = x_ptr + wc * 8
-    return (tl.load(base).to(tl.float32), tl.load(base + 1).to(tl.float32), tl.load(base + 2).to(tl.float32),
-            tl.load(base + 3).to(tl.float32), tl.load(base + 4).to(tl.float32), tl.load(base + 5).to(tl.float32),
-            tl.load(base + 6).to(tl.float32), tl.load(base + 7).to(tl.float32))  # fmt: skip
+def _x_strided(x_ptr, offs, STEP: tl.constexpr):
+    """x_j = x[offs + j · STEP], j = 0..7, as 8 loads of offs' shape, float32 (STEP 1: the 8 inputs of words at
+    offs = 8 · word; STEP 16: v6's permuted groups)."""
+    base = x_ptr + offs
+    return (tl.load(base).to(tl.float32), tl.load(base + STEP).to(tl.float32),
+            tl.load(base + 2 * STEP).to(tl.float32), tl.load(base + 3 * STEP).to(tl.float32),
+            tl.load(base + 4 * STEP).to(tl.float32), tl.load(base + 5 * STEP).to(tl.float32),
+            tl.load(base + 6 * STEP).to(tl.float32), tl.load(base + 7 * STEP).to(tl.float32))  # fmt: skip
 
 
 @triton.jit
@@ -125,7 +131,7 @@ def _per_word_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, stri
         s_next, z_next = _int4_group_params(s_ptr, z_ptr, rows64, (ahead // 16)[None, :], ok, stride_sn, stride_zn,
                                             True)  # fmt: skip
         if STRIDED_X:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_strided(x_ptr, wc)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_strided(x_ptr, wc * 8, 1)
         else:
             x0, x1, x2, x3, x4, x5, x6, x7 = _x_split(x_ptr, wc, BW)
         d = int4_word_dot(words, z, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :],
@@ -137,9 +143,10 @@ def _per_word_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, stri
 @triton.jit
 def _per_group_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, stride_sn, stride_zn,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIDED_X: tl.constexpr,
-                      ZERO_FOLD: tl.constexpr):  # fmt: skip
-    """v1 (STRIDED_X off), v3 (on), v5 (ZERO_FOLD, strided x): words [BLOCK_N, GC, 16], a group's 16 words on the
-    last axis; its scale and zero [BLOCK_N, GC, 1], loaded once a group."""
+                      ZERO_FOLD: tl.constexpr, PERM_X: tl.constexpr):  # fmt: skip
+    """v1 (STRIDED_X off), v3 (on), v5 (ZERO_FOLD, strided x), v6 (PERM_X: the weight permuted by prepare):
+    words [BLOCK_N, GC, 16], a group's 16 words on the last axis; its scale and zero [BLOCK_N, GC, 1], loaded once
+    a group."""
     GC: tl.constexpr = BLOCK_K // 128  # groups a chunk
     BW: tl.constexpr = BLOCK_K // 8
     KG = KW // 16
@@ -159,8 +166,10 @@ def _per_group_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, str
         w_next = _load_words(w_rows, wc + BW, ok3 & (wc + BW < KW))
         ga = (w0 + BW) // 16 + g3
         s_next, z_next = _int4_group_params(s_ptr, z_ptr, r3, ga, ok3 & (ga < KG), stride_sn, stride_zn, True)
-        if STRIDED_X:
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_strided(x_ptr, wc)  # [1, GC, 16] each
+        if PERM_X:  # nibble j of a group's word c holds input 16j + c of the group: x_j contiguous along c
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_strided(x_ptr, w0 * 8 + g3 * 128 + tl.arange(0, 16)[None, None, :], 16)
+        elif STRIDED_X:
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_strided(x_ptr, wc * 8, 1)  # [1, GC, 16] each
         else:
             c0, c1, c2, c3, c4, c5, c6, c7 = _x_split(x_ptr, w0 + tl.arange(0, BW), BW)
             x0, x1, x2, x3 = (tl.reshape(c0, [1, GC, 16]), tl.reshape(c1, [1, GC, 16]), tl.reshape(c2, [1, GC, 16]),
@@ -197,7 +206,7 @@ def _one_group_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, str
         more = ok & (w0 + 16 + tl.zeros([BLOCK_N, 1], dtype=tl.int32) < KW)  # [BLOCK_N, 1]: a next chunk
         w_next = _load_words(w_rows, w0 + 16 + cw, more)
         s_next, z_next = _int4_group_params(s_ptr, z_ptr, rows64, w0 // 16 + 1, more, stride_sn, stride_zn, True)
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_strided(x_ptr, w0 + cw)  # [1, 16] each
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_strided(x_ptr, (w0 + cw) * 8, 1)  # [1, 16] each
         acc += int4_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7) * s
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -205,12 +214,14 @@ def _one_group_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, str
 # name -> (kernel, its constexpr flags); each name compiles to its own kernel
 VARIANTS: dict[str, tuple] = {
     "v0_replica": (_per_word_kernel, {"STRIDED_X": False}),
-    "v1_group_scales": (_per_group_kernel, {"STRIDED_X": False, "ZERO_FOLD": False}),
+    "v1_group_scales": (_per_group_kernel, {"STRIDED_X": False, "ZERO_FOLD": False, "PERM_X": False}),
     "v2_strided_x": (_per_word_kernel, {"STRIDED_X": True}),
-    "v3_both": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": False}),
+    "v3_both": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": False, "PERM_X": False}),
     "v4_one_group": (_one_group_kernel, {}),
-    "v5_zero_fold": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": True}),
+    "v5_zero_fold": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": True, "PERM_X": False}),
+    "v6_perm_x": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": False, "PERM_X": True}),
 }
+PERMUTED = {"v6_perm_x"}  # variants that take prepare()'s permuted weight
 # (BLOCK_N, BLOCK_K, num_warps) per variant: the product's best two first where they apply, then around them
 _GROUPED = [(8, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 1024, 4), (4, 1024, 4), (8, 256, 4), (16, 1024, 8),
             (32, 512, 8)]  # fmt: skip
@@ -221,7 +232,21 @@ CONFIGS: dict[str, list[tuple[int, int, int]]] = {
     "v3_both": _GROUPED,
     "v4_one_group": [(bn, 128, w) for bn in (32, 64, 128) for w in (4, 8)],
     "v5_zero_fold": _GROUPED,
+    "v6_perm_x": _GROUPED,
 }
+
+
+def prepare(variant: str, w: quant.PackedWeight) -> quant.PackedWeight:
+    """The weight `variant` takes: w itself, or for PERMUTED ones w with each group's codes reordered so that
+    nibble j of the group's word c holds input 16j + c of the group (x_j of a group's 16 words: 16 consecutive
+    inputs, one vector load), scales and zeros unchanged. A load-time repacking, as Marlin's; done once, untimed."""
+    if variant not in PERMUTED:
+        return w
+    n, k = w.shape
+    if w.group != GROUP or k % GROUP:
+        raise ValueError(f"{variant}: K = {k} must be a multiple of the group {GROUP}")
+    u = quant.unpack_int4(w.data, k).view(n, k // GROUP, 8, 16).transpose(2, 3).reshape(n, k)
+    return dataclasses.replace(w, data=quant.pack_int4(u).contiguous())
 
 
 def _pow2(v: int) -> bool:
@@ -229,8 +254,8 @@ def _pow2(v: int) -> bool:
 
 
 def run(variant: str, x: torch.Tensor, w: quant.PackedWeight, config: tuple[int, int, int]) -> torch.Tensor:
-    """y [1, N] = x [1, K] @ dequantize(w)^T in x's dtype by `variant` at config (BLOCK_N, BLOCK_K, num_warps);
-    ValueError, in one line, for what the variant does not take."""
+    """y [1, N] = x [1, K] @ dequantize(W)^T in x's dtype by `variant` at config (BLOCK_N, BLOCK_K, num_warps), w
+    being prepare(variant, W); ValueError, in one line, for what the variant does not take."""
     kernel, flags = VARIANTS[variant]
     block_n, block_k, num_warps = config
     n, k = w.shape
@@ -290,8 +315,10 @@ def _shape(name: str, n: int, k: int, dev: torch.device, gen: torch.Generator, r
     entry["product"] = {"config": ",".join(map(str, DEFAULT_CONFIGS[quant.INT4_GROUP])), **default}
     print(name, f"N={n} K={k} floor_us", floor, "product", entry["product"]["config"], default["us"], flush=True)
     for variant, configs in CONFIGS.items():
-        timed = {",".join(map(str, c)): _timed(partial(_variant_call, variant, x, ws, c), ref, product)
+        vws = [prepare(variant, w) for w in ws]
+        timed = {",".join(map(str, c)): _timed(partial(_variant_call, variant, x, vws, c), ref, product)
                  for c in configs}  # fmt: skip
+        del vws
         fine = {c: e["us"] for c, e in timed.items() if e["us"] is not None}
         best = min(fine, key=fine.__getitem__) if fine else None
         entry[variant] = {"best": best, "best_us": fine.get(best), "all": timed}
