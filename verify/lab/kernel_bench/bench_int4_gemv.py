@@ -21,16 +21,34 @@ next chunk's words, scales and zeros requested before the current chunk's math) 
   v6_perm_x        v3 on a weight repacked once (prepare): nibble j of a group's word c holds the group's input
                    16j + c, so x_j of a group's 16 words is 16 consecutive inputs (vector loads, in the words'
                    layout) instead of 16 inputs 8 apart.
+  v7_native        v6 with the nibbles read where they lie (Marlin's trick in float32): (w & 0xF << 4p) | the
+                   exponent of 2^(23-4p) is the float 2^(23-4p) + u exactly for p <= 4 (nibbles 5..7 from w >> 12,
+                   one shift a word), less 2^(23-4p) + zero: and|or (one LOP3), sub, FMA a weight instead of the
+                   product's SHF, SGXT, LOP3, sub, FMA (its bfe.u32 in the H100's SASS, compiled offline); each
+                   term equals the product's.
 Per shape: quant_gemv at its default config, every variant over its CONFIGS, each timed in CUDA graphs over copies
 of the weight exceeding L2 (bench_quant_gemm.copies), each output's relative error against float64 and against
 quant_gemv; written to int4_gemv_variants.json, one line per shape and variant printed with the best.
+--variants v3_both,v7_native times only those.
+
+    python3 -P -m envex.verify.lab.kernel_bench.bench_int4_gemv --sass
+
+needs no GPU: compiles quant_gemv's kernel (its default config) and every variant's configs for sm_90 and prints
+the SASS of each one's K loop by opcode (cuobjdump from Triton's wheel): one step's instructions, barriers (BAR:
+layout conversions through shared memory) and loads. Before any H100 run (Triton 3.9, 2026-12-07) it showed, per
+step of 64 weights a thread: quant_gemv 472 instructions with 16 BAR and 16 scalar scale/zero loads; the variants'
+barriers depend on the config (v3 at 8,1024,4: 32 BAR; at 16,512,4: none); v7 at 16,512,4: 385, no BAR.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
+import re
+import subprocess
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -45,6 +63,7 @@ from envex.kernels.quant_gemv import (
     DEFAULT_CONFIGS,
     TWO_23,
     _columns_of_8,
+    _int4_gemv_kernel,
     _int4_group_params,
     int4_word_dot,
     quant_gemv,
@@ -104,6 +123,30 @@ def _unit_word_dot(words, x0, x1, x2, x3, x4, x5, x6, x7):
             + _unit_code(words, 6) * x6 + _unit_code(words, 7) * x7)  # fmt: skip
 
 
+@triton.jit
+def _native_code(words, P: tl.constexpr):
+    """2^(23 - 4P) + u as a float32, u the nibble at bits 4P..4P+3 (P <= 4), read where it lies by one and|or
+    (one LOP3, no shift): under the exponent of 2^(23 - 4P) a mantissa bit 4P is worth 1."""
+    return ((words & (0xF << (4 * P))) | ((150 - 4 * P) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _native_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7):
+    """int4_word_dot with the nibbles read in place: nibbles 0..4 from the word, 5..7 from words >> 12 (one shift
+    a word) at bits 8, 12, 16; z = 2^23 + zero. (2^(23-4P) + u) - (2^(23-4P) + zero) = u - zero exactly, so each
+    term equals the product's."""
+    zr = z - TWO_23
+    z1 = zr + 524288.0  # 2^19 + zero
+    z2 = zr + 32768.0
+    z3 = zr + 2048.0
+    z4 = zr + 128.0
+    hi = words >> 12  # nibbles 5, 6, 7 to bits 8.., 12.., 16..; the sign fill lies above every mask
+    return ((_native_code(words, 0) - z) * x0 + (_native_code(words, 1) - z1) * x1
+            + (_native_code(words, 2) - z2) * x2 + (_native_code(words, 3) - z3) * x3
+            + (_native_code(words, 4) - z4) * x4 + (_native_code(hi, 2) - z2) * x5
+            + (_native_code(hi, 3) - z3) * x6 + (_native_code(hi, 4) - z4) * x7)  # fmt: skip
+
+
 # ---- the variants -------------------------------------------------------------------------------------------------
 
 
@@ -143,8 +186,9 @@ def _per_word_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, stri
 @triton.jit
 def _per_group_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, stride_sn, stride_zn,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STRIDED_X: tl.constexpr,
-                      ZERO_FOLD: tl.constexpr, PERM_X: tl.constexpr):  # fmt: skip
-    """v1 (STRIDED_X off), v3 (on), v5 (ZERO_FOLD, strided x), v6 (PERM_X: the weight permuted by prepare):
+                      ZERO_FOLD: tl.constexpr, PERM_X: tl.constexpr, NATIVE: tl.constexpr):  # fmt: skip
+    """v1 (STRIDED_X off), v3 (on), v5 (ZERO_FOLD, strided x), v6 (PERM_X: the weight permuted by prepare), v7 (v6
+    with NATIVE: the nibbles read in place, _native_word_dot):
     words [BLOCK_N, GC, 16], a group's 16 words on the last axis; its scale and zero [BLOCK_N, GC, 1], loaded once
     a group."""
     GC: tl.constexpr = BLOCK_K // 128  # groups a chunk
@@ -180,6 +224,8 @@ def _per_group_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, str
             xw = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7
             zz = 1.0 + (z - TWO_23) * 0.0625
             acc += (_unit_word_dot(words, x0, x1, x2, x3, x4, x5, x6, x7) - zz * xw) * s
+        elif NATIVE:
+            acc += _native_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7) * s
         else:
             acc += int4_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7) * s
     y = tl.sum(tl.sum(acc, axis=2), axis=1)
@@ -212,16 +258,18 @@ def _one_group_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, N, KW, stride_wn, str
 
 
 # name -> (kernel, its constexpr flags); each name compiles to its own kernel
+_GROUP_FLAGS = {"STRIDED_X": True, "ZERO_FOLD": False, "PERM_X": False, "NATIVE": False}
 VARIANTS: dict[str, tuple] = {
     "v0_replica": (_per_word_kernel, {"STRIDED_X": False}),
-    "v1_group_scales": (_per_group_kernel, {"STRIDED_X": False, "ZERO_FOLD": False, "PERM_X": False}),
+    "v1_group_scales": (_per_group_kernel, {**_GROUP_FLAGS, "STRIDED_X": False}),
     "v2_strided_x": (_per_word_kernel, {"STRIDED_X": True}),
-    "v3_both": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": False, "PERM_X": False}),
+    "v3_both": (_per_group_kernel, _GROUP_FLAGS),
     "v4_one_group": (_one_group_kernel, {}),
-    "v5_zero_fold": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": True, "PERM_X": False}),
-    "v6_perm_x": (_per_group_kernel, {"STRIDED_X": True, "ZERO_FOLD": False, "PERM_X": True}),
+    "v5_zero_fold": (_per_group_kernel, {**_GROUP_FLAGS, "ZERO_FOLD": True}),
+    "v6_perm_x": (_per_group_kernel, {**_GROUP_FLAGS, "PERM_X": True}),
+    "v7_native": (_per_group_kernel, {**_GROUP_FLAGS, "PERM_X": True, "NATIVE": True}),
 }
-PERMUTED = {"v6_perm_x"}  # variants that take prepare()'s permuted weight
+PERMUTED = {"v6_perm_x", "v7_native"}  # variants that take prepare()'s permuted weight
 # (BLOCK_N, BLOCK_K, num_warps) per variant: the product's best two first where they apply, then around them
 _GROUPED = [(8, 1024, 4), (8, 512, 4), (16, 512, 4), (16, 1024, 4), (4, 1024, 4), (8, 256, 4), (16, 1024, 8),
             (32, 512, 8)]  # fmt: skip
@@ -233,6 +281,7 @@ CONFIGS: dict[str, list[tuple[int, int, int]]] = {
     "v4_one_group": [(bn, 128, w) for bn in (32, 64, 128) for w in (4, 8)],
     "v5_zero_fold": _GROUPED,
     "v6_perm_x": _GROUPED,
+    "v7_native": _GROUPED,
 }
 
 
@@ -336,9 +385,57 @@ def bench(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: No
         save()
 
 
+def loop_sass(kernel, constexprs: dict, num_warps: int, signature: dict) -> collections.Counter:
+    """kernel compiled for sm_90 (no GPU needed; every pointer and int argument taken as 16-aligned, as the launches
+    here specialize them) -> the SASS opcodes of its longest backward-branch loop (the K loop), counted."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    sig = {n: "constexpr" if n in constexprs else signature.get(n, "i32") for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n not in constexprs and n != "eps"}
+    src = ASTSource(kernel, sig, constexprs={(names.index(c),): v for c, v in constexprs.items()}, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        sass = subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    code = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    at = {a: i for i, (a, _) in enumerate(code)}
+    loop = (0, -1)
+    for i, (a, t) in enumerate(code):
+        m = re.search(r"BRA.*?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a and i - at.get(int(m.group(1), 16), i) > loop[1] - loop[0]:
+            loop = (at[int(m.group(1), 16)], i)
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+                               for _, t in code[loop[0]:loop[1] + 1])  # fmt: skip
+
+
+def sass_report() -> None:
+    """One line per kernel and config: the K loop's SASS instructions, BAR, LDG, and the commonest opcodes."""
+    ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*u8", "out_ptr": "*bf16"}
+    bn, bk, nw = DEFAULT_CONFIGS[quant.INT4_GROUP]
+    product = {"K": 4096, "PROLOGUE": 0, "HAS_BIAS": False, "HAS_ZERO": True, "GROUP": GROUP, "BLOCK_N": bn,
+               "BLOCK_K": bk, "USE_PDL": False}  # fmt: skip
+    rows = [("quant_gemv", (bn, bk, nw), _int4_gemv_kernel, product, {n: "*bf16" for n in _int4_gemv_kernel.arg_names
+                                                                      if n.endswith("_ptr")} | ptrs)]  # fmt: skip
+    rows[0][4].update({"w_ptr": "*i32", "z_ptr": "*u8", "eps": "fp32"})
+    for variant, configs in CONFIGS.items():
+        kernel, flags = VARIANTS[variant]
+        for c in configs:
+            consts = {"BLOCK_N": c[0], **flags, **({} if kernel is _one_group_kernel else {"BLOCK_K": c[1]})}
+            rows.append((variant, c, kernel, consts, ptrs))
+    for name, cfg, kernel, consts, sig in rows:
+        ops = loop_sass(kernel, consts, cfg[2], sig)
+        print(f"{name:16s} {','.join(map(str, cfg)):10s} loop {sum(ops.values()):4d} BAR {ops['BAR']:3d} "
+              f"LDG {ops['LDG']:3d}", dict(ops.most_common(8)), flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--sass", action="store_true", help="print each kernel's K-loop SASS (no GPU) instead")
     ap.add_argument("--commit", default="")
     ap.add_argument("--variants", default="", help="comma-separated names to time (default: all of CONFIGS)")
     args = ap.parse_args()
@@ -348,6 +445,11 @@ def main() -> None:
             raise SystemExit(f"bench_int4_gemv: unknown variants {sorted(unknown)}; use some of {list(CONFIGS)}")
         for name in set(CONFIGS) - set(args.variants.split(",")):
             del CONFIGS[name]
+    if args.sass:
+        sass_report()
+        return
+    if args.out is None:
+        raise SystemExit("bench_int4_gemv: --out DIR is required (or --sass)")
     if not torch.cuda.is_available():
         raise SystemExit("bench_int4_gemv: needs a CUDA device (run it on the device machine)")
     t0 = time.perf_counter()
