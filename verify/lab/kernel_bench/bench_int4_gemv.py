@@ -72,7 +72,6 @@ from envex.verify.lab.kernel_bench._bench_lib import graph_time_ms, measure_band
 from envex.verify.lab.kernel_bench.bench_quant_gemm import copies
 
 GROUP = 128  # inputs a group: the only group the variants take
-WPG = GROUP // quant.PACK  # words a group
 SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 MAX_REL_ERR = 1e-2  # against float64, as bench_quant_gemm checks
 
