@@ -146,3 +146,15 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, b, kvh, kpos, k_ok,
     k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
     return k, v
+
+
+@triton.jit
+def exact_dot(a, b):
+    """a @ b (float32 accumulation); float32 operands at float32 precision. Triton's default for them is TF32 (10
+    mantissa bits), which sets a float32 model's tiles of several rows (verify steps, prefill: dots) ~1e-3 apart
+    from its decode step's GEMVs (elementwise float32) and flips near-ties between the two; bf16 and fp16 operands
+    are exact either way, so no bf16 or fp16 kernel changes."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)

@@ -24,6 +24,7 @@ from envex.kernels._common import (
     check,
     check_paged_attention_inputs,
     check_tensor,
+    exact_dot,
     load_kv_tile,
     next_pow2,
     padded_rows,
@@ -50,17 +51,6 @@ def split_key_range(pid_m, q_len, seq_len, split, GROUP: tl.constexpr, BLOCK_M: 
     chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = kv_start + split * chunk
     return lo, tl.minimum(kv_end, lo + chunk)
-
-
-@triton.jit
-def exact_dot(a, b):
-    """a @ b (float32 accumulation); float32 operands at float32 precision. Triton's default for them is TF32 (10
-    mantissa bits), which would set a float32 model's verify tile (a dot) apart from its decode step (elementwise
-    float32) by ~1e-3 and flip near-ties between them; bf16 and fp16 operands are exact in either."""
-    if a.dtype == tl.float32:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
 
 
 @triton.jit

@@ -37,6 +37,7 @@ from envex.kernels._common import (
     INTERPRETING,
     check,
     check_tensor,
+    exact_dot,
     next_pow2,
     padded_rows,
     pdl_launch,
@@ -48,7 +49,6 @@ from envex.kernels.attention import (
     _merge_splits_kernel,
     _softmax_step,
     choose_num_splits,
-    exact_dot,
 )
 
 # A split of fewer keys than this takes 64-key tiles in a launch built with 128-key ones (run-time choice).

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from envex.kernels import reference
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, exact_dot, next_pow2
 from envex.kernels.attention import LOG2E, _merge_splits_kernel, choose_num_splits, split_key_range
 from envex.kernels.kv_quant_format import (
     DEFAULT_INT4_GROUP,
@@ -443,7 +443,7 @@ def _packed_attn_kernel(
         blk_next = _block_ids(bt_row, ahead + BLOCK_N, hi, PAGE)
         k_lo, k_hi = _decode_rows(k_raw, FP8, HALF, G, MW)
         v_lo, v_hi = _decode_rows(v_raw, FP8, HALF, G, MW)
-        s = tl.dot(q_lo, tl.trans(k_lo.to(dot_ty))) + tl.dot(q_hi, tl.trans(k_hi.to(dot_ty)))
+        s = exact_dot(q_lo, tl.trans(k_lo.to(dot_ty))) + exact_dot(q_hi, tl.trans(k_hi.to(dot_ty)))
         s = s * qk_scale  # [BLOCK_M, BLOCK_N], log2 domain
         visible = (kpos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if WINDOW > 0:
@@ -455,8 +455,8 @@ def _packed_attn_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p = p.to(dot_ty)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo.to(dot_ty))
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi.to(dot_ty))
+        acc_lo = acc_lo * alpha[:, None] + exact_dot(p, v_lo.to(dot_ty))
+        acc_hi = acc_hi * alpha[:, None] + exact_dot(p, v_hi.to(dot_ty))
         m_i = m_new
 
     l_div = tl.where(l_i > 0.0, l_i, 1.0)

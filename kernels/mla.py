@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, next_pow2, padded_rows
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, exact_dot, next_pow2, padded_rows
 from envex.kernels.attention import LOG2E, _softmax_step, choose_num_splits
 
 BLOCK_H = 16  # query heads a decode program holds: tl.dot's least M, and 8 programs per sequence at 128 heads
@@ -249,7 +249,7 @@ def _decode_kernel(
         if UPCAST_DOT:
             c = c.to(tl.float32)
             pe = pe.to(tl.float32)
-        s = (tl.dot(qn, tl.trans(c)) + tl.dot(qp, tl.trans(pe))) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
+        s = (exact_dot(qn, tl.trans(c)) + exact_dot(qp, tl.trans(pe))) * qk_scale  # [BLOCK_H, BLOCK_N], log2 domain
         visible = k_ok[None, :]
         if Q_LEN > 1:  # decode's one row sees every key below seq_len
             visible = visible & (kpos[None, :] <= q_pos[:, None])

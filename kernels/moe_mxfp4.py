@@ -54,6 +54,7 @@ from envex.kernels._common import (
     arrival_counters,
     check,
     check_tensor,
+    exact_dot,
     next_pow2,
     pdl_launch,
     prefetch_l2,
@@ -676,8 +677,8 @@ def _gate_up_grouped_kernel(
                 x_t = x_t.to(tl.float32)
             else:
                 g_w, u_w = g_w.to(x_t.dtype), u_w.to(x_t.dtype)
-            acc_g += tl.dot(x_t, tl.trans(g_w))
-            acc_u += tl.dot(x_t, tl.trans(u_w))
+            acc_g += exact_dot(x_t, tl.trans(g_w))
+            acc_u += exact_dot(x_t, tl.trans(u_w))
         else:  # INT4, FP8 or float: [BLOCK_I, BLOCK_K] tiles of the gate and up rows as stored
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
@@ -705,12 +706,12 @@ def _gate_up_grouped_kernel(
             else:
                 g_t, u_t = g_t.to(x_t.dtype), u_t.to(x_t.dtype)
             if INT4_G > 0 or FP8_BN > 0:
-                acc_g += tl.dot(x_t, tl.trans(g_t)) * tl.load(g_sc, mask=j_ok, other=0.0).to(tl.float32)[None, :]
-                acc_u += tl.dot(x_t, tl.trans(u_t)) * tl.load(g_sc + stride_sn, mask=j_ok, other=0.0).to(
+                acc_g += exact_dot(x_t, tl.trans(g_t)) * tl.load(g_sc, mask=j_ok, other=0.0).to(tl.float32)[None, :]
+                acc_u += exact_dot(x_t, tl.trans(u_t)) * tl.load(g_sc + stride_sn, mask=j_ok, other=0.0).to(
                     tl.float32)[None, :]  # fmt: skip
             else:
-                acc_g += tl.dot(x_t, tl.trans(g_t))
-                acc_u += tl.dot(x_t, tl.trans(u_t))
+                acc_g += exact_dot(x_t, tl.trans(g_t))
+                acc_u += exact_dot(x_t, tl.trans(u_t))
     dt = act_ptr.dtype.element_ty
     if b_ptr is not None:
         bias_row = b_ptr + e.to(tl.int64) * stride_be
@@ -753,7 +754,7 @@ def _down_grouped_kernel(
                 a_t = a_t.to(tl.float32)
             else:
                 w_t = w_t.to(a_t.dtype)
-            acc += tl.dot(a_t, tl.trans(w_t))
+            acc += exact_dot(a_t, tl.trans(w_t))
         else:  # INT4, FP8 or float: a [BLOCK_N, BLOCK_K] tile as stored
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < INTER
@@ -775,9 +776,10 @@ def _down_grouped_kernel(
             else:
                 w_t = w_t.to(a_t.dtype)
             if INT4_G > 0 or FP8_BN > 0:
-                acc += tl.dot(a_t, tl.trans(w_t)) * tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                w_sc = tl.load(s_ptr + s_off, mask=n_ok, other=0.0).to(tl.float32)
+                acc += exact_dot(a_t, tl.trans(w_t)) * w_sc[None, :]
             else:
-                acc += tl.dot(a_t, tl.trans(w_t))
+                acc += exact_dot(a_t, tl.trans(w_t))
     dt = act_ptr.dtype.element_ty
     if b_ptr is not None:
         acc += tl.load(b_ptr + e.to(tl.int64) * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from envex.kernels import quant_gemv
-from envex.kernels._common import INTERPRETING, check
+from envex.kernels._common import INTERPRETING, check, exact_dot
 from envex.kernels.gemv import PROLOGUE_NONE, _sm_count
 from envex.kernels.quant import FP8_BLOCK, INT4_GROUP, PACK, PackedWeight, dequantize
 from envex.kernels.quant_gemv import (
@@ -136,7 +136,7 @@ def _quant_gemm_kernel(
                 w = (w.to(tl.float32) * sc[:, None]).to(dt)
             else:
                 w = w.to(dt)
-        acc += tl.dot(w, tl.trans(x.to(dt)))  # [BLOCK_N, BLOCK_M]
+        acc += exact_dot(w, tl.trans(x.to(dt)))  # [BLOCK_N, BLOCK_M]
     if SCHEME == 1:
         acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if SCHEME == 0:

@@ -15,17 +15,19 @@ rounding: the residual sum and SwiGLU as HF rounds them, the RMS scale applied a
     each row of the tile is multiplied by its own scale (BLOCK_K divides the block's columns). Either way the
     scales are requested a step ahead with the tile: a scale load waited on in its own step cost its whole latency
     each step (the H100's fp8_block down projection, 112 steps: 78 us against fp8_channel's 26).
-  INT4 (int4_group): a [BLOCK_N, BLOCK_K/8] tile of int32 words, kept 2-D: nibble j of every word (input 8c + j,
-    the internal layout) becomes the float 2^23 + u (int4_code), less 2^23 + the word's zero, times the inputs
-    x_j [BLOCK_K/8] at columns 8c + j (one contiguous [BLOCK_K/8, 8] load split into its 8 columns), summed over j
-    per word, then times the word's group scale (a group is a whole number of words); scale and zero are
-    requested a step ahead with the words. The former [BLOCK_N, BLOCK_K/8, 8] form summed over its last axis ran
-    at 5.5-6.3x its byte floor on the H100.
+  INT4 (int4_group): a [BLOCK_N, GC, SEG] tile of int32 words (BLOCK_K/8 words a row, in GC segments of SEG
+    words, each inside one group: int4_segment), nibble j of every word (input 8c + j, the internal layout) becomes
+    the float 2^23 + u (int4_code), less 2^23 + the segment's zero, times the inputs x_j at columns 8c + j (one
+    contiguous [BLOCK_K/8, 8] load split into its 8 columns, each reshaped to the tile's [GC, SEG]), summed over j
+    per word, then times the segment's scale; the scale and zero are loaded once a segment ([BLOCK_N, GC, 1]) and,
+    with the words, a step ahead. Loaded once a word instead (a [BLOCK_N, BLOCK_K/8] gather, 16 equal addresses a
+    group of 128) they held the kernel at ~4x its byte floor on the H100 (bench_int4_gemv, kernel journal); the
+    [BLOCK_N, BLOCK_K/8, 8] form before that, summed over its last axis, at 5.5-6.3x.
 
 Rows: each row of `a` is one program column and re-reads the weight (from L2 when the rows are few); meant for up
 to GEMV_MAX_ROWS rows. Past that, kernels/quant_gemm.py's GEMM reads the same packing once per tile of rows
 (`quant_gemm.quant_linear` picks between the two).
-Configs: fp8_channel's measured on the H100, the others by the same bytes a thread (DEFAULT_CONFIGS says why).
+Configs: measured on the H100 (DEFAULT_CONFIGS says where).
 """
 
 from __future__ import annotations
@@ -40,17 +42,16 @@ from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, 
 
 GEMV_MAX_ROWS = 8  # rows up to which the packed projections use the GEMV; past it, quant_gemm's GEMM
 _SCALE_MODE = {FP8_TENSOR: 0, FP8_CHANNEL: 1, FP8_BLOCK: 2}
-# (BLOCK_N, BLOCK_K, num_warps) per scheme. Measured on an H100 (bench_quant_gemm --gemv, 2026-12-07, the "before"
-# of journal-kernels.md): fp8_channel at (8, 512, 4), 8 x 512 one-byte codes over 128 threads = 32 bytes a thread
-# (two 16-byte loads, two tiles in flight with the prefetch), runs at 1.3-1.4x its byte floor. The others are
-# chosen by that reasoning, not yet measured: fp8_block folds its scale into the input (no BLOCK_K cap), so it
-# takes the same tile; INT4 at 8 x 1024 inputs = 8 x 128 words is the same 32 bytes a thread and the same programs
-# per row count (its old 8 x 512 was 16 bytes a thread).
+# (BLOCK_N, BLOCK_K, num_warps) per scheme, measured on an H100 at Llama-3.1-8B's projections (kernel journal,
+# 2026-12-07): fp8_channel at (8, 512, 4), 32 bytes of codes a thread, runs at 1.3-1.4x its byte floor, and
+# fp8_block (its scale folded into the input) within 2% of it on the same tile (bench_quant_gemm --gemv). INT4 at
+# (8, 512, 4) with its scales once a segment: 11.2 / 38.9 / 23.6 us for qkv / gate_up / down (floors 4.1 / 19.1 /
+# 9.5), within 5% of the best of eight tiles at each (bench_int4_gemv's v1_group_scales: this loop with K at run time).
 DEFAULT_CONFIGS: dict[str, tuple[int, int, int]] = {
     FP8_BLOCK: (8, 512, 4),
     FP8_CHANNEL: (8, 512, 4),
     FP8_TENSOR: (8, 512, 4),
-    INT4_GROUP: (8, 1024, 4),
+    INT4_GROUP: (8, 512, 4),
 }
 # fp8_block with a program's rows in several scale rows (put_rows' block (1, bk)): a scale a tile row, so a tile
 # lies in one block column (BLOCK_K capped at the block's 128 columns) and BLOCK_N doubles to keep 16 bytes a thread.
@@ -226,36 +227,40 @@ def _int4_gemv_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_sn, stride_zn, stride_om, stride_hm, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ZERO: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    SEG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """W[n, 8c + j] = (nibble j of word [n, c] - zero[n, g]) · scale[n, g], g = 8c // GROUP; no zero: 8."""
+    """W[n, 8c + j] = (nibble j of word [n, c] - zero[n, g]) · scale[n, g], g = 8c // GROUP; no zero: 8.
+    A step's BW words a row are GC segments of SEG words, each inside one group (int4_segment): the words tile is
+    [BLOCK_N, GC, SEG] and a segment's scale and zero [BLOCK_N, GC, 1], loaded once a segment, not once a word."""
     BW: tl.constexpr = BLOCK_K // 8  # words per row and chunk
     KW: tl.constexpr = (K + 7) // 8  # words per row
     WPG: tl.constexpr = GROUP // 8  # words per group
+    GC: tl.constexpr = BW // SEG  # segments per chunk
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    rows64 = rows.to(tl.int64)[:, None]
-    w_rows = w_ptr + rows64 * stride_wn
+    r3 = rows.to(tl.int64)[:, None, None]
+    ok3 = row_ok[:, None, None]
+    w_rows = w_ptr + r3 * stride_wn
+    seg = tl.arange(0, GC)[None, :, None] * SEG  # [1, GC, 1]: each segment's first word in the chunk
+    wcol = seg + tl.arange(0, SEG)[None, None, :]  # [1, GC, SEG]: the chunk's words
     cw = tl.arange(0, BW)
-    # The words and each word's group scale and zero are requested a step ahead, as the FP8 kernel's tile.
-    w_next = _stream_tile(w_rows, cw, row_ok, KW, 0)
-    first_ok = row_ok[:, None] & (cw < KW)[None, :]
-    s_next, z_next = _int4_group_params(s_ptr, z_ptr, rows64, (cw // WPG)[None, :], first_ok, stride_sn, stride_zn,
+    # The words and each segment's scale and zero are requested a step ahead, as the FP8 kernel's tile.
+    w_next = tl.load(w_rows + wcol, mask=ok3 & (wcol < KW), other=0, eviction_policy="evict_first")
+    s_next, z_next = _int4_group_params(s_ptr, z_ptr, r3, seg // WPG, ok3 & (seg < KW), stride_sn, stride_zn,
                                         HAS_ZERO)  # fmt: skip
     pdl_enter(USE_PDL, False)
-    acc = tl.zeros([BLOCK_N, BW], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, GC, SEG], dtype=tl.float32)
     sumsq = tl.zeros([BW, 8], dtype=tl.float32)
     for w0 in range(0, KW, BW):
-        words, s, z = w_next, s_next, z_next  # [BLOCK_N, BW]: int32 words, float32 scale and 2^23 + zero
-        wc = w0 + cw  # this chunk's word columns [BW]
-        ahead = wc + BW
-        w_next = _stream_tile(w_rows, ahead, row_ok, KW, 0)
-        s_next, z_next = _int4_group_params(s_ptr, z_ptr, rows64, (ahead // WPG)[None, :],
-                                            row_ok[:, None] & (ahead < KW)[None, :], stride_sn, stride_zn,
-                                            HAS_ZERO)  # fmt: skip
-        cols = wc[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]: input 8c + j, one contiguous load
+        words, s, z = w_next, s_next, z_next  # int32 words [BLOCK_N, GC, SEG], scale and 2^23 + zero [.., GC, 1]
+        ahead = w0 + BW + wcol
+        w_next = tl.load(w_rows + ahead, mask=ok3 & (ahead < KW), other=0, eviction_policy="evict_first")
+        seg_ahead = w0 + BW + seg
+        s_next, z_next = _int4_group_params(s_ptr, z_ptr, r3, seg_ahead // WPG, ok3 & (seg_ahead < KW), stride_sn,
+                                            stride_zn, HAS_ZERO)  # fmt: skip
+        cols = (w0 + cw)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]: input 8c + j, one contiguous load
         k_ok = cols < K
         x = _input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
                          tl.where(pid_n == 0, K, 0), PROLOGUE)  # fmt: skip
@@ -263,16 +268,25 @@ def _int4_gemv_kernel(
             sumsq += x * x  # each input once
             x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
         x0, x1, x2, x3, x4, x5, x6, x7 = _columns_of_8(x, BW)  # [BW] each: the inputs of nibble j
-        # Σ_j (u_j - zero) · x_j per word, all [BLOCK_N, BW] (u_j - zero exact), then one multiply by its scale.
-        d = int4_word_dot(words, z, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :],
-                          x6[None, :], x7[None, :])  # fmt: skip
+        # Σ_j (u_j - zero) · x_j per word (u_j - zero exact), then one multiply by its segment's scale.
+        d = int4_word_dot(words, z, tl.reshape(x0, [1, GC, SEG]), tl.reshape(x1, [1, GC, SEG]),
+                          tl.reshape(x2, [1, GC, SEG]), tl.reshape(x3, [1, GC, SEG]), tl.reshape(x4, [1, GC, SEG]),
+                          tl.reshape(x5, [1, GC, SEG]), tl.reshape(x6, [1, GC, SEG]),
+                          tl.reshape(x7, [1, GC, SEG]))  # fmt: skip
         acc += d * s
-    y = tl.sum(acc, axis=1)
+    y = tl.sum(tl.sum(acc, axis=2), axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y = y * tl.rsqrt(tl.sum(tl.sum(sumsq, axis=1), axis=0) / K + eps)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def int4_segment(group: int, block_k: int) -> int:
+    """The words a scale segment of the INT4 GEMV holds: the largest power of two dividing the group's words, at
+    most a step's (block_k / 8), so a segment never straddles two groups (a group of 128 inputs: 16 words)."""
+    words = group // PACK
+    return min(words & -words, block_k // PACK)
 
 
 def _check_inputs(a: torch.Tensor, n: int, k: int, prologue: int, b: torch.Tensor | None,
@@ -345,7 +359,8 @@ def quant_gemv(
         _int4_gemv_kernel[grid](
             a, bb, nw, weight.data, weight.scale, z, bias_arg, out, h, n, a.stride(0), bb.stride(0),
             weight.data.stride(0), weight.scale.stride(0), z.stride(0), out.stride(0), h.stride(0), float(eps),
-            HAS_ZERO=weight.zero is not None, GROUP=weight.group, BLOCK_K=max(block_k, PACK), **common,
+            HAS_ZERO=weight.zero is not None, GROUP=weight.group, SEG=int4_segment(weight.group, max(block_k, PACK)),
+            BLOCK_K=max(block_k, PACK), **common,
         )  # fmt: skip
         return out, extra
     _fp8_gemv_kernel[grid](

@@ -328,7 +328,8 @@ print(json.dumps({
     "fp8_channel": compiled(qg._fp8_gemv_kernel, fp8, dict(common, SCALE_MODE=1, SCALE_ROWS=1, SCALE_COLS=1,
                                                              FOLD_SCALE=False, **cfg("fp8_channel"))),
     "int4": compiled(qg._int4_gemv_kernel, dict(act, w_ptr="*i32", s_ptr="*bf16", z_ptr="*u8"),
-                     dict(common, HAS_ZERO=True, GROUP=128, **cfg("int4_group"))),
+                     dict(common, HAS_ZERO=True, GROUP=128, SEG=qg.int4_segment(128, cfg("int4_group")["BLOCK_K"]),
+                          **cfg("int4_group"))),
 }))
 """
 

@@ -1,7 +1,7 @@
 """The packed GEMV's two fast paths (kernels/quant_gemv.py) under the interpreter, against float64: fp8_block with
 its scale folded into the input (BLOCK_K spanning several block columns) and the per-row scale path beside it, and
-the 2-D INT4 kernel in every prologue, with and without zero points, groups 32 and 128, K not a multiple of a
-chunk (nor of a word)."""
+the INT4 kernel in every prologue, with and without zero points, groups 32 and 128, K not a multiple of a
+chunk (nor of a word), and groups whose words are no power of two or span several chunks (int4_segment)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch
 from envex.kernels import gemv
 from envex.kernels import quant as q
 from envex.kernels import reference as ref
-from envex.kernels.quant_gemv import quant_gemv
+from envex.kernels.quant_gemv import int4_segment, quant_gemv
 from envex.tests.support.kernels import assert_close, f64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,8 +89,26 @@ def test_int4_gemv(prologue: int, group: int, symmetric: bool) -> None:
         _check_prologue(f"int4 g{group} {'sym' if symmetric else 'zero'}", w, prologue, cfg)
 
 
+def test_a_scale_segment_never_straddles_two_groups() -> None:
+    assert [int4_segment(g, 512) for g in (8, 24, 32, 128, 200, 304, 1024, 14336)] == [1, 1, 4, 16, 1, 2, 64, 64]
+    assert int4_segment(128, 64) == 8 and int4_segment(4096, 128) == 16  # capped at a step's words
+    for group in range(8, 2049, 8):
+        for block_k in (64, 128, 512, 1024):
+            seg = int4_segment(group, block_k)
+            assert (group // 8) % seg == 0 and (block_k // 8) % seg == 0 and seg & (seg - 1) == 0
+
+
+@pytest.mark.parametrize("group", [24, 200, 304, 512])
+def test_int4_gemv_groups_of_any_multiple_of_eight(group: int) -> None:
+    """Groups of 3 and 25 words (segments of one word), 38 (per channel at K = 300: segments of two), 64 (a group
+    over several 128-input chunks), with zero points and the RMS prologue."""
+    w = q.quantize_int4(_weight(19, 300, seed=group), group, symmetric=False).to(DEV)
+    for cfg in ((8, 128, 2), (4, 512, 4)):
+        _check_prologue(f"int4 g{group}", w, gemv.PROLOGUE_RMS, cfg)
+
+
 def test_int4_gemv_default_config_float32() -> None:
-    """The default config (BLOCK_K 1024) on K = 1000 in float32 with a bias, against float64."""
+    """The default config (BLOCK_K 512) on K = 1000 in float32 with a bias, against float64."""
     w = q.quantize_int4(_weight(24, 1000), 128, symmetric=False, scale_dtype=torch.float16).to(DEV)
     a = torch.randn(2, 1000, generator=torch.Generator().manual_seed(5)).to(DEV)
     bias = torch.randn(24, generator=torch.Generator().manual_seed(6)).to(DEV)
