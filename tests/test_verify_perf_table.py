@@ -219,6 +219,31 @@ def test_a_model_the_newest_run_left_out_keeps_its_rows_from_the_run_that_measur
     assert out.read_text() == page
 
 
+def test_a_quick_check_of_one_mode_keeps_the_older_runs_other_modes_beside_their_own_default(results: Path) -> None:
+    """A newer run that timed llama8b's default and `det` at batch 1 only (`gpu_matrix --cases`) shows those two;
+    the older run's other llama8b modes stay, each compared with the older run's default, which stays too."""
+    data = json.loads(FIXTURE.read_text())
+    modes = {c["mode"] for c in data["cells"] if c["model"] == "llama8b"}
+    assert {"default", "det"} < modes  # the fixture has more llama8b modes than the quick check times
+    quick = [c for c in data["cells"] if c["model"] == "llama8b" and c["mode"] in ("default", "det")]
+    for cell in quick:
+        cell["cases"] = {"b1_1k": {**cell["cases"]["b1_1k"], "median": 222.2}}
+    data["cells"] = quick
+    data["env"].update(commit="8888888", date="2026-12-07 06:00 UTC")
+    data.pop("install"), data.pop("demo")
+    (results / "h200-2026-12-07-8888888-matrix.json").write_text(json.dumps(data))
+    runs = perf_table.current_runs(results)
+    assert [r.path.name for r in runs] == ["h200-2026-12-07-8888888-matrix.json", FIXTURE.name]
+    older = {(c["model"], c["mode"]) for c in runs[1].cells}
+    assert ("llama8b", "det") not in older and ("llama8b", "default") in older
+    assert {("llama8b", m) for m in modes - {"det"}} <= older
+    page = perf_table.render(runs)
+    newer = "2026-12-07 06:00 UTC, `8888888`, `h200-2026-12-07-8888888-matrix.json`"
+    rows = [line for line in page.split("\n## Throughput", 1)[1].split("\n## ", 1)[0].splitlines()
+            if line.startswith("| Llama-3.1-8B (dummy bf16) | NVIDIA H200 | `default` |")]
+    assert len(rows) == 2 and rows[0].endswith(f"{newer} |") and rows[1].endswith(f"{SOURCE} |")
+
+
 def test_the_deterministic_cost_stays_from_the_last_run_that_measured_it(results: Path) -> None:
     """A newer run that timed a model's default but not its `det` mode does not hide the cost an older run
     measured: the section compares the older run's pair and names that run."""

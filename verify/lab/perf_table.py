@@ -6,8 +6,9 @@ verify/lab/gpu_matrix.py writes one `<device>-<YYYY-MM-DD>-<commit>-matrix.json`
 run into verify/lab/results/. For each device this reads the newest file: the latest date in its name, then the
 run's own timestamp inside it (`env.date`), then the name. File times are not used: in a checkout they are the
 checkout's, not the run's, and `--check` must give the same answer on every clone. A model the newest run did not
-measure keeps its rows from the newest older run that did (`current_runs`): all of a model's cells from one run, so
-a mode is only ever set against a default of the same run. The deterministic section alone looks further back:
+measure keeps its rows from the newest older run that did (`current_runs`), and so does each mode of a model the
+newer runs did not time, with its own run's default beside it: a mode is only ever set against a default of the same
+run. The deterministic section alone looks further back:
 where the run shown lacks the model's `det` pair, it compares the pair of the newest run that has one (`_det_run`).
 
 The page holds, over every model x GPU x mode of those runs: throughput, the deterministic mode's cost against
@@ -136,18 +137,23 @@ def all_runs(results: Path) -> dict[str, list[Run]]:
 
 def current_runs(results: Path) -> list[Run]:
     """What the page shows: per device, the newest run whole, then, newest first, each older run's cells of the
-    models no newer run measured (a model's cells always come from one run, so its modes are compared within that
-    run) and its install and demo where no newer run has them. An older run that adds nothing is left out."""
+    (model, mode) pairs no newer run measured, each with its own run's default cell of that model beside it (a mode
+    is only ever compared with a default of the same run: a quick check of one mode, `gpu_matrix --cases`, does not
+    hide the older run's other modes, and their default stays on the page as their run's), and its install and
+    demo where no newer run has them. An older run that adds nothing is left out."""
     runs = []
     for device, older in all_runs(results).items():
-        models: set[object] = set()
+        seen: set[tuple[object, object]] = set()
         install = demo = False
         for run in older:
-            cells = [c for c in run.cells if c.get("model") not in models]
+            new = {(c.get("model"), c.get("mode")) for c in run.cells} - seen
+            models = {model for model, mode in new if mode != "default"}
+            cells = [c for c in run.cells if (c.get("model"), c.get("mode")) in new
+                     or (c.get("mode") == "default" and c.get("model") in models)]  # fmt: skip
             kept = replace(run, cells=cells, install=None if install else run.install, demo=None if demo else run.demo)
             if not runs or runs[-1].device != device or cells or kept.install or kept.demo:
                 runs.append(kept)
-            models |= {c.get("model") for c in run.cells}
+            seen |= {(c.get("model"), c.get("mode")) for c in run.cells}
             install, demo = install or run.install is not None, demo or run.demo is not None
     return runs
 
