@@ -253,8 +253,11 @@ def _int4_rows_dot(w_rows, s_ptr, z_ptr, s_off, row_ok, x_base, K: tl.constexpr,
     """R INT4 rows (quant.Int4GroupStack: w_rows [R] point to each row's first word; s_off [R], the offset of its
     first group scale in s_ptr and zero in z_ptr, None: zero 8) against K inputs stored as planes at x_base ->
     [R, GB] float32 partial sums (sum axis 1 for the dots). As _packed_rows_dot: a step loads [R, 4·GB] words and
-    the 8 input planes in the words' layout; word f's 8 codes times their inputs, less zero times the inputs' sum,
-    times the word's group scale (a group is whole words), all in registers."""
+    the 8 input planes in the words' layout; word f's 8 codes less their zero times their inputs, times the group
+    scale, all in registers. G a multiple of 32: a quad of 4 words (32 inputs, the [R, GB, 4] tile's last axis)
+    lies in one group, so its scale and zero are loaded once a quad ([R, GB]) and the scale multiplies the quad's
+    sum; G 16: once a word. (Loaded once a word, a group's 16 equal addresses a step held the dense INT4 GEMV at
+    ~4x its byte floor on the H100: kernels/quant_gemv.py.)"""
     acc = tl.zeros([R, GB], dtype=tl.float32)
     for w0 in range(0, K // 8, 4 * GB):
         f = w0 + tl.arange(0, 4 * GB)  # word index in the row
@@ -262,11 +265,20 @@ def _int4_rows_dot(w_rows, s_ptr, z_ptr, s_off, row_ok, x_base, K: tl.constexpr,
         m = row_ok[:, None] & f_ok[None, :]
         words = tl.reshape(tl.load(w_rows[:, None] + f[None, :], mask=m, other=0), [R, GB, 4])
         x0, x1, x2, x3, x4, x5, x6, x7 = _plane_loads(x_base, f[None, :], f_ok[None, :], K, GB)
-        g_off = s_off[:, None] + (f * 8 // G)[None, :]
-        sc = tl.reshape(tl.load(s_ptr + g_off, mask=m, other=0.0).to(tl.float32), [R, GB, 4])
-        z = tl.reshape(_int4_zero(z_ptr, g_off, m).to(tl.float32), [R, GB, 4]) + TWO_23  # 2^23 + zero
-        d = int4_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7)  # (u - zero) · x, exact codes
-        acc += tl.sum(d * sc, axis=2)
+        if G % 32 == 0:
+            q = w0 // 4 + tl.arange(0, GB)  # quads of 4 words in the row
+            q_ok = row_ok[:, None] & (q * 4 < K // 8)[None, :]
+            g_off = s_off[:, None] + (q * 32 // G)[None, :]
+            sc = tl.load(s_ptr + g_off, mask=q_ok, other=0.0).to(tl.float32)  # [R, GB]
+            z = _int4_zero(z_ptr, g_off, q_ok).to(tl.float32) + TWO_23  # 2^23 + zero
+            d = int4_word_dot(words, z[:, :, None], x0, x1, x2, x3, x4, x5, x6, x7)  # (u - zero) · x, exact codes
+            acc += tl.sum(d, axis=2) * sc
+        else:
+            g_off = s_off[:, None] + (f * 8 // G)[None, :]
+            sc = tl.reshape(tl.load(s_ptr + g_off, mask=m, other=0.0).to(tl.float32), [R, GB, 4])
+            z = tl.reshape(_int4_zero(z_ptr, g_off, m).to(tl.float32), [R, GB, 4]) + TWO_23  # 2^23 + zero
+            d = int4_word_dot(words, z, x0, x1, x2, x3, x4, x5, x6, x7)  # (u - zero) · x, exact codes
+            acc += tl.sum(d * sc, axis=2)
     return acc
 
 

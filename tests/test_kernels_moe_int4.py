@@ -10,8 +10,9 @@ import torch
 from envex.kernels import moe_mxfp4, quant
 from envex.kernels import reference as ref
 from envex.kernels.ops import MoEWeights
-from envex.tests.support.kernels import assert_close
+from envex.tests.support.kernels import assert_close, compile_for_hopper
 from envex.tests.test_kernels_moe_fp8 import assert_ops_moe_agree
+from envex.tests.test_kernels_moe_gemv import AOT_PTX
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # H past one 128-group and not a whole number of 32-groups: ragged last groups; I = 80 likewise (one partial 128-group)
@@ -96,6 +97,37 @@ def test_inconsistent_int4_experts_are_one_line() -> None:
         moe_mxfp4.fused_moe(torch.zeros(1, 64, device=DEV), torch.zeros(1, 2, device=DEV), 1, gate_up=gu,
                             gate_up_bias=None, down=quant.Int4GroupStack(data=dn.data, scale=dn.scale, group=16),
                             down_bias=None, alpha=1.0, limit=1.0)  # fmt: skip
+
+
+_AOT = AOT_PTX + r"""
+def build(fn, args, consts):
+    ptx = ptx_of(fn, args, consts, 1)
+    return {"local": len(re.findall(r"(?:ld|st)\.local", ptx)),
+            "v4": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.v4\.b32", ptx))}
+
+w = dict(w_ptr="*i32", s_ptr="*bf16", b_ptr="*bf16", z_ptr="*u8")
+st = {n: "i32" for n in ("stride_we", "stride_wn", "stride_se", "stride_be")}
+int4 = dict(PACKED=False, FP8_BN=0, FP8_BK=0, INT4_G=128)
+print(json.dumps({
+    "gate_up": build(m._gate_up_gemv_kernel, dict(x_ptr="*bf16", xp_ptr="*fp32", logits_ptr="*bf16",
+                     ids_ptr="*i32", wts_ptr="*fp32", **w, act_ptr="*fp32", stride_xp="i32", stride_l="i32", **st,
+                     stride_act="i32", alpha="fp32", limit="fp32"),
+                     dict(K=7168, INTER=2048, E=384, TOP_K=8, BLOCK_E=512, BLOCK_TK=8, BLOCK_I=m.GEMV_PAIRS,
+                          GB=m.GEMV_GROUPS, **int4, USE_PDL=True)),
+    "down": build(m._down_gemv_kernel, dict(act_ptr="*fp32", ids_ptr="*i32", wts_ptr="*fp32", **w, part_ptr="*fp32",
+                  count_ptr="*i32", out_ptr="*bf16", stride_act="i32", **st, stride_o="i32"),
+                  dict(N=7168, INTER=2048, TOP_K=8, BLOCK_N=m.GEMV_DOWN_ROWS, GB=m.GEMV_GROUPS, **int4, USE_PDL=True)),
+}))
+"""
+
+
+def test_the_int4_expert_gemvs_compile_for_hopper() -> None:
+    """The INT4 expert GEMVs at Kimi K2's width (H 7168, I 2048, 384 experts, groups of 32 words), built for sm_90
+    by Triton's ptxas (the scale and zero loaded once a quad of words): the words read 16 bytes a thread, no
+    register spills."""
+    got = compile_for_hopper(_AOT)
+    for name, k in got.items():
+        assert k["v4"] >= 1 and not k["local"], (name, k)
 
 
 @pytest.mark.gpu
