@@ -119,10 +119,11 @@ def test_gpt_oss_full_layers_packed_with_sinks_beside_a_plain_window_layer() -> 
     config = ModelConfig.from_hf(hf)
     model = GptOssForCausalLM(config, dtype=torch.float32, device=torch.device("cpu"))
     dummy_weights(model, seed=1)
+    g = torch.Generator().manual_seed(2)  # not the global generator: its state depends on the tests run before
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("sinks"):  # far from 0, so a dropped sink shows
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, 0.5, generator=g)
     fmt = format_for("int4", config.head_dim)
     assert fmt is not None and config.layer_windows == (4, None)
     ref, fast = _runner(model, TorchOps(), fmt), _runner(model, TritonOps(), fmt)
@@ -133,7 +134,8 @@ def test_gpt_oss_full_layers_packed_with_sinks_beside_a_plain_window_layer() -> 
     for ids, starts in (([[4, 11, 29, 3, 8], [1, 2, 3, 5, 8, 13, 21, 34, 7]], [0, 0]), ([[30], [6]], [5, 9])):
         want, got = _step(ref, ids, starts, tables), _step(fast, ids, starts, tables)
         assert rel_err(got, want) < 5e-3, f"gpt-oss int4: {rel_err(got, want):.2e}"
-        # against the unquantized cache: measured 4.8% (prefill) and 6.9% (decode)
+        # against the unquantized cache: measured 5.3% (prefill) and 7.1% (decode) with these sinks (4.8% / 6.9%
+        # before they were seeded; a CI run whose earlier tests left the global generator elsewhere measured 31%)
         assert rel_err(want, _step(plain, ids, starts, tables)) < 0.15
 
 
