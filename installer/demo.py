@@ -222,7 +222,7 @@ def _build_runtime_and_model(
     from envex.runtime.loader import EMBEDDED_MODEL
 
     if runtime:
-        _build_runtime(media, key, runtime_version, wheel)
+        build_demo_runtime(media, key, runtime_version, wheel)
     if model:
         built = build_bundle(
             model_src,
@@ -236,7 +236,9 @@ def _build_runtime_and_model(
         sign_bundle(built, [key])
 
 
-def _build_runtime(media: Path, key: Any, runtime_version: str, wheel: Path | None) -> None:
+def build_demo_runtime(media: Path, key: Any, runtime_version: str, wheel: Path | None) -> None:
+    """The demo runtime bundle (the envex wheel alone, `wheelhouse: demo`), signed with `key`, into media/bundles/;
+    also what the lab's GPU installs of other models put beside their model bundles."""
     with tempfile.TemporaryDirectory(prefix="envex-demo-") as tmp:
         runtime_src = Path(tmp) / "runtime"
         wheelhouse = runtime_src / WHEELHOUSE

@@ -161,6 +161,28 @@ def test_mxfp4_checkpoint_stays_packed_and_matches_transformers(checkpoints) -> 
     assert rel_err(_prefill_logits(model, TorchOps(), PROMPTS[0]), want) < 1e-5
 
 
+def test_the_gates_reference_dequantizes_mxfp4_itself_even_where_hub_kernels_would_load(checkpoints,
+                                                                                      monkeypatch) -> None:
+    """transformers asks the hub for its MXFP4 kernels wherever a `kernels` package imports and triton is new
+    enough (both true here with transformers 5.25; patched so the test holds anywhere): offline that failed the
+    load (`envex media references` on gpt-oss). The gates' reference (verify.reference.load_hf_model) dequantizes
+    with transformers' own code and gives the model an explicit Mxfp4Config(dequantize=True) gives."""
+    import transformers.quantizers.quantizer_mxfp4 as quantizer
+
+    from envex.runtime.loader import resolve_model
+    from envex.verify.reference import load_hf_model
+
+    _, _, packed_dir, packed_hf = checkpoints
+    monkeypatch.setattr(quantizer, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(quantizer, "is_triton_available", lambda *_: True)
+    model = load_hf_model(resolve_model(str(packed_dir)))
+    assert not [n for n, m in model.named_modules() if type(m).__name__.startswith("Mxfp4")]
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, packed_hf(ids).logits)
+
+
 def test_checkpoint_and_config_must_agree(checkpoints, tmp_path) -> None:
     _, float_dir, packed_dir, _ = checkpoints
     cfg = ModelConfig.from_hf(json.loads((float_dir / "config.json").read_text()))

@@ -7,6 +7,7 @@ which keeps long needle prompts affordable.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,13 +29,28 @@ def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "flo
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
-    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "local_files_only": True}
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "local_files_only": True, **_quantization(source)}
     if source.kind == "gguf":
         model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), **kwargs)
     cast_parameters(model, _DTYPES[dtype])
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
+
+
+def _quantization(source: ModelSource) -> dict[str, Any]:
+    """An MXFP4 checkpoint (gpt-oss) is dequantized by transformers' own code, always. Left to choose, transformers
+    asks the hub for its MXFP4 kernels wherever a `kernels` package imports (transformers 5.25 depends on one):
+    offline (HF_HUB_OFFLINE, above) that fails the load, online it would open a connection; a reference does
+    neither."""
+    if source.kind != "hf":
+        return {}
+    quant = json.loads((source.path / "config.json").read_text(encoding="utf-8")).get("quantization_config") or {}
+    if quant.get("quant_method") != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def cast_parameters(model: Any, dtype: torch.dtype) -> list[str]:

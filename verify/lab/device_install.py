@@ -311,11 +311,11 @@ def first_token(server: Server, served: str) -> tuple[float, str]:
     return first, text
 
 
-def ask(server: Server, served: str) -> str:
+def ask(server: Server, served: str, prompt: str = PROMPT) -> str:
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-    reply = client.chat.completions.create(model=served, messages=[{"role": "user", "content": PROMPT}],
+    reply = client.chat.completions.create(model=served, messages=[{"role": "user", "content": prompt}],
                                            max_tokens=16, temperature=0)
     return reply.choices[0].message.content or ""
 
@@ -760,10 +760,182 @@ def guard_report(d: Driver) -> None:
     d.do("network-guard", guard)
 
 
+# ---- gpt-oss at reduced depth, installed against signed references (issue 40) -----------------------------------
+
+GPT_OSS = "gpt-oss-120b-reduced"
+# The dry run's width in place of gpt-oss-120b's: the same layout (MXFP4 experts, sinks, a window, then a full layer).
+GPT_OSS_TINY = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 16, "num_local_experts": 8, "experts_per_token": 4, "num_experts_per_tok": 4,
+                "sliding_window": 32}  # fmt: skip
+GPT_OSS_LEN = 2048  # the card's max_model_len: the window the needle prompts of the references are cut for
+# gpt-oss-build (model, references, card, media), then gpt-oss-install (a second device call: envex-install, serve);
+# gpt-oss both in one call; gpt-oss-dry-run both on the CPU at GPT_OSS_TINY's width (tests/test_lab_gpt_oss_install.py).
+GPT_OSS_PHASES = ("gpt-oss-build", "gpt-oss-install", "gpt-oss", "gpt-oss-dry-run")
+SMOKE_PROMPTS = ("Name a river.", "What is two plus two?", "Say hello.", "Write one word.")
+
+
+def write_gpt_oss(dest: Path, tok: Path, *, layers: int, gpu: bool) -> dict[str, Any]:
+    """gpt-oss-120b at `layers` layers (full width on a GPU, GPT_OSS_TINY's on the CPU) in the published MXFP4
+    layout with random weights (bench_gpt_oss.write_reduced_checkpoint: decisive logits), and the embedded model's
+    tokenizer in place of the word-level one, so the gates' English prompts are real tokens (the vocabulary is then
+    the tokenizer's, 49,152, not 201,088). Returns the config written."""
+    from envex.verify.lab.kernel_bench.bench_gpt_oss import write_reduced_checkpoint
+    from envex.verify.lab.kernel_bench.bench_server import SHAPES
+
+    hf = json.loads((tok / "hf_config.json").read_text())
+    cfg = {**SHAPES["gpt-oss-120b"], **({} if gpu else GPT_OSS_TINY), "vocab_size": hf["vocab_size"],
+           "eos_token_id": hf["eos_token_id"], "pad_token_id": hf.get("pad_token_id") or hf["eos_token_id"],
+           "bos_token_id": hf.get("bos_token_id")}  # fmt: skip
+    shutil.rmtree(dest, ignore_errors=True)
+    write_reduced_checkpoint(dest, cfg, layers, device="cuda" if gpu else "cpu")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tok / name, dest / name)
+    return json.loads((dest / "config.json").read_text())
+
+
+SMOKE_SCRIPT = """import json, sys
+from pathlib import Path
+from envex.verify.lab.device_install import smoke_answer
+print("smoke:", json.dumps(smoke_answer(Path(sys.argv[1]), device=sys.argv[2])))
+"""
+
+
+def smoke_answer(model: Path, *, device: str, tokens: int = 3) -> tuple[str, str]:
+    """(prompt, the first words HF transformers answers it with greedily): the card's smoke test for a model of
+    random weights, which cannot answer "Paris". The prompt is rendered as the smoke gate renders it."""
+    from envex.runtime.loader import load_model_info
+    from envex.verify.reference import HFReference
+
+    tok = load_model_info(str(model)).tokenizer
+    ref = HFReference(str(model), device=device)
+    for prompt in SMOKE_PROMPTS:
+        text = prompt if tok.chat_template is None else tok.apply_chat_template([{"role": "user", "content": prompt}])
+        answer = tok.decode(ref.greedy(tok.encode(text), tokens, top_k=0).token_ids).strip()
+        if answer:
+            return prompt, answer
+    raise StepFailed(f"the reference answered none of {SMOKE_PROMPTS} with a word")
+
+
+def gpt_oss_build(d: Driver) -> None:
+    """The model written, its signed references computed (`envex media references`, HF transformers on this
+    machine's GPU), its card (the product's own: installer.model_card) with a smoke test it can pass, and media:
+    the demo trust, a demo runtime bundle, the model bundle, each signed."""
+    src, media = d.work / "gpt-oss-src", d.work / "media-gpt-oss"
+    refs = d.work / "gpt-oss-references.json"
+    device = "cuda" if d.gpu else "cpu"
+
+    def model() -> tuple[str, dict[str, Any]]:
+        layers = int(os.environ.get("ENVEX_GPT_OSS_LAYERS", "2"))
+        tok = Path(os.environ.get("ENVEX_DEVICE_TOK", ".devcarry/tok"))
+        cfg = write_gpt_oss(src, tok, layers=layers, gpu=d.gpu)
+        size = sum(p.stat().st_size for p in src.iterdir())
+        keys = ("hidden_size", "num_local_experts", "num_attention_heads", "vocab_size", "layer_types")
+        return f"{layers} layers, {size / 1e9:.2f} GB on disk", {k: cfg[k] for k in keys} | {"bytes": size}
+
+    def references() -> tuple[str, dict[str, Any]]:
+        code, text = d.sh([*ENVEX, "media", "references", "--model", str(src), "--out", str(refs), "--device", device,
+                           "--max-model-len", str(GPT_OSS_LEN), "--force"], timeout=480)
+        if code != 0:
+            raise StepFailed(f"envex media references exited {code}: {text.strip().splitlines()[-1:]}")
+        data = json.loads(refs.read_text())
+        return (f"{len(data['greedy'])} greedy answers, {len(data['logits'])} logit rows ({data['reference_policy']}, "
+                f"{refs.stat().st_size >> 10} KiB)"), {"policy": data["reference_policy"], "bytes": refs.stat().st_size}
+
+    def card() -> tuple[str, dict[str, Any]]:
+        from envex.installer.cards import SmokeTest
+        from envex.installer.model_card import card_for_model
+        from envex.verify.signed_reference import REFERENCES_FILE
+
+        # In its own process: the reference's GPU memory is gone when it exits.
+        code, text = d.sh([sys.executable, "-c", SMOKE_SCRIPT, str(src), device], timeout=300)
+        found = re.search(r"^\s*[0-9.]+  smoke: (.*)$", text, re.M)
+        if code != 0 or found is None:
+            raise StepFailed(f"the smoke answer's reference exited {code}: {text.strip().splitlines()[-1:]}")
+        prompt, expect = json.loads(found.group(1))
+        built = card_for_model(src, GPT_OSS).model_copy(update={"smoke": SmokeTest(prompt=prompt, expect=expect)})
+        (src / "envex-model.json").write_text(json.dumps(built.model_dump(), indent=2) + "\n")
+        shutil.copyfile(refs, src / REFERENCES_FILE)
+        return f"smoke {prompt!r} -> {expect!r}; {built.quantization}, {built.parameters / 1e9:.2f} B params", {
+            "card": built.model_dump()}
+
+    def bundles() -> tuple[str, dict[str, Any]]:
+        from envex.bundles import build_bundle, load_private_key, root_fingerprint, sign_bundle
+        from envex.bundles.trust import load_root
+        from envex.installer.demo import build_demo_runtime
+
+        shutil.rmtree(media, ignore_errors=True)
+        (media / "trust").mkdir(parents=True)
+        (media / "bundles").mkdir()
+        shutil.copyfile(d.keys / "root.json", media / "trust" / "root.json")
+        key = load_private_key(d.keys / "demo.key")
+        wheel = sorted((d.work / "wheel").glob("envex-*.whl"))
+        build_demo_runtime(media, key, "0.1.0", wheel[-1] if wheel else None)
+        built = build_bundle(src, kind="model", name=GPT_OSS, version="1.0.0", out=media / "bundles",
+                             requires=[{"name": "envex-runtime", "kind": "runtime", "version": ">=0.1.0"}])
+        sign_bundle(built, [key])
+        d.facts["gpt_oss_fingerprint"] = root_fingerprint(load_root(d.keys / "root.json"))
+        sizes = {p.name: p.stat().st_size for p in sorted((media / "bundles").iterdir())}
+        return ", ".join(f"{n} {b >> 20} MiB" for n, b in sizes.items()), {"bundles": sizes}
+
+    d.do("gpt-oss-model", model, needs=("prepare-trust",))
+    d.do("gpt-oss-references", references, needs=("gpt-oss-model",))
+    d.do("gpt-oss-card", card, needs=("gpt-oss-references",))
+    d.do("gpt-oss-media", bundles, needs=("gpt-oss-card",))
+    if d.ok("gpt-oss-media"):
+        shutil.rmtree(src)  # the bundle holds it; the disk is small
+
+
+def gpt_oss_install(d: Driver) -> None:
+    """`envex-install --reference signed` of the gpt-oss media into its own prefix (the network guard on), then the
+    release served and asked its smoke prompt through the official openai client: the answer the card expects."""
+    media, prefix = d.work / "media-gpt-oss", d.work / "prefix-gpt-oss"
+
+    def install() -> tuple[str, dict[str, Any]]:
+        shutil.rmtree(prefix, ignore_errors=True)
+        code, text = d.sh([*ENVEX_INSTALL, "--media", str(media), "--prefix", str(prefix), "--yes",
+                           "--trust-fingerprint", d.facts["gpt_oss_fingerprint"], "--reference", "signed",
+                           *([] if d.gpu else ["--cpu"])], timeout=540, timed_log=d.out / "gpt-oss-install.txt")
+        times = install_step_times(text)
+        if code != 0:
+            raise StepFailed(f"envex-install exited {code}: {text.strip().splitlines()[-1:]}")
+        state = json.loads((prefix / "state.json").read_text())
+        release = next(r for r in state["releases"] if r["id"] == state["active"])
+        checks = release["checks"]
+        report = json.loads((prefix / checks["report"]).read_text())["details"]
+        policy = report["verify.gates"]["reference_policy"]
+        data = {"step_seconds": times, "gates": checks["gates"], "suite": checks["suite"],
+                "reference": report["reference"], "reference_policy": policy, "launch": json.loads(
+                    (prefix / "current" / "launch.json").read_text())}  # fmt: skip
+        d.facts.update(gpt_oss_install_step_seconds=times, gpt_oss_reference_policy=policy)
+        if checks.get("reference") != "signed" or not str(policy).startswith("signed-"):
+            raise StepFailed(f"the gates did not judge against the signed answers: {checks.get('reference')}, {policy}")
+        passed = sum(v == "pass" for v in checks["gates"].values())
+        return (f"{sum(times.values()):.1f} s; {passed}/{len(checks['gates'])} gates passed ({checks['suite']}, "
+                f"{policy}); {state['active']} active"), data
+
+    def serve() -> tuple[str, dict[str, Any]]:
+        launch = prefix / "current" / "launch.json"
+        model_dir = prefix / "current" / json.loads(launch.read_text())["model"]["path"]
+        smoke = json.loads((model_dir / "envex-model.json").read_text())["smoke"]
+        server = start_server(launch, dict(os.environ), d.work / "serve-gpt-oss.log")
+        try:
+            ready = wait_ready(server, d.left(300))
+            answer = ask(server, GPT_OSS, prompt=smoke["prompt"])
+        finally:
+            server.stop()
+            shutil.copyfile(server.log, d.out / "serve-gpt-oss.log")
+        if smoke["expect"].lower() not in answer.lower():
+            raise StepFailed(f"{smoke['prompt']!r} answered {answer!r}, not the reference's {smoke['expect']!r}")
+        return f"ready {ready:.1f} s; {smoke['prompt']!r} -> {answer!r}", {"ready_s": round(ready, 2), "answer": answer}
+
+    d.do("gpt-oss-install", install, needs=("gpt-oss-media",))
+    d.do("gpt-oss-serve", serve, needs=("gpt-oss-install",))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m envex.verify.lab.device_install", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("phase", choices=("prepare", "run", "main", "dummy", "dry-run"))
+    parser.add_argument("phase", choices=("prepare", "run", "main", "dummy", "dry-run", *GPT_OSS_PHASES))
     parser.add_argument("--work", type=Path, default=Path(".device/install"))
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".device/install/out")))
     parser.add_argument("--deadline", type=float, default=480, help="seconds after which no step starts")
@@ -773,23 +945,33 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     now = time.monotonic()
-    d = Driver(args.work, args.out, now + args.deadline, now + args.limit, gpu=args.phase != "dry-run")
+    d = Driver(args.work, args.out, now + args.deadline, now + args.limit,
+               gpu=args.phase not in ("dry-run", "gpt-oss-dry-run"))  # fmt: skip
     summary = args.work / "summary.json"
-    if summary.is_file() and args.phase == "dummy":  # a later call on the same machine: keep what ran
+    if summary.is_file() and args.phase in ("dummy", "gpt-oss-install"):  # a later call on this machine: keep what ran
         d.steps = [Step(**s) for s in json.loads(summary.read_text())["steps"]]
         d.facts = json.loads(summary.read_text())["facts"]
-    # Call 1 (`prepare`) makes the trust only: it carries half the GGUF and the wheels, with no room for the
-    # tokenizer the random-weight model needs. `run` does the main chain first, the random-weight model last.
-    prepare(d, dummy_bundle=args.phase == "dry-run")
-    if args.phase in ("run", "main"):
-        run_main(d)
-    if args.phase in ("run", "dummy"):
-        prepare(d)
-        run_dummy(d)
-    if args.phase in ("run", "main", "dummy"):
-        guard_report(d)
-    if args.phase == "dry-run":
-        dry_run(d)
+    if args.phase in GPT_OSS_PHASES:
+        prepare(d, dummy_bundle=False)
+        if args.phase != "gpt-oss-install":
+            gpt_oss_build(d)
+        if args.phase != "gpt-oss-build":
+            gpt_oss_install(d)
+        if d.gpu:
+            guard_report(d)
+    else:
+        # Call 1 (`prepare`) makes the trust only: it carries half the GGUF and the wheels, with no room for the
+        # tokenizer the random-weight model needs. `run` does the main chain first, the random-weight model last.
+        prepare(d, dummy_bundle=args.phase == "dry-run")
+        if args.phase in ("run", "main"):
+            run_main(d)
+        if args.phase in ("run", "dummy"):
+            prepare(d)
+            run_dummy(d)
+        if args.phase in ("run", "main", "dummy"):
+            guard_report(d)
+        if args.phase == "dry-run":
+            dry_run(d)
     d.save()
     print("\n" + table(d.steps) + "\n\n" + json.dumps(d.facts, indent=1, default=str), flush=True)
     return 0 if all(s.status != "fail" for s in d.steps) else 1

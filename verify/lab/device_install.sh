@@ -10,6 +10,10 @@
 #                                              be refused
 #   call 3, only when call 2 stopped before the random-weight steps (no carry):
 #      sh verify/lab/device_install.sh dummy
+# gpt-oss-120b at reduced depth (issue 40: every model that serves installs), any one GPU, carry .whl .devcarry/tok:
+#      sh verify/lab/device_install.sh gpt-oss-build     model written, references (HF on the GPU), card, media
+#      sh verify/lab/device_install.sh gpt-oss-install   envex-install --reference signed, served and asked
+#   (`gpt-oss` does both in one call; ENVEX_GPT_OSS_LAYERS, default 2).
 # Everything is idempotent; a machine gone cold before call 2 has lost part-aa and the deps: run both again.
 # Writes $OUT: summary.json, log.txt, install.txt, dummy-install.txt, status.txt, admin-*.html, kernels.json,
 # serve-bundle.log.
@@ -81,8 +85,11 @@ case "$phase" in
   dummy)
     setup || exit 3
     driver dummy ;;
+  gpt-oss | gpt-oss-build | gpt-oss-install)
+    setup || exit 3
+    driver "$phase" ;;
   *)
-    echo "usage: sh verify/lab/device_install.sh stage|run|main|dummy" >&2
+    echo "usage: sh verify/lab/device_install.sh stage|run|main|dummy|gpt-oss|gpt-oss-build|gpt-oss-install" >&2
     exit 2 ;;
 esac
 rc=$?
