@@ -95,6 +95,7 @@ LONGEST_FIRST = (
     "tests/test_installer_e2e.py",  # 190
     "tests/test_runtime_warm_up.py::test_the_deterministic_warm_up_compiles_every_variant_too",  # 103
     "tests/test_runtime_warm_up.py::test_the_warm_up_compiles_every_variant_a_varied_workload_meets",  # 91
+    "tests/test_lab_gpt_oss_install.py",  # ~120: a reduced gpt-oss's media built and installed with the real gates
     "tests/test_runtime_reference.py",  # 41 + 33 (the session engine and HF model) + 10 tests of seconds
     "tests/test_kernel_bundles_device_script.py",  # 80
 )
