@@ -776,7 +776,8 @@ SMOKE_PROMPTS = ("Name a river.", "What is two plus two?", "Say hello.", "Write 
 
 def write_gpt_oss(dest: Path, tok: Path, *, layers: int, gpu: bool) -> dict[str, Any]:
     """gpt-oss-120b at `layers` layers (full width on a GPU, GPT_OSS_TINY's on the CPU) in the published MXFP4
-    layout with random weights (bench_gpt_oss.write_reduced_checkpoint: decisive logits), and the embedded model's
+    layout with random weights (bench_gpt_oss.write_reduced_checkpoint: decisive logits and expert choices; a random
+    router's near-ties fail any bf16 engine's semantic gate, HF's own bf16 included), and the embedded model's
     tokenizer in place of the word-level one, so the gates' English prompts are real tokens (the vocabulary is then
     the tokenizer's, 49,152, not 201,088). Returns the config written."""
     from envex.verify.lab.kernel_bench.bench_gpt_oss import write_reduced_checkpoint
@@ -787,7 +788,8 @@ def write_gpt_oss(dest: Path, tok: Path, *, layers: int, gpu: bool) -> dict[str,
            "eos_token_id": hf["eos_token_id"], "pad_token_id": hf.get("pad_token_id") or hf["eos_token_id"],
            "bos_token_id": hf.get("bos_token_id")}  # fmt: skip
     shutil.rmtree(dest, ignore_errors=True)
-    write_reduced_checkpoint(dest, cfg, layers, device="cuda" if gpu else "cpu")
+    write_reduced_checkpoint(dest, cfg, layers, device="cuda" if gpu else "cpu", router_bias_spacing=8.0,
+                             embed_scale=50.0)  # fmt: skip
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tok / name, dest / name)
     return json.loads((dest / "config.json").read_text())
