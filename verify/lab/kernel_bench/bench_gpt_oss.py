@@ -136,12 +136,13 @@ def write_reduced_checkpoint(path: Path, cfg: dict[str, Any], layers: int, *, de
     `router_bias_spacing` s: each layer's router biases a permutation of 0, -s, -2s, ...: with s well above the
     router's own logits (std ~1) every token takes the same experts, the first of them by far the heaviest, so no
     expert choice sits on a near-tie. A random router puts ~4% of tokens' choices within bf16 rounding of a tie in
-    each layer, and each flip moves that token's MoE output by a quarter: HF's own bf16 model of a 2-layer, 32-expert
-    one is KL 0.18 nats from its float32 self, top-1 80% (no bf16 engine can pass a gate against that); at s = 8,
-    KL 0.005 and top-1 97%. Giving the chosen experts equal biases (weights among them following the token) left
-    KL 0.013 and top-1 91%. `embed_scale` 50 makes the embeddings (N(0, 0.02)) as large as what the layers add, so
-    the residual stream carries each token exactly and the layers' bf16 rounding is a smaller share of it: with
-    s = 8, KL 0.0014, top-1 97% (the LM head's own bf16 rounding alone: 98%; journal, 2026-12-07)."""
+    each layer, and each flip moves that token's MoE output by a quarter: HF's own bf16 model of a 2-layer,
+    32-expert one is KL 0.18 nats from its float32 self, top-1 80% (no bf16 engine can pass a gate against that);
+    at s = 8, KL 0.005-0.006 and top-1 93-97% (two checkpoints). Giving the chosen experts equal biases (weights
+    among them following the token) left KL 0.013 and top-1 91%. `embed_scale` 50 makes the embeddings
+    (N(0, 0.02)) as large as what the layers add, so the residual stream carries each token exactly and the
+    layers' bf16 rounding is a smaller share of it: with s = 8, KL 0.0014, top-1 97% (the LM head's own bf16
+    rounding alone: 98%; journal, 2026-12-07)."""
     from safetensors.torch import save_file
 
     from envex.runtime.config import ModelConfig
