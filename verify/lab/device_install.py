@@ -486,9 +486,23 @@ def envex_status(d: Driver) -> tuple[str, dict[str, Any]]:
     return next((x for x in text.splitlines() if "hardware (" in x), "")[9:], {}
 
 
+def model_media(d: Driver, media: Path, src: Path, name: str) -> Path:
+    """`media` with the demo trust (trust/root.json) and the model bundle of `src` (NAME-1.0.0, requiring the
+    runtime), signed with the demo key; returns the bundle."""
+    from envex.bundles import build_bundle, load_private_key, sign_bundle
+
+    (media / "trust").mkdir(parents=True, exist_ok=True)
+    (media / "bundles").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(d.keys / "root.json", media / "trust" / "root.json")
+    built = build_bundle(src, kind="model", name=name, version="1.0.0", out=media / "bundles",
+                         requires=[{"name": "envex-runtime", "kind": "runtime", "version": ">=0.1.0"}])
+    sign_bundle(built, [load_private_key(d.keys / "demo.key")])
+    return built
+
+
 def prepare(d: Driver, *, dummy_bundle: bool = True) -> None:
     """The demo trust, and the random-weight model's signed bundle on its own media (no GGUF needed for either)."""
-    from envex.bundles import build_bundle, load_private_key, make_demo_trust, sign_bundle
+    from envex.bundles import make_demo_trust
 
     def trust() -> tuple[str, dict[str, Any]]:
         if not (d.keys / "root.json").is_file():
@@ -507,12 +521,7 @@ def prepare(d: Driver, *, dummy_bundle: bool = True) -> None:
         shutil.rmtree(src, ignore_errors=True)
         tok = Path(os.environ.get("ENVEX_DEVICE_TOK", ".devcarry/tok"))
         card = write_dummy_model(src, tok, layers=layers, shape=shape, device="cuda" if d.gpu else "cpu")
-        (media2 / "trust").mkdir(parents=True, exist_ok=True)
-        (media2 / "bundles").mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(d.keys / "root.json", media2 / "trust" / "root.json")
-        built = build_bundle(src, kind="model", name=DUMMY, version="1.0.0", out=media2 / "bundles",
-                             requires=[{"name": "envex-runtime", "kind": "runtime", "version": ">=0.1.0"}])
-        sign_bundle(built, [load_private_key(d.keys / "demo.key")])
+        built = model_media(d, media2, src, DUMMY)
         shutil.rmtree(src)
         size = built.stat().st_size
         return f"{layers} layers of Llama-3.1-8B shape, {card['parameters'] / 1e9:.2f} B params, {size >> 20} MiB", {
@@ -857,20 +866,14 @@ def gpt_oss_build(d: Driver) -> None:
             "card": built.model_dump()}
 
     def bundles() -> tuple[str, dict[str, Any]]:
-        from envex.bundles import build_bundle, load_private_key, root_fingerprint, sign_bundle
+        from envex.bundles import load_private_key, root_fingerprint
         from envex.bundles.trust import load_root
         from envex.installer.demo import build_demo_runtime
 
         shutil.rmtree(media, ignore_errors=True)
-        (media / "trust").mkdir(parents=True)
-        (media / "bundles").mkdir()
-        shutil.copyfile(d.keys / "root.json", media / "trust" / "root.json")
-        key = load_private_key(d.keys / "demo.key")
+        model_media(d, media, src, GPT_OSS)
         wheel = sorted((d.work / "wheel").glob("envex-*.whl"))
-        build_demo_runtime(media, key, "0.1.0", wheel[-1] if wheel else None)
-        built = build_bundle(src, kind="model", name=GPT_OSS, version="1.0.0", out=media / "bundles",
-                             requires=[{"name": "envex-runtime", "kind": "runtime", "version": ">=0.1.0"}])
-        sign_bundle(built, [key])
+        build_demo_runtime(media, load_private_key(d.keys / "demo.key"), "0.1.0", wheel[-1] if wheel else None)
         d.facts["gpt_oss_fingerprint"] = root_fingerprint(load_root(d.keys / "root.json"))
         sizes = {p.name: p.stat().st_size for p in sorted((media / "bundles").iterdir())}
         return ", ".join(f"{n} {b >> 20} MiB" for n, b in sizes.items()), {"bundles": sizes}
