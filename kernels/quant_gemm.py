@@ -41,9 +41,7 @@ from envex.kernels.quant_gemv import (
     _check_inputs,
     _fp8_block_scale,
     _int4_codes,
-    _int4_group_params,
     _stream_tile,
-    int4_code,
 )
 
 _INT4_MODE = 3  # SCHEME beside quant_gemv's _SCALE_MODE (0 tensor, 1 channel, 2 block)
@@ -120,23 +118,8 @@ def _quant_gemm_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         cols = k0 + kk
-        if SCHEME == 3 and BW >= 16:  # INT4 by nibble: eight dots of BW inputs, the weight never interleaved
-            wc = k0 // 8 + tl.arange(0, BW)
-            words = _stream_tile(w_rows, wc, row_ok, KW, 0)  # [BLOCK_N, BW]
-            if GROUP % BLOCK_K == 0:
-                s, z = _int4_group_params(s_ptr, z_ptr, rows64, k0 // GROUP, row_ok[:, None], stride_sn, stride_zn,
-                                          HAS_ZERO)  # fmt: skip
-            else:
-                word_ok = row_ok[:, None] & (wc < KW)[None, :]
-                s, z = _int4_group_params(s_ptr, z_ptr, rows64, (wc // (GROUP // 8))[None, :], word_ok, stride_sn,
-                                          stride_zn, HAS_ZERO)  # fmt: skip
-            for j in tl.static_range(8):  # nibble j of word c is input 8c + j: x's columns j, j + 8, ...
-                xj_cols = k0 + 8 * tl.arange(0, BW) + j
-                xj = tl.load(x_rows + xj_cols[None, :], mask=m_ok[:, None] & (xj_cols < K)[None, :], other=0.0)
-                wj = ((int4_code(words, 4 * j) - z) * s).to(dt)  # [BLOCK_N, BW]
-                acc += exact_dot(wj, tl.trans(xj.to(dt)))
-        elif SCHEME == 3:
-            x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)
+        x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        if SCHEME == 3:
             wc = k0 // 8 + tl.arange(0, BW)
             words = _stream_tile(w_rows, wc, row_ok, KW, 0)  # [BLOCK_N, BW]; a padding nibble meets a masked x
             if GROUP % BLOCK_K == 0:  # the tile lies in one group: its scale and zero once a row
@@ -146,16 +129,14 @@ def _quant_gemm_kernel(
                 uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, (wc // (GROUP // 8))[None, :],
                                     row_ok[:, None] & (wc < KW)[None, :], stride_sn, stride_zn, HAS_ZERO)  # fmt: skip
             w = tl.reshape(uz * s[:, :, None], [BLOCK_N, BLOCK_K]).to(dt)  # nibble j of word c: input 8c + j
-            acc += exact_dot(w, tl.trans(x.to(dt)))  # [BLOCK_N, BLOCK_M]
         else:
-            x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)
             w = _stream_tile(w_rows, cols, row_ok, K, 0.0)  # [BLOCK_N, BLOCK_K] e4m3 codes
             if SCHEME == 2:
                 sc = _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS, SCALE_COLS)
                 w = (w.to(tl.float32) * sc[:, None]).to(dt)
             else:
                 w = w.to(dt)
-            acc += exact_dot(w, tl.trans(x.to(dt)))  # [BLOCK_N, BLOCK_M]
+        acc += exact_dot(w, tl.trans(x.to(dt)))  # [BLOCK_N, BLOCK_M]
     if SCHEME == 1:
         acc = acc * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if SCHEME == 0:

@@ -62,10 +62,9 @@ def _clone(w: torch.Tensor | quant.PackedWeight) -> torch.Tensor | quant.PackedW
 
 
 SWEEP_ROWS = (16, 64)
-# INT4 at BLOCK_K >= 128 takes the by-nibble dots (kernels/quant_gemm.py), below it the interleaved tile.
 SWEEP = {
     "fp8_channel": [GemmTiles(0, bn, bk, 4, sp) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4, 8, 16)],
-    "int4_g128_asym": [GemmTiles(0, bn, bk, 4, sp) for bn in (64, 128) for bk in (32, 64, 128, 256)
+    "int4_g128_asym": [GemmTiles(0, bn, bk, 4, sp) for bn in (64, 128) for bk in (32, 64)
                        for sp in (1, 2, 4, 8, 16, 32)],
 }
 
