@@ -7,9 +7,11 @@ which keeps long needle prompts affordable.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,11 +33,33 @@ def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "flo
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "local_files_only": True, **_quantization(source)}
     if source.kind == "gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name, **kwargs)
+        with _gguf_name_maps_memoized():
+            model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
+                                                         **kwargs)  # fmt: skip
     else:
         model = AutoModelForCausalLM.from_pretrained(str(source.path), **kwargs)
     cast_parameters(model, _DTYPES[dtype])
     return model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs type .to() narrowly
+
+
+@contextmanager
+def _gguf_name_maps_memoized() -> Iterator[None]:
+    """While transformers reads a GGUF, `gguf.get_tensor_name_map` answers each (architecture, layers) once.
+    transformers' GGUF loader imports it afresh and rebuilds the whole name map (every tensor name of the
+    architecture at every layer) for each module it visits: 397 times for the embedded model, 12 of the load's
+    29 s on one core. The map is a pure function of its arguments and the loader only reads it; the weights loaded
+    are the same (tests/test_runtime_reference.py)."""
+    try:
+        import gguf
+    except ImportError:  # transformers then says what to install
+        yield
+        return
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 def _quantization(source: ModelSource) -> dict[str, Any]:
