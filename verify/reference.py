@@ -33,7 +33,7 @@ def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "flo
         raise ValueError(f"dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "local_files_only": True, **_quantization(source)}
     if source.kind == "gguf":
-        with _gguf_name_maps_memoized():
+        with _gguf_memoized():
             model = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
                                                          **kwargs)  # fmt: skip
     else:
@@ -43,23 +43,35 @@ def load_hf_model(source: ModelSource, *, device: str = "cpu", dtype: str = "flo
 
 
 @contextmanager
-def _gguf_name_maps_memoized() -> Iterator[None]:
-    """While transformers reads a GGUF, `gguf.get_tensor_name_map` answers each (architecture, layers) once.
-    transformers' GGUF loader imports it afresh and rebuilds the whole name map (every tensor name of the
-    architecture at every layer) for each module it visits: 397 times for the embedded model, 12 of the load's
-    29 s on one core. The map is a pure function of its arguments and the loader only reads it; the weights loaded
-    are the same (tests/test_runtime_reference.py)."""
+def _gguf_memoized() -> Iterator[None]:
+    """While transformers reads a GGUF, gguf's `get_tensor_name_map` answers each (architecture, layers) once and
+    its `GGUFReader` parses each file once. transformers' GGUF loader imports both afresh where it uses them: it
+    rebuilds the whole name map (every tensor name of the architecture at every layer) for each module it visits,
+    397 times for the embedded model, and parses the file twice (once for the config, once for the weights; the
+    49,152-token vocabulary element by element): 12 and 9 of the load's 29 s on one core. Both are pure functions
+    of their arguments and the loader only reads what they return; the weights loaded are the same
+    (tests/test_runtime_reference.py)."""
     try:
         import gguf
     except ImportError:  # transformers then says what to install
         yield
         return
-    original = gguf.get_tensor_name_map
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    originals = {"get_tensor_name_map": gguf.get_tensor_name_map, "GGUFReader": gguf.GGUFReader}
+    readers: dict[tuple[str, str], Any] = {}
+
+    def reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = originals["GGUFReader"](path, mode)
+        return readers[key]
+
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(originals["get_tensor_name_map"])
+    gguf.GGUFReader = reader
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = original
+        for name, value in originals.items():
+            setattr(gguf, name, value)
 
 
 def _quantization(source: ModelSource) -> dict[str, Any]:
