@@ -12,8 +12,7 @@ cycles through copies of its weight that together exceed L2 twice (a layer's wei
 the first H100 run (338a41a) re-read one copy, so its small packed weights were timed warm.
 
 --sweep instead times a grid of tiles and splits (GemmTiles) at 16 and 64 rows for FP8 per-channel and INT4 g128
-(--schemes, --rows: fewer) and writes quant_gemm_sweep.json: per shape, rows and scheme, every config's time, the
-best and gemm_config's.
+and writes quant_gemm_sweep.json: per shape, rows and scheme, every config's time, the best and gemm_config's.
 --gemv instead times the batch-1 GEMV (kernels/quant_gemv.py, rows 1) of each scheme over a grid of (BLOCK_N,
 BLOCK_K) beside the bf16 GEMV the product runs (kernels/gemv.py, its tuned config) and writes quant_gemv.json.
 """
@@ -69,18 +68,16 @@ SWEEP = {
 }
 
 
-def sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None, *,
-          schemes: tuple[str, ...] | None = None, rows: tuple[int, ...] | None = None) -> None:  # fmt: skip
-    """Every SWEEP config (BLOCK_M as gemm_config's) of `schemes` (default all) at `rows` (default SWEEP_ROWS),
-    each shape: report["sweep"][shape][rows][scheme] (save() after each shape: a call cut short keeps what ran)."""
+def sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
+    """Every SWEEP config (BLOCK_M as gemm_config's) at SWEEP_ROWS, each shape: report["sweep"][shape][rows][scheme]
+    (save() after each shape: a call cut short keeps what ran)."""
     sms, read_tbps = _sm_count(dev), report["bandwidth"]["read_TBps"]
     report["sweep"] = {}
     for shape_name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
-        for scheme in schemes or tuple(SWEEP):
-            configs = SWEEP[scheme]
+        for scheme, configs in SWEEP.items():
             ws = copies(SCHEMES[scheme](w))
-            for m in rows or SWEEP_ROWS:
+            for m in SWEEP_ROWS:
                 x = torch.randn(m, k, generator=gen, device=dev).bfloat16()
                 default = gemm_config(m, n, k, ws[0].scheme, sms)
                 tiles = [default, *(c._replace(block_m=default.block_m) for c in configs)]
@@ -150,15 +147,7 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tiles and splits instead")
     ap.add_argument("--gemv", action="store_true", help="time the batch-1 GEMV's configs against bf16's instead")
-    ap.add_argument("--schemes", default=",".join(SWEEP), help="--sweep: these schemes only (comma-separated)")
-    ap.add_argument("--rows", default=",".join(map(str, SWEEP_ROWS)), help="--sweep: these row counts only")
     args = ap.parse_args()
-    schemes = tuple(args.schemes.split(","))
-    if not set(schemes) <= set(SWEEP):
-        ap.error(f"--schemes: {args.schemes!r} is not a comma-separated list of {', '.join(SWEEP)}")
-    if not all(r.isdigit() and int(r) > 0 for r in args.rows.split(",")):
-        ap.error(f"--rows: {args.rows!r} is not a comma-separated list of positive row counts, e.g. 16,64")
-    rows = tuple(int(r) for r in args.rows.split(","))
     bw = measure_bandwidth()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -166,11 +155,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.sweep or args.gemv:
         path = args.out / ("quant_gemm_sweep.json" if args.sweep else "quant_gemv.json")
-        save = lambda: path.write_text(json.dumps(report, indent=1))  # noqa: E731
-        if args.sweep:
-            sweep(report, dev, gen, save, schemes=schemes, rows=rows)
-        else:
-            gemv_sweep(report, dev, gen, save)
+        (sweep if args.sweep else gemv_sweep)(report, dev, gen, lambda: path.write_text(json.dumps(report, indent=1)))
         return
     for shape_name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
