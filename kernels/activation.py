@@ -1,6 +1,7 @@
 """SwiGLU on a fused gate-up projection: out = silu(x[:, :I]) * x[:, I:].
 
-Floor: memory, read 2·T·I and write T·I elements. The silu is computed in fp32 and rounded once.
+Floor: memory, read 2·T·I and write T·I elements. silu(g) is computed in fp32 and rounded to the activation dtype
+before the product, as HF's MLP rounds it.
 """
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor
+from envex.kernels import _common
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_enter, pdl_launch
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+                         LATE: tl.constexpr):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
+    pdl_enter(USE_PDL, LATE)
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
     # HF rounds silu(g) to the activation dtype before the product; match it.
@@ -24,8 +28,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.
     tl.store(out_ptr + row * stride_out + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu_and_mul(x[T, 2I]) -> [T, I] in x's dtype."""
+def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """silu_and_mul(x[T, 2I]) -> [T, I] in x's dtype. pdl: programmatic dependent launch, between two PDL-launched
+    projections of the one-row decode chain (the next one may start, and request its weights, once this one's wait
+    has returned: `_common.LATE_TRIGGER`)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     check(x.shape[1] % 2 == 0, f"x: last dim {x.shape[1]} must be even (gate and up halves side by side)")
     inter = x.shape[1] // 2
@@ -34,5 +40,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     grid = (x.shape[0], triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), BLOCK=block, USE_PDL=pdl,
+                               LATE=pdl and _common.LATE_TRIGGER, num_warps=4, **pdl_launch(pdl))  # fmt: skip
     return out

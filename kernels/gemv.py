@@ -180,6 +180,7 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (4096, 4096, PROLOGUE_NONE): (2, 0, 8, 4),
     (28672, 4096, PROLOGUE_ADD_RMS): (2, 0, 8, 4),
     (4096, 14336, PROLOGUE_SILU_MUL): (1, 0, 8, 2),
+    (4096, 14336, PROLOGUE_NONE): (1, 0, 8, 2),
     (128256, 4096, PROLOGUE_ADD_RMS): (2, 0, 8, 4),
     # One GPU's share under TP=2 (bench_h200 --shapes llama70b-tp2 / llama8b-tp2 --short, f0d3761): the 70B shape's
     # K = 8192 projections fell back to the chunked default (QKV 31.6 -> 22.7 us, gate-up 121.2 -> 108.2 us, LM
@@ -188,10 +189,12 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (8192, 4096, PROLOGUE_NONE): (2, 2048, 8),
     (28672, 8192, PROLOGUE_ADD_RMS): (2, 0, 16, 2),
     (8192, 14336, PROLOGUE_SILU_MUL): (1, 0, 8, 2),
+    (8192, 14336, PROLOGUE_NONE): (1, 0, 8, 2),
     (64128, 8192, PROLOGUE_ADD_RMS): (2, 0, 16, 4),
     (3072, 4096, PROLOGUE_ADD_RMS): (1, 0, 4, 4),
     (4096, 2048, PROLOGUE_NONE): (2, 1024, 4),
     (4096, 7168, PROLOGUE_SILU_MUL): (2, 0, 16, 2),
+    (4096, 7168, PROLOGUE_NONE): (2, 0, 16, 2),
     # gpt-oss-120b's QKV (K = 2880: the persistent kernel's register tile is 4096 wide; bench_h200 --shapes gpt-oss,
     # 9454f3c: the nearest 8B config gave 11.7 us). O: the persistent kernel, picked in the decode chain
     # (bench_gpt_oss --sections chain, d0d7626) over (2, 2048, 8), the best timed alone, and kept with the MoE's

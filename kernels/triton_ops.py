@@ -170,7 +170,10 @@ class TritonOps:
                                              pdl=self._row_pdl(gate_up))[0]  # fmt: skip
             return quant_gemm.quant_linear(activation.silu_and_mul(gate_up), weight)
         if self._gemv(gate_up):
-            return gemv.gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL, pdl=self.pdl)[0]
+            # SwiGLU as a launch of its own, each element once, not in the GEMV's prologue, where every program
+            # computed all I of them after its wait, on the chain's critical path (verify/lab/journal-kernels.md,
+            # "SwiGLU out of the down projection's prologue").
+            return gemv.gemv(activation.silu_and_mul(gate_up, pdl=self.pdl), weight, pdl=self.pdl)[0]
         act = activation.silu_and_mul(gate_up)
         splits = self._splits(act, weight)
         return _split_k_product(act, weight, splits) if splits > 1 else F.linear(act, weight)
