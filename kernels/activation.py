@@ -11,7 +11,16 @@ import triton
 import triton.language as tl
 
 from envex.kernels import _common
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_enter, pdl_launch
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_enter, pdl_launch, round_as
+
+
+@triton.jit
+def silu_mul_as_hf(g, u):
+    """silu(g) * u rounded where HF's MLP rounds it (silu's output, then the product, in the activation dtype),
+    computed in fp32 in between; the result in fp32 (for a dot, or a store that is then exact)."""
+    gf = g.to(tl.float32)
+    act = round_as(gf * tl.sigmoid(gf), g.dtype)
+    return round_as(act * u.to(tl.float32), g.dtype)
 
 
 @triton.jit
@@ -21,11 +30,9 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, stride_x, stride_out, BLOCK: tl.
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     pdl_enter(USE_PDL, LATE)
-    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    # HF rounds silu(g) to the activation dtype before the product; match it.
-    act = (g * tl.sigmoid(g)).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + inter + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul_as_hf(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:

@@ -27,36 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch
+from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_launch, round_as
+from envex.kernels.activation import silu_mul_as_hf
 
 PROLOGUE_NONE, PROLOGUE_ADD_RMS, PROLOGUE_RMS, PROLOGUE_SILU_MUL = 0, 1, 2, 3
 
 
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
-@triton.jit
-def _round_as(x, dtype: tl.constexpr):
-    """fp32 x rounded to `dtype` (round to nearest, ties to even) and back to fp32. For bf16 with integer
-    operations: a conversion instruction (F2F) runs at a quarter of the ALU rate on Hopper, and two a SwiGLU
-    element made the 14,336-wide down projection's prologue 1.8% of a Llama-8B step (H100, 2026-12-06, the
-    journal); the bit trick is the same rounding for every finite value."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _silu_mul_as_hf(g, u):
-    """silu(g) * u rounded where HF's MLP rounds it (silu's output, then the product, in the activation dtype),
-    computed in fp32 in between; the result in fp32 for the dot."""
-    gf = g.to(tl.float32)
-    act = _round_as(gf * tl.sigmoid(gf), g.dtype)
-    return _round_as(act * u.to(tl.float32), g.dtype)
 
 
 @triton.jit
@@ -92,7 +70,7 @@ def _gemv_kernel(
         if PROLOGUE == 3:  # silu(g) * u, the fused gate-up row is [g | u] of length 2K
             g = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
             u = tl.load(a_ptr + m * stride_am + K + cols, mask=k_ok, other=0.0)
-            x = _silu_mul_as_hf(g, u)
+            x = silu_mul_as_hf(g, u)
         else:
             a = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
             if PROLOGUE == 1:
@@ -138,7 +116,7 @@ def _gemv_persistent_kernel(
     if PROLOGUE == 3:
         g = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
         u = tl.load(a_ptr + m * stride_am + K + kk, mask=k_ok, other=0.0)
-        x = _silu_mul_as_hf(g, u)
+        x = silu_mul_as_hf(g, u)
     else:
         a = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
         if PROLOGUE == 1:
@@ -151,7 +129,7 @@ def _gemv_persistent_kernel(
             # it: the normalised row to the activation dtype, then times the weight, rounded again.
             rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
             w_norm = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = _round_as(w_norm * _round_as(x * rstd, a.dtype), a.dtype)
+            x = round_as(w_norm * round_as(x * rstd, a.dtype), a.dtype)
     n_blocks = tl.cdiv(N, BLOCK_N)
     for rb in range(pid, n_blocks, nprog):
         w = w_next

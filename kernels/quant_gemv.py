@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_enter, pdl_launch
-from envex.kernels.gemv import PROLOGUE_ADD_RMS, PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU_MUL, _silu_mul_as_hf
+from envex.kernels.activation import silu_mul_as_hf
+from envex.kernels.gemv import PROLOGUE_ADD_RMS, PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU_MUL
 from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, PACK, PackedWeight
 
 GEMV_MAX_ROWS = 8  # rows up to which the packed projections use the GEMV; past it, quant_gemm's GEMM
@@ -65,7 +66,7 @@ def _input_chunk(a_ptr, b_ptr, h_ptr, row_a, row_b, row_h, cols, k_ok, K, h_end,
     if PROLOGUE == 3:
         g = tl.load(a_ptr + row_a + cols, mask=k_ok, other=0.0)
         u = tl.load(a_ptr + row_a + K + cols, mask=k_ok, other=0.0)
-        x = _silu_mul_as_hf(g, u)
+        x = silu_mul_as_hf(g, u)
     else:
         a = tl.load(a_ptr + row_a + cols, mask=k_ok, other=0.0)
         if PROLOGUE == 1:

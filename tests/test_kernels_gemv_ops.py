@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from envex.kernels import gemv
+from envex.kernels import _common, gemv
 from envex.kernels import reference as ref
 from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
@@ -51,7 +51,7 @@ def test_gemv_prologue_rounds_like_hf(dtype: torch.dtype, cfg: tuple[int, ...]) 
     (silu's output, then the product, in the activation dtype) bit for bit, and in the persistent kernel (which
     holds the whole row) the RMSNorm rounded as HF's LlamaRMSNorm (the normalised row, then its product with the
     weight), all but a few elements whose fp32 rstd sums in another order. The kernels' bf16 rounding is integer
-    arithmetic (gemv._round_as), so ties, tiny and huge values are in the inputs."""
+    arithmetic (_common.round_as), so ties, tiny and huge values are in the inputs."""
     k = 300
     w = torch.eye(k, device=DEV, dtype=dtype)[torch.randperm(k, device=DEV)]
     gu = torch.randn(1, 2 * k, device=DEV) * torch.logspace(-3, 2, 2 * k, device=DEV)
@@ -70,8 +70,20 @@ def test_gemv_prologue_rounds_like_hf(dtype: torch.dtype, cfg: tuple[int, ...]) 
     assert (y != hf_norm.to(dtype) @ w.t()).sum() <= 3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_row_act_linear_rounds_like_hf(dtype: torch.dtype) -> None:
+    """The decode step's down projection at one row (the SwiGLU launch, then the plain GEMV) gives HF's MLP bits:
+    one-hot weight rows make y the SwiGLU itself, rounded where LlamaMLP rounds it."""
+    k = 300
+    w = torch.eye(k, device=DEV, dtype=dtype)[torch.randperm(k, device=DEV)]
+    gu = (torch.randn(1, 2 * k, device=DEV) * torch.logspace(-3, 2, 2 * k, device=DEV)).to(dtype)
+    g, u = gu[:, :k].float(), gu[:, k:].float()
+    hf = (torch.nn.functional.silu(g).to(dtype).float() * u).to(dtype)
+    assert torch.equal(TritonOps().act_linear(gu, w), hf @ w.t()), "the one-row down projection rounds unlike HF"
+
+
 def test_round_as_bf16_is_torchs_rounding_for_every_finite_value() -> None:
-    """gemv._round_as(x, bf16) (integer round to nearest even) against torch's fp32 -> bf16 cast: random values
+    """_common.round_as(x, bf16) (integer round to nearest even) against torch's fp32 -> bf16 cast: random values
     over 14 decades, exact ties (a bf16 value plus half its last place, both parities), signed zeros, subnormals
     and the largest finite values."""
     import triton
@@ -80,7 +92,7 @@ def test_round_as_bf16_is_torchs_rounding_for_every_finite_value() -> None:
     @triton.jit
     def round_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(o_ptr + i, gemv._round_as(tl.load(x_ptr + i, mask=i < n), tl.bfloat16), mask=i < n)
+        tl.store(o_ptr + i, _common.round_as(tl.load(x_ptr + i, mask=i < n), tl.bfloat16), mask=i < n)
 
     torch.manual_seed(0)
     b = torch.randn(4096).bfloat16().float()
