@@ -67,20 +67,11 @@ def _gemv_kernel(
         ahead = cols + BLOCK_K
         w_next = tl.load(w_rows + ahead[None, :], mask=row_ok[:, None] & (ahead < K)[None, :], other=0.0,
                          eviction_policy="evict_first")  # fmt: skip
-        if PROLOGUE == 3:  # silu(g) * u, the fused gate-up row is [g | u] of length 2K
-            g = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
-            u = tl.load(a_ptr + m * stride_am + K + cols, mask=k_ok, other=0.0)
-            x = silu_mul_as_hf(g, u)
-        else:
-            a = tl.load(a_ptr + m * stride_am + cols, mask=k_ok, other=0.0)
-            if PROLOGUE == 1:
-                bb = tl.load(b_ptr + m * stride_bm + cols, mask=k_ok, other=0.0)
-                a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
-                tl.store(h_ptr + m * stride_hm + cols, a, mask=cols < tl.where(pid_n == 0, K, 0))
-            x = a.to(tl.float32)
-            if PROLOGUE == 1 or PROLOGUE == 2:
-                sumsq += x * x
-                x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
+        x = input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
+                        tl.where(pid_n == 0, K, 0), PROLOGUE)  # fmt: skip
+        if PROLOGUE == 1 or PROLOGUE == 2:
+            sumsq += x * x
+            x = x * tl.load(nw_ptr + cols, mask=k_ok, other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
     if PROLOGUE == 1 or PROLOGUE == 2:
@@ -88,6 +79,38 @@ def _gemv_kernel(
     if HAS_BIAS:  # Qwen2's QKV bias: added in fp32 before the one rounding, as cuBLAS's epilogue does
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def input_chunk(a_ptr, b_ptr, h_ptr, row_a, row_b, row_h, cols, k_ok, K, h_end, PROLOGUE: tl.constexpr):
+    """The GEMV input at columns `cols` (any shape) in float32, before the norm weight: x, a + b (rounded as HF
+    rounds the residual sum, and written to h at the columns below h_end) or silu(g) · u from the row [g | u]."""
+    if PROLOGUE == 3:
+        g = tl.load(a_ptr + row_a + cols, mask=k_ok, other=0.0)
+        u = tl.load(a_ptr + row_a + K + cols, mask=k_ok, other=0.0)
+        x = silu_mul_as_hf(g, u)
+    else:
+        a = tl.load(a_ptr + row_a + cols, mask=k_ok, other=0.0)
+        if PROLOGUE == 1:
+            bb = tl.load(b_ptr + row_b + cols, mask=k_ok, other=0.0)
+            a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
+            tl.store(h_ptr + row_h + cols, a, mask=cols < h_end)
+        x = a.to(tl.float32)
+    return x
+
+
+@triton.jit
+def row_input(a_ptr, b_ptr, nw_ptr, h_ptr, row_a, row_b, row_h, kk, k_ok, h_end, eps, K: tl.constexpr,
+              PROLOGUE: tl.constexpr):  # fmt: skip
+    """A persistent GEMV program's whole input row (columns kk, k_ok masking K) in float32, its prologue applied
+    (input_chunk's, then the norm). The whole row is in registers, so the norm is applied before the dot and
+    rounded where HF rounds it: the normalised row to the activation dtype, then times the weight, rounded again."""
+    x = input_chunk(a_ptr, b_ptr, h_ptr, row_a, row_b, row_h, kk, k_ok, K, h_end, PROLOGUE)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
+        w_norm = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = round_as(w_norm * round_as(x * rstd, a_ptr.dtype.element_ty), a_ptr.dtype.element_ty)
+    return x
 
 
 @triton.jit
@@ -113,23 +136,8 @@ def _gemv_persistent_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    if PROLOGUE == 3:
-        g = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
-        u = tl.load(a_ptr + m * stride_am + K + kk, mask=k_ok, other=0.0)
-        x = silu_mul_as_hf(g, u)
-    else:
-        a = tl.load(a_ptr + m * stride_am + kk, mask=k_ok, other=0.0)
-        if PROLOGUE == 1:
-            bb = tl.load(b_ptr + m * stride_bm + kk, mask=k_ok, other=0.0)
-            a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)  # HF rounds the sum
-            tl.store(h_ptr + m * stride_hm + kk, a, mask=kk < tl.where(pid == 0, K, 0))
-        x = a.to(tl.float32)
-        if PROLOGUE == 1 or PROLOGUE == 2:
-            # The whole row is in registers, so the norm is applied before the dot and rounded where HF rounds
-            # it: the normalised row to the activation dtype, then times the weight, rounded again.
-            rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-            w_norm = tl.load(nw_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            x = round_as(w_norm * round_as(x * rstd, a.dtype), a.dtype)
+    x = row_input(a_ptr, b_ptr, nw_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, kk, k_ok,
+                  tl.where(pid == 0, K, 0), eps, K, PROLOGUE)  # fmt: skip
     n_blocks = tl.cdiv(N, BLOCK_N)
     for rb in range(pid, n_blocks, nprog):
         w = w_next

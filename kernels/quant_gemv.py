@@ -24,6 +24,11 @@ rounding: the residual sum and SwiGLU as HF rounds them, the RMS scale applied a
     group of 128) they held the kernel at ~4x its byte floor on the H100 (bench_int4_gemv, kernel journal); the
     [BLOCK_N, BLOCK_K/8, 8] form before that, summed over its last axis, at 5.5-6.3x.
 
+  FP8, persistent (a config with a 4th entry, programs per SM, as kernels/gemv.py's): a fixed number of programs,
+    each with the whole input row in registers (gemv.row_input: computed once a program, not once a chunk, and
+    normed as HF rounds it), streams BLOCK_N-row tiles of codes over all of K; a block scale multiplies the input
+    for each tile. K at most PERSISTENT_MAX_K.
+
 Rows: each row of `a` is one program column and re-reads the weight (from L2 when the rows are few); meant for up
 to GEMV_MAX_ROWS rows. Past that, kernels/quant_gemm.py's GEMM reads the same packing once per tile of rows
 (`quant_gemm.quant_linear` picks between the two).
@@ -37,8 +42,15 @@ import triton
 import triton.language as tl
 
 from envex.kernels._common import FLOAT_DTYPES, check, check_tensor, pdl_enter, pdl_launch
-from envex.kernels.activation import silu_mul_as_hf
-from envex.kernels.gemv import PROLOGUE_ADD_RMS, PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU_MUL
+from envex.kernels.gemv import (
+    PROLOGUE_ADD_RMS,
+    PROLOGUE_NONE,
+    PROLOGUE_RMS,
+    PROLOGUE_SILU_MUL,
+    _sm_count,
+    input_chunk,
+    row_input,
+)
 from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, PACK, PackedWeight
 
 GEMV_MAX_ROWS = 8  # rows up to which the packed projections use the GEMV; past it, quant_gemm's GEMM
@@ -48,33 +60,17 @@ _SCALE_MODE = {FP8_TENSOR: 0, FP8_CHANNEL: 1, FP8_BLOCK: 2}
 # fp8_block (its scale folded into the input) within 2% of it on the same tile (bench_quant_gemm --gemv). INT4 at
 # (8, 512, 4) with its scales once a segment: 11.2 / 38.9 / 23.6 us for qkv / gate_up / down (floors 4.1 / 19.1 /
 # 9.5), within 5% of the best of eight tiles at each (bench_int4_gemv's v1_group_scales: this loop with K at run time).
-DEFAULT_CONFIGS: dict[str, tuple[int, int, int]] = {
+DEFAULT_CONFIGS: dict[str, tuple[int, ...]] = {
     FP8_BLOCK: (8, 512, 4),
     FP8_CHANNEL: (8, 512, 4),
     FP8_TENSOR: (8, 512, 4),
     INT4_GROUP: (8, 512, 4),
 }
+PERSISTENT_MAX_K = 16384  # the persistent FP8 GEMV holds a row of K inputs in registers: gemv's widest measured
+
 # fp8_block with a program's rows in several scale rows (put_rows' block (1, bk)): a scale a tile row, so a tile
 # lies in one block column (BLOCK_K capped at the block's 128 columns) and BLOCK_N doubles to keep 16 bytes a thread.
 FP8_BLOCK_ROWS_CONFIG = (16, 128, 4)
-
-
-@triton.jit
-def _input_chunk(a_ptr, b_ptr, h_ptr, row_a, row_b, row_h, cols, k_ok, K, h_end, PROLOGUE: tl.constexpr):
-    """The GEMV input at columns `cols` (any shape) in float32, before the norm weight: x, a + b (written to h by
-    h at the columns below h_end, rounded as HF rounds the residual sum) or silu(g) · u from the row [g | u]."""
-    if PROLOGUE == 3:
-        g = tl.load(a_ptr + row_a + cols, mask=k_ok, other=0.0)
-        u = tl.load(a_ptr + row_a + K + cols, mask=k_ok, other=0.0)
-        x = silu_mul_as_hf(g, u)
-    else:
-        a = tl.load(a_ptr + row_a + cols, mask=k_ok, other=0.0)
-        if PROLOGUE == 1:
-            bb = tl.load(b_ptr + row_b + cols, mask=k_ok, other=0.0)
-            a = (a.to(tl.float32) + bb.to(tl.float32)).to(h_ptr.dtype.element_ty)
-            tl.store(h_ptr + row_h + cols, a, mask=cols < h_end)
-        x = a.to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -199,7 +195,7 @@ def _fp8_gemv_kernel(
             else:
                 s_next = _fp8_block_scale(s_ptr, rows, row_ok & (k0 + BLOCK_K < K), k0 + BLOCK_K, stride_sn,
                                           SCALE_ROWS, SCALE_COLS)  # fmt: skip
-        x = _input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
+        x = input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
                          tl.where(pid_n == 0, K, 0), PROLOGUE)  # fmt: skip
         if PROLOGUE == 1 or PROLOGUE == 2:
             sumsq += x * x
@@ -221,6 +217,50 @@ def _fp8_gemv_kernel(
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _fp8_gemv_persistent_kernel(
+    a_ptr, b_ptr, nw_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, h_ptr,
+    N, stride_am, stride_bm, stride_wn, stride_sn, stride_om, stride_hm, eps,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """The FP8 GEMV as gemv's persistent kernel: a fixed number of programs each computes the whole input row once
+    (gemv.row_input: prologue included, rounded where HF rounds it) and keeps it in registers while it streams
+    BLOCK_N-row tiles of codes, the next requested before the current is reduced. fp8_block: a tile's rows lie in
+    one scale row (SCALE_ROWS % BLOCK_N == 0), whose scales multiply the input ([BLOCK_K] products a tile, not
+    BLOCK_N x BLOCK_K); K must fit one register tile (BLOCK_K = next power of two >= K)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    m = tl.program_id(1).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < K
+    rr = tl.arange(0, BLOCK_N)
+    rows = pid * BLOCK_N + rr
+    w_next = _stream_tile(w_ptr + rows.to(tl.int64)[:, None] * stride_wn, kk, rows < N, K, 0.0)
+    pdl_enter(USE_PDL, False)
+    x = row_input(a_ptr, b_ptr, nw_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, kk, k_ok,
+                  tl.where(pid == 0, K, 0), eps, K, PROLOGUE)  # fmt: skip
+    for rb in range(pid, tl.cdiv(N, BLOCK_N), nprog):
+        w = w_next
+        ahead = (rb + nprog) * BLOCK_N + rr
+        w_next = _stream_tile(w_ptr + ahead.to(tl.int64)[:, None] * stride_wn, kk, ahead < N, K, 0.0)
+        rows = rb * BLOCK_N + rr
+        row_ok = rows < N
+        xs = x
+        if SCALE_MODE == 2:
+            s_row = s_ptr + (rb * BLOCK_N // SCALE_ROWS) * stride_sn  # scale rows x columns: far below 2^31
+            xs = x * tl.load(s_row + kk // SCALE_COLS, mask=k_ok, other=0.0)
+        y = tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
+        if SCALE_MODE == 1:
+            y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+        if SCALE_MODE == 0:
+            y = y * tl.load(s_ptr)
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
@@ -263,7 +303,7 @@ def _int4_gemv_kernel(
                                             stride_zn, HAS_ZERO)  # fmt: skip
         cols = (w0 + cw)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BW, 8]: input 8c + j, one contiguous load
         k_ok = cols < K
-        x = _input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
+        x = input_chunk(a_ptr, b_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, cols, k_ok, K,
                          tl.where(pid_n == 0, K, 0), PROLOGUE)  # fmt: skip
         if PROLOGUE == 1 or PROLOGUE == 2:
             sumsq += x * x  # each input once
@@ -317,13 +357,14 @@ def quant_gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, ...] | None = None,
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """y [M, N] = prologue(a) @ dequantize(weight)^T, in a's dtype; returns (y, a + b) for PROLOGUE_ADD_RMS, else
     (y, None). The arguments are kernels.gemv.gemv's (a: [M, K], or [M, 2K] for PROLOGUE_SILU_MUL; b, norm_weight,
     bias, pdl), the weight a PackedWeight of any scheme. config: (BLOCK_N, BLOCK_K, num_warps), powers of two,
-    BLOCK_K >= 8 (INT4: a multiple of 8 inputs); for fp8_block with BLOCK_N not dividing the block's rows, BLOCK_K
+    BLOCK_K >= 8 (INT4: a multiple of 8 inputs), or (BLOCK_N, 0, num_warps, programs per SM) for the persistent
+    FP8 kernel; for fp8_block with BLOCK_N not dividing the block's rows, BLOCK_K
     must divide the block's columns (refused otherwise; the default is FP8_BLOCK_ROWS_CONFIG there)."""
     n, k = weight.shape
     device = weight.data.device
@@ -335,11 +376,24 @@ def quant_gemv(
     if m == 0:
         return out, extra
     scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
-    block_n, block_k, num_warps = config or DEFAULT_CONFIGS[weight.scheme]
+    block_n, block_k, num_warps, *rest = config or DEFAULT_CONFIGS[weight.scheme]
+    persistent = rest[0] if rest else 0  # programs per SM of the persistent FP8 kernel; 0: the chunked kernels
     if config is None and weight.scheme == FP8_BLOCK and scale_rows % block_n:  # e.g. a scale row per row
         block_n, block_k, num_warps = FP8_BLOCK_ROWS_CONFIG
         block_k = min(block_k, scale_cols & -scale_cols)  # the largest power of two dividing the block's columns
-    check(block_n & (block_n - 1) == 0 and block_k >= 8 and block_k & (block_k - 1) == 0,
+        persistent = 0
+    if config is None and triton.next_power_of_2(k) > PERSISTENT_MAX_K:
+        persistent = 0
+    if persistent:
+        check(weight.scheme != INT4_GROUP, f"config: {config} is persistent (a 4th entry); INT4 has the chunked "
+              "kernel only: give (BLOCK_N, BLOCK_K, num_warps)")  # fmt: skip
+        check(weight.scheme != FP8_BLOCK or scale_rows % block_n == 0,
+              f"config: {config} for fp8_block in blocks of {weight.block}: the persistent kernel needs BLOCK_N "
+              f"dividing the block's {scale_rows} rows")  # fmt: skip
+        check(block_n & (block_n - 1) == 0 and triton.next_power_of_2(k) <= PERSISTENT_MAX_K,
+              f"config: {config}: the persistent kernel needs BLOCK_N a power of two and K <= {PERSISTENT_MAX_K} "
+              f"(K is {k})")  # fmt: skip
+    check(persistent or block_n & (block_n - 1) == 0 and block_k >= 8 and block_k & (block_k - 1) == 0,
           f"config: {config} must be powers of two (BLOCK_N, BLOCK_K >= 8, num_warps)")  # fmt: skip
     block_k = min(block_k, max(8, triton.next_power_of_2(k)))
     # fp8_block: a program's rows in one scale row have their scales folded into the input (any BLOCK_K); rows in
@@ -354,6 +408,15 @@ def quant_gemv(
     bias_arg = bias if bias is not None else a  # never read when HAS_BIAS is off
     common = dict(K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, USE_PDL=pdl,
                   num_warps=num_warps, **pdl_launch(pdl))  # fmt: skip
+    if persistent:
+        grid = (min(triton.cdiv(n, block_n), persistent * _sm_count(device)), m)
+        _fp8_gemv_persistent_kernel[grid](
+            a, bb, nw, weight.data, weight.scale, bias_arg, out, h, n, a.stride(0), bb.stride(0),
+            weight.data.stride(0), weight.scale.stride(0), out.stride(0), h.stride(0), float(eps),
+            SCALE_MODE=_SCALE_MODE[weight.scheme], SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
+            BLOCK_K=triton.next_power_of_2(k), **common,
+        )  # fmt: skip
+        return out, extra
     grid = (triton.cdiv(n, block_n), m)
     if weight.scheme == INT4_GROUP:
         z = weight.zero if weight.zero is not None else weight.scale  # never read without HAS_ZERO

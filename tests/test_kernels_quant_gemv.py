@@ -72,6 +72,32 @@ def test_fp8_block_per_row_scales(prologue: int) -> None:
     _check_prologue("fp8_block 16x64", blocks, prologue, (32, 64, 4))
 
 
+@pytest.mark.parametrize("prologue", PROLOGUES)
+def test_fp8_persistent_gemv_every_scale_mode(prologue: int) -> None:
+    """The persistent FP8 kernel (a 4th config entry): 4 programs off CUDA (gemv._sm_count), so each streams
+    several tiles; K = 1000 not a power of two, N = 37 not a multiple of BLOCK_N; block scales folded into the
+    input tile by tile, channel and tensor scales after the sum."""
+    w = _weight(37, 1000)
+    packed = {"fp8_block 16x128": q.quantize_fp8(_weight(48, 1000), q.FP8_BLOCK, (16, 128)),
+              "fp8_channel": q.quantize_fp8(w, q.FP8_CHANNEL), "fp8_tensor": q.quantize_fp8(w, q.FP8_TENSOR)}
+    for name, pw in packed.items():
+        for cfg in ((2, 0, 4, 1), (8, 0, 2, 1)):
+            _check_prologue(name + " persistent", pw.to(DEV), prologue, cfg)
+
+
+def test_the_persistent_fp8_gemv_refuses_what_it_cannot_run() -> None:
+    a = torch.randn(1, 256, device=DEV)
+    int4 = q.quantize_int4(_weight(16, 256), 128, symmetric=True).to(DEV)
+    with pytest.raises(ValueError, match="INT4 has the chunked kernel only"):
+        quant_gemv(a, int4, config=(2, 0, 4, 1))
+    block = q.quantize_fp8(_weight(16, 256), q.FP8_BLOCK, (4, 128)).to(DEV)
+    with pytest.raises(ValueError, match="persistent kernel needs BLOCK_N dividing the block's 4 rows"):
+        quant_gemv(a, block, config=(8, 0, 4, 1))
+    wide = q.quantize_fp8(_weight(8, 16392), q.FP8_CHANNEL).to(DEV)
+    with pytest.raises(ValueError, match="K <= 16384"):
+        quant_gemv(torch.randn(1, 16392, device=DEV), wide, config=(2, 0, 4, 1))
+
+
 def test_fp8_block_refuses_a_tile_across_block_columns_with_per_row_scales() -> None:
     w = q.PackedWeight(scheme=q.FP8_BLOCK, shape=(16, 256), block=(1, 64), data=torch.zeros(16, 256,
                        dtype=q.FP8_DTYPE), scale=torch.ones(16, 4)).to(DEV)  # fmt: skip

@@ -190,6 +190,7 @@ def test_bench_quant_gemm_sweeps_run_end_to_end_with_a_stand_in_timer(monkeypatc
     monkeypatch.setattr(bench, "L2_COPIES_BYTES", 100_000)
     monkeypatch.setattr(bench, "SWEEP", {k: v[:2] + [bench.GemmTiles(0, 64, 24, 4, 1)] for k, v in bench.SWEEP.items()})
     monkeypatch.setattr(bench, "GEMV_CONFIGS", bench.GEMV_CONFIGS[:2])
+    monkeypatch.setattr(bench, "PERSISTENT_CONFIGS", [(2, 0, 4, 1)])
     monkeypatch.setattr(bench, "SWEEP_ROWS", (16,))
     report: dict = {"bandwidth": {"read_TBps": 1e-6}}  # 1 MB/s: floors of whole microseconds
     gen = torch.Generator().manual_seed(0)
@@ -204,8 +205,9 @@ def test_bench_quant_gemm_sweeps_run_end_to_end_with_a_stand_in_timer(monkeypatc
     for shape in bench.GEMV_SHAPES:
         entry = report["gemv"][shape]
         assert set(entry) == {"bf16", *bench.SCHEMES}
-        assert list(entry["fp8_channel"]["all"]) == ["default", "8,128,4", "8,256,4"]
-    assert len(seen) == 4 * 2 * 3 + 3 * (1 + 3 * 3)  # the failing config never reached the timer
+        assert list(entry["fp8_channel"]["all"]) == ["default", "8,128,4", "8,256,4", "2,0,4,1"]
+        assert list(entry["int4_g128_asym"]["all"]) == ["default", "8,128,4", "8,256,4"]  # no persistent INT4
+    assert len(seen) == 4 * 2 * 3 + 3 * (1 + 3 * 3 + 2)  # the failing config never reached the timer
 
 
 def test_bench_moe_fp8_runs_every_form_end_to_end_with_a_stand_in_timer(monkeypatch: pytest.MonkeyPatch) -> None:

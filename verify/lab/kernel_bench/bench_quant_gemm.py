@@ -14,7 +14,8 @@ the first H100 run (338a41a) re-read one copy, so its small packed weights were 
 --sweep instead times a grid of tiles and splits (GemmTiles) at 16 and 64 rows for FP8 per-channel and INT4 g128
 and writes quant_gemm_sweep.json: per shape, rows and scheme, every config's time, the best and gemm_config's.
 --gemv instead times the batch-1 GEMV (kernels/quant_gemv.py, rows 1) of each scheme over a grid of (BLOCK_N,
-BLOCK_K) beside the bf16 GEMV the product runs (kernels/gemv.py, its tuned config) and writes quant_gemv.json.
+BLOCK_K), and for FP8 the persistent kernel's (BLOCK_N, num_warps, programs per SM), beside the bf16 GEMV the
+product runs (kernels/gemv.py, its tuned config) and writes quant_gemv.json.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ GEMV_SHAPES = ("qkv", "gate_up", "down")
 # Each runs as named for every scheme: fp8_block's 128 x 128 blocks hold whole programs of rows (BLOCK_N | 128), so
 # its scales fold into the input and BLOCK_K is not capped (before 2026-12-07 a BLOCK_K over 128 ran as 128).
 GEMV_CONFIGS = [(bn, bk, 4) for bn in (8, 16, 32) for bk in (128, 256, 512, 1024)]
+# The FP8 schemes also have the persistent kernel (BLOCK_N, 0, num_warps, programs per SM); bf16's winners at these
+# shapes are (1-2, 0, 8-16, 2-4) (kernels/gemv.py), and a row of codes is half a bf16 row's bytes.
+PERSISTENT_CONFIGS = [(bn, 0, nw, pps) for bn in (2, 4, 8) for nw in (8, 16) for pps in (2, 4)]
 
 
 def gemv_sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
@@ -107,7 +111,8 @@ def gemv_sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambd
         entry: dict = {"bf16": _time_configs(partial(_gemv_call, x, bf16), [None], bf16[0].nbytes / (read_tbps * 1e12))}
         for scheme, make in SCHEMES.items():
             ws = copies(make(w))
-            entry[scheme] = _time_configs(partial(_gemv_call, x, ws), [None, *GEMV_CONFIGS],
+            configs = GEMV_CONFIGS + (PERSISTENT_CONFIGS if scheme.startswith("fp8") else [])
+            entry[scheme] = _time_configs(partial(_gemv_call, x, ws), [None, *configs],
                                           ws[0].nbytes / (read_tbps * 1e12))  # fmt: skip
             print("gemv", shape_name, scheme, entry["bf16"]["default_us"], entry[scheme]["default_us"],
                   entry[scheme]["best"], entry[scheme]["best_us"], flush=True)  # fmt: skip
