@@ -15,6 +15,7 @@ each load; walking the same bytes with `struct` takes a fraction of a second. Th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import mmap
@@ -222,6 +223,7 @@ def hf_config(meta: dict[str, Any], path: Path) -> dict[str, Any]:
     tokens = meta.get("tokenizer.ggml.tokens") or []
     cfg: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[arch]],
+        "model_type": arch,  # the three architectures' GGUF names are their HF model types
         "vocab_size": int(get("vocab_size", len(tokens))),
         "hidden_size": int(get("embedding_length")),
         "intermediate_size": int(get("feed_forward_length")),
@@ -339,15 +341,17 @@ def iter_weights(path: Path, cfg: dict[str, Any], packed: Collection[str] = ()) 
         yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
 
 
-def tokenizer_parts(path: Path) -> tuple[Any, dict[str, Any]]:
+def tokenizer_parts(path: Path, model_type: str | None = None) -> tuple[Any, dict[str, Any]]:
     """A `tokenizers.Tokenizer` and a tokenizer_config-like dict, both from the GGUF metadata.
 
     transformers' public GGUF path builds the fast tokenizer from the file's vocabulary and merges, so the
-    reference and we tokenize identically; we keep only the Rust tokenizer and the plain settings.
+    reference and we tokenize identically; we keep only the Rust tokenizer and the plain settings. model_type (the
+    HF config's, from hf_config): given, transformers' choice of tokenizer class takes it from here (_config_only).
     """
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    with _config_only(model_type):
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     tok_config: dict[str, Any] = {
         "chat_template": hf.chat_template,
         "bos_token": hf.bos_token,
@@ -357,3 +361,32 @@ def tokenizer_parts(path: Path) -> tuple[Any, dict[str, Any]]:
         "add_bos_token": bool(getattr(hf, "add_bos_token", False)),
     }
     return hf.backend_tokenizer, tok_config
+
+
+@contextlib.contextmanager
+def _config_only(model_type: str | None) -> Iterator[None]:
+    """While AutoTokenizer runs: its model config, which it reads only to choose the tokenizer class, is
+    {"model_type": model_type} instead of transformers' legacy GGUF parse (gguf's GGUFReader over every field,
+    the 49,152-token vocabulary included: 10 of the embedded model's 11 s on one core). Only where transformers
+    builds the tokenizer itself with its own fast reader (integrations.gguf.get_gguf_tokenizer, transformers 5.2x),
+    so the legacy parse's other results are never asked for; elsewhere nothing changes."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as legacy
+        from transformers.integrations.gguf import get_gguf_tokenizer  # noqa: F401  (present: the fast tokenizer)
+    except ImportError:
+        model_type = None
+    if model_type is None:
+        yield
+        return
+    real = legacy.load_gguf_checkpoint
+
+    def config_only(gguf_path: Any, return_tensors: bool = False, **kwargs: Any) -> dict[str, Any]:
+        if return_tensors:
+            return real(gguf_path, return_tensors=return_tensors, **kwargs)
+        return {"config": {"model_type": model_type}}
+
+    legacy.load_gguf_checkpoint = config_only
+    try:
+        yield
+    finally:
+        legacy.load_gguf_checkpoint = real

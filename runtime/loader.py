@@ -155,7 +155,7 @@ def _load_model_info(source: ModelSource) -> LoadedModel:
     if source.kind == "gguf":
         from envex.runtime.gguf_loader import tokenizer_parts
 
-        backend, tok_config = tokenizer_parts(source.path)
+        backend, tok_config = tokenizer_parts(source.path, cfg.get("model_type"))
     else:
         from tokenizers import Tokenizer as RustTokenizer
 

@@ -55,3 +55,26 @@ def test_truncated_and_garbled_files_are_refused(tmp_path: Path) -> None:
     (tmp_path / "missing.gguf").unlink(missing_ok=True)
     with pytest.raises(GGUFError, match="No such file"):
         read_header(tmp_path / "missing.gguf")
+
+
+def test_the_tokenizer_given_the_model_type_is_transformers_public_one() -> None:
+    """tokenizer_parts with the model type (as the loader calls it) skips transformers' legacy GGUF parse, which
+    AutoTokenizer makes only to choose the tokenizer class: the same Rust tokenizer, settings and tokens as without
+    it, and transformers' function is restored afterwards, also when the load fails."""
+    import transformers.modeling_gguf_pytorch_utils as legacy
+
+    from envex.runtime.gguf_loader import tokenizer_parts
+    from envex.runtime.loader import load_model_info
+
+    path = embedded_model_path()
+    real = legacy.load_gguf_checkpoint
+    assert load_model_info(str(path)).hf_config["model_type"] == "llama"
+    fast, fast_config = tokenizer_parts(path, "llama")
+    public, public_config = tokenizer_parts(path)
+    assert legacy.load_gguf_checkpoint is real
+    assert fast.to_str() == public.to_str() and fast_config == public_config
+    text = "What is the capital of France? é 中文 <|im_end|>"
+    assert fast.encode(text).ids == public.encode(text).ids
+    with pytest.raises(OSError):
+        tokenizer_parts(path.parent / "missing.gguf", "llama")
+    assert legacy.load_gguf_checkpoint is real
