@@ -37,6 +37,8 @@ Configs: measured on the H100 (DEFAULT_CONFIGS says where).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -67,6 +69,34 @@ DEFAULT_CONFIGS: dict[str, tuple[int, ...]] = {
     INT4_GROUP: (8, 512, 4),
 }
 PERSISTENT_MAX_K = 16384  # the persistent FP8 GEMV holds a row of K inputs in registers: gemv's widest measured
+
+
+# The FP8 GEMV's measured best per projection and scheme, keyed by (N, K, scheme): persistent (4 entries) where
+# it won, chunked where not (fp8_block's down: its persistent tiles multiply a gathered row of K block scales each
+# tile, 37.8 against 27.1 us). bench_quant_gemm --gemv on an H100 (raw verify/lab/results/
+# h100-2026-12-07-42f53bf-var-quant-gemv.json; kernel journal): qkv 15.5 -> 12.3 / 11.3 us (block / channel), gate-up
+# 47.5 -> 43.6 / 42.4, down (channel) 27.5 -> 25.4; floors 7.8, 36.3, 18.2 at 3.23 TB/s.
+FP8_CONFIGS: dict[tuple[int, int, str], tuple[int, ...]] = {
+    (6144, 4096, FP8_BLOCK): (4, 0, 8, 2),
+    (6144, 4096, FP8_CHANNEL): (2, 0, 8, 4),
+    (28672, 4096, FP8_BLOCK): (4, 0, 8, 2),
+    (28672, 4096, FP8_CHANNEL): (2, 0, 8, 4),
+    (4096, 14336, FP8_BLOCK): (16, 512, 4),
+    (4096, 14336, FP8_CHANNEL): (2, 0, 16, 2),
+}
+
+
+def fp8_config(n: int, k: int, scheme: str) -> tuple[int, ...]:
+    """The FP8 GEMV's config for an n x k projection: that of the nearest measured shape (by log N and log K, as
+    gemv.tuned_config) of the scheme (fp8_tensor: fp8_channel's, its scale is applied the same way); a persistent
+    config only while K fits its register tile (PERSISTENT_MAX_K), the scheme's chunked default otherwise."""
+    key = FP8_CHANNEL if scheme == FP8_TENSOR else scheme
+    _, cfg = min((abs(math.log(n / n2)) + abs(math.log(k / k2)), cfg) for (n2, k2, s2), cfg in FP8_CONFIGS.items()
+                 if s2 == key)  # fmt: skip
+    if len(cfg) > 3 and triton.next_power_of_2(k) > PERSISTENT_MAX_K:
+        return DEFAULT_CONFIGS[scheme]
+    return cfg
+
 
 # fp8_block with a program's rows in several scale rows (put_rows' block (1, bk)): a scale a tile row, so a tile
 # lies in one block column (BLOCK_K capped at the block's 128 columns) and BLOCK_N doubles to keep 16 bytes a thread.
@@ -376,14 +406,15 @@ def quant_gemv(
     if m == 0:
         return out, extra
     scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
+    if config is None and weight.scheme != INT4_GROUP:
+        config = fp8_config(n, k, weight.scheme)
+        if weight.scheme == FP8_BLOCK and scale_rows % config[0]:
+            config = None  # scale rows of fewer rows than the tile's (put_rows): the chunked kernel's per-row scales
     block_n, block_k, num_warps, *rest = config or DEFAULT_CONFIGS[weight.scheme]
     persistent = rest[0] if rest else 0  # programs per SM of the persistent FP8 kernel; 0: the chunked kernels
     if config is None and weight.scheme == FP8_BLOCK and scale_rows % block_n:  # e.g. a scale row per row
         block_n, block_k, num_warps = FP8_BLOCK_ROWS_CONFIG
         block_k = min(block_k, scale_cols & -scale_cols)  # the largest power of two dividing the block's columns
-        persistent = 0
-    if config is None and triton.next_power_of_2(k) > PERSISTENT_MAX_K:
-        persistent = 0
     if persistent:
         check(weight.scheme != INT4_GROUP, f"config: {config} is persistent (a 4th entry); INT4 has the chunked "
               "kernel only: give (BLOCK_N, BLOCK_K, num_warps)")  # fmt: skip

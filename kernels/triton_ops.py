@@ -165,9 +165,9 @@ class TritonOps:
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         check(gate_up.dim() == 2, f"gate_up: expected [T, 2I] rows, got shape {tuple(gate_up.shape)}")
         if isinstance(weight, PackedWeight):
-            if gate_up.shape[0] <= quant_gemv.GEMV_MAX_ROWS:  # SwiGLU folded into the packed GEMV's input
-                return quant_gemv.quant_gemv(gate_up, weight, prologue=gemv.PROLOGUE_SILU_MUL,
-                                             pdl=self._row_pdl(gate_up))[0]  # fmt: skip
+            if gate_up.shape[0] <= quant_gemv.GEMV_MAX_ROWS:  # the SwiGLU launch, then the packed GEMV (as bf16's)
+                pdl = self._row_pdl(gate_up)
+                return quant_gemv.quant_gemv(activation.silu_and_mul(gate_up, pdl=pdl), weight, pdl=pdl)[0]
             return quant_gemm.quant_linear(activation.silu_and_mul(gate_up), weight)
         if self._gemv(gate_up):
             # SwiGLU as a launch of its own, each element once, not in the GEMV's prologue, where every program
