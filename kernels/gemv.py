@@ -115,15 +115,20 @@ def row_input(a_ptr, b_ptr, nw_ptr, h_ptr, row_a, row_b, row_h, kk, k_ok, h_end,
 
 @triton.jit
 def _gemv_persistent_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, bias_ptr, out_ptr, h_ptr,
-    N, stride_am, stride_bm, stride_wn, stride_om, stride_hm, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, b_ptr, nw_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, h_ptr,
+    N, stride_am, stride_bm, stride_wn, stride_sn, stride_om, stride_hm, eps,
+    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr,
+    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """A fixed number of programs each computes the whole input row once (prologue included) and keeps it in
     registers while it streams BLOCK_N-row weight tiles, the next tile requested before the current is reduced.
     Unlike the chunked kernel, the activation (and the norm) is read and computed once per program, not once per
-    BLOCK_N rows; K must fit one register tile (BLOCK_K = next power of two ≥ K)."""
+    BLOCK_N rows; K must fit one register tile (BLOCK_K = next power of two ≥ K).
+
+    SCALE_MODE -1: a float weight. FP8 codes (kernels/quant_gemv.py) with s_ptr their scales: 0 one scale, 1 one a
+    row (both times each row's sum), 2 one a SCALE_ROWS x SCALE_COLS block, multiplying the input for each tile (a
+    tile's rows lie in one scale row: SCALE_ROWS % BLOCK_N == 0)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     m = tl.program_id(1).to(tl.int64)
@@ -145,8 +150,16 @@ def _gemv_persistent_kernel(
         w_next = tl.load(w_ptr + ahead.to(tl.int64)[:, None] * stride_wn + kk[None, :],
                          mask=(ahead < N)[:, None] & k_ok[None, :], other=0.0,
                          eviction_policy="evict_first")  # fmt: skip
-        y = tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         rows = rb * BLOCK_N + rr
+        xs = x
+        if SCALE_MODE == 2:
+            s_row = s_ptr + (rb * BLOCK_N // SCALE_ROWS) * stride_sn  # scale rows x columns: far below 2^31
+            xs = x * tl.load(s_row + kk // SCALE_COLS, mask=k_ok, other=0.0)
+        y = tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
+        if SCALE_MODE == 1:
+            y = y * tl.load(s_ptr + rows, mask=rows < N, other=0.0)
+        if SCALE_MODE == 0:
+            y = y * tl.load(s_ptr)
         if HAS_BIAS:
             y += tl.load(bias_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=rows < N)
@@ -262,10 +275,10 @@ def gemv(
     if rest and rest[0] > 0:
         programs = min(triton.cdiv(n, block_n), rest[0] * _sm_count(a.device))
         _gemv_persistent_kernel[(programs, m)](
-            a, bb, nw, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), out.stride(0),
-            h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n,
-            BLOCK_K=triton.next_power_of_2(k), USE_PDL=pdl,
-            num_warps=num_warps, **pdl_launch(pdl),
+            a, bb, nw, weight, weight, bias_arg, out, h, n, a.stride(0), bb.stride(0), weight.stride(0), 0,
+            out.stride(0), h.stride(0), float(eps), K=k, PROLOGUE=prologue, HAS_BIAS=bias is not None,
+            SCALE_MODE=-1, SCALE_ROWS=1, SCALE_COLS=1, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k),
+            USE_PDL=pdl, num_warps=num_warps, **pdl_launch(pdl),
         )  # fmt: skip
         return out, (h if prologue == PROLOGUE_ADD_RMS else None)
     block_k = min(block_k, triton.next_power_of_2(k))

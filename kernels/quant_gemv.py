@@ -24,10 +24,10 @@ rounding: the residual sum and SwiGLU as HF rounds them, the RMS scale applied a
     group of 128) they held the kernel at ~4x its byte floor on the H100 (bench_int4_gemv, kernel journal); the
     [BLOCK_N, BLOCK_K/8, 8] form before that, summed over its last axis, at 5.5-6.3x.
 
-  FP8, persistent (a config with a 4th entry, programs per SM, as kernels/gemv.py's): a fixed number of programs,
-    each with the whole input row in registers (gemv.row_input: computed once a program, not once a chunk, and
-    normed as HF rounds it), streams BLOCK_N-row tiles of codes over all of K; a block scale multiplies the input
-    for each tile. K at most PERSISTENT_MAX_K.
+  FP8, persistent (a config with a 4th entry, programs per SM): kernels/gemv.py's persistent kernel itself on the
+    codes (its SCALE_MODE): each program holds the whole input row in registers (computed once a program, not once
+    a chunk, and normed as HF rounds it) and streams BLOCK_N-row tiles of codes over all of K; a block scale
+    multiplies the input for each tile. K at most PERSISTENT_MAX_K.
 
 Rows: each row of `a` is one program column and re-reads the weight (from L2 when the rows are few); meant for up
 to GEMV_MAX_ROWS rows. Past that, kernels/quant_gemm.py's GEMM reads the same packing once per tile of rows
@@ -49,9 +49,9 @@ from envex.kernels.gemv import (
     PROLOGUE_NONE,
     PROLOGUE_RMS,
     PROLOGUE_SILU_MUL,
+    _gemv_persistent_kernel,
     _sm_count,
     input_chunk,
-    row_input,
 )
 from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, PACK, PackedWeight
 
@@ -250,50 +250,6 @@ def _fp8_gemv_kernel(
 
 
 @triton.jit
-def _fp8_gemv_persistent_kernel(
-    a_ptr, b_ptr, nw_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, h_ptr,
-    N, stride_am, stride_bm, stride_wn, stride_sn, stride_om, stride_hm, eps,
-    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_MODE: tl.constexpr,
-    SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):  # fmt: skip
-    """The FP8 GEMV as gemv's persistent kernel: a fixed number of programs each computes the whole input row once
-    (gemv.row_input: prologue included, rounded where HF rounds it) and keeps it in registers while it streams
-    BLOCK_N-row tiles of codes, the next requested before the current is reduced. fp8_block: a tile's rows lie in
-    one scale row (SCALE_ROWS % BLOCK_N == 0), whose scales multiply the input ([BLOCK_K] products a tile, not
-    BLOCK_N x BLOCK_K); K must fit one register tile (BLOCK_K = next power of two >= K)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    m = tl.program_id(1).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
-    k_ok = kk < K
-    rr = tl.arange(0, BLOCK_N)
-    rows = pid * BLOCK_N + rr
-    w_next = _stream_tile(w_ptr + rows.to(tl.int64)[:, None] * stride_wn, kk, rows < N, K, 0.0)
-    pdl_enter(USE_PDL, False)
-    x = row_input(a_ptr, b_ptr, nw_ptr, h_ptr, m * stride_am, m * stride_bm, m * stride_hm, kk, k_ok,
-                  tl.where(pid == 0, K, 0), eps, K, PROLOGUE)  # fmt: skip
-    for rb in range(pid, tl.cdiv(N, BLOCK_N), nprog):
-        w = w_next
-        ahead = (rb + nprog) * BLOCK_N + rr
-        w_next = _stream_tile(w_ptr + ahead.to(tl.int64)[:, None] * stride_wn, kk, ahead < N, K, 0.0)
-        rows = rb * BLOCK_N + rr
-        row_ok = rows < N
-        xs = x
-        if SCALE_MODE == 2:
-            s_row = s_ptr + (rb * BLOCK_N // SCALE_ROWS) * stride_sn  # scale rows x columns: far below 2^31
-            xs = x * tl.load(s_row + kk // SCALE_COLS, mask=k_ok, other=0.0)
-        y = tl.sum(w.to(tl.float32) * xs[None, :], axis=1)
-        if SCALE_MODE == 1:
-            y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0)
-        if SCALE_MODE == 0:
-            y = y * tl.load(s_ptr)
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + m * stride_om + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
 def _int4_gemv_kernel(
     a_ptr, b_ptr, nw_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, h_ptr,
     N, stride_am, stride_bm, stride_wn, stride_sn, stride_zn, stride_om, stride_hm, eps,
@@ -441,7 +397,7 @@ def quant_gemv(
                   num_warps=num_warps, **pdl_launch(pdl))  # fmt: skip
     if persistent:
         grid = (min(triton.cdiv(n, block_n), persistent * _sm_count(device)), m)
-        _fp8_gemv_persistent_kernel[grid](
+        _gemv_persistent_kernel[grid](
             a, bb, nw, weight.data, weight.scale, bias_arg, out, h, n, a.stride(0), bb.stride(0),
             weight.data.stride(0), weight.scale.stride(0), out.stride(0), h.stride(0), float(eps),
             SCALE_MODE=_SCALE_MODE[weight.scheme], SCALE_ROWS=scale_rows, SCALE_COLS=scale_cols,
