@@ -20,7 +20,7 @@ from envex.installer.launch import LAUNCH_FILE, OFFLINE_ENV
 from envex.installer.media import InstallError
 from envex.installer.release import release_dir, venv_python
 from envex.installer.state import CheckSummary, now_ts
-from envex.verify.signed_reference import REFERENCES_FILE
+from envex.verify.references_file import REFERENCES_FILE
 
 REPORTS_DIR = "reports"
 # gates.json holds every gate's evidence (texts, a traceback on failure): megabytes at most.

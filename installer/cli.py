@@ -154,7 +154,7 @@ def run_install(
     pause, gates_report = _test_hooks()
     if suite not in ("quick", "full"):
         _fail(f"--suite {suite!r}: use quick or full", EXIT_USAGE)
-    from envex.verify.signed_reference import REFERENCE_CHOICES
+    from envex.verify.references_file import REFERENCE_CHOICES
 
     if reference not in REFERENCE_CHOICES:
         _fail(f"--reference {reference!r}: use {', '.join(REFERENCE_CHOICES[:-1])} or {REFERENCE_CHOICES[-1]}",

@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--smoke-prompt", default=SMOKE_PROMPT)
     parser.add_argument("--smoke-expect", default=SMOKE_EXPECT)
-    from envex.verify.signed_reference import REFERENCE_CHOICES
+    from envex.verify.references_file import REFERENCE_CHOICES
 
     parser.add_argument("--reference", default="auto", choices=REFERENCE_CHOICES)
     parser.add_argument("--references", type=Path, default=None, help="the model bundle's envex-references.json")

@@ -61,16 +61,16 @@ from envex.installer.cards import MODEL_CARD, RUNTIME_CARD, TORCH_VERSION, WHEEL
 from envex.installer.demo import INSTALL_SH, RUNTIME_BUNDLE, build_envex_wheel
 from envex.installer.media import BUNDLES_DIR, ROOT_FILE, TRUST_DIR, InstallError
 from envex.installer.model_card import card_for_model
-from envex.verify.signed_reference import (
+from envex.verify.references_file import (
     REFERENCES_FILE,
     ReferencesError,
     ReferencesFile,
     folder_digest,
     is_own_file,
     load_references,
-    record_references,
     references_bytes,
 )
+from envex.verify.signed_reference import record_references
 
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
 # What the appliance's gates need beyond envex's own dependencies: transformers loads the HF reference of a GGUF

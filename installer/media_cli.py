@@ -128,7 +128,7 @@ def references(
     from envex.installer.media import InstallError
     from envex.installer.media_build import compute_references
     from envex.installer.model_card import card_for_model
-    from envex.verify.signed_reference import references_bytes
+    from envex.verify.references_file import references_bytes
 
     try:
         if out.exists() and not force:

@@ -34,10 +34,8 @@ from envex.installer.cards import (
 from envex.installer.media import InstallError
 from envex.installer.probe import Probe
 from envex.installer.state import BundleRef
-from envex.verify.signed_reference import (
-    MAX_BYTES as MAX_REFERENCES_BYTES,
-)
-from envex.verify.signed_reference import (
+from envex.verify.references_file import MAX_BYTES as MAX_REFERENCES_BYTES
+from envex.verify.references_file import (
     REFERENCE_CHOICES,
     REFERENCES_FILE,
     ReferencesError,

@@ -1,15 +1,18 @@
 """The packed KV-cache formats (int4, fp8) without Triton: `KVCacheFormat`, `PackedKVCache`, `kv_bytes_per_token`
 and `dequantize_blocks`, so the engine's config, its block count and the torch backend can use them where Triton is
 not installed. kv_quant.py (the kernels) re-exports all of them; its module docstring and offline_docs/kv_cache.md
-describe the layouts."""
+describe the layouts. torch is imported where a tensor is made: the installer plans with the formats (their bytes
+per token, which head_dims they take) in a process that never loads torch."""
 
 from __future__ import annotations
 
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 KV_CACHE_DTYPES = ("bf16", "fp8", "int4")  # launch.json's kv_cache_dtype (bf16: the unpacked cache)
 INT4_GROUP_SIZES = (32, 64)
@@ -74,6 +77,8 @@ class KVCacheFormat:
     def allocate(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  device: torch.device | str) -> PackedKVCache:  # fmt: skip
         """One layer's zeroed packed cache."""
+        import torch
+
         self.check_head_dim(head_dim)
         data_dtype = torch.uint8 if self.dtype == "int4" else torch.float8_e4m3fn
         shape = (num_blocks, block_size, num_kv_heads)
@@ -120,6 +125,8 @@ class PackedKVCache:
     v_meta: torch.Tensor
 
     def __post_init__(self) -> None:
+        import torch
+
         self.fmt.check_head_dim(self.head_dim)
         want_d = self.fmt.data_width(self.head_dim)
         want_m = self.fmt.meta_width(self.head_dim)
@@ -148,6 +155,8 @@ class PackedKVCache:
 @functools.lru_cache(maxsize=8)
 def _hadamard(d: int, device: torch.device) -> torch.Tensor:
     """The normalised Sylvester Hadamard matrix [d, d] in float32 (cached: read, never modified)."""
+    import torch
+
     h = torch.ones(1, 1, device=device)
     for _ in range(int(math.log2(d))):  # Sylvester: H_2n = [[H, H], [H, -H]]
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -159,6 +168,8 @@ def dequantize_blocks(cache: PackedKVCache, blocks: torch.Tensor, dtype: torch.d
     """The K and V of cache blocks `blocks` [n] as a plain cache pair [n, block_size, Hkv, D] in dtype, in the
     model's basis (un-rotated): for a path that wants a bf16 cache (the torch backend, a prefill kernel that has
     no packed variant yet). Torch ops, fp32 math."""
+    import torch
+
     fmt = cache.fmt
     h = _hadamard(cache.head_dim, blocks.device)
 

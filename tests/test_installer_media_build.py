@@ -358,7 +358,7 @@ def test_kernel_bundles_given_are_added_and_signed(tmp_path, capsys, wheels, key
 
 def _references_for(model: Path, digest: str | None = None) -> bytes:
     """A valid references file for `model`'s files (or for `digest`), answering nothing: enough to be bundled."""
-    from envex.verify.signed_reference import SCHEMA, ReferencesFile, folder_digest, references_bytes
+    from envex.verify.references_file import SCHEMA, ReferencesFile, folder_digest, references_bytes
 
     return references_bytes(ReferencesFile.model_validate({
         "schema": SCHEMA, "model_digest": digest or folder_digest(model), "reference_policy": "cuda-float32-torch",
@@ -368,7 +368,7 @@ def _references_for(model: Path, digest: str | None = None) -> bytes:
 
 
 def test_reference_answers_computed_elsewhere_are_signed_into_the_model_bundle(tmp_path, capsys, wheels, keys):
-    from envex.verify.signed_reference import REFERENCES_FILE
+    from envex.verify.references_file import REFERENCES_FILE
 
     model = write_tiny_hf(tmp_path / "Tiny")
     (model / REFERENCES_FILE).write_text("a stale file beside the weights: never bundled, never written to")
@@ -401,7 +401,7 @@ def test_reference_answers_for_other_weights_are_refused_before_anything_is_sign
 
 
 def test_reference_answers_are_computed_here_by_default(tmp_path, capsys, wheels, keys):
-    from envex.verify.signed_reference import REFERENCES_FILE, folder_digest, parse_references
+    from envex.verify.references_file import REFERENCES_FILE, folder_digest, parse_references
 
     model = write_tiny_hf(tmp_path / "Tiny")  # HF fills the weights the files lack: answers of a random model
     (model / "tokenizer_config.json").write_text(json.dumps({
@@ -434,7 +434,7 @@ def test_a_model_the_reference_cannot_run_here_says_how_to_go_on(tmp_path, capsy
 
 
 def test_envex_media_references_computes_answers_another_build_host_bundles(tmp_path, capsys, wheels, keys):
-    from envex.verify.signed_reference import REFERENCES_FILE, folder_digest, parse_references
+    from envex.verify.references_file import REFERENCES_FILE, folder_digest, parse_references
 
     model = write_tiny_hf(tmp_path / "Tiny")
     (model / "tokenizer_config.json").write_text(json.dumps({

@@ -299,7 +299,7 @@ def test_plan_picks_newest_and_says_what_is_missing(tmp_path, trust):
 
 
 def _answers(digest: str) -> bytes:
-    from envex.verify.signed_reference import SCHEMA, ReferencesFile, references_bytes
+    from envex.verify.references_file import SCHEMA, ReferencesFile, references_bytes
 
     return references_bytes(ReferencesFile.model_validate({
         "schema": SCHEMA, "model_digest": digest, "reference_policy": "cpu-float32-torch", "suites": ["quick"],
@@ -310,7 +310,7 @@ def _answers(digest: str) -> bytes:
 def test_plan_checks_signed_reference_answers_against_the_weights_they_sit_beside(tmp_path, trust):
     import hashlib
 
-    from envex.verify.signed_reference import REFERENCES_FILE, model_digest
+    from envex.verify.references_file import REFERENCES_FILE, model_digest
 
     for name in ("none", "ok", "other", "bad"):
         (tmp_path / name).mkdir()
@@ -505,3 +505,13 @@ def test_children_started_in_a_checkout_root_do_not_import_its_folders(tmp_path:
 
     assert origin(env) == str(tmp_path / "kernels" / "__init__.py")  # the hazard, without envex's environment
     assert not origin(set_offline_env(dict(env))).startswith(str(tmp_path))
+
+
+def test_the_installer_commands_start_without_torch():
+    """A refusal, `status`, `rollback` and `activate` answer in under a second: the modules they import load no
+    torch (each took 4.3-4.5 s on one core when the references-file parser and the KV formats imported it)."""
+    code = ("import sys; import envex.installer.cli, envex.installer.commands, envex.installer.pipeline, "
+            "envex.installer.plan, envex.verify.references_file, envex.kernels.kv_quant_format; "
+            "print(sorted(m for m in ('torch', 'triton', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout

@@ -24,20 +24,17 @@ from envex.runtime.loader import resolve_model
 from envex.verify.gate_semantic import grouped_kl_and_top1, kl_and_top1
 from envex.verify.gates import Suite, run_gates
 from envex.verify.reference import HFReference
-from envex.verify.signed_reference import (
-    RECORDED_GATES,
+from envex.verify.references_file import (
     REFERENCES_FILE,
     ReferencesError,
-    SignedReference,
-    choose_reference,
     file_sha256,
     folder_digest,
     load_references,
     model_digest,
     parse_references,
-    record_references,
     references_bytes,
 )
+from envex.verify.signed_reference import RECORDED_GATES, SignedReference, choose_reference, record_references
 
 pytestmark = pytest.mark.slow
 

@@ -851,7 +851,7 @@ def gpt_oss_build(d: Driver) -> None:
     def card() -> tuple[str, dict[str, Any]]:
         from envex.installer.cards import SmokeTest
         from envex.installer.model_card import card_for_model
-        from envex.verify.signed_reference import REFERENCES_FILE
+        from envex.verify.references_file import REFERENCES_FILE
 
         code, text = d.sh([sys.executable, "-c", SMOKE_SCRIPT, str(src), device, *SMOKE_PROMPTS], timeout=300)
         found = re.search(r"^\s*[0-9.]+  smoke: (.*)$", text, re.M)
