@@ -11,6 +11,7 @@ same plan or replay the same graph from it (runtime/parallel/workers.py), so no 
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,6 +148,10 @@ class ModelRunner:
         elif self.device.type == "cuda":
             # What this process's allocator caches but no tensor holds is free for the cache too (an engine built
             # after other work in the same process, as in a test run, saw its budget go negative without this).
+            # An engine dropped earlier in the process is freed by the cycle collector only (its runner and decode
+            # graphs refer to each other): collect first, or its ~85% of the GPU still counts as used (H100,
+            # 2026-12-07: the second engine of a GPU test got -5,438 blocks).
+            gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.config.gpu_memory_utilization) * total - reserved
