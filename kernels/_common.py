@@ -1,12 +1,18 @@
-"""Helpers the kernel launchers share: one-line argument checks and interpreter detection."""
+"""Helpers the kernel launchers share: one-line argument checks and interpreter detection; and Triton's key for its
+C modules pinned so that it does not depend on the `file` tool (pin_platform_key)."""
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
+import struct
+import sys
 
 import torch
 import triton
 import triton.language as tl
+import triton.runtime.build
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1, how CI runs these kernels) multiplies bf16 `tl.dot` operands as
 # raw uint16 bit patterns (triton 3.9 interpreter.create_dot), so kernels that use tl.dot upcast their operands
@@ -15,6 +21,23 @@ import triton.language as tl
 INTERPRETING: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def pin_platform_key() -> None:
+    """Triton keys its C modules (the driver's cuda_utils, each kernel's launcher) by triton.runtime.build's
+    platform_key(), which ends with platform.architecture(): that asks the `file` tool about the Python binary and,
+    where `file` is missing, answers ('64bit', '') instead of ('64bit', 'ELF'). A host without it (a minimal
+    appliance, or a PATH cut down to keep compilers out) then looks every C module of a kernel bundle up under other
+    keys, misses them all and needs a C compiler after all (H100, 2026-12-07: a fresh engine with PATH holding only
+    python missed cuda_utils). Pinned to what `file` answers on Linux, computed without it: the same keys as before
+    wherever `file` is installed."""
+    if not sys.platform.startswith("linux") or not hasattr(triton.runtime.build, "platform_key"):
+        return
+    key = ",".join([platform.machine(), platform.system(), f"{struct.calcsize('P') * 8}bit", "ELF"])
+    triton.runtime.build.platform_key = functools.cache(lambda: key)
+
+
+pin_platform_key()  # before any launch: the driver's module is keyed at the first
 
 _L2_LINE = tl.constexpr("{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }")
 

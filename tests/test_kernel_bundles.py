@@ -11,6 +11,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import stat
 import zipfile
 from datetime import UTC, datetime, timedelta
@@ -502,6 +503,31 @@ def test_the_envex_command_passes_the_warm_up_to_bundle_build() -> None:
     from envex.installer.commands import app
 
     assert KERNELS_FROM_MODEL in (app.info.context_settings or {}).get("obj", {})
+
+
+def test_the_c_modules_key_does_not_depend_on_the_file_tool(tmp_path: Path) -> None:
+    """Triton keys the driver's cuda_utils and each launcher by platform.architecture(), which asks `file`; with
+    envex's kernels imported the key is the same with PATH holding python alone (no `file`, no compiler: how the
+    GPU test below starts a fresh engine) as with the full PATH, so a kernel bundle's C modules are found there."""
+    import subprocess
+    import sys
+
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    os.symlink(sys.executable, bare / "python")
+
+    def key(path: str, *, envex: bool) -> str:
+        code = ("import envex.kernels._common\n" if envex else "") + \
+            "import triton.runtime.build as b\nprint(b.platform_key())"
+        done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PATH": path}, capture_output=True,
+                              text=True, timeout=120, check=True)  # fmt: skip
+        return done.stdout.strip()
+
+    full = os.environ.get("PATH", "")
+    assert key(str(bare), envex=True) == key(full, envex=True)
+    assert key(str(bare), envex=True).endswith(",64bit,ELF")
+    if shutil.which("file") is not None:  # the fault it pins: Triton's own key without `file` differs
+        assert key(str(bare), envex=False) != key(full, envex=False) == key(full, envex=True)
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------------------------
