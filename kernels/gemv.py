@@ -22,6 +22,7 @@ accumulated in the same pass, and cannot round the normalised row first.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import triton
@@ -205,20 +206,25 @@ H200_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
 }
 
 
+def nearest_config(table: dict[tuple[int, int, Any], tuple[int, ...]], n: int, k: int,
+                   tag: Any) -> tuple[int, tuple[int, ...]] | None:  # fmt: skip
+    """(K, config) of the measured shape in `table` (keyed by (N, K, tag)) nearest to n x k by log N and log K among
+    those with this tag (the shape itself where measured), or None where the tag has none."""
+    same = [(abs(math.log(n / n2)) + abs(math.log(k / k2)), k2, cfg) for (n2, k2, t), cfg in table.items()
+            if t == tag]  # fmt: skip
+    return min(same)[1:] if same else None
+
+
 def tuned_config(n: int, k: int, prologue: int) -> tuple[int, ...]:
     """The measured best config for this projection; for a shape never measured, that of the nearest measured
     shape with the same prologue (by log N and log K): the best config follows the shape's regime (how many
     programs N gives, whether K fits one register tile), not its exact size. A new architecture's projections
     (Qwen3-8B: 24576 x 4096, 4096 x 12288, 151936 x 4096) so start from the Llama-3.1-8B tuning
     (verify/lab/journal-kernels.md, v10)."""
-    p = PROLOGUE_ADD_RMS if prologue == PROLOGUE_RMS else prologue
-    if (n, k, p) in H200_CONFIGS:
-        return H200_CONFIGS[(n, k, p)]
-    same = [(abs(math.log(n / n2)) + abs(math.log(k / k2)), k2, cfg) for (n2, k2, p2), cfg in H200_CONFIGS.items()
-            if p2 == p]  # fmt: skip
-    if not same:
+    found = nearest_config(H200_CONFIGS, n, k, PROLOGUE_ADD_RMS if prologue == PROLOGUE_RMS else prologue)
+    if found is None:
         return DEFAULT_CONFIG
-    _, k2, cfg = min(same)
+    k2, cfg = found
     if len(cfg) > 3 and cfg[3] > 0 and triton.next_power_of_2(k) > triton.next_power_of_2(k2):
         return DEFAULT_CONFIG  # the persistent kernel holds all of K in registers: never past a measured width
     return cfg

@@ -37,8 +37,6 @@ Configs: measured on the H100 (DEFAULT_CONFIGS says where).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +50,7 @@ from envex.kernels.gemv import (
     _gemv_persistent_kernel,
     _sm_count,
     input_chunk,
+    nearest_config,
 )
 from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_TENSOR, INT4_GROUP, PACK, PackedWeight
 
@@ -90,9 +89,9 @@ def fp8_config(n: int, k: int, scheme: str) -> tuple[int, ...]:
     """The FP8 GEMV's config for an n x k projection: that of the nearest measured shape (by log N and log K, as
     gemv.tuned_config) of the scheme (fp8_tensor: fp8_channel's, its scale is applied the same way); a persistent
     config only while K fits its register tile (PERSISTENT_MAX_K), the scheme's chunked default otherwise."""
-    key = FP8_CHANNEL if scheme == FP8_TENSOR else scheme
-    _, cfg = min((abs(math.log(n / n2)) + abs(math.log(k / k2)), cfg) for (n2, k2, s2), cfg in FP8_CONFIGS.items()
-                 if s2 == key)  # fmt: skip
+    found = nearest_config(FP8_CONFIGS, n, k, FP8_CHANNEL if scheme == FP8_TENSOR else scheme)
+    assert found is not None  # every FP8 scheme has measured shapes
+    cfg = found[1]
     if len(cfg) > 3 and triton.next_power_of_2(k) > PERSISTENT_MAX_K:
         return DEFAULT_CONFIGS[scheme]
     return cfg
