@@ -97,6 +97,24 @@ def fp8_config(n: int, k: int, scheme: str) -> tuple[int, ...]:
     return cfg
 
 
+def _config_for(weight: PackedWeight, n: int, k: int) -> tuple[int, ...]:
+    """The config quant_gemv takes when given none: INT4's default; FP8's measured one (fp8_config), but for
+    fp8_block only a tile whose rows lie in one scale row: else the scheme's default, else (scale rows of fewer rows
+    than its tile: put_rows) FP8_BLOCK_ROWS_CONFIG with BLOCK_K the largest power of two dividing the block's
+    columns, the chunked kernel's per-row scales."""
+    if weight.scheme == INT4_GROUP:
+        return DEFAULT_CONFIGS[INT4_GROUP]
+    candidates = (fp8_config(n, k, weight.scheme), DEFAULT_CONFIGS[weight.scheme])
+    if weight.scheme != FP8_BLOCK:
+        return candidates[0]
+    scale_rows, scale_cols = weight.block
+    for cfg in candidates:
+        if scale_rows % cfg[0] == 0:
+            return cfg
+    block_n, block_k, num_warps = FP8_BLOCK_ROWS_CONFIG
+    return block_n, min(block_k, scale_cols & -scale_cols), num_warps
+
+
 # fp8_block with a program's rows in several scale rows (put_rows' block (1, bk)): a scale a tile row, so a tile
 # lies in one block column (BLOCK_K capped at the block's 128 columns) and BLOCK_N doubles to keep 16 bytes a thread.
 FP8_BLOCK_ROWS_CONFIG = (16, 128, 4)
@@ -361,15 +379,9 @@ def quant_gemv(
     if m == 0:
         return out, extra
     scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
-    if config is None and weight.scheme != INT4_GROUP:
-        config = fp8_config(n, k, weight.scheme)
-        if weight.scheme == FP8_BLOCK and scale_rows % config[0]:
-            config = None  # scale rows of fewer rows than the tile's (put_rows): the chunked kernel's per-row scales
-    block_n, block_k, num_warps, *rest = config or DEFAULT_CONFIGS[weight.scheme]
+    config = config or _config_for(weight, n, k)
+    block_n, block_k, num_warps, *rest = config
     persistent = rest[0] if rest else 0  # programs per SM of the persistent FP8 kernel; 0: the chunked kernels
-    if config is None and weight.scheme == FP8_BLOCK and scale_rows % block_n:  # e.g. a scale row per row
-        block_n, block_k, num_warps = FP8_BLOCK_ROWS_CONFIG
-        block_k = min(block_k, scale_cols & -scale_cols)  # the largest power of two dividing the block's columns
     if persistent:
         check(weight.scheme != INT4_GROUP, f"config: {config} is persistent (a 4th entry); INT4 has the chunked "
               "kernel only: give (BLOCK_N, BLOCK_K, num_warps)")  # fmt: skip
