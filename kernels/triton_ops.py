@@ -164,19 +164,13 @@ class TritonOps:
 
     def act_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         check(gate_up.dim() == 2, f"gate_up: expected [T, 2I] rows, got shape {tuple(gate_up.shape)}")
-        if isinstance(weight, PackedWeight):
-            if gate_up.shape[0] <= quant_gemv.GEMV_MAX_ROWS:  # the SwiGLU launch, then the packed GEMV (as bf16's)
-                pdl = self._row_pdl(gate_up)
-                return quant_gemv.quant_gemv(activation.silu_and_mul(gate_up, pdl=pdl), weight, pdl=pdl)[0]
-            return quant_gemm.quant_linear(activation.silu_and_mul(gate_up), weight)
-        if self._gemv(gate_up):
-            # SwiGLU as a launch of its own, each element once, not in the GEMV's prologue, where every program
-            # computed all I of them after its wait, on the chain's critical path (verify/lab/journal-kernels.md,
-            # "SwiGLU out of the down projection's prologue").
-            return gemv.gemv(activation.silu_and_mul(gate_up, pdl=self.pdl), weight, pdl=self.pdl)[0]
-        act = activation.silu_and_mul(gate_up)
-        splits = self._splits(act, weight)
-        return _split_k_product(act, weight, splits) if splits > 1 else F.linear(act, weight)
+        # SwiGLU as a launch of its own, each element once, then the projection: not in a GEMV's prologue, where
+        # every program computed all I of them after its wait, on the chain's critical path
+        # (verify/lab/journal-kernels.md, "SwiGLU out of the down projection's prologue"). PDL-chained at one row.
+        act = activation.silu_and_mul(gate_up, pdl=self._row_pdl(gate_up))
+        if isinstance(weight, PackedWeight) and act.shape[0] <= quant_gemv.GEMV_MAX_ROWS:
+            return quant_gemv.quant_gemv(act, weight, pdl=self._row_pdl(act))[0]
+        return self.linear(act, weight)
 
     def _splits(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
         """K slices for a default-mode projection whose output goes to the next norm (H200, Llama-3.1-8B shape,
