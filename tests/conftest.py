@@ -91,10 +91,7 @@ def hf_reference():
 # only costs time; a file not listed keeps xdist's order, after these.
 LONGEST_FIRST = (
     "tests/test_airgap_install.py",  # 222 alone (-n 0); 649 s for the script on a loaded 2-core machine
-    "tests/test_runtime_warm_up.py::test_the_gpt_oss_warm_up_compiles_every_variant_too",  # 140
     "tests/test_installer_e2e.py",  # 190
-    "tests/test_runtime_warm_up.py::test_the_deterministic_warm_up_compiles_every_variant_too",  # 103
-    "tests/test_runtime_warm_up.py::test_the_warm_up_compiles_every_variant_a_varied_workload_meets",  # 91
     "tests/test_lab_gpt_oss_install.py",  # ~120: a reduced gpt-oss's media built and installed with the real gates
     "tests/test_runtime_reference.py",  # 41 + 33 (the session engine and HF model) + 10 tests of seconds
     "tests/test_kernel_bundles_device_script.py",  # 80
