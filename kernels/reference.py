@@ -2,9 +2,10 @@
 
 All of them live here, a section per family: norms, rotary, paged attention and the fused projections (HF Llama's
 conventions, as the engine's torch backend uses them), mixture of experts, the batch-invariant forms, speculative
-decoding, tensor parallelism, the packed KV caches (kv_quant.py), Gated DeltaNet (delta_rule.py), and DeepSeek's
-latent attention and expert routing (mla.py). Tests call these on float64 copies of the inputs and compare the
-Triton result by relative error (‖out − ref‖ / ‖ref‖).
+decoding, tensor parallelism, the packed KV caches (kv_quant.py), Gated DeltaNet (delta_rule.py), DeepSeek's
+latent attention and expert routing (mla.py), and the W8A8 FP8 GEMM with its activation quantizer (quant_gemm.py).
+Tests call these on float64 copies of the inputs and compare the Triton result by relative error
+(‖out − ref‖ / ‖ref‖).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 if TYPE_CHECKING:
     from envex.kernels.ops import AttentionMetadata, LinearAttentionLayer
-    from envex.kernels.quant import FP8BlockStack, Int4GroupStack
+    from envex.kernels.quant import FP8BlockStack, Int4GroupStack, PackedWeight
 
     ExpertStack = torch.Tensor | tuple[torch.Tensor, torch.Tensor] | FP8BlockStack | Int4GroupStack  # expert_matrix's
 
@@ -890,3 +891,33 @@ def deepseek_v2_routing(router_logits: torch.Tensor, *, top_k: int, topk_method:
         raise ValueError(f"topk_method: {topk_method!r} is not one of 'greedy', 'group_limited_greedy'")
     weights, ids = scores.topk(top_k, dim=-1)
     return weights * routed_scaling_factor, ids
+
+
+# ---- W8A8: FP8 activations times FP8 weights (quant_gemm.fp8_act_quant, quant_gemm.fp8_gemm) ---------------------
+
+
+def fp8_act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes float8_e4m3fn [M, K], scales float32 [M, ceil(K / group)]): per row and group of `group`
+    consecutive inputs (the last may be partial), s = amax|x| / 448 in float32 (1 where the group is all zero) and
+    codes = x / s in float32, rounded to nearest even in e4m3. Each quotient is taken in float64 and rounded once
+    to float32, which is the correctly rounded float32 quotient (53 >= 2 · 24 + 2 bits make the double rounding
+    harmless) on every device: CUDA's float32 division by a CPU scalar multiplies by its reciprocal instead."""
+    m, k = x.shape
+    groups = -(-k // group)
+    xf = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    amax = xf.abs().amax(-1)  # [M, G]
+    s = torch.where(amax > 0, (amax.double() / FP8_MAX).float(), torch.ones_like(amax))
+    v = (xf.double() / s.double()[..., None]).float().view(m, groups * group)[:, :k]
+    return v.to(torch.float8_e4m3fn).contiguous(), s
+
+
+def fp8_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None, *,
+             group: int = 128) -> torch.Tensor:  # fmt: skip
+    """y [M, N] in float64 = the dequantized activations (fp8_act_quant's codes · scales, per group of `group`)
+    @ the dequantized FP8 weight^T (+ bias): what the W8A8 GEMM computes, the activations' quantization included."""
+    from envex.kernels.quant import dequantize
+
+    codes, s = fp8_act_quant(x, group)
+    xq = codes.double() * s.double().repeat_interleave(group, dim=1)[:, : x.shape[1]]
+    y = xq @ dequantize(weight, torch.float64).t()
+    return y if bias is None else y + bias.double()

@@ -127,28 +127,13 @@ def test_quant_gemm_rejects_bad_inputs() -> None:
 
 
 _AOT = r"""
-import json, pathlib, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
 from envex.kernels import quant_gemm as qg
 
 def compiled(ptrs, consts):
-    fn = qg._quant_gemm_kernel
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n not in consts
-             and n not in ("M", "N")}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = k.asm["ptx"]
-    tool = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    with tempfile.TemporaryDirectory() as d:  # the cubin's registers and stack (spills), as the driver loads it
-        (pathlib.Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
-        info = subprocess.run([str(tool), "-res-usage", f"{d}/k.cubin"], capture_output=True, text=True,
-                              check=True).stdout
+    ptx, regs, stack = sm90_build(qg._quant_gemm_kernel, ptrs, consts)
     return {"mma": sorted(set(re.findall(r"(wgmma\.mma_async\S*|mma\.sync\S*)", ptx)))[:3],
-            "local": ".local" in ptx, "regs": int(re.search(r"REG:(\d+)", info).group(1)),
-            "stack": int(re.search(r"STACK:(\d+)", info).group(1))}
+            "local": ".local" in ptx, "regs": regs, "stack": stack}
 
 act = dict(x_ptr="*bf16", bias_ptr="*bf16", out_ptr="*bf16")
 fp8 = (dict(act, w_ptr="*fp8e4nv", s_ptr="*fp32", z_ptr="*fp32"),

@@ -210,6 +210,45 @@ def test_bench_quant_gemm_sweeps_run_end_to_end_with_a_stand_in_timer(monkeypatc
     assert len(seen) == 4 * 2 * 3 + 3 * (1 + 3 * 3 + 2)  # the failing config never reached the timer
 
 
+def test_bench_quant_gemm_w8a8_runs_end_to_end_with_a_stand_in_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The W8A8 mode of bench_quant_gemm (--w8a8) on small shapes under the interpreter with a stand-in timer: every
+    shape, row count and scheme is reported with its times, TFLOP/s, tiles and errors; quant_linear is timed only
+    past GEMM_MAX_ROWS (lowered to 32 here); fp8_gemm equals its float64 definition and stays near the unquantized
+    product, as the W8A16 GEMM does."""
+    from envex.verify.lab.kernel_bench import bench_quant_gemm as bench
+
+    calls: list[int] = []
+
+    def stand_in(fn, n_inner: int, replays: int = 7) -> float:
+        fn(0)
+        fn(1)
+        calls.append(n_inner)
+        return 0.01
+
+    monkeypatch.setattr(bench, "graph_time_ms", stand_in)
+    monkeypatch.setattr(bench, "SHAPES", {"qkv": (48, 256), "down": (32, 320)})
+    monkeypatch.setattr(bench, "W8A8_ROWS", (16, 40))
+    monkeypatch.setattr(bench, "GEMM_MAX_ROWS", 32)
+    monkeypatch.setattr(bench, "L2_COPIES_BYTES", 20_000)
+    report: dict = {}
+    bench.w8a8(report, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert set(report["w8a8"]) == {"qkv", "down"}
+    for shape, (n, k) in bench.SHAPES.items():
+        for m in bench.W8A8_ROWS:
+            row = report["w8a8"][shape]["rows"][str(m)]
+            assert row["bf16_us"] == row["act_quant_us"] == 10.0
+            assert row["bf16_tflops"] == round(2 * m * n * k / 1e7, 1)
+            for scheme in bench.W8A8_SCHEMES:
+                entry = row[scheme]
+                assert entry["w8a8_us"] == entry["w8a16_gemm_us"] == 10.0
+                assert ("served_us" in entry) == (m > 32)
+                assert entry["config"] == list(bench.w8a8_config(m, n, k, 4))
+                assert entry["rel_err"] < 2e-2, (shape, m, scheme, entry)
+                assert entry["rel_err_unquantized"] < 6e-2 and entry["w8a16_rel_err_unquantized"] < 2e-2
+    assert calls.count(4) == 2 * 2  # quant_linear: the 40 rows of each shape, both schemes
+    assert len(calls) == 2 * 2 * (2 + 2 * 2) + 2 * 2
+
+
 def test_bench_moe_fp8_runs_every_form_end_to_end_with_a_stand_in_timer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The MoE experts bench (verify/lab/kernel_bench/bench_moe_fp8.py: FP8, INT4 and bf16 experts by token rows) on
     a small layer under the interpreter, both paths (the decode GEMV, the grouped kernels past GEMV_MAX_ROWS), with
@@ -218,7 +257,7 @@ def test_bench_moe_fp8_runs_every_form_end_to_end_with_a_stand_in_timer(monkeypa
     from envex.verify.lab.kernel_bench import bench_moe_fp8 as bench
 
     monkeypatch.setattr(bench, "graph_time_ms", lambda fn, n_inner: (fn(0), 0.01)[1])
-    small = {"E": 8, "H": 256, "INTER": 128, "TOP_K": 2, "ROTATE": 2, "ROWS": (1, GEMV_MAX_ROWS + 1)}
+    small = {"E": 8, "H": 128, "INTER": 128, "TOP_K": 2, "ROTATE": 2, "ROWS": (1, GEMV_MAX_ROWS + 1)}
     for name, value in small.items():
         monkeypatch.setattr(bench, name, value)
     report = bench.bench(torch.device("cpu"), torch.Generator().manual_seed(0), {"read_TBps": 1e-6})
@@ -227,5 +266,5 @@ def test_bench_moe_fp8_runs_every_form_end_to_end_with_a_stand_in_timer(monkeypa
         assert set(row) == {"experts_chosen_per_input", "fp8", "int4", "bf16"}
         for form, bytes_per_weight in bench.BYTES_PER_WEIGHT.items():
             assert row[form]["us"] == 10.0 and row[form]["rel_err"] < 2e-2, (form, row[form])
-            floor = row["experts_chosen_per_input"] * 3 * 256 * 128 * bytes_per_weight
+            floor = row["experts_chosen_per_input"] * 3 * 128 * 128 * bytes_per_weight
             assert row[form]["floor_us"] == round(floor, 2)

@@ -56,7 +56,8 @@ def eager_step(ids: list[list[int]], starts: list[int], tables: list[list[int]],
 
 def compile_for_hopper(script: str) -> Any:
     """Run `script` (Python source that compiles kernels for sm_90 with Triton's own ptxas, no GPU, and prints one
-    JSON line last) in a child without the interpreter; its JSON. Skips where this Triton bundles no ptxas."""
+    JSON line last; it may call sm90_build) in a child without the interpreter; its JSON. Skips where this Triton
+    bundles no ptxas."""
     import json
     import os
     import subprocess
@@ -68,7 +69,39 @@ def compile_for_hopper(script: str) -> Any:
 
     if not list(Path(triton.__file__).parent.glob("backends/nvidia/bin/ptxas")):
         pytest.skip("this Triton has no bundled ptxas")
+    import inspect
+
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The child cannot import envex.tests (the package maps the product's folders only): sm90_build goes as source.
+    script = f"from typing import Any\n{inspect.getsource(sm90_build)}\n{script}"
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def sm90_build(fn: Any, ptrs: dict[str, str], consts: dict[str, Any], *, num_warps: int = 4,
+               any_size: tuple[str, ...] = ("M", "N")) -> tuple[str, int, int]:  # fmt: skip
+    """For a compile_for_hopper script: a @triton.jit kernel compiled for sm_90 with its integers specialized as a
+    launch would (divisible by 16, except the sizes in any_size) -> (its PTX, registers, stack bytes: spills), the
+    last two from the cubin as the driver loads it."""
+    import pathlib
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and n not in any_size}  # fmt: skip
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})  # fmt: skip
+    tool = pathlib.Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.TemporaryDirectory() as d:
+        (pathlib.Path(d) / "k.cubin").write_bytes(k.asm["cubin"])
+        info = subprocess.run([str(tool), "-res-usage", f"{d}/k.cubin"], capture_output=True, text=True,
+                              check=True).stdout  # fmt: skip
+    regs, stack = (int(re.search(rf"{what}:(\d+)", info).group(1)) for what in ("REG", "STACK"))
+    return k.asm["ptx"], regs, stack

@@ -16,6 +16,13 @@ and writes quant_gemm_sweep.json: per shape, rows and scheme, every config's tim
 --gemv instead times the batch-1 GEMV (kernels/quant_gemv.py, rows 1) of each scheme over a grid of (BLOCK_N,
 BLOCK_K), and for FP8 the persistent kernel's (BLOCK_N, num_warps, programs per SM), beside the bf16 GEMV the
 product runs (kernels/gemv.py, its tuned config) and writes quant_gemv.json.
+--w8a8 instead times the W8A8 FP8 GEMM (quant_gemm.fp8_gemm: the activation quantizer and the FP8 tensor-core
+GEMM, timed together) against bf16 cuBLAS and the W8A16 GEMM (quant_gemm; and quant_linear, as served, where it
+is not the GEMM) at W8A8_ROWS, fp8_block (128 x 128) and fp8_channel, and writes quant_gemm_w8a8.json: per shape
+and rows the times, the quantizer's alone, fp8_gemm's tiles and TFLOP/s, and its error against float64 (the
+quantized activations' product, its definition; and the unquantized one, what quantizing the activations costs).
+
+    python3 -P -m envex.verify.lab.kernel_bench.bench_quant_gemm --w8a8 --out $OUT --commit C
 """
 
 from __future__ import annotations
@@ -30,9 +37,21 @@ import torch
 import torch.nn.functional as F
 
 from envex.kernels import quant
+from envex.kernels import reference as ref
 from envex.kernels.accuracy import rel_err
 from envex.kernels.gemv import _sm_count, gemv
-from envex.kernels.quant_gemm import GemmTiles, gemm_config, quant_gemm
+from envex.kernels.quant_gemm import (
+    GEMM_MAX_ROWS,
+    W8A8_GROUP,
+    GemmTiles,
+    fp8_act_quant,
+    fp8_gemm,
+    gemm_config,
+    quant_gemm,
+    quant_linear,
+    w8a8_block_k,
+    w8a8_config,
+)
 from envex.kernels.quant_gemv import quant_gemv
 from envex.verify.lab.kernel_bench._bench_lib import graph_time_ms, measure_bandwidth
 
@@ -66,7 +85,7 @@ SWEEP = {
     "fp8_channel": [GemmTiles(0, bn, bk, 4, sp) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4, 8, 16)],
     "int4_g128_asym": [GemmTiles(0, bn, bk, 4, sp) for bn in (64, 128) for bk in (32, 64)
                        for sp in (1, 2, 4, 8, 16, 32)],
-}
+}  # fmt: skip
 
 
 def sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
@@ -120,6 +139,62 @@ def gemv_sweep(report: dict, dev: torch.device, gen: torch.Generator, save=lambd
         save()
 
 
+W8A8_ROWS = (16, 64, 256, 1024, 4096)  # decode batches to a prefill chunk (TTFT: 1K-token prompts and longer)
+W8A8_SCHEMES = ("fp8_block", "fp8_channel")
+W8A8_ERR_ROWS = 256  # rows the errors are measured on (a float64 product of every row would dominate the run)
+
+
+def w8a8(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
+    """report["w8a8"][shape]["rows"][rows]: bf16 cuBLAS, and per W8A8_SCHEMES scheme the W8A16 GEMM, fp8_gemm
+    (quantizer + GEMM), quant_linear where it is not the W8A16 GEMM (past GEMM_MAX_ROWS), the errors and the tiles;
+    the quantizer alone once a row count (save() after each shape: a call cut short keeps what ran)."""
+    report["w8a8"] = {}
+    for shape_name, (n, k) in SHAPES.items():
+        w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
+        bf16 = copies(w.bfloat16())
+        packed = {name: copies(SCHEMES[name](w)) for name in W8A8_SCHEMES}
+        del w
+        rows: dict = {}
+        for m in W8A8_ROWS:
+            rows[str(m)] = _w8a8_row(torch.randn(m, k, generator=gen, device=dev).bfloat16(), bf16, packed)
+            print("w8a8", shape_name, m, json.dumps(rows[str(m)]), flush=True)
+        report["w8a8"][shape_name] = {"n": n, "k": k, "rows": rows}
+        save()
+
+
+def _w8a8_row(x: torch.Tensor, bf16: list[torch.Tensor], packed: dict[str, list[quant.PackedWeight]]) -> dict:
+    """One row count of report["w8a8"]: times in microseconds, TFLOP/s of 2·M·N·K."""
+    m, k = x.shape
+    n = bf16[0].shape[0]
+    sms = _sm_count(x.device)
+
+    def us(call, n_inner: int = 20) -> float:
+        return round(graph_time_ms(call, n_inner=n_inner) * 1e3, 2)
+
+    def tflops(t_us: float) -> float:
+        return round(2 * m * n * k / (t_us * 1e6), 1)
+
+    row: dict = {"bf16_us": us(lambda i: F.linear(x, bf16[i % len(bf16)]))}
+    row["bf16_tflops"] = tflops(row["bf16_us"])
+    row["act_quant_us"] = us(lambda i: fp8_act_quant(x, W8A8_GROUP))
+    sub = x[:W8A8_ERR_ROWS]
+    for name, ws in packed.items():
+        pw = ws[0]
+        entry: dict = {"w8a16_gemm_us": us(lambda i, ws=ws: quant_gemm(x, ws[i % len(ws)])),
+                       "w8a8_us": us(lambda i, ws=ws: fp8_gemm(x, ws[i % len(ws)]))}  # fmt: skip
+        if m > GEMM_MAX_ROWS:  # served past the GEMM: the weight dequantized to bf16 for the call, then cuBLAS
+            entry["served_us"] = us(lambda i, ws=ws: quant_linear(x, ws[i % len(ws)]), n_inner=4)
+        entry["w8a8_tflops"] = tflops(entry["w8a8_us"])
+        plain = sub.double() @ quant.dequantize(pw, torch.float64).t()
+        y = fp8_gemm(x, pw)[:W8A8_ERR_ROWS]
+        entry["rel_err"] = rel_err(y, ref.fp8_gemm(sub, pw, group=w8a8_block_k(pw, W8A8_GROUP)))
+        entry["rel_err_unquantized"] = rel_err(y, plain)
+        entry["w8a16_rel_err_unquantized"] = rel_err(quant_gemm(x, pw)[:W8A8_ERR_ROWS], plain)
+        entry["config"] = list(w8a8_config(m, n, k, sms))
+        row[name] = entry
+    return row
+
+
 def _gemm_call(x: torch.Tensor, ws: list, cfg: GemmTiles, i: int) -> torch.Tensor:
     return quant_gemm(x, ws[i % len(ws)], config=cfg)
 
@@ -152,15 +227,20 @@ def main() -> None:
     ap.add_argument("--commit", default="")
     ap.add_argument("--sweep", action="store_true", help="time a grid of tiles and splits instead")
     ap.add_argument("--gemv", action="store_true", help="time the batch-1 GEMV's configs against bf16's instead")
+    ap.add_argument("--w8a8", action="store_true", help="time the W8A8 FP8 GEMM against bf16 and W8A16 instead")
     args = ap.parse_args()
     bw = measure_bandwidth()
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     report: dict = {"commit": args.commit, "device": torch.cuda.get_device_name(), "bandwidth": bw, "shapes": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.sweep or args.gemv:
-        path = args.out / ("quant_gemm_sweep.json" if args.sweep else "quant_gemv.json")
-        (sweep if args.sweep else gemv_sweep)(report, dev, gen, lambda: path.write_text(json.dumps(report, indent=1)))
+    modes = {"sweep": (sweep, "quant_gemm_sweep.json"), "gemv": (gemv_sweep, "quant_gemv.json"),
+             "w8a8": (w8a8, "quant_gemm_w8a8.json")}  # fmt: skip
+    mode = next((name for name in modes if getattr(args, name)), None)
+    if mode is not None:
+        run, file_name = modes[mode]
+        path = args.out / file_name
+        run(report, dev, gen, lambda: path.write_text(json.dumps(report, indent=1)))
         return
     for shape_name, (n, k) in SHAPES.items():
         w = torch.randn(n, k, generator=gen, device=dev) * k**-0.5
