@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from envex.kernels import quant_gemv
-from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, exact_dot
+from envex.kernels._common import FLOAT_DTYPES, INTERPRETING, check, check_tensor, exact_dot, round_as
 from envex.kernels.gemv import PROLOGUE_NONE, _sm_count
 from envex.kernels.quant import FP8_BLOCK, FP8_CHANNEL, FP8_MAX, FP8_TENSOR, INT4_GROUP, PACK, PackedWeight, dequantize
 from envex.kernels.quant_gemv import (
@@ -210,11 +210,76 @@ def quant_gemm(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None 
     return out if split == 1 else target.sum(dim=0).to(x.dtype)
 
 
-# Past this many rows (prefill chunks) the weight is dequantized once for the call and multiplied by cuBLAS, as
-# before the GEMM existed. Measured on an H100 (bench_quant_gemm, Llama-3.1-8B's four projections, FP8 block and
-# channel, INT4 g128; verify/lab/results/h100-2026-12-06-338a41a-quant-gemm.json): the GEMM is faster at every row
-# count measured, 9 to 2048 (1.07-1.33x at 2048, where the gap closes); nothing is measured past 2048.
-GEMM_MAX_ROWS = 2048
+@triton.jit
+def _dequantize_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr, N, stride_wn, stride_sn, stride_zn, stride_on,
+    K: tl.constexpr, SCHEME: tl.constexpr, SCALE_ROWS: tl.constexpr, SCALE_COLS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_N, BLOCK_K] tile of the float weight, unpacked as _quant_gemm_kernel unpacks it (SCHEME as there)
+    and computed as quant.dequantize computes it: in float32, rounded once to out's dtype."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows64 = rows.to(tl.int64)[:, None]
+    w_rows = w_ptr + rows64 * stride_wn
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    if SCHEME == 3:
+        KW: tl.constexpr = (K + 7) // 8  # INT4 words a row
+        wc = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = _stream_tile(w_rows, wc, row_ok, KW, 0)
+        uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, (wc // (GROUP // 8))[None, :],
+                            row_ok[:, None] & (wc < KW)[None, :], stride_sn, stride_zn, HAS_ZERO)  # fmt: skip
+        w = tl.reshape(uz * s[:, :, None], [BLOCK_N, BLOCK_K])
+    else:
+        w = _stream_tile(w_rows, cols, row_ok, K, 0.0).to(tl.float32)
+        if SCHEME == 2:
+            w = w * _fp8_block_scale(s_ptr, rows, row_ok, k0, stride_sn, SCALE_ROWS, SCALE_COLS)[:, None]
+        elif SCHEME == 1:
+            w = w * tl.load(s_ptr + rows, mask=row_ok, other=0.0)[:, None]
+        else:
+            w = w * tl.load(s_ptr)
+    dt = out_ptr.dtype.element_ty  # round_as: the interpreter's own bf16 cast truncates
+    tl.store(out_ptr + rows64 * stride_on + cols[None, :], round_as(w, dt).to(dt),
+             mask=row_ok[:, None] & (cols < K)[None, :])  # fmt: skip
+
+
+_DEQUANT_TILE = (16, 128)  # rows x inputs a program: 2K weights, an elementwise pass over the matrix
+
+
+def dequantize_weight(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """quant.dequantize(weight, dtype), bit for bit, by one Triton pass over the packed weight (reads it once, writes
+    the float weight once); quant.dequantize itself (torch) for an fp8_block weight whose block columns are not a
+    power of two >= 16 (no tile of whole block columns). On an H100 the torch form took about 2.5 ms for
+    Llama-3.1-8B's four projections of a layer, ~10x their bytes' time."""
+    n, k = weight.shape
+    scale_rows, scale_cols = weight.block if weight.scheme == FP8_BLOCK else (1, 1)
+    block_n, block_k = _DEQUANT_TILE
+    if weight.scheme == FP8_BLOCK:
+        if scale_cols < 16 or scale_cols & (scale_cols - 1):
+            return dequantize(weight, dtype)
+        block_k = min(block_k, scale_cols)  # one block scale a row of a tile
+    out = torch.empty((n, k), dtype=dtype, device=weight.data.device)
+    is_int4 = weight.scheme == INT4_GROUP
+    z = weight.zero if weight.zero is not None else weight.scale  # never read without HAS_ZERO
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _dequantize_kernel[grid](
+        weight.data, weight.scale, z, out, n, weight.data.stride(0), weight.scale.stride(0), z.stride(0),
+        out.stride(0), K=k, SCHEME=_INT4_MODE if is_int4 else _SCALE_MODE[weight.scheme], SCALE_ROWS=scale_rows,
+        SCALE_COLS=scale_cols, GROUP=weight.group if is_int4 else PACK, HAS_ZERO=weight.zero is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+# Past this many rows (prefill chunks) the weight is dequantized for the call (dequantize_weight) and multiplied by
+# cuBLAS. Chosen from one H100's times of Llama-3.1-8B's four projections of a layer (bench_quant_gemm --w8a8,
+# verify/lab/results/h100-2026-12-08-4903da0-w8a8.json; FP8 block, W8A16 GEMM against bf16 cuBLAS): 219 vs 165 us
+# at 64 rows, 621 vs 199 at 256, 2,278 vs 580 at 1024. Dequantizing the layer's 218M weights once a call reads 1 byte
+# and writes 2 a weight, about 0.23 ms at that card's 2.8-3.2 TB/s (a prediction, before its first GPU timing):
+# dequantize + cuBLAS wins from about 192 rows (~420 against ~620 us at 256), the GEMM below. It was 2048 while the
+# dequantizing was torch's (about 2.5 ms a layer).
+GEMM_MAX_ROWS = 128
 
 
 def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,7 +289,7 @@ def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | Non
         return quant_gemv.quant_gemv(x, weight, bias=bias)[0]
     if x.shape[0] <= GEMM_MAX_ROWS:
         return quant_gemm(x, weight, bias)
-    return torch.nn.functional.linear(x, dequantize(weight, x.dtype), bias)
+    return torch.nn.functional.linear(x, dequantize_weight(weight, x.dtype), bias)
 
 
 # ---- W8A8: e4m3 activations times e4m3 weights on the FP8 tensor cores ---------------------------------------------

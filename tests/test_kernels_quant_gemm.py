@@ -11,7 +11,7 @@ import torch
 
 from envex.kernels import quant as q
 from envex.kernels import reference as ref
-from envex.kernels.quant_gemm import GemmTiles, gemm_config, quant_gemm
+from envex.kernels.quant_gemm import GemmTiles, dequantize_weight, gemm_config, quant_gemm
 from envex.kernels.quant_gemv import GEMV_MAX_ROWS
 from envex.kernels.torch_ops import TorchOps
 from envex.kernels.triton_ops import TritonOps
@@ -69,6 +69,18 @@ def test_quant_linear_picks_gemv_then_gemm_then_a_dequantized_weight(monkeypatch
         x = torch.randn(m, 300, device=DEV)
         assert_close(f"quant_linear {m}", module.quant_linear(x, w), _reference(x, w, None), torch.float32)
         assert calls == ([path] if path else []), (m, calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_dequantize_weight_is_quant_dequantize_bit_for_bit(dtype: torch.dtype) -> None:
+    """The Triton pass that serves prefill chunks past GEMM_MAX_ROWS gives quant.dequantize's weight exactly, for
+    every scheme at 37 x 300 (no tile, block, group or word divides it) and for a 20 x 300 weight in 8 x 8 blocks
+    (no tile of whole block columns: quant.dequantize itself)."""
+    weights = {**WEIGHTS, "fp8_block_8": q.quantize_fp8(_W[:20], scheme=q.FP8_BLOCK, block=(8, 8))}
+    for name, w in weights.items():
+        w = w.to(DEV)
+        got, want = dequantize_weight(w, dtype), q.dequantize(w, dtype)
+        assert got.dtype == dtype and torch.equal(got, want), name
 
 
 def test_gemm_config_table() -> None:

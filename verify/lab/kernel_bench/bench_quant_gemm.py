@@ -41,9 +41,9 @@ from envex.kernels import reference as ref
 from envex.kernels.accuracy import rel_err
 from envex.kernels.gemv import _sm_count, gemv
 from envex.kernels.quant_gemm import (
-    GEMM_MAX_ROWS,
     W8A8_GROUP,
     GemmTiles,
+    dequantize_weight,
     fp8_act_quant,
     fp8_gemm,
     gemm_config,
@@ -146,7 +146,7 @@ W8A8_ERR_ROWS = 256  # rows the errors are measured on (a float64 product of eve
 
 def w8a8(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
     """report["w8a8"][shape]["rows"][rows]: bf16 cuBLAS, and per W8A8_SCHEMES scheme the W8A16 GEMM, fp8_gemm
-    (quantizer + GEMM), quant_linear where it is not the W8A16 GEMM (past GEMM_MAX_ROWS), the errors and the tiles;
+    (quantizer + GEMM), dequantize_weight alone and before cuBLAS, quant_linear as served, the errors and the tiles;
     the quantizer alone once a row count (save() after each shape: a call cut short keeps what ran)."""
     report["w8a8"] = {}
     for shape_name, (n, k) in SHAPES.items():
@@ -182,8 +182,12 @@ def _w8a8_row(x: torch.Tensor, bf16: list[torch.Tensor], packed: dict[str, list[
         pw = ws[0]
         entry: dict = {"w8a16_gemm_us": us(lambda i, ws=ws: quant_gemm(x, ws[i % len(ws)])),
                        "w8a8_us": us(lambda i, ws=ws: fp8_gemm(x, ws[i % len(ws)]))}  # fmt: skip
-        if m > GEMM_MAX_ROWS:  # served past the GEMM: the weight dequantized to bf16 for the call, then cuBLAS
-            entry["served_us"] = us(lambda i, ws=ws: quant_linear(x, ws[i % len(ws)]), n_inner=4)
+        # the weight dequantized for the call (dequantize_weight), then cuBLAS: what quant_linear serves past
+        # GEMM_MAX_ROWS rows; its crossover with the W8A16 GEMM sets GEMM_MAX_ROWS
+        entry["dequant_us"] = us(lambda i, ws=ws: dequantize_weight(ws[i % len(ws)], x.dtype), n_inner=4)
+        entry["dequant_linear_us"] = us(lambda i, ws=ws: F.linear(x, dequantize_weight(ws[i % len(ws)], x.dtype)),
+                                        n_inner=4)  # fmt: skip
+        entry["served_us"] = us(lambda i, ws=ws: quant_linear(x, ws[i % len(ws)]), n_inner=4)
         entry["w8a8_tflops"] = tflops(entry["w8a8_us"])
         plain = sub.double() @ quant.dequantize(pw, torch.float64).t()
         y = fp8_gemm(x, pw)[:W8A8_ERR_ROWS]
