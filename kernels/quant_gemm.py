@@ -272,14 +272,14 @@ def dequantize_weight(weight: PackedWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-# Past this many rows (prefill chunks) the weight is dequantized for the call (dequantize_weight) and multiplied by
-# cuBLAS. Chosen from one H100's times of Llama-3.1-8B's four projections of a layer (bench_quant_gemm --w8a8,
-# verify/lab/results/h100-2026-12-08-4903da0-w8a8.json; FP8 block, W8A16 GEMM against bf16 cuBLAS): 219 vs 165 us
-# at 64 rows, 621 vs 199 at 256, 2,278 vs 580 at 1024. Dequantizing the layer's 218M weights once a call reads 1 byte
-# and writes 2 a weight, about 0.23 ms at that card's 2.8-3.2 TB/s (a prediction, before its first GPU timing):
-# dequantize + cuBLAS wins from about 192 rows (~420 against ~620 us at 256), the GEMM below. It was 2048 while the
-# dequantizing was torch's (about 2.5 ms a layer).
-GEMM_MAX_ROWS = 128
+# Past this many rows (prefill chunks; 8192 a chunk on CUDA by default) the weight is dequantized for the call
+# (dequantize_weight) and multiplied by cuBLAS. Measured on an H100 (bench_quant_gemm, Llama-3.1-8B's four
+# projections, FP8 block and channel, INT4 g128; verify/lab/results/h100-2026-12-06-338a41a-quant-gemm.json) with
+# torch's dequantize (about 2.5 ms a layer): the GEMM was faster at every row count measured, 9 to 2048. The W8A16
+# GEMM is far from cuBLAS there (h100-2026-12-08-4903da0-w8a8.json: 2,278 against bf16's 580 us at 1024 rows),
+# so with dequantize_weight (predicted ~0.23 ms a layer: 1 byte read and 2 written a weight) the crossover is
+# expected near 192 rows; it stays at 2048 until bench_quant_gemm --w8a8 times dequantize_weight on a GPU.
+GEMM_MAX_ROWS = 2048
 
 
 def quant_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
