@@ -125,6 +125,25 @@ def _store_tile(acc, s_ptr, bias_ptr, out_ptr, rows, row_ok, ms, m_ok, pid_k, st
 
 
 @triton.jit
+def _int4_tile(w_rows, rows64, row_ok, k0, s_ptr, z_ptr, stride_sn, stride_zn, K: tl.constexpr, GROUP: tl.constexpr,
+               HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The int4_group weight tile of rows w_rows [BLOCK_N, 1] at inputs k0 .. k0 + BLOCK_K: (u - zero) · scale in
+    float32 [BLOCK_N, BLOCK_K] (nibble j of word c: input 8c + j; inputs past K hold no weight: the GEMM multiplies
+    them by a masked 0, the dequantize pass does not store them). Where the tile lies in one group its scale and
+    zero are one load a row, else one a word."""
+    KW: tl.constexpr = (K + 7) // 8  # INT4 words a row
+    wc = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = _stream_tile(w_rows, wc, row_ok, KW, 0)  # [BLOCK_N, BLOCK_K // 8]
+    if GROUP % BLOCK_K == 0:
+        uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, k0 // GROUP, row_ok[:, None], stride_sn, stride_zn,
+                            HAS_ZERO)  # fmt: skip
+    else:
+        uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, (wc // (GROUP // 8))[None, :],
+                            row_ok[:, None] & (wc < KW)[None, :], stride_sn, stride_zn, HAS_ZERO)  # fmt: skip
+    return tl.reshape(uz * s[:, :, None], [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
 def _quant_gemm_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr,
     M, N, stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_os, split_len,
@@ -142,23 +161,14 @@ def _quant_gemm_kernel(
     w_rows = w_ptr + rows64 * stride_wn
     x_rows = x_ptr + ms.to(tl.int64)[:, None] * stride_xm
     kk = tl.arange(0, BLOCK_K)
-    BW: tl.constexpr = BLOCK_K // 8  # INT4 words a row and tile
-    KW: tl.constexpr = (K + 7) // 8  # INT4 words a row
     dt = tl.float32 if UPCAST_DOT else x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         cols = k0 + kk
         x = tl.load(x_rows + cols[None, :], mask=m_ok[:, None] & (cols < K)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        if SCHEME == 3:
-            wc = k0 // 8 + tl.arange(0, BW)
-            words = _stream_tile(w_rows, wc, row_ok, KW, 0)  # [BLOCK_N, BW]; a padding nibble meets a masked x
-            if GROUP % BLOCK_K == 0:  # the tile lies in one group: its scale and zero once a row
-                uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, k0 // GROUP, row_ok[:, None], stride_sn, stride_zn,
-                                    HAS_ZERO)  # fmt: skip
-            else:
-                uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, (wc // (GROUP // 8))[None, :],
-                                    row_ok[:, None] & (wc < KW)[None, :], stride_sn, stride_zn, HAS_ZERO)  # fmt: skip
-            w = tl.reshape(uz * s[:, :, None], [BLOCK_N, BLOCK_K]).to(dt)  # nibble j of word c: input 8c + j
+        if SCHEME == 3:  # a padding nibble meets a masked x
+            w = _int4_tile(w_rows, rows64, row_ok, k0, s_ptr, z_ptr, stride_sn, stride_zn, K, GROUP, HAS_ZERO,
+                           BLOCK_N, BLOCK_K).to(dt)  # fmt: skip
         else:
             w = _stream_tile(w_rows, cols, row_ok, K, 0.0)  # [BLOCK_N, BLOCK_K] e4m3 codes
             if SCHEME == 2:
@@ -225,12 +235,8 @@ def _dequantize_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     cols = k0 + tl.arange(0, BLOCK_K)
     if SCHEME == 3:
-        KW: tl.constexpr = (K + 7) // 8  # INT4 words a row
-        wc = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = _stream_tile(w_rows, wc, row_ok, KW, 0)
-        uz, s = _int4_codes(words, s_ptr, z_ptr, rows64, (wc // (GROUP // 8))[None, :],
-                            row_ok[:, None] & (wc < KW)[None, :], stride_sn, stride_zn, HAS_ZERO)  # fmt: skip
-        w = tl.reshape(uz * s[:, :, None], [BLOCK_N, BLOCK_K])
+        w = _int4_tile(w_rows, rows64, row_ok, k0, s_ptr, z_ptr, stride_sn, stride_zn, K, GROUP, HAS_ZERO, BLOCK_N,
+                       BLOCK_K)  # fmt: skip
     else:
         w = _stream_tile(w_rows, cols, row_ok, K, 0.0).to(tl.float32)
         if SCHEME == 2:

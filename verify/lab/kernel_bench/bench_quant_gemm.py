@@ -17,10 +17,11 @@ and writes quant_gemm_sweep.json: per shape, rows and scheme, every config's tim
 BLOCK_K), and for FP8 the persistent kernel's (BLOCK_N, num_warps, programs per SM), beside the bf16 GEMV the
 product runs (kernels/gemv.py, its tuned config) and writes quant_gemv.json.
 --w8a8 instead times the W8A8 FP8 GEMM (quant_gemm.fp8_gemm: the activation quantizer and the FP8 tensor-core
-GEMM, timed together) against bf16 cuBLAS and the W8A16 GEMM (quant_gemm; and quant_linear, as served, where it
-is not the GEMM) at W8A8_ROWS, fp8_block (128 x 128) and fp8_channel, and writes quant_gemm_w8a8.json: per shape
-and rows the times, the quantizer's alone, fp8_gemm's tiles and TFLOP/s, and its error against float64 (the
-quantized activations' product, its definition; and the unquantized one, what quantizing the activations costs).
+GEMM, timed together) against bf16 cuBLAS, the W8A16 GEMM (quant_gemm) and the weight dequantized then cuBLAS
+(dequantize_weight; quant_linear serves the first up to GEMM_MAX_ROWS rows, the second past them) at W8A8_ROWS,
+fp8_block (128 x 128) and fp8_channel, and writes quant_gemm_w8a8.json: per shape and rows the times, the
+quantizer's alone, fp8_gemm's tiles and TFLOP/s, and its error against float64 (the quantized activations'
+product, its definition; and the unquantized one, what quantizing the activations costs).
 
     python3 -P -m envex.verify.lab.kernel_bench.bench_quant_gemm --w8a8 --out $OUT --commit C
 """
@@ -48,7 +49,6 @@ from envex.kernels.quant_gemm import (
     fp8_gemm,
     gemm_config,
     quant_gemm,
-    quant_linear,
     w8a8_block_k,
     w8a8_config,
 )
@@ -146,7 +146,8 @@ W8A8_ERR_ROWS = 256  # rows the errors are measured on (a float64 product of eve
 
 def w8a8(report: dict, dev: torch.device, gen: torch.Generator, save=lambda: None) -> None:
     """report["w8a8"][shape]["rows"][rows]: bf16 cuBLAS, and per W8A8_SCHEMES scheme the W8A16 GEMM, fp8_gemm
-    (quantizer + GEMM), dequantize_weight alone and before cuBLAS, quant_linear as served, the errors and the tiles;
+    (quantizer + GEMM), dequantize_weight alone and before cuBLAS (quant_linear serves the W8A16 GEMM or that), the
+    errors and the tiles;
     the quantizer alone once a row count (save() after each shape: a call cut short keeps what ran)."""
     report["w8a8"] = {}
     for shape_name, (n, k) in SHAPES.items():
@@ -187,7 +188,6 @@ def _w8a8_row(x: torch.Tensor, bf16: list[torch.Tensor], packed: dict[str, list[
         entry["dequant_us"] = us(lambda i, ws=ws: dequantize_weight(ws[i % len(ws)], x.dtype), n_inner=4)
         entry["dequant_linear_us"] = us(lambda i, ws=ws: F.linear(x, dequantize_weight(ws[i % len(ws)], x.dtype)),
                                         n_inner=4)  # fmt: skip
-        entry["served_us"] = us(lambda i, ws=ws: quant_linear(x, ws[i % len(ws)]), n_inner=4)
         entry["w8a8_tflops"] = tflops(entry["w8a8_us"])
         plain = sub.double() @ quant.dequantize(pw, torch.float64).t()
         y = fp8_gemm(x, pw)[:W8A8_ERR_ROWS]
